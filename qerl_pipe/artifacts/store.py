@@ -1,0 +1,176 @@
+"""The artifact store: a directory of artifacts, each written atomically and named by its inputs.
+
+Writes go to a hidden sibling directory and are renamed into place once `manifest.json` is in,
+so a crash never leaves a half artifact under a real name. A per-id file lock makes concurrent
+runs of the same stage wait for each other; the second one then finds the first one's artifact
+and reuses it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qerl_pipe.artifacts.manifest import MANIFEST_NAME, Artifact, artifact_id, build_manifest, find_problems
+from qerl_pipe.errors import ArtifactError
+
+ENV_VAR = "QERL_ARTIFACTS"
+DEFAULT_ROOT = Path("artifacts")
+_TMP_PREFIX = ".tmp-"
+
+
+def default_root() -> Path:
+    return Path(os.environ.get(ENV_VAR) or DEFAULT_ROOT)
+
+
+@dataclass
+class PendingArtifact:
+    """An artifact being written: the stage fills `dir` and `summary`; the store seals it."""
+
+    id: str
+    dir: Path
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: manifest.json is unreadable ({exc}); run `qerl-pipe verify {path}`") from None
+    if not isinstance(manifest, dict) or "id" not in manifest or "files" not in manifest:
+        raise ArtifactError(f"{path}: manifest.json is not a qerl-pipe manifest")
+    return manifest
+
+
+def load_artifact(path: Path, *, verify: bool = True) -> Artifact:
+    """Open the artifact at `path`; with `verify`, refuse it if any file differs from its manifest."""
+    if not (path / MANIFEST_NAME).is_file():
+        raise ArtifactError(f"{path} is not an artifact (no manifest.json): it may be incomplete or not made by qerl-pipe")
+    artifact = Artifact(path=path, manifest=_read_manifest(path))
+    if verify:
+        problems = find_problems(artifact)
+        if problems:
+            raise ArtifactError(
+                f"artifact {path} is damaged ({problems[0]}{'; ...' if len(problems) > 1 else ''}); "
+                "re-create it with --force"
+            )
+    return artifact
+
+
+class ArtifactStore:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root) if root is not None else default_root()
+
+    def path_for(self, stage: str, art_id: str) -> Path:
+        return self.root / f"{stage}-{art_id}"
+
+    def list(self) -> list[Artifact]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in sorted(self.root.iterdir()):
+            if path.is_dir() and not path.name.startswith(".") and (path / MANIFEST_NAME).is_file():
+                try:
+                    found.append(Artifact(path=path, manifest=_read_manifest(path)))
+                except ArtifactError:
+                    continue
+        return sorted(found, key=lambda a: a.manifest.get("created", ""))
+
+    def resolve(self, ref: str, *, verify: bool = True) -> Artifact:
+        """Find an artifact by path, by directory name, or by (a prefix of) its id."""
+        as_path = Path(ref)
+        if as_path.is_dir():
+            return load_artifact(as_path, verify=verify)
+        if (self.root / ref).is_dir():
+            return load_artifact(self.root / ref, verify=verify)
+        matches = [a for a in self.list() if a.id.startswith(ref) or a.path.name.startswith(ref)]
+        if not matches:
+            raise ArtifactError(f"no artifact '{ref}' in {self.root}; `qerl-pipe ls` lists the artifacts there")
+        if len(matches) > 1:
+            names = ", ".join(a.path.name for a in matches[:5])
+            raise ArtifactError(f"'{ref}' matches several artifacts ({names}); give more of the id")
+        return load_artifact(matches[0].path, verify=verify)
+
+    @contextmanager
+    def _lock(self, name: str) -> Iterator[None]:
+        lock_dir = self.root / ".locks"
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        with (lock_dir / f"{name}.lock").open("w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def find_existing(self, stage: str, art_id: str) -> Artifact | None:
+        """The up-to-date artifact for these inputs, or None; a foreign directory there is an error."""
+        path = self.path_for(stage, art_id)
+        if not path.exists():
+            return None
+        if not (path / MANIFEST_NAME).is_file():
+            raise ArtifactError(
+                f"{path} exists but is not a qerl-pipe artifact; move it away (qerl-pipe never deletes what it did not make)"
+            )
+        return load_artifact(path, verify=True)
+
+    @contextmanager
+    def create(
+        self,
+        *,
+        stage: str,
+        stage_version: int,
+        kind: str,
+        config: dict[str, Any],
+        parents: list[str],
+        force: bool = False,
+    ) -> Iterator[tuple[PendingArtifact | None, Artifact | None]]:
+        """Yield `(pending, None)` to build a new artifact, or `(None, existing)` when one is up to date.
+
+        The caller writes into `pending.dir`; on a clean exit the manifest is written and the
+        directory renamed into place. On an exception the temporary directory is removed.
+        """
+        art_id = artifact_id(stage, stage_version, config, parents)
+        final = self.path_for(stage, art_id)
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self._lock(final.name):
+            existing = None
+            try:
+                existing = self.find_existing(stage, art_id)
+            except ArtifactError:
+                if not force or not (final / MANIFEST_NAME).is_file():
+                    raise
+            if existing is not None and not force:
+                yield None, existing
+                return
+            tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            pending = PendingArtifact(id=art_id, dir=tmp)
+            try:
+                yield pending, None
+                manifest = build_manifest(
+                    art_id=art_id, kind=kind, stage=stage, stage_version=stage_version,
+                    config=config, parents=parents, root=tmp, summary=pending.summary,
+                )
+                (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+                self._swap_into_place(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+
+    def _swap_into_place(self, tmp: Path, final: Path) -> None:
+        """Rename `tmp` to `final`; an old artifact there (only with --force) is moved aside first."""
+        if final.exists():
+            trash = self.root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)

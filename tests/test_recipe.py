@@ -1,0 +1,64 @@
+"""Recipes: defaults, --set overrides with YAML typing, and errors that name the key and the file."""
+
+from pathlib import Path
+
+import pytest
+
+from qerl_pipe.errors import RecipeError
+from qerl_pipe.recipe import load_recipe
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_a_file():
+    recipe = load_recipe(None)
+    assert recipe.stages == ["calibrate", "quantize"]
+    assert recipe.model.source == "smollm2-135m-instruct"
+    assert recipe.quantize.exclude == ["lm_head"]
+
+
+def test_file_and_overrides_are_typed(tmp_path):
+    path = write(tmp_path, "model:\n  source: ./m\ncalibrate:\n  num_samples: 4\n")
+    recipe = load_recipe(path, ["calibrate.seq_len=32", "quantize.exclude=[lm_head, model.layers.0.mlp.down_proj]",
+                                "quantize.quality.perplexity=never"])
+    assert recipe.model.source == "./m"
+    assert recipe.calibrate.num_samples == 4 and recipe.calibrate.seq_len == 32
+    assert recipe.quantize.exclude == ["lm_head", "model.layers.0.mlp.down_proj"]
+    assert recipe.quantize.quality.perplexity == "never"
+
+
+def test_shipped_quickstart_recipe_is_valid():
+    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
+    assert recipe.stages == ["calibrate", "quantize"]
+
+
+@pytest.mark.parametrize("text, overrides, needle", [
+    ("calibrate:\n  num_sampels: 4\n", [], "unknown key 'calibrate.num_sampels'"),
+    ("calibrate:\n  num_samples: -1\n", [], "'calibrate.num_samples'"),
+    ("bogus: 1\n", [], "unknown key 'bogus'"),
+    ("", ["quantize.format=int8"], "'quantize.format'"),
+    ("", ["calibrate.device=tpu"], "'calibrate.device'"),
+    ("stages: [quantize, calibrate]\n", [], "pipeline order"),
+    ("stages: [train]\n", [], "unknown stage"),
+])
+def test_bad_values_name_the_key_and_the_file(tmp_path, text, overrides, needle):
+    path = write(tmp_path, text)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path, overrides)
+    assert needle in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="expected section.key=value"):
+        load_recipe(None, ["calibrate.num_samples"])
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(write(tmp_path, "model: [unclosed\n"))
+    with pytest.raises(RecipeError, match="is a value, not a section"):
+        load_recipe(write(tmp_path, "model:\n  source: a\n"), ["model.source.x=1"])
