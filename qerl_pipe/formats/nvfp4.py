@@ -1,0 +1,178 @@
+"""NVFP4: 4-bit E2M1 elements, one E4M3 scale per 16 elements, one fp32 scale per tensor.
+
+`quantize_nvfp4` reproduces NVIDIA Model Optimizer's export math
+(`NVFP4QTensor.quantize(w, 16, None, weight_scale_2)`, modelopt >= 0.45) byte for byte: same
+float32 operations in the same order, so packed codes, scale bytes and global-scale bits match.
+Checkpoints we write therefore load in vLLM / TensorRT-LLM exactly like modelopt's own. The two
+places where we deliberately differ (modelopt would write NaN scales) are documented in
+docs/formats.md: an all-zero tensor, and a tensor too small for fp32 scales (we raise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.errors import QuantizationError
+
+BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+# Smallest E4M3 subnormal. modelopt clamps block scales to [2**-9, 448] before the cast so that a
+# block far below the tensor max gets the smallest scale instead of underflowing to 0.
+E4M3_MIN_SCALE = 2.0**-9
+
+# Magnitudes of the 3 low bits of a code; bit 3 is the sign.
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Decision bounds between neighbours of the grid. A magnitude equal to a bound is a tie: it goes
+# to the neighbour with the even index (even mantissa), i.e. down at 0.25/1.25/2.5/5 and up at
+# 0.75/1.75/3.5.
+_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIES_ROUNDING_UP = (0.75, 1.75, 3.5)
+# Code -> value. Code 8 (negative zero) decodes to +0.0, as in modelopt.
+_CODE_VALUES = E2M1_GRID + tuple(-v for v in E2M1_GRID)
+
+# Below this global scale, scale products underflow in fp32 (2**-9 * s2 would be subnormal or 0)
+# and modelopt's division produces inf/NaN codes.
+_MIN_GLOBAL_SCALE = 2.0**-117
+
+
+@dataclass(frozen=True)
+class NVFP4Weight:
+    """One NVFP4 linear weight: `W ~= e2m1(code) * block_scales[n, k // 16] * global_scale`."""
+
+    packed: Tensor  # uint8 [N, K/2]; element 2j in the low nibble, 2j+1 in the high nibble
+    block_scales: Tensor  # float8_e4m3fn [N, K/16], row-major
+    global_scale: Tensor  # float32 0-dim; modelopt's `weight_scale_2`
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * 2
+
+    def to(self, device: torch.device | str) -> NVFP4Weight:
+        return NVFP4Weight(
+            self.packed.to(device), self.block_scales.to(device), self.global_scale.to(device)
+        )
+
+
+def global_scale_from_amax(amax: Tensor) -> Tensor:
+    """`amax / (6 * 448)` as a float32 0-dim tensor, computed exactly as modelopt does.
+
+    The same formula gives `input_scale` from an activation amax.
+    """
+    # Same expression as modelopt (fp32 tensor divided by the Python float 2688.0): on CUDA a
+    # division by a scalar may be computed as a multiplication by its reciprocal, so writing it
+    # differently could change the last bit on one device.
+    return (amax.float() / (E2M1_MAX * E4M3_MAX)).reshape(())
+
+
+def shared_global_scale(weights: Iterable[Tensor]) -> Tensor:
+    """One global scale for layers fused at inference (q/k/v, gate/up): from the max amax."""
+    amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+    return global_scale_from_amax(amax)
+
+
+def pack_fp4(codes: Tensor) -> Tensor:
+    """Pack 4-bit codes `[..., K]` (uint8, values 0..15) into bytes `[..., K/2]`, low nibble first."""
+    if codes.shape[-1] % 2:
+        raise QuantizationError(f"cannot pack {codes.shape[-1]} 4-bit codes: the count must be even")
+    return (codes[..., 1::2] << 4) | codes[..., 0::2]
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """Inverse of `pack_fp4`: bytes `[..., K/2]` to codes `[..., K]` (uint8)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def _encode_e2m1(q: Tensor) -> Tensor:
+    """Nearest E2M1 code of each fp32 value; ties to even; saturates at 6; NaN-free input.
+
+    The sign bit is `q < 0`, so a small negative that rounds to 0 becomes code 8 (negative zero),
+    exactly as modelopt writes it.
+    """
+    sign = (q < 0).to(torch.uint8) << 3
+    mag = q.abs()
+    bounds = torch.tensor(_BOUNDS, dtype=torch.float32, device=q.device)
+    # bucketize (right=False) counts the bounds strictly below |q|: a tie stays on the lower index.
+    idx = torch.bucketize(mag, bounds, out_int32=True).to(torch.uint8)
+    for tie in _TIES_ROUNDING_UP:
+        idx += (mag == tie).to(torch.uint8)
+    return sign | idx
+
+
+def _check_shape(weight: Tensor, name: str) -> None:
+    if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
+        raise QuantizationError(
+            f"{name} has shape {tuple(weight.shape)}: NVFP4 needs a 2-D weight [out, in] whose "
+            f"input dimension is a multiple of {BLOCK_SIZE}"
+        )
+
+
+def quantize_nvfp4(
+    weight: Tensor, global_scale: Tensor | None = None, *, name: str = "tensor"
+) -> NVFP4Weight:
+    """Quantize a `[N, K]` weight (bf16/fp16/fp32, any device) to NVFP4, byte-exact with modelopt.
+
+    `global_scale` (fp32 0-dim) is the scale shared by a fused group (see `shared_global_scale`);
+    without it the tensor's own `amax / 2688` is used. `name` goes into error messages.
+    """
+    _check_shape(weight, name)
+    n, k = weight.shape
+    blocks = weight.detach().float().contiguous().reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
+    block_amax = blocks.abs().amax(dim=-1)  # NaN and inf propagate: one finiteness check suffices
+    if not bool(torch.isfinite(block_amax).all()):
+        raise QuantizationError(f"{name} has non-finite values (inf or nan); cannot quantize it")
+
+    own_scale = global_scale_from_amax(block_amax.amax())
+    if global_scale is None:
+        global_scale = own_scale
+    else:
+        global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=weight.device)
+        global_scale = global_scale.reshape(())
+        # Division is monotone, so a scale from the group's max amax is never below ours.
+        if not bool(torch.isfinite(global_scale)) or bool(global_scale < own_scale):
+            raise QuantizationError(
+                f"{name}: global scale {float(global_scale):.6g} is below the {float(own_scale):.6g} "
+                "this tensor needs; pass the scale of the max amax over its fused group"
+            )
+
+    s2 = float(global_scale)
+    if s2 == 0.0:
+        # All-zero tensor (or group). modelopt divides 0 by 0 here and writes NaN scales and +6
+        # codes; we write what decodes to exact zeros: codes 0, block scales 1.0.
+        return NVFP4Weight(
+            torch.zeros(n, k // 2, dtype=torch.uint8, device=weight.device),
+            torch.ones(n, k // BLOCK_SIZE, device=weight.device).to(torch.float8_e4m3fn),
+            global_scale,
+        )
+    if s2 < _MIN_GLOBAL_SCALE:
+        raise QuantizationError(
+            f"{name}: largest magnitude {float(block_amax.amax()):.3g} is too small for NVFP4's fp32 "
+            "scales (below ~1.6e-32); zero the tensor or keep it unquantized"
+        )
+
+    # Step by step as modelopt: 6 * s2 is rounded to fp32 before the division.
+    ratio = block_amax / (E2M1_MAX * global_scale)
+    ratio[ratio == 0] = 1.0  # all-zero block
+    block_scales = ratio.clamp(min=E4M3_MIN_SCALE, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    # The scale product is rounded to fp32 first, then divides the weight.
+    q = blocks / (block_scales.float() * global_scale).unsqueeze(-1)
+    codes = _encode_e2m1(q).reshape(n, k)
+    return NVFP4Weight(pack_fp4(codes), block_scales, global_scale)
+
+
+def dequantize_nvfp4(w: NVFP4Weight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """`[N, K]` weight in `dtype`; computed in fp32 as modelopt's `dequantize` does."""
+    values = torch.tensor(_CODE_VALUES, dtype=torch.float32, device=w.packed.device)
+    codes = unpack_fp4(w.packed).long()
+    n, k = codes.shape
+    scale = w.block_scales.float() * w.global_scale.float()
+    out = values[codes].reshape(n, k // BLOCK_SIZE, BLOCK_SIZE) * scale.unsqueeze(-1)
+    return out.reshape(n, k).to(dtype)
