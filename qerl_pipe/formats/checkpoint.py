@@ -1,0 +1,202 @@
+"""Read a (possibly NVFP4-quantized) Hugging Face checkpoint tensor by tensor.
+
+Shards are memory-mapped with `safetensors.safe_open` (never torch.load: no pickle, no copy of
+the whole file), so peak memory is one module's tensors. Quantized linears are recognised by
+their companion tensors: `<m>.weight_scale_2` (modelopt) or `<m>.weight_packed`
+(compressed-tensors); their parts may sit in different shards.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from qerl_pipe.errors import ModelSourceError
+from qerl_pipe.formats import compressed_tensors as ct
+from qerl_pipe.formats.modelopt_layout import QUANT_ALGOS
+from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight
+
+QuantFormat = Literal["modelopt", "compressed-tensors"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_MODELOPT_PARTS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+_CT_PARTS = (*ct.WEIGHT_SUFFIXES, ct.INPUT_SUFFIX)
+# Suffix that marks a quantized module -> the suffixes of all that module's tensors.
+_MARKERS: dict[str, tuple[str, ...]] = {"weight_scale_2": _MODELOPT_PARTS, "weight_packed": _CT_PARTS}
+
+
+def detect_quant_format(config: dict[str, Any]) -> QuantFormat | None:
+    """Which NVFP4 layout a config.json describes; None when unquantized.
+
+    Raises ModelSourceError for quantization we cannot read (GPTQ, AWQ, FP8, ...), rather than
+    loading packed bytes as if they were weights.
+    """
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if method == "modelopt":
+        algo = qc.get("quant_algo")
+        if algo not in QUANT_ALGOS:
+            raise ModelSourceError(
+                f"modelopt quant_algo {algo!r} is not supported; qerl-pipe reads "
+                f"{' and '.join(QUANT_ALGOS)} checkpoints"
+            )
+        return "modelopt"
+    if method == "compressed-tensors":
+        formats = {qc.get("format")} | {
+            g.get("format") for g in qc.get("config_groups", {}).values()
+        }
+        unsupported = formats - {ct.FORMAT, None}
+        if unsupported or formats == {None}:
+            raise ModelSourceError(
+                f"compressed-tensors format {sorted(map(str, formats))} is not supported; "
+                f"qerl-pipe reads {ct.FORMAT!r} (NVFP4)"
+            )
+        return "compressed-tensors"
+    raise ModelSourceError(
+        f"quantization method {method!r} is not supported; use an unquantized model or an NVFP4 "
+        "checkpoint from modelopt or llm-compressor"
+    )
+
+
+def _read_index(model_dir: Path) -> dict[str, Path] | None:
+    """The index's tensor key -> shard path map; None for a single-file checkpoint."""
+    index_path = model_dir / INDEX_FILE
+    if not index_path.exists():
+        return None
+    try:
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        return {key: model_dir / file for key, file in weight_map.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ModelSourceError(f"cannot read {index_path}: {err}") from err
+
+
+def list_shards(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files in order: from the index, else the single file."""
+    model_dir = Path(model_dir)
+    index = _read_index(model_dir)
+    if index is not None:
+        paths = list(dict.fromkeys(index.values()))
+    elif (model_dir / SINGLE_FILE).exists():
+        paths = [model_dir / SINGLE_FILE]
+    else:
+        paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise ModelSourceError(f"no .safetensors files in {model_dir}; qerl-pipe reads only safetensors")
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ModelSourceError(f"{model_dir} lacks shard {missing[0]} named by {INDEX_FILE}; download it again")
+    return paths
+
+
+class _Shards:
+    """Open shards (memory-mapped) and the file of each tensor key."""
+
+    def __init__(self, paths: list[Path], index: dict[str, Path] | None) -> None:
+        self.handles: dict[Path, Any] = {}
+        self.file_of: dict[str, Path] = {}
+        for path in paths:
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except (OSError, SafetensorError) as err:
+                raise ModelSourceError(
+                    f"cannot read {path}: {err}; the file is missing, truncated or not safetensors"
+                ) from err
+            self.handles[path] = handle
+            for key in handle.keys():
+                self.file_of[key] = path
+        for key, file in (index or {}).items():
+            if self.file_of.get(key) != file:
+                raise ModelSourceError(
+                    f"{INDEX_FILE} puts {key} in {file.name}, but that file does not hold it; "
+                    "the checkpoint is incomplete"
+                )
+
+    def get(self, key: str) -> Tensor:
+        path = self.file_of[key]
+        try:
+            return self.handles[path].get_tensor(key)
+        except SafetensorError as err:
+            raise ModelSourceError(f"cannot read tensor {key} from {path}: {err}") from err
+
+
+def _nvfp4_parts(module: str, parts: dict[str, Tensor]) -> tuple[NVFP4Weight, Tensor | None]:
+    is_ct = "weight_packed" in parts
+    required = ct.WEIGHT_SUFFIXES if is_ct else _MODELOPT_PARTS[:3]
+    missing = [s for s in required if s not in parts]
+    if missing:
+        raise ModelSourceError(f"quantized module {module} lacks {', '.join(missing)}")
+    if is_ct:
+        weight, input_scale = ct.nvfp4_from_compressed(parts)
+    else:
+        # Some exporters store the 0-dim scales as [1]; both mean one scale per tensor.
+        weight = NVFP4Weight(
+            parts["weight"], parts["weight_scale"], parts["weight_scale_2"].float().reshape(())
+        )
+        input_scale = parts.get("input_scale")
+        input_scale = None if input_scale is None else input_scale.float().reshape(())
+    packed, scales = weight.packed, weight.block_scales
+    if (
+        packed.dtype != torch.uint8
+        or scales.dtype != torch.float8_e4m3fn
+        or packed.dim() != 2
+        or scales.shape != (packed.shape[0], packed.shape[1] * 2 // BLOCK_SIZE)
+    ):
+        raise ModelSourceError(
+            f"quantized module {module} has packed {packed.dtype} {tuple(packed.shape)} and scales "
+            f"{scales.dtype} {tuple(scales.shape)}; NVFP4 needs uint8 [N, K/2] and "
+            "float8_e4m3fn [N, K/16]"
+        )
+    return weight, input_scale
+
+
+def iter_quantized_checkpoint(
+    model_dir: Path,
+) -> Iterator[tuple[str, NVFP4Weight | Tensor, Tensor | None]]:
+    """Yield (name, weight, input_scale) for every tensor group of a checkpoint, one at a time.
+
+    Quantized linears yield (module name, NVFP4Weight, input_scale or None); every other tensor
+    yields (full parameter name, tensor, None). config.json, when present, is checked first so an
+    unsupported quantization fails with a clear message.
+    """
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if config_path.exists():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelSourceError(f"cannot read {config_path}: {err}") from err
+        detect_quant_format(config)
+    shards = _Shards(list_shards(model_dir), _read_index(model_dir))
+
+    quantized: dict[str, tuple[str, ...]] = {}  # module -> its part suffixes
+    for key in shards.file_of:
+        module, _, suffix = key.rpartition(".")
+        if suffix in _MARKERS:
+            quantized[module] = _MARKERS[suffix]
+
+    done: set[str] = set()
+    for key in shards.file_of:  # shard order, then each shard's own key order
+        module, _, suffix = key.rpartition(".")
+        if module in quantized and suffix in quantized[module]:
+            if module in done:
+                continue
+            done.add(module)
+            parts = {
+                s: shards.get(f"{module}.{s}")
+                for s in quantized[module]
+                if f"{module}.{s}" in shards.file_of
+            }
+            weight, input_scale = _nvfp4_parts(module, parts)
+            yield module, weight, input_scale
+        else:
+            yield key, shards.get(key), None

@@ -1,0 +1,98 @@
+"""NVIDIA Model Optimizer's "unified HF" NVFP4 checkpoint layout (what vLLM and TensorRT-LLM load).
+
+Per quantized linear `<m>`: `<m>.weight` U8 [out, in/2], `<m>.weight_scale` F8_E4M3 [out, in/16],
+`<m>.weight_scale_2` F32 0-dim and, for W4A4, `<m>.input_scale` F32 0-dim. The config blocks
+mirror modelopt's `get_quant_config` / `convert_hf_quant_config_format` key for key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from qerl_pipe.errors import QuantizationError
+from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight
+
+PRODUCER_NAME = "qerl-pipe"
+# W4A4 (Blackwell) and weight-only W4A16 (what Hopper runs).
+QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+
+# Llama-family projections that read the same input and are fused at inference. They must share
+# one `weight_scale_2` (and `input_scale`): TensorRT-LLM rejects a checkpoint where they differ,
+# vLLM takes the max and silently loses accuracy.
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "gate_up": ("gate_proj", "up_proj"),
+}
+_GROUP_OF = {proj: group for group, projs in FUSED_GROUPS.items() for proj in projs}
+
+
+def fused_group_key(param_name: str) -> str | None:
+    """`model.layers.3.self_attn.k_proj(.weight)` -> `model.layers.3.self_attn.qkv`; else None."""
+    parts = param_name.split(".")
+    if parts[-1] == "weight":
+        parts = parts[:-1]
+    group = _GROUP_OF.get(parts[-1]) if parts else None
+    if group is None:
+        return None
+    return ".".join([*parts[:-1], group])
+
+
+def nvfp4_tensors(prefix: str, w: NVFP4Weight, input_scale: Tensor | None) -> dict[str, Tensor]:
+    """The safetensors entries of one quantized linear `prefix` (a module name, no `.weight`)."""
+    tensors = {
+        f"{prefix}.weight": w.packed,
+        f"{prefix}.weight_scale": w.block_scales,
+        f"{prefix}.weight_scale_2": w.global_scale.float().reshape(()),
+    }
+    if input_scale is not None:
+        tensors[f"{prefix}.input_scale"] = input_scale.float().reshape(())
+    return tensors
+
+
+def _check_algo(quant_algo: str) -> None:
+    if quant_algo not in QUANT_ALGOS:
+        raise QuantizationError(
+            f"unknown NVFP4 quant_algo {quant_algo!r}; use one of {', '.join(QUANT_ALGOS)}"
+        )
+
+
+def _producer(producer_version: str) -> dict[str, str]:
+    return {"name": PRODUCER_NAME, "version": producer_version}
+
+
+def hf_quant_config(
+    quant_algo: str, exclude_modules: list[str], producer_version: str
+) -> dict[str, Any]:
+    """Contents of `hf_quant_config.json` (TensorRT-LLM reads it; vLLM needs all four keys)."""
+    _check_algo(quant_algo)
+    return {
+        "producer": _producer(producer_version),
+        "quantization": {
+            "quant_algo": quant_algo,
+            "kv_cache_quant_algo": None,
+            "group_size": BLOCK_SIZE,
+            "exclude_modules": sorted(exclude_modules),  # modelopt sorts them too
+        },
+    }
+
+
+def config_quantization_config(
+    quant_algo: str, exclude_modules: list[str], producer_version: str
+) -> dict[str, Any]:
+    """The `quantization_config` block of config.json (vLLM reads it first)."""
+    _check_algo(quant_algo)
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": BLOCK_SIZE}
+    group: dict[str, Any] = {}
+    if quant_algo == "NVFP4":
+        group["input_activations"] = dict(fp4)
+    group["weights"] = dict(fp4)
+    group["targets"] = ["Linear"]
+    return {
+        "config_groups": {"group_0": group},
+        "ignore": sorted(exclude_modules),
+        "quant_algo": quant_algo,
+        "producer": _producer(producer_version),
+        "quant_method": "modelopt",
+    }
