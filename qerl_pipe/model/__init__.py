@@ -1,0 +1,11 @@
+"""One decoder for the Llama family over a frozen bf16/NVFP4/NF4 base with unmerged LoRA.
+
+Import from the submodules (nothing is re-exported, so `model.config` stays importable without
+pulling in the kernels):
+
+- `config`: `DecoderConfig.from_hf(config_json_dict)`
+- `load`: `load_model`, `init_random_model`, `model_memory_bytes`
+- `decoder`: `Decoder` (forward / logits / prefill / decode_step), `KVCache`
+- `lora`: `LoraSpec`, `apply_lora`, `lora_parameters`, `lora_state_dict`, `lora_disabled`
+- `linear`: `QuantLinear`; `norm`: `RMSNorm` (AQN noise); `rope`
+"""
