@@ -98,6 +98,16 @@ def list_shards(model_dir: Path) -> list[Path]:
     return paths
 
 
+def open_shard(path: Path) -> Any:
+    """`safe_open` a shard (memory-mapped, no pickle); a truncated or foreign file is a ModelSourceError."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (OSError, SafetensorError) as err:
+        raise ModelSourceError(
+            f"cannot read {path}: {err}; the file is missing, truncated or not safetensors"
+        ) from err
+
+
 class _Shards:
     """Open shards (memory-mapped) and the file of each tensor key."""
 
@@ -105,12 +115,7 @@ class _Shards:
         self.handles: dict[Path, Any] = {}
         self.file_of: dict[str, Path] = {}
         for path in paths:
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except (OSError, SafetensorError) as err:
-                raise ModelSourceError(
-                    f"cannot read {path}: {err}; the file is missing, truncated or not safetensors"
-                ) from err
+            handle = open_shard(path)
             self.handles[path] = handle
             for key in handle.keys():
                 self.file_of[key] = path

@@ -1,0 +1,3 @@
+from qerl_pipe.cli import main
+
+main()

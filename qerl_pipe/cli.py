@@ -1,0 +1,162 @@
+"""The `qerl-pipe` command line: thin over `stages/`.
+
+Stage commands print the artifact directory as the last line of stdout (logs and progress go to
+stderr), so a Makefile or a shell can chain them. A user-facing error prints one line and exits 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Callable, Optional, TypeVar
+
+import typer
+
+from qerl_pipe.errors import QerlError
+
+app = typer.Typer(
+    name="qerl-pipe", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="NVFP4 quantization + LoRA RL (GRPO/DAPO with adaptive quantization noise) as a pipeline of versioned artifacts.",
+)
+bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks; results are JSON with a targets block.")
+app.add_typer(bench_app, name="bench")
+
+F = TypeVar("F", bound=Callable)
+
+RecipeOpt = Annotated[Optional[Path], typer.Option("--recipe", "-r", help="Recipe YAML file (defaults apply without one).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe value: section.key=value (repeatable).")]
+ArtifactsOpt = Annotated[Optional[Path], typer.Option("--artifacts", envvar="QERL_ARTIFACTS", help="Artifact store directory [default: ./artifacts].")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Redo the stage even if an up-to-date artifact exists.")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model source (sets model.source): HF directory, hub id, .gguf file or alias.")]
+
+
+def _user_errors(fn: F) -> F:
+    """Report QerlError as one line on stderr and exit 1, instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except QerlError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _recipe(recipe: Path | None, overrides: list[str] | None, model: str | None = None):
+    from qerl_pipe.recipe import load_recipe
+
+    overrides = list(overrides or [])
+    if model is not None:
+        overrides.append(f"model.source={json.dumps(model)}")
+    return load_recipe(recipe, overrides)
+
+
+def _store(artifacts: Path | None):
+    from qerl_pipe.artifacts import ArtifactStore
+
+    return ArtifactStore(artifacts)
+
+
+@app.command()
+@_user_errors
+def calibrate(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
+              artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+    """Record activation amax and weight statistics of the unquantized model."""
+    from qerl_pipe.stages.calibrate import run_calibrate
+
+    artifact = run_calibrate(_recipe(recipe, set_, model), _store(artifacts), force=force)
+    print(artifact.path)
+
+
+@app.command()
+@_user_errors
+def quantize(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
+             calibration: Annotated[Optional[str], typer.Option(help="Calibration artifact (path or id): gives NVFP4 with input scales; without it, W4A16_NVFP4.")] = None,
+             output: Annotated[Optional[Path], typer.Option(help="Also copy the checkpoint to this new directory.")] = None,
+             artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+    """Quantize a model to an NVFP4 checkpoint (modelopt unified HF layout)."""
+    from qerl_pipe.stages.quantize import run_quantize
+
+    store = _store(artifacts)
+    parsed = _recipe(recipe, set_, model)
+    calib = store.resolve(calibration) if calibration else None
+    artifact = run_quantize(parsed, store, calibration=calib, output=output, force=force)
+    print(artifact.path)
+
+
+@app.command()
+@_user_errors
+def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_: SetOpt = None,
+        artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+    """Run the recipe's stages in order, reusing up-to-date artifacts."""
+    from qerl_pipe.stages.pipeline import run_pipeline
+
+    results = run_pipeline(_recipe(recipe, set_), _store(artifacts), force=force)
+    for stage, artifact in results.items():
+        typer.echo(f"{stage}: {artifact.path}", err=True)
+    print(list(results.values())[-1].path)
+
+
+@app.command("ls")
+@_user_errors
+def list_artifacts(artifacts: ArtifactsOpt = None) -> None:
+    """List the artifacts in the store, oldest first."""
+    store = _store(artifacts)
+    found = store.list()
+    if not found:
+        typer.echo(f"no artifacts in {store.root}", err=True)
+        return
+    for a in found:
+        print(f"{a.path.name:32} {a.kind:18} {a.manifest.get('created', ''):26} parents={','.join(a.manifest['parents']) or '-'}")
+
+
+@app.command()
+@_user_errors
+def show(ref: Annotated[str, typer.Argument(help="Artifact path, directory name or id prefix.")],
+         artifacts: ArtifactsOpt = None) -> None:
+    """Print an artifact's manifest."""
+    artifact = _store(artifacts).resolve(ref, verify=False)
+    print(json.dumps(artifact.manifest, indent=2))
+
+
+@app.command()
+@_user_errors
+def verify(ref: Annotated[str, typer.Argument(help="Artifact path, directory name or id prefix.")],
+           artifacts: ArtifactsOpt = None) -> None:
+    """Re-hash every file of an artifact against its manifest."""
+    from qerl_pipe.artifacts import find_problems
+
+    artifact = _store(artifacts).resolve(ref, verify=False)
+    problems = find_problems(artifact)
+    for problem in problems:
+        typer.echo(f"{artifact.path}: {problem}", err=True)
+    if problems:
+        raise QerlError(f"{artifact.path} is damaged: {len(problems)} problem(s); re-create it with --force")
+    typer.echo(f"ok: {len(artifact.manifest['files'])} files match the manifest", err=True)
+    print(artifact.path)
+
+
+@bench_app.command("kernels")
+@_user_errors
+def bench_kernels(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,
+                  shapes: Annotated[str, typer.Option(help="Comma-separated model shapes.")] = "qwen2.5-7b,qwen2.5-32b") -> None:
+    """NVFP4 / NF4 W4A16 kernels vs cuBLAS bf16 and dequantize-then-matmul (needs a CUDA GPU)."""
+    from qerl_pipe.bench.kernels import run_kernel_bench
+
+    result = run_kernel_bench(shapes=[s.strip() for s in shapes.split(",") if s.strip()])
+    text = json.dumps(result, indent=2)
+    if out is not None:
+        out.write_text(text + "\n")
+    print(text)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

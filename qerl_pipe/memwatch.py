@@ -1,0 +1,54 @@
+"""Peak host memory (RSS) over a region of code, sampled from /proc by a background thread.
+
+`ru_maxrss` is the peak over the whole process lifetime, so it cannot tell what one stage used
+after an earlier one loaded a whole model; sampling the current RSS during the region can.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import TracebackType
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except OSError:  # not Linux: fall back to the lifetime peak
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakRSS:
+    """`with PeakRSS() as m: ...` then `m.start_bytes`, `m.peak_bytes`, `m.peak_increase_bytes`."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.start_bytes = 0
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
+
+    def __enter__(self) -> "PeakRSS":
+        self.start_bytes = self.peak_bytes = current_rss_bytes()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
+
+    @property
+    def peak_increase_bytes(self) -> int:
+        return self.peak_bytes - self.start_bytes

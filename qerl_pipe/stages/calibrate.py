@@ -1,0 +1,107 @@
+"""`qerl-pipe calibrate`: activation and weight statistics of the unquantized model.
+
+Calibration text runs through the bf16/fp32 model batch by batch; a pre-forward hook on every
+linear keeps the running max of |input| (what NVFP4's `input_scale` = amax / 2688 needs for W4A4
+deployment). Weight statistics (amax, rms, their ratio) show which layers have outliers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from qerl_pipe.artifacts import Artifact, ArtifactStore
+from qerl_pipe.log import log, progress
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.recipe import Recipe
+from qerl_pipe.sources import resolve_model
+from qerl_pipe.stages.common import (
+    compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, model_config_key, pick_device,
+)
+from qerl_pipe.textdata import load_texts, pack_sequences
+
+STAGE = "calibrate"
+VERSION = 1
+KIND = "calibration"
+STATS_FILE = "calibration.json"
+
+
+def _weight_stats(weight: torch.Tensor) -> dict[str, float]:
+    w = weight.detach().float()
+    amax = float(w.abs().max())
+    rms = float(w.pow(2).mean().sqrt())
+    return {"weight_amax": amax, "weight_rms": rms, "weight_amax_over_rms": amax / rms if rms > 0 else 0.0}
+
+
+def collect_input_amax(model: torch.nn.Module, batches) -> tuple[dict[str, float], int]:
+    """Run the batches and return the max |input| seen by each nn.Linear, and the token count."""
+    amax: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def hook_for(name: str):
+        def hook(_module, args):
+            current = args[0].detach().abs().amax().float()
+            amax[name] = torch.maximum(amax[name], current) if name in amax else current
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            handles.append(module.register_forward_pre_hook(hook_for(name)))
+    tokens = 0
+    try:
+        with torch.inference_mode():
+            # The decoder body alone: lm_head is never quantized, and the logits are the costliest part.
+            body = getattr(model, "model", model)
+            for batch in batches:
+                body(input_ids=batch, use_cache=False)
+                tokens += batch.numel()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: float(value) for name, value in amax.items()}, tokens
+
+
+def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> Artifact:
+    resolved = resolve_model(recipe.model, store)
+    DecoderConfig.from_hf(resolved.config)
+    section = recipe.calibrate
+    config = {"model": model_config_key(resolved, recipe.model), "calibrate": section.model_dump()}
+    with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
+                      parents=resolved.parents, force=force) as (pending, existing):
+        if existing is not None:
+            log(f"calibrate: up to date, reusing {existing.path}")
+            return existing
+        started = time.perf_counter()
+        device = pick_device(section.device)
+        dtype = compute_dtype(section.dtype, device, count_parameters(resolved.config))
+        tokenizer = load_tokenizer(resolved.dir, recipe.model.trust_remote_code)
+        ids = pack_sequences(load_texts(section.data, section.field), tokenizer, section.num_samples, section.seq_len)
+        model = load_hf_causal_lm(resolved.dir, dtype, device, recipe.model.trust_remote_code)
+        log(f"calibrate: {section.num_samples} x {section.seq_len} tokens of {section.data} on {device} ({dtype})")
+        batches = (chunk.to(device) for chunk in ids.split(section.batch_size))
+        n_batches = -(-section.num_samples // section.batch_size)
+        input_amax, tokens = collect_input_amax(model, progress(batches, "calibrate", n_batches))
+        linears = {}
+        for name, module in model.named_modules():
+            if name in input_amax:
+                linears[name] = {"input_amax": input_amax[name], **_weight_stats(module.weight)}
+        stats = {"tokens": tokens, "data": section.data, "device": str(device), "dtype": str(dtype), "linears": linears}
+        (pending.dir / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
+        worst = max(linears.items(), key=lambda kv: kv[1]["weight_amax_over_rms"])
+        pending.summary.update({
+            "tokens": tokens,
+            "linears": len(linears),
+            "max_input_amax": max(v["input_amax"] for v in linears.values()),
+            "max_weight_amax_over_rms": {"module": worst[0], "value": worst[1]["weight_amax_over_rms"]},
+            "seconds": round(time.perf_counter() - started, 2),
+        })
+    artifact = store.find_existing(STAGE, pending.id)
+    log(f"calibrate: {tokens} tokens through {len(linears)} linears in {pending.summary['seconds']} s")
+    return artifact
+
+
+def read_input_amax(calibration: Artifact) -> dict[str, float]:
+    stats = json.loads((calibration.path / STATS_FILE).read_text())
+    return {name: v["input_amax"] for name, v in stats["linears"].items()}

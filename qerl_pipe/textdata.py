@@ -1,0 +1,78 @@
+"""Plain text for calibration and perplexity: the packaged GSM8K / MATH-500 files or a user file.
+
+Texts are tokenized and packed into fixed-length sequences (documents joined with EOS), so every
+token counts and no padding can leak into activation statistics.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from qerl_pipe.errors import RecipeError
+
+# name -> (packaged file, default text field)
+PACKAGED = {
+    "gsm8k:train": ("gsm8k/train.jsonl", "question"),
+    "gsm8k:test": ("gsm8k/test.jsonl", "question"),
+    "math500:test": ("math500/test.jsonl", "problem"),
+}
+
+
+def packaged_path(rel: str) -> Path:
+    return Path(str(resources.files("qerl_pipe") / "data" / rel))
+
+
+def load_texts(spec: str, field: str | None = None) -> list[str]:
+    """Texts from a packaged dataset name or a .jsonl (one object per line) / .txt (blank-line separated) file."""
+    if spec in PACKAGED:
+        rel, default_field = PACKAGED[spec]
+        path, field = packaged_path(rel), field or default_field
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise RecipeError(
+                f"text data '{spec}' is neither a packaged dataset ({', '.join(PACKAGED)}) nor an existing file"
+            )
+    if path.suffix == ".txt":
+        texts = [t.strip() for t in path.read_text().split("\n\n") if t.strip()]
+    elif path.suffix == ".jsonl":
+        field = field or "text"
+        texts = []
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise RecipeError(f"{path}:{lineno}: not valid JSON") from None
+            if field not in row:
+                raise RecipeError(f"{path}:{lineno}: no field '{field}' (fields: {', '.join(row)}); set the field option")
+            texts.append(str(row[field]))
+    else:
+        raise RecipeError(f"text data {path}: expected a .jsonl or .txt file")
+    if not texts:
+        raise RecipeError(f"text data {path} holds no text")
+    return texts
+
+
+def pack_sequences(texts: list[str], tokenizer, num_samples: int, seq_len: int) -> torch.Tensor:
+    """Token ids [num_samples, seq_len] from the texts joined by EOS; errors if there is too little text."""
+    need = num_samples * seq_len
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            ids.append(eos)
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise RecipeError(
+            f"the text data gives {len(ids)} tokens, fewer than num_samples x seq_len = {need}; "
+            "lower num_samples or seq_len, or give more text"
+        )
+    return torch.tensor(ids[:need], dtype=torch.long).view(num_samples, seq_len)

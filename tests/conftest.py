@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random Llama-family models with a real tokenizer, saved as HF directories.
+
+Nothing comes from a hub: the tokenizer is trained on the spot on packaged GSM8K text, so the real
+loading code (config.json, safetensors shards, tokenizer files) runs in every test.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl_pipe.textdata import load_texts
+
+TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def train_tokenizer(out: Path, vocab_size: int = 320):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(load_texts("gsm8k:train")[:500], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_tiny_model(out: Path, arch: str = "llama", *, seed: int = 0, shard_mb: float | None = None,
+                    dims: dict | None = None, **overrides) -> Path:
+    """A random-init model of `arch` ('llama', 'qwen2', 'qwen3') saved with its tokenizer in `out`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    tokenizer = train_tokenizer(out)
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    config = config_cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        **{**(dims or TINY_DIMS), **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    kwargs = {"max_shard_size": f"{int(shard_mb * 1000)}KB"} if shard_mb else {}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture()
+def store_dir(tmp_path) -> Path:
+    return tmp_path / "artifacts"
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,231 @@
+"""`qerl-pipe calibrate` / `quantize` / `verify` end to end on tiny random models (CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from qerl_pipe.cli import app
+from tests.conftest import make_tiny_model, read_json
+
+runner = CliRunner()
+FAST = ["--set", "quantize.quality.perplexity=never"]
+CAL = ["--set", "calibrate.num_samples=4", "--set", "calibrate.seq_len=32", "--set", "calibrate.batch_size=2"]
+
+
+def cli(*args: str, ok: bool = True):
+    result = runner.invoke(app, [str(a) for a in args])
+    if ok:
+        assert result.exit_code == 0, result.stderr + str(result.exception)
+    return result
+
+
+def last_line(result) -> Path:
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def on_disk(ckpt: Path) -> dict[str, tuple[str, tuple]]:
+    """name -> (safetensors dtype string, shape) as written in the files."""
+    out = {}
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        header_len = int.from_bytes(shard.read_bytes()[:8], "little")
+        header = json.loads(shard.read_bytes()[8:8 + header_len])
+        out.update({k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"})
+    return out
+
+
+def load_all(ckpt: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for shard in ckpt.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as fh:
+            tensors.update({k: fh.get_tensor(k) for k in fh.keys()})
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def sharded_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("sharded"), "llama", shard_mb=0.1)
+
+
+def test_quantize_writes_the_modelopt_layout_and_reuses_it(sharded_llama, store_dir):
+    first = cli("quantize", "--model", sharded_llama, "--artifacts", store_dir, *FAST)
+    ckpt = last_line(first)
+    assert ckpt.parent == store_dir and ckpt.name.startswith("quantize-")
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"config.json", "hf_quant_config.json", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json", "generation_config.json", "manifest.json", "quality.json"} <= names
+    assert len([n for n in names if n.endswith(".safetensors")]) == 3  # one output shard per input shard
+
+    header = on_disk(ckpt)
+    q = "model.layers.0.self_attn.q_proj"
+    assert header[f"{q}.weight"] == ("U8", (64, 32))
+    assert header[f"{q}.weight_scale"] == ("F8_E4M3", (64, 4))
+    assert header[f"{q}.weight_scale_2"] == ("F32", ())
+    assert f"{q}.input_scale" not in header  # no calibration: weight-only
+    assert header["model.embed_tokens.weight"][0] == "BF16"
+    assert header["lm_head.weight"][0] == "BF16"
+    assert header["model.layers.0.input_layernorm.weight"][0] == "BF16"
+
+    tensors = load_all(ckpt)
+    for layer in range(2):
+        qkv = [tensors[f"model.layers.{layer}.self_attn.{p}_proj.weight_scale_2"] for p in "qkv"]
+        assert qkv[0] == qkv[1] == qkv[2]
+        gate_up = [tensors[f"model.layers.{layer}.mlp.{p}_proj.weight_scale_2"] for p in ("gate", "up")]
+        assert gate_up[0] == gate_up[1]
+
+    config = read_json(ckpt / "config.json")
+    assert config["quantization_config"]["quant_algo"] == "W4A16_NVFP4"
+    assert config["quantization_config"]["ignore"] == ["lm_head"]
+    hf_quant = read_json(ckpt / "hf_quant_config.json")["quantization"]
+    assert hf_quant == {"quant_algo": "W4A16_NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                        "exclude_modules": ["lm_head"]}
+    index = read_json(ckpt / "model.safetensors.index.json")
+    assert set(index["weight_map"]) == set(header)
+
+    from transformers import AutoConfig, AutoTokenizer
+    assert AutoTokenizer.from_pretrained(str(ckpt)).eos_token == "</s>"
+    assert AutoConfig.from_pretrained(str(ckpt)).hidden_size == 64
+
+    manifest = read_json(ckpt / "manifest.json")
+    assert manifest["kind"] == "nvfp4-checkpoint" and manifest["stage"]["name"] == "quantize"
+    assert manifest["summary"]["quantized_linears"] == 14
+    assert 0 < manifest["summary"]["mean_relative_error"] < 0.15
+
+    second = cli("quantize", "--model", sharded_llama, "--artifacts", store_dir, *FAST)
+    assert last_line(second) == ckpt
+    assert "up to date" in second.stderr
+
+
+def test_whole_model_is_byte_exact_with_modelopt(sharded_llama, store_dir):
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    ckpt = last_line(cli("quantize", "--model", sharded_llama, "--artifacts", store_dir, *FAST))
+    ours = load_all(ckpt)
+    original = load_all(sharded_llama)
+    groups = {"self_attn": ("q", "k", "v"), "mlp": ("gate", "up")}
+    checked = 0
+    for layer in range(2):
+        for block, members in list(groups.items()) + [("self_attn", ("o",)), ("mlp", ("down",))]:
+            names = [f"model.layers.{layer}.{block}.{m}_proj" for m in members]
+            amax = torch.stack([original[f"{n}.weight"].float().abs().amax() for n in names]).amax()
+            scale_2 = amax.float() / (6.0 * 448.0)
+            for name in names:
+                qt, scale, s2 = NVFP4QTensor.quantize(original[f"{name}.weight"], 16, None, scale_2, try_tensorrt=False)
+                assert torch.equal(ours[f"{name}.weight"], qt._quantized_data), name
+                assert torch.equal(ours[f"{name}.weight_scale"].view(torch.uint8), scale.view(torch.uint8)), name
+                assert torch.equal(ours[f"{name}.weight_scale_2"].view(torch.int32), s2.float().reshape(()).view(torch.int32))
+                checked += 1
+    assert checked == 14
+
+
+def test_calibrated_quantize_is_nvfp4_with_shared_input_scales(tiny_qwen2, store_dir):
+    cal = last_line(cli("calibrate", "--model", tiny_qwen2, "--artifacts", store_dir, *CAL))
+    stats = read_json(cal / "calibration.json")
+    assert stats["tokens"] == 4 * 32
+    assert stats["linears"]["model.layers.0.self_attn.q_proj"]["input_amax"] > 0
+    ckpt = last_line(cli("quantize", "--model", tiny_qwen2, "--calibration", cal, "--artifacts", store_dir, *FAST))
+    config = read_json(ckpt / "config.json")["quantization_config"]
+    assert config["quant_algo"] == "NVFP4" and "input_activations" in config["config_groups"]["group_0"]
+    tensors = load_all(ckpt)
+    prefix = "model.layers.1.self_attn"
+    scales = [tensors[f"{prefix}.{p}_proj.input_scale"] for p in "qkv"]
+    assert scales[0].shape == () and scales[0] == scales[1] == scales[2]
+    expected = max(stats["linears"][f"{prefix}.{p}_proj"]["input_amax"] for p in "qkv") / 2688
+    assert float(scales[0]) == pytest.approx(expected, rel=1e-6)
+    assert f"{prefix}.q_proj.bias" in tensors  # Qwen2's q/k/v biases stay 16-bit
+    assert read_json(ckpt / "manifest.json")["parents"] == [read_json(cal / "manifest.json")["id"]]
+
+
+def test_run_chains_calibrate_and_quantize_and_skips_when_up_to_date(tiny_llama, store_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  source: {tiny_llama}\ncalibrate:\n  num_samples: 2\n  seq_len: 16\n"
+                      "quantize:\n  quality:\n    perplexity: always\n    num_samples: 2\n    seq_len: 16\n")
+    first = cli("run", recipe, "--artifacts", store_dir)
+    ckpt = last_line(first)
+    summary = read_json(ckpt / "manifest.json")["summary"]
+    assert summary["quant_algo"] == "NVFP4"
+    assert summary["perplexity"]["bf16"] > 1 and summary["perplexity"]["nvfp4_w4a16"] > 1
+    second = cli("run", recipe, "--artifacts", store_dir)
+    assert last_line(second) == ckpt and second.stderr.count("up to date") == 2
+
+
+def test_verify_catches_a_flipped_byte_and_the_damaged_artifact_is_not_reused(tiny_llama, store_dir):
+    ckpt = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    assert last_line(cli("verify", ckpt.name, "--artifacts", store_dir)) == ckpt
+    shard = ckpt / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    bad = cli("verify", ckpt, ok=False)
+    assert bad.exit_code == 1 and "sha256" in bad.stderr
+    again = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST, ok=False)
+    assert again.exit_code == 1 and "damaged" in again.stderr and "--force" in again.stderr
+    fixed = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--force", *FAST)
+    assert last_line(fixed) == ckpt
+    cli("verify", ckpt)
+
+
+def test_ls_and_show(tiny_llama, store_dir):
+    ckpt = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    listing = cli("ls", "--artifacts", store_dir).stdout
+    assert ckpt.name in listing and "nvfp4-checkpoint" in listing
+    shown = json.loads(cli("show", ckpt.name.split("-")[1][:8], "--artifacts", store_dir).stdout)
+    assert shown["kind"] == "nvfp4-checkpoint"
+
+
+def test_output_copy_and_refusal_to_overwrite(tiny_llama, store_dir, tmp_path):
+    out = tmp_path / "exported"
+    cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--output", out, *FAST)
+    assert (out / "hf_quant_config.json").is_file() and (out / "model.safetensors").is_file()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "mine.txt").write_text("keep me")
+    result = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--output", taken, *FAST, ok=False)
+    assert result.exit_code == 1 and "not empty" in result.stderr
+    assert [p.name for p in taken.iterdir()] == ["mine.txt"]
+
+
+def _assert_clean_failure(result, needle: str, store_dir: Path) -> None:
+    assert result.exit_code == 1, result.stdout
+    assert needle in result.stderr, result.stderr
+    assert result.stderr.strip().startswith("error:") and len(result.stderr.strip().splitlines()) == 1
+    leftovers = [p.name for p in store_dir.iterdir() if p.name.startswith("quantize")] if store_dir.exists() else []
+    assert leftovers == [] and not [p for p in store_dir.glob(".tmp-*")] if store_dir.exists() else True
+
+
+def test_bad_inputs_fail_cleanly(tmp_path, store_dir, tiny_llama):
+    missing = cli("quantize", "--model", tmp_path / "nope", "--artifacts", store_dir, ok=False)
+    _assert_clean_failure(missing, "not a model directory", store_dir)
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(tiny_llama / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80")
+    _assert_clean_failure(cli("quantize", "--model", pickled, "--artifacts", store_dir, ok=False), "pickle", store_dir)
+
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, gpt2)
+    config = read_json(gpt2 / "config.json")
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (gpt2 / "config.json").write_text(json.dumps(config))
+    _assert_clean_failure(cli("quantize", "--model", gpt2, "--artifacts", store_dir, ok=False), "GPT2", store_dir)
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_llama, truncated)
+    shard = truncated / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _assert_clean_failure(cli("quantize", "--model", truncated, "--artifacts", store_dir, *FAST, ok=False),
+                          "model.safetensors", store_dir)
+
+
+def test_in_features_not_a_multiple_of_16_is_an_error(tmp_path, store_dir):
+    odd = make_tiny_model(tmp_path / "odd", "llama", intermediate_size=72)  # down_proj has in_features 72
+    result = cli("quantize", "--model", odd, "--artifacts", store_dir, *FAST, ok=False)
+    _assert_clean_failure(result, "multiple of 16", store_dir)
+    assert "down_proj" in result.stderr
