@@ -1,0 +1,124 @@
+"""Kernel launch configurations: a plain table from shape key to config, JSON in and out.
+
+A key is `"{op}:{fmt}:m{bucket}"`, optionally specialised to one layer as
+`"{op}:{fmt}:m{bucket}:n{N}:k{K}"` (the specialised key wins). `op` is `fwd` (x @ W^T) or `dx`
+(dy @ W); `fmt` is `nvfp4` or `nf4`; the M bucket is the next power of two, capped at 1024 (past
+that the tiled GEMM's best shape no longer changes). The engine stage tunes on its GPU, saves the
+table with `save_table`, and loads it with `load_table` + `set_table`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+KERNELS = ("skinny", "tiled")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch. `skinny`: fp32-FMA GEMV over split-K slices; `tiled`: tl.dot GEMM.
+
+    For `dx`, block_n is the contracted (N) tile and block_k the output-column (K) tile.
+    """
+
+    kernel: str
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        for name in ("block_m", "block_n", "block_k", "split_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.kernel == "tiled" and min(self.block_m, self.block_n, self.block_k) < 16:
+            raise ValueError("tiled configs need block_m, block_n, block_k >= 16 (tl.dot minimum)")
+
+
+ConfigTable = dict[str, KernelConfig]
+
+
+def m_bucket(m: int) -> int:
+    """Smallest bucket >= m (the last bucket for anything larger)."""
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def table_key(op: str, fmt: str, m: int, n: int | None = None, k: int | None = None) -> str:
+    base = f"{op}:{fmt}:m{m_bucket(m)}"
+    return base if n is None else f"{base}:n{n}:k{k}"
+
+
+def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4) -> KernelConfig:
+    return KernelConfig("skinny", bm, bn, bk, split, warps, 1)
+
+
+def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1) -> KernelConfig:
+    return KernelConfig("tiled", bm, bn, bk, split, warps, stages)
+
+
+def default_table() -> ConfigTable:
+    """Hand-picked configs per M bucket (H200); tuned per-layer entries override them."""
+    fwd = {
+        1: _sk(1, 16, 256),
+        2: _sk(2, 16, 256),
+        4: _sk(4, 8, 256),
+        8: _t(16, 64, 128, 4, 4),
+        16: _t(16, 64, 128, 4, 4),
+        32: _t(32, 64, 128, 4, 4),
+        64: _t(64, 128, 64, 4, 4),
+        128: _t(128, 128, 64, 8, 4),
+        256: _t(128, 128, 64, 8, 4),
+        512: _t(128, 256, 64, 8, 3),
+        1024: _t(128, 256, 64, 8, 3),
+    }
+    dx = {m: _t(min(max(m, 16), 128), 64, 128 if m < 512 else 256, 8 if m >= 128 else 4, 3)
+          for m in M_BUCKETS}
+    table: ConfigTable = {}
+    for fmt in ("nvfp4", "nf4"):
+        for m, cfg in fwd.items():
+            table[f"fwd:{fmt}:m{m}"] = cfg
+        for m, cfg in dx.items():
+            table[f"dx:{fmt}:m{m}"] = cfg
+    return table
+
+
+_ACTIVE: ConfigTable = default_table()
+
+
+def set_table(table: ConfigTable) -> None:
+    """Use `table` (merged over the defaults) for every later call."""
+    global _ACTIVE
+    _ACTIVE = {**default_table(), **table}
+
+
+def get_config(op: str, fmt: str, m: int, n: int, k: int) -> KernelConfig:
+    """The config for one call: the layer-specific entry if tuned, else the bucket's."""
+    return _ACTIVE.get(table_key(op, fmt, m, n, k)) or _ACTIVE[table_key(op, fmt, m)]
+
+
+def table_to_json(table: ConfigTable) -> dict[str, dict[str, int | str]]:
+    return {key: asdict(cfg) for key, cfg in sorted(table.items())}
+
+
+def table_from_json(data: dict[str, dict[str, int | str]]) -> ConfigTable:
+    return {key: KernelConfig(**cfg) for key, cfg in data.items()}  # type: ignore[arg-type]
+
+
+def save_table(table: ConfigTable, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(table_to_json(table), indent=1) + "\n")
+
+
+def load_table(path: str | Path) -> ConfigTable:
+    return table_from_json(json.loads(Path(path).read_text()))

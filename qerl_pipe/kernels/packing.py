@@ -1,0 +1,142 @@
+"""Kernel layout of 4-bit weights: a one-time repack of the standard checkpoint bytes.
+
+The checkpoint keeps the standard layout (uint8 `[N, K/2]`, element 2j in the low nibble). The
+kernels read int32 words of 8 codes instead and decode two codes per 32-bit operation: shifting a
+word left by 4*s puts one code in bits 12-15 and another in bits 28-31, i.e. at the top of each
+16-bit half, where a mask and one shift turn both into fp16 bit patterns at once. For that pair to
+be two *adjacent* elements (so one `join` restores the natural order, with no shuffle), each word
+stores its 8 elements e0..e7 in nibble slots ordered by `WORD_SLOTS`: slot 3-s holds e_{2s} and
+slot 7-s holds e_{2s+1}.
+
+Scales need no repack: E4M3 bytes are read as uint8 and decoded in the kernel. `prepare_*` run
+once per weight (the engine stage can store the result); `prepared_*` cache it per weight object
+so that calling a linear every forward never repacks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.formats.nf4 import NF4_CODE, NF4Weight
+from qerl_pipe.formats.nvfp4 import NVFP4Weight, pack_fp4, unpack_fp4
+
+# WORD_SLOTS[slot] = which of the word's 8 elements sits in nibble `slot` (bits 4*slot..4*slot+3).
+WORD_SLOTS = (6, 4, 2, 0, 7, 5, 3, 1)
+_SLOT_OF_ELEMENT = tuple(WORD_SLOTS.index(e) for e in range(8))
+
+
+@dataclass(frozen=True)
+class PackedNVFP4:
+    """NVFP4 weight in kernel layout."""
+
+    qweight: Tensor  # int32 [N, K/8], 8 codes per word in WORD_SLOTS order
+    scales: Tensor  # uint8 [N, K/16], the E4M3 block-scale bytes
+    global_scale: Tensor  # float32 [1]; a tensor, not a float, so no host sync per call
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * 8
+
+
+@dataclass(frozen=True)
+class PackedNF4:
+    """NF4 weight in kernel layout."""
+
+    qweight: Tensor  # int32 [N, K/8], same word layout as PackedNVFP4
+    absmax: Tensor  # float32 [N, K/64]
+    code: Tensor  # float32 [16], the NF4 levels (the kernel's lookup table)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * 8
+
+
+def pack_words(packed: Tensor) -> Tensor:
+    """Standard nibble bytes `[N, K/2]` -> int32 words `[N, K/8]` in WORD_SLOTS order."""
+    n, half_k = packed.shape
+    if half_k % 4:
+        raise ValueError(f"K = {2 * half_k} is not a multiple of 8; the kernels need whole words")
+    codes = unpack_fp4(packed).to(torch.int64).reshape(n, half_k // 4, 8)
+    word = torch.zeros(n, half_k // 4, dtype=torch.int64, device=packed.device)
+    for slot, element in enumerate(WORD_SLOTS):
+        word |= codes[..., element] << (4 * slot)
+    # Two's complement into int32: a code with its top bit set in slot 7 makes the word negative.
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack_words(qweight: Tensor) -> Tensor:
+    """Inverse of `pack_words`: int32 words `[N, K/8]` -> standard bytes `[N, K/2]`."""
+    n, words = qweight.shape
+    w = qweight.to(torch.int64) & 0xFFFFFFFF
+    codes = torch.stack([(w >> (4 * _SLOT_OF_ELEMENT[e])) & 0xF for e in range(8)], dim=-1)
+    return pack_fp4(codes.reshape(n, words * 8).to(torch.uint8))
+
+
+def prepare_nvfp4(w: NVFP4Weight) -> PackedNVFP4:
+    """Repack an NVFP4 weight for the kernels (on the weight's device)."""
+    return PackedNVFP4(
+        qweight=pack_words(w.packed),
+        scales=w.block_scales.contiguous().view(torch.uint8),
+        global_scale=w.global_scale.to(torch.float32).reshape(1).contiguous(),
+    )
+
+
+def prepare_nf4(w: NF4Weight) -> PackedNF4:
+    """Repack an NF4 weight for the kernels (on the weight's device)."""
+    return PackedNF4(
+        qweight=pack_words(w.packed),
+        absmax=w.absmax.to(torch.float32).contiguous(),
+        code=torch.tensor(NF4_CODE, dtype=torch.float32, device=w.packed.device),
+    )
+
+
+def unprepare_nvfp4(p: PackedNVFP4) -> NVFP4Weight:
+    """Back to the checkpoint container (for the CPU path and for tests)."""
+    return NVFP4Weight(
+        unpack_words(p.qweight), p.scales.view(torch.float8_e4m3fn), p.global_scale.reshape(())
+    )
+
+
+def unprepare_nf4(p: PackedNF4) -> NF4Weight:
+    """Back to the checkpoint container (for the CPU path and for tests)."""
+    return NF4Weight(unpack_words(p.qweight), p.absmax)
+
+
+_W = TypeVar("_W")
+_P = TypeVar("_P")
+# id(weight) -> packed copy; an entry is dropped when its weight object is garbage-collected.
+_CACHE: dict[int, object] = {}
+
+
+def _cached(w: _W, prepare: Callable[[_W], _P]) -> _P:
+    key = id(w)
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = prepare(w)
+        _CACHE[key] = hit
+        weakref.finalize(w, _CACHE.pop, key, None)
+    return hit  # type: ignore[return-value]
+
+
+def prepared_nvfp4(w: NVFP4Weight | PackedNVFP4) -> PackedNVFP4:
+    """Kernel layout of `w`, repacked on first use and cached for the weight's lifetime."""
+    return w if isinstance(w, PackedNVFP4) else _cached(w, prepare_nvfp4)
+
+
+def prepared_nf4(w: NF4Weight | PackedNF4) -> PackedNF4:
+    """Kernel layout of `w`, repacked on first use and cached for the weight's lifetime."""
+    return w if isinstance(w, PackedNF4) else _cached(w, prepare_nf4)
