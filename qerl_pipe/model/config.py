@@ -71,7 +71,9 @@ class DecoderConfig:
                 f"unsupported architecture {name} (model_type {model_type!r}); supported: {_SUPPORTED_TEXT}"
             )
         if hf.get("num_experts") or hf.get("num_local_experts"):
-            raise ModelSourceError(f"{name}: mixture-of-experts models are not supported; supported: {_SUPPORTED_TEXT}")
+            raise ModelSourceError(
+                f"{name}: mixture-of-experts models are not supported; supported: {_SUPPORTED_TEXT}"
+            )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ModelSourceError(f"{name}: hidden_act {act!r} is not supported (only 'silu')")

@@ -15,7 +15,9 @@ class RMSNorm(nn.Module):
     would be rounded away if it were added to a bf16 weight of ~1 (bf16 spacing there is 2^-7).
     """
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    def __init__(
+        self, dim: int, eps: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)

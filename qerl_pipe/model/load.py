@@ -1,0 +1,230 @@
+"""Build a Decoder from a Hugging Face directory (bf16 or NVFP4 checkpoint) or from random weights.
+
+Weights stream one tensor at a time (safetensors, never torch.load) and each linear is converted
+to the target base format as soon as its projections are all read, so peak memory is the final
+model plus one fused layer, never the bf16 model next to its quantized copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from qerl_pipe.errors import ModelSourceError
+from qerl_pipe.formats.checkpoint import detect_quant_format, iter_quantized_checkpoint
+from qerl_pipe.formats.nf4 import quantize_nf4
+from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.decoder import Decoder
+from qerl_pipe.model.linear import BASE_FORMATS, BaseFormat, BaseWeight, QuantLinear
+from qerl_pipe.model.lora import LoraSpec, apply_lora
+
+log = logging.getLogger(__name__)
+
+# HF projection -> (our fused QuantLinear, index of the projection in it).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_PROJECTIONS = (*_FUSED, "o_proj", "down_proj")
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    model_dir: Path | str,
+    base_format: BaseFormat = "bf16",
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    lora: LoraSpec | None = None,
+) -> Decoder:
+    """Load a bf16 HF model (quantized on the fly to `base_format`) or an NVFP4 checkpoint.
+
+    An NVFP4 checkpoint (modelopt or compressed-tensors layout) loads as nvfp4, or dequantized
+    for `base_format="bf16"`; NF4 needs the bf16 model (re-rounding 4-bit codes would compound).
+    """
+    model_dir = Path(model_dir)
+    _check_format(base_format)
+    hf = _read_config(model_dir)
+    model = Decoder(DecoderConfig.from_hf(hf), base_format, dtype, device)
+    quant = detect_quant_format(hf)
+    if quant is not None and base_format == "nf4":
+        raise ModelSourceError(
+            f"{model_dir} is an NVFP4 checkpoint ({quant}); NF4 needs the original bf16 model, "
+            "or load this one with base_format='nvfp4' (or 'bf16')"
+        )
+    assembler = _Assembler(model, base_format, dtype, device)
+    # Unquantized checkpoints come through the same reader: every tensor by its own name.
+    for name, item, _input_scale in iter_quantized_checkpoint(model_dir):  # W4A16: input scales unused
+        assembler.add(name, item)
+    assembler.finish(model_dir)
+    if lora is not None:
+        apply_lora(model, lora)
+    return model
+
+
+def init_random_model(
+    config_dict: Mapping[str, Any],
+    base_format: BaseFormat = "bf16",
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    lora: LoraSpec | None = None,
+) -> Decoder:
+    """A model with HF's random init (N(0, 0.02), unit norms) built directly in `base_format`.
+
+    Each linear is drawn and quantized on `device` one at a time, so a 32B NVFP4 model builds on
+    one GPU without the 64 GB bf16 model ever existing: the speed/memory stand-in for a real one.
+    """
+    _check_format(base_format)
+    model = Decoder(DecoderConfig.from_hf(config_dict), base_format, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0.0, 0.02, generator=gen)
+        if not model.config.tie_word_embeddings:
+            model.lm_head.weight.normal_(0.0, 0.02, generator=gen)
+        for name, linear in _linears(model):
+            w = torch.empty(linear.out_features, linear.in_features, dtype=dtype, device=device)
+            linear.set_base(_convert(w.normal_(0.0, 0.02, generator=gen), base_format, dtype, name))
+            del w
+    if lora is not None:
+        apply_lora(model, lora, seed)
+    return model
+
+
+def model_memory_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters and buffers (a tied weight counts once)."""
+    seen: set[tuple[torch.device, int]] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _check_format(base_format: str) -> None:
+    if base_format not in BASE_FORMATS:
+        raise ValueError(f"base_format {base_format!r}: choose one of {BASE_FORMATS}")
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelSourceError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def _linears(model: Decoder) -> Iterator[tuple[str, QuantLinear]]:
+    return ((n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear))
+
+
+def _convert(w: Tensor, base_format: str, dtype: torch.dtype, name: str) -> BaseWeight:
+    if base_format == "nvfp4":
+        # One tensor for the whole fused group: one amax, so q/k/v (gate/up) share a global scale.
+        return quantize_nvfp4(w, name=name)
+    if base_format == "nf4":
+        return quantize_nf4(w, name=name)
+    return w.to(dtype)
+
+
+def _fuse_nvfp4(parts: list[NVFP4Weight], name: str) -> NVFP4Weight:
+    """Concatenate NVFP4 projections along N; they must share a global scale to be one tensor."""
+    scales = torch.stack([p.global_scale.float().reshape(()) for p in parts])
+    if bool((scales == scales[0]).all()):
+        packed = torch.cat([p.packed for p in parts])
+        return NVFP4Weight(packed, torch.cat([p.block_scales for p in parts]), parts[0].global_scale)
+    # Not from our quantizer (TensorRT-LLM would refuse it too): re-round under the shared scale,
+    # which changes some codes; vLLM does the equivalent, with the same loss.
+    log.warning("%s: fused projections have different NVFP4 global scales; requantizing them under one", name)
+    return quantize_nvfp4(torch.cat([dequantize_nvfp4(p) for p in parts]), name=name)
+
+
+class _Assembler:
+    """Collects checkpoint tensors by HF name and installs each piece as soon as it is complete."""
+
+    def __init__(self, model: Decoder, base_format: str, dtype: torch.dtype, device: torch.device | str):
+        self.model, self.base_format, self.dtype, self.device = model, base_format, dtype, device
+        self.linears = dict(_linears(model))
+        self.pending: dict[tuple[str, str], list[Any]] = {}  # (linear, "weight"|"bias") -> parts
+        # Everything the checkpoint must provide (a tied lm_head is the embedding: named_parameters
+        # lists a shared tensor once).
+        self.missing = {n for n, _ in model.named_parameters()}
+        self.missing |= {f"{n}.weight" for n in self.linears}
+        self.missing |= {f"{n}.bias" for n, m in self.linears.items() if m.bias is not None}
+
+    def add(self, hf_name: str, item: Tensor | NVFP4Weight) -> None:
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            return
+        name = hf_name.removeprefix("model.")
+        if isinstance(item, NVFP4Weight):  # a quantized linear, by module name
+            if name.rpartition(".")[2] in _PROJECTIONS:
+                self._add_linear_part(name, "weight", item)
+                return
+            # Something we keep dense (an lm_head quantized by an exporter without exclusions).
+            name, item = f"{name}.weight", dequantize_nvfp4(item, self.dtype)
+        module_name, _, kind = name.rpartition(".")
+        if module_name.rpartition(".")[2] in _PROJECTIONS:
+            self._add_linear_part(module_name, kind, item)
+            return
+        if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
+            return  # some tied checkpoints store the shared matrix twice
+        param = self.model.get_parameter(name) if name in self.missing else None
+        if param is None:
+            raise ModelSourceError(
+                f"checkpoint tensor {hf_name!r} has no place in a {self.model.config.model_type} model"
+            )
+        if param.shape != item.shape:
+            raise ModelSourceError(
+                f"{hf_name}: checkpoint shape {tuple(item.shape)} != model shape {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(item)
+        self.missing.discard(name)
+
+    def _add_linear_part(self, module_name: str, kind: str, part: Tensor | NVFP4Weight) -> None:
+        parent, _, proj = module_name.rpartition(".")
+        fused, index = _FUSED.get(proj, (proj, 0))
+        target = f"{parent}.{fused}"
+        linear = self.linears.get(target)
+        if linear is None or kind not in ("weight", "bias"):
+            raise ModelSourceError(f"checkpoint tensor {module_name}.{kind} has no place in the model")
+        if isinstance(part, NVFP4Weight):
+            part = part.to(self.device)
+            if self.base_format == "bf16":
+                part = dequantize_nvfp4(part, self.dtype)
+        else:
+            part = part.to(self.device)
+        parts = self.pending.setdefault((target, kind), [None] * len(linear.names))
+        parts[index] = part
+        if any(p is None for p in parts):
+            return
+        del self.pending[(target, kind)]
+        if kind == "bias":
+            with torch.no_grad():
+                linear.bias.copy_(torch.cat(parts))
+        elif isinstance(parts[0], NVFP4Weight):
+            linear.set_base(_fuse_nvfp4(parts, target))
+        else:
+            linear.set_base(_convert(torch.cat(parts), self.base_format, self.dtype, target))
+        self.missing.discard(f"{target}.{kind}")
+
+    def finish(self, model_dir: Path) -> None:
+        incomplete = sorted({f"{t}.{kind}" for t, kind in self.pending} | self.missing)
+        if incomplete:
+            more = f" and {len(incomplete) - 5} more" if len(incomplete) > 5 else ""
+            shown = ", ".join(incomplete[:5]) + more
+            raise ModelSourceError(f"{model_dir}: checkpoint lacks {shown}")

@@ -1,0 +1,89 @@
+"""LoRA on the decoder: which projections get adapters, the trainable parameters, PEFT names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.norm import RMSNorm
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = LORA_TARGETS
+    # Also train every RMSNorm weight (QeRL's option); they export as PEFT modules_to_save.
+    train_norms: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.targets) - set(LORA_TARGETS)
+        if unknown or not self.targets:
+            raise ValueError(f"LoRA targets {sorted(unknown) or '()'} invalid; choose from {LORA_TARGETS}")
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, seed: int = 0) -> None:
+    """Give every targeted projection a fresh adapter (B = 0: the model's outputs do not change)."""
+    generator = torch.Generator(device=_device_of(model)).manual_seed(seed)
+    projections = {f"{t}_proj" for t in spec.targets}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            names = [n for n in module.names if n in projections]
+            if names:
+                module.add_lora(names, spec.rank, spec.alpha, generator)
+        elif isinstance(module, RMSNorm) and spec.train_norms:
+            module.weight.requires_grad_(True)
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every trainable parameter: LoRA A/B and, with train_norms, the norm weights."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Trainable tensors under PEFT's names, e.g.
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (fused layers split back into
+    their HF projections) and, with train_norms, `base_model.model.model.norm.weight`.
+    """
+    out: dict[str, Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            parent = name.rsplit(".", 1)[0]
+            for proj in module.lora_A:
+                prefix = f"base_model.model.{_hf_name(parent)}.{proj}"
+                out[f"{prefix}.lora_A.weight"] = module.lora_A[proj].detach()
+                out[f"{prefix}.lora_B.weight"] = module.lora_B[proj].detach()
+        elif isinstance(module, RMSNorm) and module.weight.requires_grad:
+            out[f"base_model.model.{_hf_name(name)}.weight"] = module.weight.detach()
+    return out
+
+
+@contextmanager
+def lora_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the base model alone (e.g. the reference policy of a KL term) without a second copy."""
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for m in linears:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m in linears:
+            m.lora_enabled = True
+
+
+def _hf_name(name: str) -> str:
+    # Our Decoder has no `model.` level between the root and `layers`/`norm`; HF does.
+    return f"model.{name}"
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
