@@ -56,10 +56,12 @@ def test_family_specifics():
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        (dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"]), ["Gemma2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"]),
+        (dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"]),
+         ["Gemma2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"]),
         (dict(model_type="mixtral", architectures=["MixtralForCausalLM"]), ["MixtralForCausalLM", "supported"]),
         (dict(model_type="qwen2", num_experts=8), ["mixture-of-experts"]),
-        (dict(model_type="llama", architectures=["LlamaForSequenceClassification"]), ["LlamaForSequenceClassification"]),
+        (dict(model_type="llama", architectures=["LlamaForSequenceClassification"]),
+         ["LlamaForSequenceClassification"]),
         (dict(model_type="mistral", sliding_window=1024), ["sliding-window", "1024"]),
         (dict(model_type="qwen2", sliding_window=1024, use_sliding_window=True), ["sliding-window"]),
         (dict(model_type="qwen3", layer_types=["sliding_attention", "full_attention"]), ["sliding-window"]),

@@ -132,7 +132,7 @@ def test_kv_cache_decode_matches_full_forward(hf_models, arch, base_format):
     with torch.no_grad():
         full = model.logits(seqs)
     # Batch of 4 slots, prompts of different lengths right-padded into slots 2, 0, 3 (slot 1 idle).
-    cache = KVCache(model.config, batch_size=4, max_len=32, dtype=torch.float32)
+    cache = model.make_cache(batch_size=4, max_len=32)
     slots = torch.tensor([2, 0, 3])
     prompts = seqs[:, :9].clone()
     for i, n in enumerate(lengths):
@@ -149,6 +149,8 @@ def test_kv_cache_decode_matches_full_forward(hf_models, arch, base_format):
         logits = model.decode_step(tokens, positions, cache)
         for i, n in enumerate(lengths):
             torch.testing.assert_close(logits[slots[i]], full[i, n + step], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="one per cache slot"):
+        model.decode_step(tokens[:2], positions[:2], cache)
 
 
 def test_copy_slots_shares_one_prefill(hf_models):
@@ -179,8 +181,12 @@ def test_left_padding_gives_the_unpadded_logits(hf_models):
     torch.testing.assert_close(out[:, 4:], ref, atol=1e-4, rtol=1e-4)
 
 
-def _write_nvfp4_checkpoint(src: Path, out: Path, layout: str) -> None:
-    """Quantize every projection of `src` into `out`, in the modelopt or compressed-tensors layout."""
+def _write_nvfp4_checkpoint(src: Path, out: Path, layout: str, shared_scales: bool = True,
+                            keep_dense: tuple[str, ...] = ()) -> None:
+    """Quantize the projections of `src` into `out`, in the modelopt or compressed-tensors layout.
+
+    `shared_scales=False` writes what TensorRT-LLM refuses (a scale per projection); `keep_dense`
+    names tensors left unquantized (a checkpoint's exclusions)."""
     out.mkdir()
     with safe_open(src / "model.safetensors", "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -190,9 +196,11 @@ def _write_nvfp4_checkpoint(src: Path, out: Path, layout: str) -> None:
             if name.endswith(".weight") and name.split(".")[-2] in projs:
                 groups.setdefault(name.rsplit(".", 2)[0] + group, []).append(name)
     scales = {n: shared_global_scale([tensors[m] for m in members]) for members in groups.values() for n in members}
+    if not shared_scales:
+        scales = {}
     written = {}
     for name, t in tensors.items():
-        if name.endswith("proj.weight"):
+        if name.endswith("proj.weight") and name not in keep_dense:
             w = quantize_nvfp4(t, scales.get(name))
             write = nvfp4_tensors if layout == "modelopt" else compressed_nvfp4_tensors
             written.update(write(name.removesuffix(".weight"), w, None))
@@ -233,13 +241,31 @@ def test_load_nvfp4_checkpoint_equals_quantizing_on_the_fly(hf_models, tmp_path,
         load_model(ckpt, "nf4")
 
 
+@pytest.mark.parametrize("variant", ["own_scales", "partly_dense"])
+def test_unusual_nvfp4_groups_are_requantized_under_one_scale(hf_models, tmp_path, caplog, variant):
+    path, _ = hf_models["llama3"]
+    ckpt = tmp_path / variant
+    if variant == "own_scales":
+        _write_nvfp4_checkpoint(path, ckpt, "modelopt", shared_scales=False)
+    else:
+        _write_nvfp4_checkpoint(path, ckpt, "modelopt", keep_dense=("model.layers.0.mlp.up_proj.weight",))
+    with caplog.at_level("WARNING"):
+        model = load_model(ckpt, "nvfp4", dtype=torch.float32)
+    assert ("different NVFP4 global scales" in caplog.text) == (variant == "own_scales")
+    ids = _ids()
+    with torch.no_grad():
+        # Re-rounded once more than the on-the-fly model: close, not equal.
+        assert _rel(model.logits(ids), load_model(path, "nvfp4", dtype=torch.float32).logits(ids)) < 0.06
+
+
 def test_incomplete_checkpoint_is_refused(hf_models, tmp_path):
     path, _ = hf_models["llama3"]
     broken = tmp_path / "broken"
     broken.mkdir()
     shutil.copy(path / "config.json", broken / "config.json")
     with safe_open(path / "model.safetensors", "pt") as f:
-        save_file({k: f.get_tensor(k) for k in f.keys() if "layers.1.self_attn.v_proj" not in k}, broken / "model.safetensors")
+        kept = {k: f.get_tensor(k) for k in f.keys() if "layers.1.self_attn.v_proj" not in k}
+    save_file(kept, broken / "model.safetensors")
     with pytest.raises(ModelSourceError, match=r"lacks layers\.1\.self_attn\.qkv_proj\.weight"):
         load_model(broken)
 

@@ -234,6 +234,10 @@ class Decoder(nn.Module):
         """[B, T, vocab] logits in the model dtype (for long batches, apply `lm_head` in chunks)."""
         return self.lm_head(self.forward(input_ids, positions, attention_mask))
 
+    def make_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty KV cache in this model's dtype and on its device."""
+        return KVCache(self.config, batch_size, max_len, self.dtype, self.embed_tokens.weight.device)
+
     @torch.inference_mode()
     def prefill(
         self, input_ids: Tensor, cache: KVCache, slots: Tensor, lengths: Tensor | None = None
@@ -258,8 +262,14 @@ class Decoder(nn.Module):
         """One token for every cache slot: tokens [B], their positions [B] (B = cache.batch_size).
 
         Returns logits [B, vocab]. Idle slots compute garbage that nobody reads: keeping every
-        shape fixed is what lets the engine replay this step as a CUDA graph.
+        shape fixed is what lets the engine replay this step as a CUDA graph. Positions must be
+        below cache.max_len (an index past it is an out-of-bounds scatter).
         """
+        if tokens.shape != (cache.batch_size,) or positions.shape != tokens.shape:
+            raise ValueError(
+                f"decode_step needs tokens and positions of shape ({cache.batch_size},), one per cache "
+                f"slot; got {tuple(tokens.shape)} and {tuple(positions.shape)}"
+            )
         attends = [
             partial(attend_decode, k_cache=cache.k[i], v_cache=cache.v[i], positions=positions)
             for i in range(len(self.layers))

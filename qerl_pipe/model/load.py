@@ -149,7 +149,7 @@ def _fuse_nvfp4(parts: list[NVFP4Weight], name: str) -> NVFP4Weight:
         return NVFP4Weight(packed, torch.cat([p.block_scales for p in parts]), parts[0].global_scale)
     # Not from our quantizer (TensorRT-LLM would refuse it too): re-round under the shared scale,
     # which changes some codes; vLLM does the equivalent, with the same loss.
-    log.warning("%s: fused projections have different NVFP4 global scales; requantizing them under one", name)
+    log.warning("%s: fused projections have different NVFP4 global scales; requantizing under one", name)
     return quantize_nvfp4(torch.cat([dequantize_nvfp4(p) for p in parts]), name=name)
 
 
@@ -202,12 +202,9 @@ class _Assembler:
         linear = self.linears.get(target)
         if linear is None or kind not in ("weight", "bias"):
             raise ModelSourceError(f"checkpoint tensor {module_name}.{kind} has no place in the model")
-        if isinstance(part, NVFP4Weight):
-            part = part.to(self.device)
-            if self.base_format == "bf16":
-                part = dequantize_nvfp4(part, self.dtype)
-        else:
-            part = part.to(self.device)
+        part = part.to(self.device)
+        if isinstance(part, NVFP4Weight) and self.base_format == "bf16":
+            part = dequantize_nvfp4(part, self.dtype)
         parts = self.pending.setdefault((target, kind), [None] * len(linear.names))
         parts[index] = part
         if any(p is None for p in parts):
@@ -216,10 +213,12 @@ class _Assembler:
         if kind == "bias":
             with torch.no_grad():
                 linear.bias.copy_(torch.cat(parts))
-        elif isinstance(parts[0], NVFP4Weight):
+        elif all(isinstance(p, NVFP4Weight) for p in parts):
             linear.set_base(_fuse_nvfp4(parts, target))
         else:
-            linear.set_base(_convert(torch.cat(parts), self.base_format, self.dtype, target))
+            # Dense, or a group that the checkpoint's exclusions left partly unquantized.
+            dense = [dequantize_nvfp4(p) if isinstance(p, NVFP4Weight) else p for p in parts]
+            linear.set_base(_convert(torch.cat(dense), self.base_format, self.dtype, target))
         self.missing.discard(f"{target}.{kind}")
 
     def finish(self, model_dir: Path) -> None:
