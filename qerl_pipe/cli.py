@@ -147,9 +147,24 @@ def bench_kernels(out: Annotated[Optional[Path], typer.Option(help="Write the JS
     """NVFP4 / NF4 W4A16 kernels vs cuBLAS bf16 and dequantize-then-matmul (needs a CUDA GPU)."""
     from qerl_pipe.bench.kernels import run_kernel_bench
 
-    result = run_kernel_bench(shapes=[s.strip() for s in shapes.split(",") if s.strip()])
+    _emit(run_kernel_bench(shapes=[s.strip() for s in shapes.split(",") if s.strip()]), out)
+
+
+@bench_app.command("quantize")
+@_user_errors
+def bench_quantize(model: Annotated[str, typer.Option(help="Model source for the quality figures.")] = "smollm2-135m-instruct",
+                   shard_mb: Annotated[int, typer.Option(help="Shard size of the synthetic multi-shard model.")] = 64,
+                   out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None) -> None:
+    """Quantize-stage time, peak host memory (streaming) and quality; runs on CPU."""
+    from qerl_pipe.bench.quantize import run_quantize_bench
+
+    _emit(run_quantize_bench(model, shard_mb), out)
+
+
+def _emit(result: dict, out: Path | None) -> None:
     text = json.dumps(result, indent=2)
     if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
     print(text)
 

@@ -1,0 +1,83 @@
+"""`qerl-pipe bench quantize`: what the quantize stage costs and how much quality it keeps.
+
+Runs the stage in a fresh store on (a) the given model source and (b) a random-init model of
+Qwen2.5-0.5B's shapes saved in many shards, and reports time, peak host memory against the size
+of one shard plus one tensor (the streaming design's promise), and the quality figures.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from qerl_pipe.artifacts import ArtifactStore
+from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.recipe import load_recipe
+from qerl_pipe.stages.quantize import run_quantize
+
+# Qwen2.5-0.5B's layer shapes (with a 32k vocabulary, so no single tensor dominates a shard): big
+# enough that a whole-model load would dwarf one shard.
+SHARDED_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True,
+                     max_position_embeddings=4096)
+
+
+def _largest_tensor_bytes(model_dir: Path) -> int:
+    from qerl_pipe.formats.checkpoint import list_shards, open_shard
+
+    largest = 0
+    for shard in list_shards(model_dir):
+        with open_shard(shard) as fh:
+            for name in fh.keys():
+                sl = fh.get_slice(name)
+                numel = 1
+                for d in sl.get_shape():
+                    numel *= d
+                largest = max(largest, numel * 2)
+    return largest
+
+
+def _quantize_row(source: str, store: ArtifactStore, overrides: list[str]) -> dict[str, Any]:
+    recipe = load_recipe(None, [f"model.source={source}", *overrides])
+    artifact = run_quantize(recipe, store)
+    s = artifact.summary
+    return {"source": source, **{k: s[k] for k in (
+        "quantized_linears", "mean_relative_error", "max_relative_error", "size_mb", "shards",
+        "largest_shard_mb", "peak_host_memory_mb", "perplexity", "seconds")}}
+
+
+def _sharded_model(out: Path, shard_mb: int) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**SHARDED_SHAPE), dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=f"{shard_mb}MB")
+    (out / "tokenizer_config.json").write_text("{}\n")
+    return out
+
+
+def run_quantize_bench(source: str, shard_mb: int = 64) -> dict[str, Any]:
+    rows = []
+    targets = []
+    with tempfile.TemporaryDirectory() as tmp:
+        store = ArtifactStore(Path(tmp) / "artifacts")
+        real = _quantize_row(source, store, ["quantize.quality.perplexity=always"])
+        rows.append(real)
+        sharded_dir = _sharded_model(Path(tmp) / "sharded", shard_mb)
+        tensor_mb = _largest_tensor_bytes(sharded_dir) / 2**20
+        row = _quantize_row(str(sharded_dir), store, ["quantize.quality.perplexity=never"])
+        row["source"] = f"random Qwen2.5-0.5B layer shapes, 32k vocab, {shard_mb} MB shards"
+        row["largest_tensor_mb"] = tensor_mb
+        rows.append(row)
+    bound = row["largest_shard_mb"] + tensor_mb
+    targets.append(target(
+        "quantize peak host memory near one shard plus one tensor (<= 1.5x their sum)",
+        f"<= {1.5 * bound:.0f} MB (shard {row['largest_shard_mb']:.0f} MB + tensor {tensor_mb:.0f} MB, x1.5)",
+        round(row["peak_host_memory_mb"], 1), "MB", row["peak_host_memory_mb"] <= 1.5 * bound))
+    targets.append(target(
+        "quantize peak host memory well under the whole bf16 model (< 50%)",
+        f"< {0.5 * row['size_mb']['in']:.0f} MB", round(row["peak_host_memory_mb"], 1), "MB",
+        row["peak_host_memory_mb"] < 0.5 * row["size_mb"]["in"]))
+    return results_file(rows, targets)

@@ -1,0 +1,43 @@
+"""The self-describing results file every benchmark writes (command, commit, gpu, date, results, targets)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+
+def current_commit() -> str:
+    """The git commit of the code being measured (QERL_COMMIT wins, for copies without .git)."""
+    if os.environ.get("QERL_COMMIT"):
+        return os.environ["QERL_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def target(name: str, target: str, measured: float, unit: str, met: bool) -> dict[str, Any]:
+    return {"name": name, "target": target, "measured": measured, "unit": unit, "met": bool(met)}
+
+
+def results_file(results: Any, targets: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "command": " ".join(["qerl-pipe", *sys.argv[1:]]) if sys.argv and "qerl-pipe" in sys.argv[0] else " ".join(sys.argv),
+        "commit": current_commit(),
+        "gpu": device_name(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+        "results": results,
+        "targets": targets,
+    }

