@@ -36,10 +36,12 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        for name in ("block_m", "block_n", "block_k", "split_k", "num_warps"):
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError("split_k and num_stages must be at least 1")
         if self.kernel == "tiled" and min(self.block_m, self.block_n, self.block_k) < 16:
             raise ValueError("tiled configs need block_m, block_n, block_k >= 16 (tl.dot minimum)")
 
@@ -69,21 +71,24 @@ def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1) -> Ke
 
 
 def default_table() -> ConfigTable:
-    """Hand-picked configs per M bucket (H200); tuned per-layer entries override them."""
+    """Per-M-bucket configs: the winners of the H200 sweep in bench/results/kernels-h200.json.
+
+    Tuned per-layer entries (`...:n{N}:k{K}`) override them.
+    """
     fwd = {
-        1: _sk(1, 16, 256),
-        2: _sk(2, 16, 256),
-        4: _sk(4, 8, 256),
-        8: _t(16, 64, 128, 4, 4),
-        16: _t(16, 64, 128, 4, 4),
-        32: _t(32, 64, 128, 4, 4),
-        64: _t(64, 128, 64, 4, 4),
-        128: _t(128, 128, 64, 8, 4),
-        256: _t(128, 128, 64, 8, 4),
-        512: _t(128, 256, 64, 8, 3),
-        1024: _t(128, 256, 64, 8, 3),
+        1: _sk(1, 8, 512),
+        2: _sk(2, 8, 256),
+        4: _sk(4, 8, 128),
+        8: _t(16, 64, 128, 4, 4, split=4),
+        16: _t(16, 64, 128, 4, 4, split=4),
+        32: _t(32, 128, 128, 4, 4),
+        64: _t(32, 128, 128, 4, 4),
+        128: _t(128, 128, 128, 8, 3),
+        256: _t(128, 128, 128, 8, 3),
+        512: _t(256, 128, 64, 8, 3),
+        1024: _t(256, 128, 64, 8, 3),
     }
-    dx = {m: _t(min(max(m, 16), 128), 64, 128 if m < 512 else 256, 8 if m >= 128 else 4, 3)
+    dx = {m: _t(min(max(m, 16), 128), 64, 128 if m < 128 else 256, 8 if m >= 128 else 4, 3)
           for m in M_BUCKETS}
     table: ConfigTable = {}
     for fmt in ("nvfp4", "nf4"):

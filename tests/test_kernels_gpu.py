@@ -1,0 +1,57 @@
+"""The compiled kernels on a CUDA GPU (run on the H200: `pytest -m gpu`), vs the fp32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
+from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from qerl_pipe.kernels import KernelConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CONFIGS = [
+    KernelConfig("skinny", 1, 16, 256),
+    KernelConfig("skinny", 4, 8, 128, split_k=4),
+    KernelConfig("tiled", 16, 64, 128, num_stages=4),
+    KernelConfig("tiled", 16, 64, 128, split_k=3),
+    KernelConfig("tiled", 128, 128, 64, num_warps=8, num_stages=4),
+]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4608, 3584), (7, 333, 1088), (200, 1000, 512)])
+def test_forward(fmt: str, cfg: KernelConfig, m: int, n: int, k: int) -> None:
+    from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4
+    from qerl_pipe.kernels.triton_matmul import launch_forward
+
+    w = torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda") ** 4
+    q = quantize_nvfp4(w) if fmt == "nvfp4" else quantize_nf4(w)
+    dense = (dequantize_nvfp4 if fmt == "nvfp4" else dequantize_nf4)(q, torch.float32)
+    packed = prepare_nvfp4(q) if fmt == "nvfp4" else prepare_nf4(q)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = launch_forward(x, fmt, packed, cfg, out=out)
+    ref = x.float() @ dense.T
+    assert torch.isfinite(y).all()
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4608, 3584), (300, 1000, 576)])
+def test_dx(fmt: str, m: int, n: int, k: int) -> None:
+    from qerl_pipe.kernels import nf4_linear_dx, nvfp4_linear_dx
+
+    w = torch.randn(n, k, device="cuda")
+    q = quantize_nvfp4(w) if fmt == "nvfp4" else quantize_nf4(w)
+    dense = (dequantize_nvfp4 if fmt == "nvfp4" else dequantize_nf4)(q, torch.float32)
+    dy = torch.randn(2, m, n, device="cuda").to(torch.bfloat16)
+    dx = (nvfp4_linear_dx if fmt == "nvfp4" else nf4_linear_dx)(dy, q)
+    ref = dy.float() @ dense
+    assert dx.shape == (2, m, k)
+    assert float((dx.float() - ref).norm() / ref.norm()) < 1e-2
