@@ -28,7 +28,7 @@ from qerl_pipe.formats.modelopt_layout import (
 )
 from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, global_scale_from_amax, quantize_nvfp4
 from qerl_pipe.log import console, log, progress
-from qerl_pipe.memwatch import PeakRSS
+from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.quality import load_dequantized_weights, perplexity, relative_error
 from qerl_pipe.recipe import QuantizeSection, Recipe
@@ -252,6 +252,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
             shards = list_shards(resolved.dir)
             exclude = sorted({"lm_head", *section.exclude})
             dtype = _out_dtype(section.dtype, resolved.config)
+            return_freed_tensors_to_os()
             with PeakRSS() as memory:
                 plan = _plan(shards, exclude)
                 if not plan.quantized:
