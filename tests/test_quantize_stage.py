@@ -229,3 +229,14 @@ def test_in_features_not_a_multiple_of_16_is_an_error(tmp_path, store_dir):
     result = cli("quantize", "--model", odd, "--artifacts", store_dir, *FAST, ok=False)
     _assert_clean_failure(result, "multiple of 16", store_dir)
     assert "down_proj" in result.stderr
+
+
+def test_checkpoint_loads_into_our_decoder_like_quantizing_on_the_fly(sharded_llama, store_dir):
+    from qerl_pipe.model.load import load_model
+
+    ckpt = last_line(cli("quantize", "--model", sharded_llama, "--artifacts", store_dir, *FAST))
+    from_artifact = load_model(ckpt, "nvfp4", dtype=torch.float32)
+    on_the_fly = load_model(sharded_llama, "nvfp4", dtype=torch.float32)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(from_artifact.logits(ids), on_the_fly.logits(ids))
