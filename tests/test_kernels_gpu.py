@@ -20,6 +20,10 @@ CONFIGS = [
     KernelConfig("tiled", 16, 64, 128, num_stages=4),
     KernelConfig("tiled", 16, 64, 128, split_k=3),
     KernelConfig("tiled", 128, 128, 64, num_warps=8, num_stages=4),
+    KernelConfig("gemv", 1, 8, 1024),
+    KernelConfig("gemv", 2, 16, 512, split_k=3, num_stages=3),
+    KernelConfig("dequant", 1, 32, 256),
+    KernelConfig("dequant", 1, 64, 128, num_warps=8),
 ]
 
 
@@ -55,3 +59,20 @@ def test_dx(fmt: str, m: int, n: int, k: int) -> None:
     ref = dy.float() @ dense
     assert dx.shape == (2, m, k)
     assert float((dx.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_dequant_scratch_is_shared_and_exact() -> None:
+    """The decode pass writes the reference's weight rounded once to bf16; one buffer serves all."""
+    from qerl_pipe.kernels.dequant_gemm import dequantize_into, scratch
+    from qerl_pipe.kernels.packing import prepare_nvfp4
+    from qerl_pipe.kernels.triton_matmul import _operands
+
+    w = torch.randn(1000, 4096, device="cuda") * torch.rand(1000, 1, device="cuda") ** 4
+    q = quantize_nvfp4(w)
+    big = scratch(1000, 4096, w.device, torch.bfloat16)
+    big.fill_(float("nan"))
+    got = dequantize_into(*_operands("nvfp4", prepare_nvfp4(q)), big, KernelConfig("dequant", 1, 32, 256))
+    # One bf16 rounding of the fp32 value (the reference's own rounding may differ by that ulp).
+    torch.testing.assert_close(got.float(), dequantize_nvfp4(q, torch.float32), rtol=2**-8, atol=0)
+    small = scratch(10, 64, w.device, torch.bfloat16)
+    assert small.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()

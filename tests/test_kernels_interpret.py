@@ -26,11 +26,15 @@ from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4
 
 SK = "skinny"
 TI = "tiled"
+DQ = "dequant"
 CASES = [
     # (op, fmt, M, N, K, config): M off the tile, M = 1, the smallest K, odd N, split-K.
     ("fwd", "nvfp4", 1, 33, 16, KernelConfig(SK, 1, 16, 64)),
     ("fwd", "nvfp4", 3, 33, 96, KernelConfig(SK, 2, 8, 32, split_k=2)),
     ("fwd", "nvfp4", 1, 40, 256, KernelConfig(SK, 1, 16, 64, split_k=4)),
+    ("fwd", "nvfp4", 1, 33, 272, KernelConfig("gemv", 1, 16, 128)),
+    ("fwd", "nvfp4", 3, 17, 256, KernelConfig("gemv", 2, 8, 64, split_k=2)),
+    ("fwd", "nf4", 1, 33, 192, KernelConfig("gemv", 1, 8, 128)),
     ("fwd", "nvfp4", 17, 33, 48, KernelConfig(TI, 16, 16, 32, num_stages=1)),
     ("fwd", "nvfp4", 5, 24, 128, KernelConfig(TI, 16, 16, 32, split_k=2, num_stages=1)),
     ("fwd", "nvfp4", 1, 16, 16, KernelConfig(TI, 16, 16, 16, num_stages=1)),
@@ -42,6 +46,12 @@ CASES = [
     ("dx", "nvfp4", 19, 33, 96, KernelConfig(TI, 16, 16, 32, num_stages=1)),
     ("dx", "nf4", 17, 40, 128, KernelConfig(TI, 16, 16, 64, num_stages=1)),
     ("dx", "nf4", 1, 17, 64, KernelConfig(TI, 16, 32, 64, num_stages=1)),
+    # Decode into the scratch buffer, then torch.matmul: edges in N and K, K below one tile.
+    ("fwd", "nvfp4", 5, 33, 96, KernelConfig(DQ, 1, 16, 64)),
+    ("fwd", "nvfp4", 2, 17, 16, KernelConfig(DQ, 1, 16, 64)),
+    ("fwd", "nf4", 3, 17, 192, KernelConfig(DQ, 1, 8, 128)),
+    ("dx", "nvfp4", 4, 33, 48, KernelConfig(DQ, 1, 16, 64)),
+    ("dx", "nf4", 2, 40, 128, KernelConfig(DQ, 1, 16, 64)),
 ]
 
 

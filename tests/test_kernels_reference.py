@@ -112,4 +112,4 @@ def test_config_rejects_shapes_the_kernels_cannot_run() -> None:
     with pytest.raises(ValueError):
         KernelConfig("skinny", 3, 64, 64)
     with pytest.raises(ValueError):
-        KernelConfig("gemv", 1, 64, 64)
+        KernelConfig("cutlass", 1, 64, 64)

@@ -14,13 +14,9 @@ exceed 4x the 60 MB L2), median over replays, divided by R: no launch gaps, no w
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -29,7 +25,8 @@ import torch
 
 from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from qerl_pipe.kernels.configs import KernelConfig, table_key, table_to_json
+from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.kernels.configs import KernelConfig, get_config, table_key, table_to_json
 from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4
 
 # (N, K) of each linear: qkv and gate_up are fused, as our model runs them.
@@ -43,31 +40,45 @@ L2_BYTES = 60 * 2**20
 REPS = 25
 
 
-def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4) -> KernelConfig:
-    return KernelConfig("skinny", bm, bn, bk, split, warps, 1)
+def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4,
+        stages: int = 1) -> KernelConfig:
+    return KernelConfig("skinny", bm, bn, bk, split, warps, stages)
+
+
+def _gv(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4,
+        stages: int = 1) -> KernelConfig:
+    return KernelConfig("gemv", bm, bn, bk, split, warps, stages)
 
 
 def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1) -> KernelConfig:
     return KernelConfig("tiled", bm, bn, bk, split, warps, stages)
 
 
+def _dq(bn: int = 32, bk: int = 256, warps: int = 4) -> KernelConfig:
+    return KernelConfig("dequant", 1, bn, bk, 1, warps, 1)
+
+
 # Candidates per M bucket (forward). Decode: FMA GEMV vs tl.dot with M padded to 16, split-K.
+# From M = 64 also decode-once-then-cuBLAS (`_dq`, three decode tiles), against the tl.dot GEMM.
 FWD_CANDIDATES: dict[int, list[KernelConfig]] = {
-    1: [_sk(1, 16, 256), _sk(1, 32, 256), _sk(1, 8, 512), _sk(1, 16, 512, warps=8),
-        _sk(1, 16, 256, split=4), _t(16, 64, 128, 4, 4), _t(16, 32, 256, 4, 3)],
-    8: [_sk(8, 8, 128), _t(16, 64, 128, 4, 4), _t(16, 32, 128, 4, 4), _t(16, 64, 256, 4, 3),
+    # v2: `gemv` (per-tile K reduction) with wide K tiles, and the v1 GEMV software-pipelined
+    # (num_stages > 1): both test whether bytes in flight, not decode math, bound M = 1.
+    1: [_sk(1, 16, 256), _sk(1, 8, 512), _sk(1, 16, 512, warps=8), _sk(1, 16, 256, split=4),
+        _sk(1, 8, 512, stages=3), _gv(1, 8, 1024), _gv(1, 16, 1024, warps=8), _gv(1, 8, 2048),
+        _gv(1, 32, 512, warps=8), _gv(1, 8, 1024, split=4), _gv(1, 8, 1024, stages=3),
+        _t(16, 64, 128, 4, 4)],
+    8: [_sk(8, 8, 128), _gv(8, 8, 256), _t(16, 64, 128, 4, 4), _t(16, 32, 128, 4, 4), _t(16, 64, 256, 4, 3),
         _t(16, 128, 128, 4, 4), _t(16, 64, 128, 4, 4, split=4)],
     64: [_t(64, 64, 128, 4, 4), _t(64, 128, 64, 4, 4), _t(64, 128, 128, 4, 3),
-         _t(64, 256, 64, 8, 3), _t(32, 128, 128, 4, 4)],
-    256: [_t(128, 128, 64, 8, 4), _t(128, 256, 64, 8, 3), _t(64, 128, 128, 4, 4),
-          _t(128, 128, 128, 8, 3), _t(64, 256, 64, 8, 3)],
-    1024: [_t(128, 256, 64, 8, 3), _t(128, 128, 64, 8, 4), _t(128, 256, 128, 8, 3),
-           _t(256, 128, 64, 8, 3), _t(128, 128, 128, 8, 3)],
+         _t(64, 256, 64, 8, 3), _t(32, 128, 128, 4, 4), _dq()],
+    256: [_t(128, 128, 64, 8, 4), _t(128, 128, 128, 8, 3), _t(64, 256, 64, 8, 3),
+          _dq(), _dq(16, 512), _dq(64, 128, 8)],
+    # v1 sweep: the tl.dot GEMM's best at M >= 1024 was 0.20-0.36x of cuBLAS; one stays as control.
+    1024: [_t(256, 128, 64, 8, 3), _dq(), _dq(16, 512), _dq(64, 128, 8)],
 }
 # dX: block_n is the contracted tile, block_k the output tile.
-DX_CANDIDATES: list[KernelConfig] = [
-    _t(128, 64, 128, 8, 3), _t(128, 64, 256, 8, 3), _t(128, 32, 256, 8, 3),
-    _t(128, 128, 128, 8, 3), _t(64, 64, 256, 4, 3)]
+DX_CANDIDATES: list[KernelConfig] = [_dq(), _dq(16, 512), _t(128, 64, 128, 8, 3),
+                                     _t(128, 64, 256, 8, 3)]
 
 
 def _candidates(m: int) -> list[KernelConfig]:
@@ -174,6 +185,7 @@ def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
     # Dequantize-then-matmul is slow enough to time eagerly; a few copies keep W out of L2.
     q4s = [q4] + [type(q4)(q4.packed.clone(), q4.block_scales.clone(), q4.global_scale.clone())
                   for _ in range(min(r_b, 4) - 1)]
+    decode_us = _time_decode_pass(p4s, n, k)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
@@ -181,7 +193,9 @@ def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
         ref = x.float() @ dense.T
         ref_nf = x.float() @ dense_nf.T
         ref_dx = dy.float() @ dense
-        row: dict = {"model": model, "layer": layer, "N": n, "K": k, "M": m}
+        row: dict = {"model": model, "layer": layer, "N": n, "K": k, "M": m,
+                     "decode_pass_us": decode_us,
+                     "decode_pass_tbps": (n * k * (0.5 + 1 / 16 + 2)) / decode_us / 1e6}
         row["bf16_us"] = _time_graph([lambda i=i: torch.matmul(x, wbs[i].T) for i in range(r_b)]) * 1e6
         row["dequant_matmul_us"] = _time_eager(
             [lambda i=i: torch.matmul(x, dequantize_nvfp4(q4s[i], torch.bfloat16).T)
@@ -227,6 +241,17 @@ def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
     return rows
 
 
+def _time_decode_pass(packed: list, n: int, k: int) -> float:
+    """Microseconds of the `dequant` path's decode pass alone (default tile), W not in L2."""
+    from qerl_pipe.kernels.dequant_gemm import dequantize_into, scratch
+    from qerl_pipe.kernels.triton_matmul import _operands
+
+    buf = scratch(n, k, torch.device("cuda"), torch.bfloat16)
+    cfg = get_config("fwd", "nvfp4", 4096, n, k)
+    return _time_graph([lambda p=p: dequantize_into(*_operands("nvfp4", p), buf, cfg)
+                        for p in packed]) * 1e6
+
+
 def _derive(row: dict) -> None:
     m, n, k = row["M"], row["N"], row["K"]
     act = 2 * (m * k + m * n)
@@ -254,7 +279,7 @@ def _fmt_row(r: dict) -> str:
             f" err {r['nvfp4_rel_err']:.1e}/{r['nf4_rel_err']:.1e}/{r['dx_rel_err']:.1e}")
 
 
-def check_correctness(n: int = 4608, k: int = 3584, ms: tuple[int, ...] = (1, 16, 256)) -> list[dict]:
+def check_correctness(n: int = 4608, k: int = 3584, ms: tuple[int, ...] = (1, 16, 64, 256, 1024)) -> list[dict]:
     """Each public op (default configs) vs the fp32 reference on one real layer shape."""
     from qerl_pipe.kernels import nf4_linear, nf4_linear_dx, nvfp4_linear, nvfp4_linear_dx
 
@@ -294,24 +319,8 @@ def _targets(rows: list[dict]) -> list[dict]:
         ("nvfp4 dX speedup vs dequantize-then-matmul dX, M>=1024", 2.0, "dx_vs_dequant_matmul",
          lambda r: r["M"] >= 1024),
     ]
-    out = []
-    for name, target, key, pred in spec:
-        measured = worst(key, pred)
-        out.append({"name": name, "target": target, "measured": measured, "unit": "x (min over layers)",
-                    "met": bool(measured >= target)})
-    return out
-
-
-def _commit() -> str:
-    """The git revision, or QERL_COMMIT where the tree has no usable git (the device's copy)."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        rev = ""
-    if len(rev) == 40 and all(c in "0123456789abcdef" for c in rev):
-        return rev
-    return os.environ.get("QERL_COMMIT", "unknown")
+    return [target(name, f">= {goal}", worst(key, pred), "x (min over layers)",
+                   worst(key, pred) >= goal) for name, goal, key, pred in spec]
 
 
 def run_kernel_bench(shapes: list[str] | None = None,
@@ -320,22 +329,21 @@ def run_kernel_bench(shapes: list[str] | None = None,
     """Correctness check, then every (model, layer, M) row; the result dict (also written to
     `out` after each layer, so a run cut short still leaves its rows)."""
     shapes = shapes or ["qwen2.5-7b", "qwen2.5-32b"]
-    result: dict = {"command": " ".join(sys.argv), "commit": _commit(),
-                    "gpu": torch.cuda.get_device_name(),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "torch": torch.__version__, "triton": __import__("triton").__version__}
-    result["correctness"] = check_correctness()
+    versions = {"torch": torch.__version__, "triton": __import__("triton").__version__}
+    correctness = check_correctness()
     tuned: dict[str, KernelConfig] = {}
     rows: list[dict] = []
+    result: dict = {}
     for model in shapes:
         for layer, (n, k) in LAYER_SHAPES[model].items():
             rows += bench_layer(model, layer, n, k, ms, tuned)
-            result.update(results=rows, targets=_targets(rows), tuned_table=table_to_json(tuned))
+            result = results_file(rows, _targets(rows), **versions, correctness=correctness,
+                                  tuned_table=table_to_json(tuned))
             if out:
                 out.write_text(json.dumps(result, indent=1) + "\n")
             torch.cuda.empty_cache()
     for t in result["targets"]:
-        print(f"target {t['name']:55} >= {t['target']:<5} measured {t['measured']:.2f} "
+        print(f"target {t['name']:55} {t['target']:<7} measured {t['measured']:.2f} "
               f"{'MET' if t['met'] else 'MISSED'}")
     return result
 

@@ -14,14 +14,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-KERNELS = ("skinny", "tiled")
+KERNELS = ("skinny", "gemv", "tiled", "dequant")
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One launch. `skinny`: fp32-FMA GEMV over split-K slices; `tiled`: tl.dot GEMM.
+    """One launch. `skinny`: fp32-FMA GEMV over split-K slices, reduced once at the end; `gemv`:
+    the same GEMV reduced every K tile (fewer registers, wider K tiles); `tiled`: tl.dot GEMM;
+    `dequant`: decode W once into a bf16 scratch buffer ([block_n, block_k] tiles), then cuBLAS.
 
-    For `dx`, block_n is the contracted (N) tile and block_k the output-column (K) tile.
+    For `dx`, block_n is the contracted (N) tile and block_k the output-column (K) tile. `dequant`
+    ignores block_m and split_k (cuBLAS picks its own tiling).
     """
 
     kernel: str
@@ -70,6 +73,10 @@ def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1) -> Ke
     return KernelConfig("tiled", bm, bn, bk, split, warps, stages)
 
 
+def _dq(bn: int = 32, bk: int = 256, warps: int = 4) -> KernelConfig:
+    return KernelConfig("dequant", 1, bn, bk, 1, warps, 1)
+
+
 def default_table() -> ConfigTable:
     """Per-M-bucket configs: the winners of the H200 sweep in bench/results/kernels-h200.json.
 
@@ -83,13 +90,14 @@ def default_table() -> ConfigTable:
         16: _t(16, 64, 128, 4, 4, split=4),
         32: _t(32, 128, 128, 4, 4),
         64: _t(32, 128, 128, 4, 4),
-        128: _t(128, 128, 128, 8, 3),
-        256: _t(128, 128, 128, 8, 3),
-        512: _t(256, 128, 64, 8, 3),
-        1024: _t(256, 128, 64, 8, 3),
+        128: _dq(),
+        256: _dq(),
+        512: _dq(),
+        1024: _dq(),
     }
-    dx = {m: _t(min(max(m, 16), 128), 64, 128 if m < 128 else 256, 8 if m >= 128 else 4, 3)
-          for m in M_BUCKETS}
+    # From M = 128 the decoded weight is reused by enough rows that one decode pass plus cuBLAS
+    # beats re-decoding it in every output tile.
+    dx = {m: _t(max(m, 16), 64, 128, 4, 3) if m < 128 else _dq() for m in M_BUCKETS}
     table: ConfigTable = {}
     for fmt in ("nvfp4", "nf4"):
         for m, cfg in fwd.items():

@@ -1,9 +1,10 @@
-"""Triton W4A16 kernels: skinny GEMV (decode), tiled GEMM (prefill/training), and dX = dY @ W.
+"""Triton W4A16 kernels: skinny GEMV (decode), tiled GEMM (small prefill), and dX = dY @ W.
 
 All three decode the 4-bit weight tile in registers (triton_dequant.py); no bf16 copy of W ever
-exists in memory. Accumulation is fp32. Split-K (skinny and tiled) adds fp32 partial tiles with
-atomics into a zeroed workspace: it exists for decode, where N/BLOCK_N programs alone would
-leave most of the 132 SMs idle on long-K layers.
+exists in memory. Configs of kind `dequant` (large M) go to dequant_gemm.py instead.
+Accumulation is fp32. Split-K (skinny and tiled) adds fp32 partial tiles with atomics into a
+zeroed workspace: it exists for decode, where N/BLOCK_N programs alone would leave most of the
+132 SMs idle on long-K layers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from qerl_pipe.kernels.configs import KernelConfig
+from qerl_pipe.kernels.dequant_gemm import dequant_matmul
 from qerl_pipe.kernels.triton_dequant import NF4, NVFP4, dequant_tile, tile_scale
 
 
@@ -35,22 +37,33 @@ def _k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 @triton.jit
 def _skinny_kernel(x_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                    FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    # Grid: (N tiles, K splits, M tiles). Products accumulate elementwise in a 3-D register tile
-    # and are reduced once at the end, so the K loop has no cross-thread traffic.
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACC_3D: tl.constexpr):
+    # Grid: (N tiles, K splits, M tiles). ACC_3D (`skinny`): products accumulate elementwise in a
+    # 3-D register tile reduced once at the end, so the K loop has no cross-thread traffic.
+    # Otherwise (`gemv`): each tile is reduced over K at once into a 2-D accumulator, which frees
+    # BLOCK_M*BLOCK_K registers per row, so wider K tiles (more loads in flight) still fit.
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     start, end = _k_range(K, BLOCK_K, SPLIT_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if ACC_3D:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(start, end):
         k0 = t * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
         w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2) * tile_scale(g_ptr, FMT)
+        if ACC_3D:
+            acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        else:
+            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if ACC_3D:
+        y = tl.sum(acc, axis=2) * tile_scale(g_ptr, FMT)
+    else:
+        y = acc * tile_scale(g_ptr, FMT)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     ok = m_ok[:, None] & (offs_n[None, :] < N)
     if SPLIT_K == 1:
@@ -147,6 +160,8 @@ def launch_forward(x2: Tensor, fmt: str, w: object, cfg: KernelConfig,
     One kernel launch; with split-K also a zero-fill of the fp32 workspace and a cast.
     """
     f, q, s, g, lut = _operands(fmt, w)
+    if cfg.kernel == "dequant":
+        return dequant_matmul(x2, f, q, s, g, lut, cfg, transpose_w=True, out=out)
     m, k = x2.shape
     n = q.shape[0]
     block_k = _fit_block_k(fmt, cfg.block_k)
@@ -155,11 +170,12 @@ def launch_forward(x2: Tensor, fmt: str, w: object, cfg: KernelConfig,
         y = out if out is not None else torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     else:
         y = torch.zeros(m, n, device=x2.device, dtype=torch.float32)
-    if cfg.kernel == "skinny":
+    if cfg.kernel in ("skinny", "gemv"):
         grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
         _skinny_kernel[grid](x2, q, s, g, lut, y, m, n, k, x2.stride(0), y.stride(0),
                              FMT=f, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                             SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                             SPLIT_K=split, ACC_3D=cfg.kernel == "skinny",
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
         _tiled_kernel[grid](x2, q, s, g, lut, y, m, n, k, x2.stride(0), y.stride(0),
@@ -175,6 +191,8 @@ def launch_dx(dy2: Tensor, fmt: str, w: object, cfg: KernelConfig,
               out: Tensor | None = None) -> Tensor:
     """dx[M, K] = dy2[M, N] @ W in dy2's dtype (one launch), written into `out` when given."""
     f, q, s, g, lut = _operands(fmt, w)
+    if cfg.kernel == "dequant":
+        return dequant_matmul(dy2, f, q, s, g, lut, cfg, transpose_w=False, out=out)
     m, n = dy2.shape
     k = q.shape[1] * 8
     block_k = _fit_block_k(fmt, cfg.block_k)

@@ -1,0 +1,71 @@
+"""Large-M path: decode the whole 4-bit weight once into a bf16 scratch buffer, then cuBLAS.
+
+Past M of about 128 the in-register kernels lose because every output row tile decodes the weight
+again (docs/kernels.md). One fully parallel decode pass is memory-bound (reads 0.5625 B/param,
+writes 2 B/param) and costs the same for any M, while cuBLAS runs the matmul at its usual rate;
+at M >= 1024 the decode is a small fraction of the matmul.
+
+The decoded values are exactly the reference's (`dequantize_*` to the activation dtype): NVFP4's
+code * block scale is exact in fp16 (triton_dequant.py), the fp32 product with the global scale is
+rounded once to bf16; NF4's level * absmax in fp32 is rounded once, as the reference does.
+
+One scratch buffer per (device, dtype), grown to the largest layer seen and then reused by every
+layer, forward and dX alike, so a training step does not churn the allocator with a 0.5 GB
+temporary per linear. Calls are stream-ordered on the current stream: the buffer is free again as
+soon as the matmul that reads it is queued. (Two streams running 4-bit linears at once would need
+a buffer each; nothing here does that.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from qerl_pipe.kernels.configs import KernelConfig
+from qerl_pipe.kernels.triton_dequant import dequant_tile, tile_scale
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, g_ptr, lut_ptr, w_ptr, N, K,
+                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K)
+    w = w.to(tl.float32) * tile_scale(g_ptr, FMT)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+
+
+def scratch(n: int, k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """An [n, k] view of the shared decode buffer for (device, dtype), grown if too small."""
+    key = (device, dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n * k:
+        _SCRATCH.pop(key, None)  # drop the old buffer first, so growing never holds both
+        buf = torch.empty(n * k, device=device, dtype=dtype)
+        _SCRATCH[key] = buf
+    return buf[: n * k].view(n, k)
+
+
+def dequantize_into(fmt_id: int, q: Tensor, s: Tensor, g: Tensor, lut: Tensor, out: Tensor,
+                    cfg: KernelConfig) -> Tensor:
+    """Decode the packed weight (operands as `triton_matmul._operands` gives them) into `out`."""
+    n, k = out.shape
+    block_k = max(cfg.block_k, 64)  # whole NF4 absmax blocks (and NVFP4 scale blocks) per tile
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k))
+    _dequant_kernel[grid](q, s, g, lut, out, n, k, FMT=fmt_id, BLOCK_N=cfg.block_n,
+                          BLOCK_K=block_k, num_warps=cfg.num_warps)
+    return out
+
+
+def dequant_matmul(a: Tensor, fmt_id: int, q: Tensor, s: Tensor, g: Tensor, lut: Tensor,
+                   cfg: KernelConfig, transpose_w: bool, out: Tensor | None = None) -> Tensor:
+    """`a @ W^T` (forward, transpose_w) or `a @ W` (dX) through the scratch buffer and cuBLAS."""
+    n, k = q.shape[0], q.shape[1] * 8
+    w = dequantize_into(fmt_id, q, s, g, lut, scratch(n, k, a.device, a.dtype), cfg)
+    return torch.matmul(a, w.T if transpose_w else w, out=out)
