@@ -1,4 +1,4 @@
-"""How much quantization costs: per-layer weight error and bf16-vs-NVFP4 perplexity on held-out text."""
+"""How much quantization costs on held-out text: bf16 vs NVFP4 perplexity."""
 
 from __future__ import annotations
 
@@ -10,15 +10,6 @@ import torch
 from qerl_pipe.formats.checkpoint import iter_quantized_checkpoint
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
 from qerl_pipe.log import progress
-
-
-def relative_error(weight: torch.Tensor, w: NVFP4Weight) -> float:
-    """‖W − deq(Q(W))‖ / ‖W‖ in fp32 (0 for an all-zero weight)."""
-    ref = weight.detach().float()
-    norm = ref.norm()
-    if norm == 0:
-        return 0.0
-    return float((dequantize_nvfp4(w) - ref).norm() / norm)
 
 
 def perplexity(model: torch.nn.Module, ids: torch.Tensor, batch_size: int, label: str) -> float:

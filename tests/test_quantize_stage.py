@@ -240,3 +240,18 @@ def test_checkpoint_loads_into_our_decoder_like_quantizing_on_the_fly(sharded_ll
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(from_artifact.logits(ids), on_the_fly.logits(ids))
+
+
+def test_row_chunked_quantization_gives_the_same_bytes(monkeypatch):
+    from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4
+    from qerl_pipe.stages import quantize as stage
+
+    weight = torch.randn(37, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    scale = global_scale_from_amax(weight.abs().amax().float() * 1.5)  # as if shared with a larger member
+    whole = quantize_nvfp4(weight, scale)
+    monkeypatch.setattr(stage, "_CHUNK_ELEMENTS", 5 * 64)  # 5 rows a chunk, the last one short
+    chunked, err = stage._quantize_in_row_chunks(weight, scale, "w")
+    assert torch.equal(chunked.packed, whole.packed)
+    assert torch.equal(chunked.block_scales.view(torch.uint8), whole.block_scales.view(torch.uint8))
+    expected = (dequantize_nvfp4(whole) - weight.float()).norm() / weight.float().norm()
+    assert err == pytest.approx(float(expected), rel=1e-5)

@@ -2,19 +2,22 @@
 
 Runs the stage in a fresh store on (a) the given model source and (b) a random-init model of
 Qwen2.5-0.5B's shapes saved in many shards, and reports time, peak host memory against the size
-of one shard plus one tensor (the streaming design's promise), and the quality figures.
+of one shard plus one tensor (the streaming design's promise), and the quality figures. Each run
+is a fresh `qerl-pipe quantize` process: in one long process, memory freed by an earlier run
+would hide what the next one needs.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from qerl_pipe.artifacts import ArtifactStore
 from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.recipe import load_recipe
-from qerl_pipe.stages.quantize import run_quantize
+from qerl_pipe.errors import QerlError
 
 # Qwen2.5-0.5B's layer shapes (with a 32k vocabulary, so no single tensor dominates a shard): big
 # enough that a whole-model load would dwarf one shard.
@@ -38,10 +41,15 @@ def _largest_tensor_bytes(model_dir: Path) -> int:
     return largest
 
 
-def _quantize_row(source: str, store: ArtifactStore, overrides: list[str]) -> dict[str, Any]:
-    recipe = load_recipe(None, [f"model.source={source}", *overrides])
-    artifact = run_quantize(recipe, store)
-    s = artifact.summary
+def _quantize_row(source: str, store: Path, overrides: list[str]) -> dict[str, Any]:
+    command = [sys.executable, "-m", "qerl_pipe", "quantize", "--model", source, "--artifacts", str(store)]
+    for override in overrides:
+        command += ["--set", override]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise QerlError(f"bench quantize: the stage failed on {source}: {done.stderr.strip().splitlines()[-1]}")
+    artifact = Path(done.stdout.strip().splitlines()[-1])
+    s = json.loads((artifact / "manifest.json").read_text())["summary"]
     return {"source": source, **{k: s[k] for k in (
         "quantized_linears", "mean_relative_error", "max_relative_error", "size_mb", "shards",
         "largest_shard_mb", "peak_host_memory_mb", "perplexity", "seconds")}}
@@ -62,7 +70,7 @@ def run_quantize_bench(source: str, shard_mb: int = 64) -> dict[str, Any]:
     rows = []
     targets = []
     with tempfile.TemporaryDirectory() as tmp:
-        store = ArtifactStore(Path(tmp) / "artifacts")
+        store = Path(tmp) / "artifacts"
         real = _quantize_row(source, store, ["quantize.quality.perplexity=always"])
         rows.append(real)
         sharded_dir = _sharded_model(Path(tmp) / "sharded", shard_mb)

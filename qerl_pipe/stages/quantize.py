@@ -26,11 +26,11 @@ from qerl_pipe.formats.checkpoint import list_shards, open_shard
 from qerl_pipe.formats.modelopt_layout import (
     config_quantization_config, fused_group_key, hf_quant_config, nvfp4_tensors,
 )
-from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, global_scale_from_amax, quantize_nvfp4
+from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4
 from qerl_pipe.log import console, log, progress
 from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.quality import load_dequantized_weights, perplexity, relative_error
+from qerl_pipe.quality import load_dequantized_weights, perplexity
 from qerl_pipe.recipe import QuantizeSection, Recipe
 from qerl_pipe.sources import ResolvedModel, resolve_model
 from qerl_pipe.stages.calibrate import KIND as CALIBRATION_KIND
@@ -49,6 +49,10 @@ _LINEAR = re.compile(r"^(.*\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down
 _COPY_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                   "*.model", "generation_config.json", "chat_template.*")
 _PERPLEXITY_AUTO_MAX_PARAMS = 1_000_000_000
+# Rows are quantized in chunks of about this many elements: NVFP4 rows are independent once the
+# global scale is fixed, so the bytes are the same, and the fp32 temporaries stay ~16 MB each
+# instead of several copies of the largest tensor.
+_CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -85,7 +89,7 @@ def _plan(shards: list[Path], exclude: list[str]) -> _Plan:
                         f"{name} has shape {tuple(weight.shape)}: NVFP4 needs in_features to be a multiple of "
                         f"{BLOCK_SIZE}; exclude the module with --set 'quantize.exclude=[lm_head, {module}]'"
                     )
-                amax = weight.float().abs().amax()
+                amax = weight.abs().amax().float()  # exact in the weight's own dtype; NaN propagates
                 if not bool(torch.isfinite(amax)):
                     raise QuantizationError(f"{name} has non-finite values (inf or nan); the model is damaged")
                 plan.quantized[name] = module
@@ -133,8 +137,7 @@ def _write_shards(shards: list[Path], out: Path, plan: _Plan, input_scales: dict
                 if module is None:
                     tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
                     continue
-                w = quantize_nvfp4(tensor, plan_global_scale(plan, module), name=name)
-                errors[module] = relative_error(tensor, w)
+                w, errors[module] = _quantize_in_row_chunks(tensor, plan_global_scale(plan, module), name)
                 tensors.update(nvfp4_tensors(module, w, input_scales.get(module)))
                 del tensor
         save_file(tensors, str(out / out_name), metadata={"format": "pt"})
@@ -146,6 +149,21 @@ def _write_shards(shards: list[Path], out: Path, plan: _Plan, input_scales: dict
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return errors
+
+
+def _quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, name: str) -> tuple[NVFP4Weight, float]:
+    """NVFP4 of `weight` and its relative error ‖W − deq(Q(W))‖ / ‖W‖, a bounded block of rows at a time."""
+    rows = max(1, _CHUNK_ELEMENTS // weight.shape[1])
+    parts, err_sq, ref_sq = [], 0.0, 0.0
+    for chunk in weight.split(rows):
+        w = quantize_nvfp4(chunk, global_scale, name=name)
+        ref = chunk.float()
+        err_sq += float((dequantize_nvfp4(w) - ref).pow(2).sum())
+        ref_sq += float(ref.pow(2).sum())
+        parts.append(w)
+    packed = NVFP4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.block_scales for p in parts]),
+                         parts[0].global_scale)
+    return packed, (err_sq / ref_sq) ** 0.5 if ref_sq > 0 else 0.0
 
 
 def plan_global_scale(plan: _Plan, module: str) -> torch.Tensor:
