@@ -1,4 +1,4 @@
-"""Host memory: peak RSS over a region of code, and keeping freed tensors from pinning RSS.
+"""Host memory: peak resident memory over a region of code, and keeping freed tensors from pinning it.
 
 `ru_maxrss` is the peak over the whole process lifetime, so it cannot tell what one stage used
 after an earlier one loaded a whole model; sampling the current RSS during the region can.
@@ -33,9 +33,16 @@ def return_freed_tensors_to_os() -> None:
 
 
 def current_rss_bytes() -> int:
+    """Resident memory the process owns (anonymous RSS: resident minus file-backed pages).
+
+    Shards are read through mmap, so their pages also show up in plain RSS while mapped; they are
+    page cache that the kernel can drop under pressure, not memory the stage holds, so they are
+    left out of the figure.
+    """
     try:
         with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * _PAGE
+            fields = fh.read().split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE
     except OSError:  # not Linux: fall back to the lifetime peak
         import resource
 
