@@ -24,6 +24,12 @@ CONFIGS = [
     KernelConfig("gemv", 2, 16, 512, split_k=3, num_stages=3),
     KernelConfig("dequant", 1, 32, 256),
     KernelConfig("dequant", 1, 64, 128, num_warps=8),
+    # The inline-PTX NVFP4 decode (NF4 ignores the flag) in every kernel kind.
+    KernelConfig("skinny", 1, 8, 512, ptx_decode=True),
+    KernelConfig("gemv", 1, 8, 1024, split_k=4, ptx_decode=True),
+    KernelConfig("tiled", 16, 64, 128, num_stages=4, ptx_decode=True),
+    KernelConfig("tiled", 16, 64, 128, split_k=3, ptx_decode=True),
+    KernelConfig("dequant", 1, 32, 256, ptx_decode=True),
 ]
 
 
@@ -44,6 +50,24 @@ def test_forward(fmt: str, cfg: KernelConfig, m: int, n: int, k: int) -> None:
     ref = x.float() @ dense.T
     assert torch.isfinite(y).all()
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+@pytest.mark.parametrize("ptx", [False, True])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4608, 3584), (300, 1000, 576)])
+def test_dx_kernel(fmt: str, ptx: bool, m: int, n: int, k: int) -> None:
+    from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4
+    from qerl_pipe.kernels.triton_matmul import launch_dx
+
+    w = torch.randn(n, k, device="cuda") * torch.rand(n, 1, device="cuda") ** 4
+    q = quantize_nvfp4(w) if fmt == "nvfp4" else quantize_nf4(w)
+    dense = (dequantize_nvfp4 if fmt == "nvfp4" else dequantize_nf4)(q, torch.float32)
+    packed = prepare_nvfp4(q) if fmt == "nvfp4" else prepare_nf4(q)
+    dy = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    out = torch.full((m, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+    dx = launch_dx(dy, fmt, packed, KernelConfig("tiled", 16, 64, 128, ptx_decode=ptx), out=out)
+    ref = dy.float() @ dense
+    assert float((dx.float() - ref).norm() / ref.norm()) < 1e-2
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
@@ -74,5 +98,9 @@ def test_dequant_scratch_is_shared_and_exact() -> None:
     got = dequantize_into(*_operands("nvfp4", prepare_nvfp4(q)), big, KernelConfig("dequant", 1, 32, 256))
     # One bf16 rounding of the fp32 value (the reference's own rounding may differ by that ulp).
     torch.testing.assert_close(got.float(), dequantize_nvfp4(q, torch.float32), rtol=2**-8, atol=0)
+    # The PTX decode computes the same exact products: bit-identical weights.
+    ptx = dequantize_into(*_operands("nvfp4", prepare_nvfp4(q)), torch.empty_like(got),
+                          KernelConfig("dequant", 1, 32, 256), ptx=True)
+    assert torch.equal(ptx, got)
     small = scratch(10, 64, w.device, torch.bfloat16)
     assert small.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()

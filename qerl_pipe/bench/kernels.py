@@ -40,45 +40,47 @@ L2_BYTES = 60 * 2**20
 REPS = 25
 
 
-def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4,
-        stages: int = 1) -> KernelConfig:
-    return KernelConfig("skinny", bm, bn, bk, split, warps, stages)
+def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
+        ptx: bool = False) -> KernelConfig:
+    return KernelConfig("skinny", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
 
 
-def _gv(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4,
-        stages: int = 1) -> KernelConfig:
-    return KernelConfig("gemv", bm, bn, bk, split, warps, stages)
+def _gv(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
+        ptx: bool = False) -> KernelConfig:
+    return KernelConfig("gemv", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
 
 
-def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1) -> KernelConfig:
-    return KernelConfig("tiled", bm, bn, bk, split, warps, stages)
+def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1,
+       ptx: bool = False) -> KernelConfig:
+    return KernelConfig("tiled", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
 
 
-def _dq(bn: int = 32, bk: int = 256, warps: int = 4) -> KernelConfig:
-    return KernelConfig("dequant", 1, bn, bk, 1, warps, 1)
+def _dq(bn: int = 32, bk: int = 256, warps: int = 4, ptx: bool = False) -> KernelConfig:
+    return KernelConfig("dequant", 1, bn, bk, 1, warps, 1, ptx_decode=ptx)
 
 
-# Candidates per M bucket (forward). Decode: FMA GEMV vs tl.dot with M padded to 16, split-K.
-# From M = 64 also decode-once-then-cuBLAS (`_dq`, three decode tiles), against the tl.dot GEMM.
+# Candidates per M bucket (forward): the v2 sweep's winners and runners-up, each also with the
+# inline-PTX NVFP4 decode (`ptx=True`). `_dq` = decode once to scratch, then cuBLAS.
 FWD_CANDIDATES: dict[int, list[KernelConfig]] = {
-    # v2: `gemv` (per-tile K reduction) with wide K tiles, and the v1 GEMV software-pipelined
-    # (num_stages > 1): both test whether bytes in flight, not decode math, bound M = 1.
-    1: [_sk(1, 16, 256), _sk(1, 8, 512), _sk(1, 16, 512, warps=8), _sk(1, 16, 256, split=4),
-        _sk(1, 8, 512, stages=3), _gv(1, 8, 1024), _gv(1, 16, 1024, warps=8), _gv(1, 8, 2048),
-        _gv(1, 32, 512, warps=8), _gv(1, 8, 1024, split=4), _gv(1, 8, 1024, stages=3),
-        _t(16, 64, 128, 4, 4)],
-    8: [_sk(8, 8, 128), _gv(8, 8, 256), _t(16, 64, 128, 4, 4), _t(16, 32, 128, 4, 4), _t(16, 64, 256, 4, 3),
-        _t(16, 128, 128, 4, 4), _t(16, 64, 128, 4, 4, split=4)],
-    64: [_t(64, 64, 128, 4, 4), _t(64, 128, 64, 4, 4), _t(64, 128, 128, 4, 3),
-         _t(64, 256, 64, 8, 3), _t(32, 128, 128, 4, 4), _dq()],
-    256: [_t(128, 128, 64, 8, 4), _t(128, 128, 128, 8, 3), _t(64, 256, 64, 8, 3),
-          _dq(), _dq(16, 512), _dq(64, 128, 8)],
-    # v1 sweep: the tl.dot GEMM's best at M >= 1024 was 0.20-0.36x of cuBLAS; one stays as control.
-    1024: [_t(256, 128, 64, 8, 3), _dq(), _dq(16, 512), _dq(64, 128, 8)],
+    1: [_sk(1, 8, 512), _sk(1, 8, 512, ptx=True), _gv(1, 8, 1024), _gv(1, 8, 1024, ptx=True),
+        _gv(1, 8, 1024, split=4), _gv(1, 8, 1024, split=4, ptx=True), _sk(1, 16, 256, split=4),
+        _t(16, 64, 128, 4, 4), _t(16, 64, 128, 4, 4, ptx=True),
+        _t(16, 64, 128, 4, 4, split=2, ptx=True), _t(16, 32, 256, 4, 3, ptx=True)],
+    8: [_t(16, 64, 128, 4, 4), _t(16, 64, 128, 4, 4, ptx=True), _t(16, 32, 128, 4, 4),
+        _t(16, 32, 128, 4, 4, ptx=True), _t(16, 64, 128, 4, 4, split=4),
+        _t(16, 64, 128, 4, 4, split=4, ptx=True), _t(16, 64, 256, 4, 3, ptx=True),
+        _t(16, 128, 128, 4, 4, ptx=True)],
+    64: [_t(64, 128, 64, 4, 4), _t(64, 128, 64, 4, 4, ptx=True), _t(64, 64, 128, 4, 4, ptx=True),
+         _t(32, 128, 128, 4, 4, ptx=True), _t(64, 128, 128, 4, 3, ptx=True), _dq(),
+         _dq(ptx=True), _dq(16, 512, ptx=True)],
+    256: [_t(128, 128, 64, 8, 4, ptx=True), _dq(), _dq(16, 512), _dq(ptx=True),
+          _dq(16, 512, ptx=True), _dq(64, 128, 8, ptx=True)],
+    # v1 sweep: the tl.dot GEMM's best at M >= 1024 was 0.20-0.36x of cuBLAS; v2: 0.78-0.90x
+    # with `_dq`, where the decode pass already streams at 3.3-3.7 TB/s.
+    1024: [_dq(), _dq(16, 512), _dq(ptx=True), _dq(16, 512, ptx=True)],
 }
 # dX: block_n is the contracted tile, block_k the output tile.
-DX_CANDIDATES: list[KernelConfig] = [_dq(), _dq(16, 512), _t(128, 64, 128, 8, 3),
-                                     _t(128, 64, 256, 8, 3)]
+DX_CANDIDATES: list[KernelConfig] = [_dq(), _dq(ptx=True), _dq(16, 512), _dq(16, 512, ptx=True)]
 
 
 def _candidates(m: int) -> list[KernelConfig]:
@@ -223,7 +225,9 @@ def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
         elif m >= 128:
             dx_cands = DX_CANDIDATES[:2]
         else:
-            dx_cands = [_t(max(16, min(64, 1 << (m - 1).bit_length())), 64, 128, 4, 3)]
+            bm = max(16, min(64, 1 << (m - 1).bit_length()))
+            dx_cands = [_t(bm, 64, 128, 4, 3), _t(bm, 64, 128, 4, 3, ptx=True)]
+            dx_cands += [_dq(ptx=True)] if m >= 64 else []
         cfg_dx, t_dx, err_dx, log_dx = _tune(lambda c, i: launch_dx(dy, "nvfp4", p4s[i], c), ref_dx,
                                              dx_cands, r_q)
         row.update(dx_nvfp4_us=t_dx * 1e6, dx_config=asdict(cfg_dx) if cfg_dx else None,

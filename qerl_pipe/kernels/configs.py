@@ -35,6 +35,9 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+    # NVFP4 only: decode through inline PTX (bf16x2 FMA) instead of pure Triton; compiled code
+    # only, the interpreter always runs the pure-Triton decode.
+    ptx_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:

@@ -31,11 +31,12 @@ _SCRATCH: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, g_ptr, lut_ptr, w_ptr, N, K,
-                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PTX: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K)
-    w = w.to(tl.float32) * tile_scale(g_ptr, FMT)
+    w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K, PTX)
+    w = w.to(tl.float32) * tile_scale(g_ptr, FMT, PTX)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
@@ -53,19 +54,23 @@ def scratch(n: int, k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 
 def dequantize_into(fmt_id: int, q: Tensor, s: Tensor, g: Tensor, lut: Tensor, out: Tensor,
-                    cfg: KernelConfig) -> Tensor:
-    """Decode the packed weight (operands as `triton_matmul._operands` gives them) into `out`."""
+                    cfg: KernelConfig, ptx: bool = False) -> Tensor:
+    """Decode the packed weight (operands as `triton_matmul._operands` gives them) into `out`.
+
+    `ptx`: the inline-PTX NVFP4 decode (compiled code only; the caller decides).
+    """
     n, k = out.shape
     block_k = max(cfg.block_k, 64)  # whole NF4 absmax blocks (and NVFP4 scale blocks) per tile
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k))
     _dequant_kernel[grid](q, s, g, lut, out, n, k, FMT=fmt_id, BLOCK_N=cfg.block_n,
-                          BLOCK_K=block_k, num_warps=cfg.num_warps)
+                          BLOCK_K=block_k, PTX=ptx, num_warps=cfg.num_warps)
     return out
 
 
 def dequant_matmul(a: Tensor, fmt_id: int, q: Tensor, s: Tensor, g: Tensor, lut: Tensor,
-                   cfg: KernelConfig, transpose_w: bool, out: Tensor | None = None) -> Tensor:
+                   cfg: KernelConfig, transpose_w: bool, ptx: bool = False,
+                   out: Tensor | None = None) -> Tensor:
     """`a @ W^T` (forward, transpose_w) or `a @ W` (dX) through the scratch buffer and cuBLAS."""
     n, k = q.shape[0], q.shape[1] * 8
-    w = dequantize_into(fmt_id, q, s, g, lut, scratch(n, k, a.device, a.dtype), cfg)
+    w = dequantize_into(fmt_id, q, s, g, lut, scratch(n, k, a.device, a.dtype), cfg, ptx)
     return torch.matmul(a, w.T if transpose_w else w, out=out)

@@ -65,11 +65,25 @@ class PackedNF4:
         return self.qweight.shape[1] * 8
 
 
+# Rows are packed in chunks of about this many elements: the int64 temporaries cost 8-16 B per
+# element, which for a whole 32B gate_up (283 M elements) would be ~2.3 GB of transient GPU memory.
+_PACK_CHUNK = 1 << 24
+
+
 def pack_words(packed: Tensor) -> Tensor:
     """Standard nibble bytes `[N, K/2]` -> int32 words `[N, K/8]` in WORD_SLOTS order."""
     n, half_k = packed.shape
     if half_k % 4:
         raise ValueError(f"K = {2 * half_k} is not a multiple of 8; the kernels need whole words")
+    out = torch.empty(n, half_k // 4, dtype=torch.int32, device=packed.device)
+    rows = max(1, _PACK_CHUNK // (2 * half_k))
+    for r0 in range(0, n, rows):
+        out[r0 : r0 + rows] = _pack_rows(packed[r0 : r0 + rows])
+    return out
+
+
+def _pack_rows(packed: Tensor) -> Tensor:
+    n, half_k = packed.shape
     codes = unpack_fp4(packed).to(torch.int64).reshape(n, half_k // 4, 8)
     word = torch.zeros(n, half_k // 4, dtype=torch.int64, device=packed.device)
     for slot, element in enumerate(WORD_SLOTS):

@@ -17,17 +17,48 @@ import triton.language as tl
 
 NVFP4: tl.constexpr = tl.constexpr(0)
 NF4: tl.constexpr = tl.constexpr(1)
-# The NVFP4 tile is scaled by 2**-14 (see above); the accumulator is multiplied back.
+# The NVFP4 tile is scaled by 2**-14 (see above), or by 2**-7 on the PTX path; the accumulator
+# is multiplied back.
 NVFP4_TILE_SCALE: tl.constexpr = tl.constexpr(16384.0)
+NVFP4_PTX_TILE_SCALE: tl.constexpr = tl.constexpr(128.0)
+# E4M3 scale s -> the bf16 multiplier s * 2**119 of the PTX path (the fp16 decode gives s * 2**-8).
+_PTX_SCALE_FACTOR: tl.constexpr = tl.constexpr(2.0**127)
+
+
+@triton.jit
+def _nvfp4_pairs_ptx(v, s2):
+    """Two E2M1 codes (bits 12-15 and 28-31 of v) times the bf16 pair s2 -> one bf16x2 word.
+
+    Each code's 3 magnitude bits go to a bf16's low exponent bits and top mantissa bit (bits
+    6-8), the sign to bit 15: the bf16 `e2m1(code) * 2**-126` (subnormal for E2M1's zero
+    exponent, which bf16 FMA handles exactly). One packed FMA by s2 = scale * 2**119 gives
+    code * scale * 2**-7 for both halves: at most 6 significant bits and within bf16's normal
+    range for every E4M3 scale, so exact. Replaces the fp16 multiply and the fp16->fp32->bf16
+    conversions of the pure-Triton decode (2 instructions per element).
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, u;
+        shr.u32 t, $1, 6;
+        and.b32 t, t, 0x01C001C0;
+        and.b32 u, $1, 0x80008000;
+        or.b32 t, t, u;
+        mov.b32 u, 0x80008000;
+        fma.rn.bf16x2 $0, t, $2, u;
+        }""",
+        constraints="=r,r,r", args=[v, s2], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
 def dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K,
-                 FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows `offs_n`, columns k0..k0+BLOCK_K of W (no global scale): NVFP4 fp16 x 2**-14, NF4 fp32.
+                 FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PTX: tl.constexpr = False):
+    """Rows `offs_n`, columns k0..k0+BLOCK_K of W (no global scale): NVFP4 fp16 x 2**-14
+    (bf16 x 2**-7 with PTX), NF4 fp32.
 
     Out-of-range rows and columns come back as 0. k0 is a multiple of BLOCK_K; K of 16 (NVFP4)
-    or 64 (NF4), so scale blocks are never cut by the K edge.
+    or 64 (NF4), so scale blocks are never cut by the K edge. PTX (compiled GPU code only: the
+    interpreter cannot run inline assembly) decodes NVFP4 with `_nvfp4_pairs_ptx`.
     """
     WORDS: tl.constexpr = BLOCK_K // 8
     kw = K // 8
@@ -38,17 +69,28 @@ def dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K,
     # [BLOCK_N, WORDS, 4]: pair s of each word at the top of both 16-bit halves.
     v = q[:, :, None] << (tl.arange(0, 4) * 4)[None, None, :]
     if FMT == NVFP4:
-        bits = ((v & 0x70007000) >> 3) | (v & -0x7FFF8000)  # -0x7FFF8000 == 0x80008000 as int32
-        lo = bits.to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True)
         SB: tl.constexpr = BLOCK_K // 16
         offs_s = k0 // 16 + tl.arange(0, SB)
         b = tl.load(s_ptr + offs_n[:, None] * (K // 16) + offs_s[None, :],
                     mask=n_ok[:, None] & (offs_s[None, :] < K // 16), other=0).to(tl.int16)
         # E4M3 bits -> fp16 bits is the value * 2**-8 (subnormals included); * 256 is exact.
-        s = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
-        s = tl.reshape(tl.join(s, s), (BLOCK_N, WORDS))  # one scale per 2 words
-        w = tl.join(lo, hi) * s[:, :, None, None]
+        s = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
+        if PTX:
+            # Per scale, not per element: s * 2**119 in bf16 (exact), duplicated into both halves.
+            sb = (s.to(tl.float32) * _PTX_SCALE_FACTOR).to(tl.bfloat16).to(tl.int16, bitcast=True)
+            sb = sb.to(tl.int32) & 0xFFFF
+            s2 = tl.reshape(tl.join(sb, sb), (BLOCK_N, WORDS))  # one scale per 2 words
+            s2 = tl.broadcast_to((s2 | (s2 << 16))[:, :, None], (BLOCK_N, WORDS, 4))
+            pairs = _nvfp4_pairs_ptx(v, s2)
+            lo = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            w = tl.join(lo, hi)
+        else:
+            bits = ((v & 0x70007000) >> 3) | (v & -0x7FFF8000)  # == 0x80008000 as int32
+            lo = bits.to(tl.int16).to(tl.float16, bitcast=True)
+            hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+            s = tl.reshape(tl.join(s, s), (BLOCK_N, WORDS)) * 256.0  # one scale per 2 words
+            w = tl.join(lo, hi) * s[:, :, None, None]
     else:
         lo = tl.load(lut_ptr + ((v >> 12) & 15))
         hi = tl.load(lut_ptr + ((v >> 28) & 15))
@@ -62,9 +104,11 @@ def dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K,
 
 
 @triton.jit
-def tile_scale(g_ptr, FMT: tl.constexpr):
+def tile_scale(g_ptr, FMT: tl.constexpr, PTX: tl.constexpr = False):
     """Factor that turns the accumulated dot of decoded tiles into x @ W^T."""
     if FMT == NVFP4:
+        if PTX:
+            return tl.load(g_ptr) * NVFP4_PTX_TILE_SCALE
         return tl.load(g_ptr) * NVFP4_TILE_SCALE
     else:
         return 1.0

@@ -37,7 +37,8 @@ def _k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 @triton.jit
 def _skinny_kernel(x_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                    FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACC_3D: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACC_3D: tl.constexpr,
+                   PTX: tl.constexpr):
     # Grid: (N tiles, K splits, M tiles). ACC_3D (`skinny`): products accumulate elementwise in a
     # 3-D register tile reduced once at the end, so the K loop has no cross-thread traffic.
     # Otherwise (`gemv`): each tile is reduced over K at once into a 2-D accumulator, which frees
@@ -55,15 +56,15 @@ def _skinny_kernel(x_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, y_ptr, M, N, K, stride_x
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-        w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K)
+        w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K, PTX)
         if ACC_3D:
             acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
             acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if ACC_3D:
-        y = tl.sum(acc, axis=2) * tile_scale(g_ptr, FMT)
+        y = tl.sum(acc, axis=2) * tile_scale(g_ptr, FMT, PTX)
     else:
-        y = acc * tile_scale(g_ptr, FMT)
+        y = acc * tile_scale(g_ptr, FMT, PTX)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     ok = m_ok[:, None] & (offs_n[None, :] < N)
     if SPLIT_K == 1:
@@ -86,7 +87,7 @@ def _grouped_pid(pid, num_m, num_n, GROUP_M: tl.constexpr):
 def _tiled_kernel(x_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                   FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr):
+                  DOT_DTYPE: tl.constexpr, PTX: tl.constexpr):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -99,9 +100,9 @@ def _tiled_kernel(x_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, y_ptr, M, N, K, stride_xm
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K)
+        w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K, PTX)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc)
-    y = acc * tile_scale(g_ptr, FMT)
+    y = acc * tile_scale(g_ptr, FMT, PTX)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     ok = m_ok[:, None] & (offs_n[None, :] < N)
     if SPLIT_K == 1:
@@ -113,7 +114,8 @@ def _tiled_kernel(x_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, y_ptr, M, N, K, stride_xm
 @triton.jit
 def _dx_kernel(dy_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, dx_ptr, M, N, K, stride_dym, stride_dxm,
                FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               PTX: tl.constexpr):
     # dX[m, k] = sum_n dY[m, n] W[n, k]: the same row-major weight tiles as the forward pass,
     # contracted over their rows. Block scales run along K, the output axis here, so a decoded
     # tile is already final: no transposed copy of W is needed.
@@ -127,9 +129,9 @@ def _dx_kernel(dy_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, dx_ptr, M, N, K, stride_dym
         offs_n = n0 + tl.arange(0, BLOCK_N)
         dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :],
                      mask=m_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-        w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K)
+        w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K, PTX)
         acc = tl.dot(dy.to(DOT_DTYPE), w.to(DOT_DTYPE), acc)
-    dx = acc * tile_scale(g_ptr, FMT)
+    dx = acc * tile_scale(g_ptr, FMT, PTX)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(dx_ptr + offs_m[:, None] * stride_dxm + offs_k[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_k[None, :] < K))
@@ -139,6 +141,12 @@ def _dot_dtype() -> tl.dtype:
     # Triton's interpreter (3.9) stores bf16 as uint16 and multiplies those integers in tl.dot;
     # it gets fp32 operands instead. On the GPU the decoded tile is exact in bf16 either way.
     return tl.float32 if _INTERPRETED else tl.bfloat16
+
+
+def _ptx(cfg: KernelConfig) -> bool:
+    # Inline PTX runs only in compiled code; the interpreter takes the pure-Triton decode, which
+    # computes the same values (tests/test_kernels_gpu.py checks the PTX path against it).
+    return cfg.ptx_decode and not _INTERPRETED
 
 
 def _operands(fmt: str, w: object) -> tuple[int, Tensor, Tensor, Tensor, Tensor]:
@@ -161,7 +169,7 @@ def launch_forward(x2: Tensor, fmt: str, w: object, cfg: KernelConfig,
     """
     f, q, s, g, lut = _operands(fmt, w)
     if cfg.kernel == "dequant":
-        return dequant_matmul(x2, f, q, s, g, lut, cfg, transpose_w=True, out=out)
+        return dequant_matmul(x2, f, q, s, g, lut, cfg, True, _ptx(cfg), out)
     m, k = x2.shape
     n = q.shape[0]
     block_k = _fit_block_k(fmt, cfg.block_k)
@@ -174,14 +182,14 @@ def launch_forward(x2: Tensor, fmt: str, w: object, cfg: KernelConfig,
         grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
         _skinny_kernel[grid](x2, q, s, g, lut, y, m, n, k, x2.stride(0), y.stride(0),
                              FMT=f, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                             SPLIT_K=split, ACC_3D=cfg.kernel == "skinny",
+                             SPLIT_K=split, ACC_3D=cfg.kernel == "skinny", PTX=_ptx(cfg),
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
         _tiled_kernel[grid](x2, q, s, g, lut, y, m, n, k, x2.stride(0), y.stride(0),
                             FMT=f, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                             SPLIT_K=split, GROUP_M=cfg.group_m, DOT_DTYPE=_dot_dtype(),
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                            PTX=_ptx(cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split == 1:
         return y
     return y.to(x2.dtype) if out is None else out.copy_(y)
@@ -192,7 +200,7 @@ def launch_dx(dy2: Tensor, fmt: str, w: object, cfg: KernelConfig,
     """dx[M, K] = dy2[M, N] @ W in dy2's dtype (one launch), written into `out` when given."""
     f, q, s, g, lut = _operands(fmt, w)
     if cfg.kernel == "dequant":
-        return dequant_matmul(dy2, f, q, s, g, lut, cfg, transpose_w=False, out=out)
+        return dequant_matmul(dy2, f, q, s, g, lut, cfg, False, _ptx(cfg), out)
     m, n = dy2.shape
     k = q.shape[1] * 8
     block_k = _fit_block_k(fmt, cfg.block_k)
@@ -200,6 +208,6 @@ def launch_dx(dy2: Tensor, fmt: str, w: object, cfg: KernelConfig,
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(k, block_k),)
     _dx_kernel[grid](dy2, q, s, g, lut, dx, m, n, k, dy2.stride(0), dx.stride(0),
                      FMT=f, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                     GROUP_M=cfg.group_m, DOT_DTYPE=_dot_dtype(),
+                     GROUP_M=cfg.group_m, DOT_DTYPE=_dot_dtype(), PTX=_ptx(cfg),
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dx
