@@ -68,16 +68,18 @@ def table_key(op: str, fmt: str, m: int, n: int | None = None, k: int | None = N
     return base if n is None else f"{base}:n{n}:k{k}"
 
 
-def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4) -> KernelConfig:
-    return KernelConfig("skinny", bm, bn, bk, split, warps, 1)
+def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4,
+        ptx: bool = False) -> KernelConfig:
+    return KernelConfig("skinny", bm, bn, bk, split, warps, 1, ptx_decode=ptx)
 
 
-def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1) -> KernelConfig:
-    return KernelConfig("tiled", bm, bn, bk, split, warps, stages)
+def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1,
+       ptx: bool = False) -> KernelConfig:
+    return KernelConfig("tiled", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
 
 
-def _dq(bn: int = 32, bk: int = 256, warps: int = 4) -> KernelConfig:
-    return KernelConfig("dequant", 1, bn, bk, 1, warps, 1)
+def _dq(bn: int = 32, bk: int = 256, warps: int = 4, ptx: bool = False) -> KernelConfig:
+    return KernelConfig("dequant", 1, bn, bk, 1, warps, 1, ptx_decode=ptx)
 
 
 def default_table() -> ConfigTable:
@@ -86,21 +88,22 @@ def default_table() -> ConfigTable:
     Tuned per-layer entries (`...:n{N}:k{K}`) override them.
     """
     fwd = {
-        1: _sk(1, 8, 512),
+        1: _sk(1, 8, 512, ptx=True),
         2: _sk(2, 8, 256),
         4: _sk(4, 8, 128),
-        8: _t(16, 64, 128, 4, 4, split=4),
-        16: _t(16, 64, 128, 4, 4, split=4),
+        8: _t(16, 64, 128, 4, 4, split=4, ptx=True),
+        16: _t(16, 64, 128, 4, 4, split=4, ptx=True),
         32: _t(32, 128, 128, 4, 4),
-        64: _t(32, 128, 128, 4, 4),
+        64: _dq(),
         128: _dq(),
         256: _dq(),
         512: _dq(),
         1024: _dq(),
     }
-    # From M = 128 the decoded weight is reused by enough rows that one decode pass plus cuBLAS
-    # beats re-decoding it in every output tile.
-    dx = {m: _t(max(m, 16), 64, 128, 4, 3) if m < 128 else _dq() for m in M_BUCKETS}
+    # From M = 64 the decoded weight is reused by enough rows that one decode pass plus cuBLAS
+    # beats re-decoding it in every output tile (except on the widest layers at M = 64).
+    dx = {m: _t(max(m, 16), 64, 128, 4, 3, ptx=True) if m < 64 else _dq(ptx=m == 64)
+          for m in M_BUCKETS}
     table: ConfigTable = {}
     for fmt in ("nvfp4", "nf4"):
         for m, cfg in fwd.items():
