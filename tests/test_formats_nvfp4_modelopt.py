@@ -17,6 +17,7 @@ from qerl_pipe.formats.nvfp4 import (
     global_scale_from_amax,
     pack_fp4,
     quantize_nvfp4,
+    quantize_nvfp4_in_row_chunks,
     shared_global_scale,
     unpack_fp4,
 )
@@ -271,3 +272,19 @@ def test_cuda_equals_cpu_given_the_global_scale():
         w = (torch.randn(576, 1536, generator=torch.Generator().manual_seed(11)) * 0.02).to(dtype)
         s2 = global_scale_from_amax(w.float().abs().amax())
         assert_same_bytes(quantize_nvfp4(w.cuda(), s2.cuda()).to("cpu"), quantize_nvfp4(w, s2))
+
+
+def test_row_chunks_give_the_same_bytes_as_one_call():
+    # Heavy-tailed rows so the global scale comes from one row: each chunk must use the whole
+    # tensor's scale, not its own.
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(37, 96, generator=gen, dtype=torch.float32)
+    w[5, 3] = 40.0
+    w = w.to(torch.bfloat16)
+    whole = quantize_nvfp4(w)
+    seen = []
+    chunked = quantize_nvfp4_in_row_chunks(w, chunk_elements=96 * 4, on_chunk=lambda c, q: seen.append(c.shape[0]))
+    assert seen == [4] * 9 + [1]
+    assert torch.equal(chunked.packed, whole.packed)
+    assert torch.equal(chunked.block_scales.view(torch.uint8), whole.block_scales.view(torch.uint8))
+    assert torch.equal(chunked.global_scale, whole.global_scale)

@@ -10,7 +10,7 @@ docs/formats.md: an all-zero tensor, and a tensor too small for fp32 scales (we 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +168,38 @@ def quantize_nvfp4(
     q = blocks / (block_scales.float() * global_scale).unsqueeze(-1)
     codes = _encode_e2m1(q).reshape(n, k)
     return NVFP4Weight(pack_fp4(codes), block_scales, global_scale)
+
+
+def quantize_nvfp4_in_row_chunks(
+    weight: Tensor,
+    global_scale: Tensor | None = None,
+    *,
+    name: str = "tensor",
+    chunk_elements: int = 1 << 22,
+    on_chunk: Callable[[Tensor, NVFP4Weight], None] | None = None,
+) -> NVFP4Weight:
+    """`quantize_nvfp4` a bounded block of rows at a time: the same bytes, bounded temporaries.
+
+    `quantize_nvfp4` holds several fp32 copies of its input; for a 32B gate_up (283M elements)
+    that is ~5 GB of temporaries. Rows are independent once the global scale is fixed, so this
+    takes the scale from the whole tensor first (unless given) and then works in chunks of about
+    `chunk_elements`. `on_chunk(rows, quantized_rows)` sees each chunk (e.g. to measure error).
+    """
+    _check_shape(weight, name)
+    if global_scale is None:
+        global_scale = global_scale_from_amax(weight.detach().abs().amax())
+    rows = max(1, chunk_elements // weight.shape[1])
+    parts = []
+    for chunk in weight.split(rows):
+        q = quantize_nvfp4(chunk, global_scale, name=name)
+        if on_chunk is not None:
+            on_chunk(chunk, q)
+        parts.append(q)
+    if len(parts) == 1:
+        return parts[0]
+    packed = torch.cat([p.packed for p in parts])
+    scales = torch.cat([p.block_scales for p in parts])
+    return NVFP4Weight(packed, scales, parts[0].global_scale)
 
 
 def dequantize_nvfp4(w: NVFP4Weight, dtype: torch.dtype = torch.float32) -> Tensor:

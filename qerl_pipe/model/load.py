@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.checkpoint import detect_quant_format, iter_quantized_checkpoint
-from qerl_pipe.formats.nf4 import quantize_nf4
-from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4
+from qerl_pipe.formats.nf4 import NF4Weight, quantize_nf4
+from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import BASE_FORMATS, BaseFormat, BaseWeight, QuantLinear
@@ -135,9 +135,12 @@ def _linears(model: Decoder) -> Iterator[tuple[str, QuantLinear]]:
 def _convert(w: Tensor, base_format: str, dtype: torch.dtype, name: str) -> BaseWeight:
     if base_format == "nvfp4":
         # One tensor for the whole fused group: one amax, so q/k/v (gate/up) share a global scale.
-        return quantize_nvfp4(w, name=name)
+        # In row chunks: a whole 32B gate_up at once would need ~5 GB of fp32 temporaries.
+        return quantize_nvfp4_in_row_chunks(w, name=name)
     if base_format == "nf4":
-        return quantize_nf4(w, name=name)
+        rows = max(1, (1 << 22) // w.shape[1])  # row chunks for the same reason as NVFP4
+        parts = [quantize_nf4(chunk, name=name) for chunk in w.split(rows)]
+        return NF4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.absmax for p in parts]))
     return w.to(dtype)
 
 
@@ -150,7 +153,7 @@ def _fuse_nvfp4(parts: list[NVFP4Weight], name: str) -> NVFP4Weight:
     # Not from our quantizer (TensorRT-LLM would refuse it too): re-round under the shared scale,
     # which changes some codes; vLLM does the equivalent, with the same loss.
     log.warning("%s: fused projections have different NVFP4 global scales; requantizing under one", name)
-    return quantize_nvfp4(torch.cat([dequantize_nvfp4(p) for p in parts]), name=name)
+    return quantize_nvfp4_in_row_chunks(torch.cat([dequantize_nvfp4(p) for p in parts]), name=name)
 
 
 class _Assembler:

@@ -26,7 +26,9 @@ from qerl_pipe.formats.checkpoint import list_shards, open_shard
 from qerl_pipe.formats.modelopt_layout import (
     config_quantization_config, fused_group_key, hf_quant_config, nvfp4_tensors,
 )
-from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4
+from qerl_pipe.formats.nvfp4 import (
+    BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4_in_row_chunks,
+)
 from qerl_pipe.log import console, log, progress
 from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
@@ -153,17 +155,16 @@ def _write_shards(shards: list[Path], out: Path, plan: _Plan, input_scales: dict
 
 def _quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, name: str) -> tuple[NVFP4Weight, float]:
     """NVFP4 of `weight` and its relative error ‖W − deq(Q(W))‖ / ‖W‖, a bounded block of rows at a time."""
-    rows = max(1, _CHUNK_ELEMENTS // weight.shape[1])
-    parts, err_sq, ref_sq = [], 0.0, 0.0
-    for chunk in weight.split(rows):
-        w = quantize_nvfp4(chunk, global_scale, name=name)
+    sums = [0.0, 0.0]  # squared error, squared reference
+
+    def measure(chunk: torch.Tensor, q: NVFP4Weight) -> None:
         ref = chunk.float()
-        err_sq += float((dequantize_nvfp4(w) - ref).pow(2).sum())
-        ref_sq += float(ref.pow(2).sum())
-        parts.append(w)
-    packed = NVFP4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.block_scales for p in parts]),
-                         parts[0].global_scale)
-    return packed, (err_sq / ref_sq) ** 0.5 if ref_sq > 0 else 0.0
+        sums[0] += float((dequantize_nvfp4(q) - ref).pow(2).sum())
+        sums[1] += float(ref.pow(2).sum())
+
+    packed = quantize_nvfp4_in_row_chunks(weight, global_scale, name=name, chunk_elements=_CHUNK_ELEMENTS,
+                                          on_chunk=measure)
+    return packed, (sums[0] / sums[1]) ** 0.5 if sums[1] > 0 else 0.0
 
 
 def plan_global_scale(plan: _Plan, module: str) -> torch.Tensor:
