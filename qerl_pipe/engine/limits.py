@@ -1,0 +1,93 @@
+"""EngineLimits: how many sequences the rollout engine runs at once, how long, and with which graphs.
+
+The KV cache is the engine's one big allocation ([layers, slots, kv_heads, max_seq_len, head_dim]
+for keys and again for values), so the limits are planned from a memory budget: the build-engine
+stage plans them once on the target GPU and stores them in the engine artifact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from qerl_pipe.errors import QerlError
+from qerl_pipe.model.config import DecoderConfig
+
+# Batch sizes the decode step is captured for as CUDA graphs (each a fixed shape); a batch runs
+# on the smallest captured size that holds it. Powers of two keep the padding waste under 2x.
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class EngineLimitsError(QerlError):
+    """The requested engine does not fit: names the limit and what to change."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_batch: int  # decode slots: sequences in flight at once
+    max_seq_len: int  # prompt + generated tokens per slot
+    kv_cache_bytes: int  # keys + values for max_batch x max_seq_len
+    graph_batch_sizes: tuple[int, ...] = field(default=())  # empty: no CUDA graphs (CPU)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_seq_len < 2:
+            raise EngineLimitsError(
+                f"engine limits need max_batch >= 1 and max_seq_len >= 2; got {self.max_batch}, "
+                f"{self.max_seq_len}"
+            )
+        if any(b < 1 or b > self.max_batch for b in self.graph_batch_sizes):
+            raise EngineLimitsError(
+                f"CUDA-graph batch sizes {self.graph_batch_sizes} must lie in 1..max_batch={self.max_batch}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["graph_batch_sizes"] = list(self.graph_batch_sizes)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "EngineLimits":
+        return cls(
+            max_batch=int(data["max_batch"]),
+            max_seq_len=int(data["max_seq_len"]),
+            kv_cache_bytes=int(data["kv_cache_bytes"]),
+            graph_batch_sizes=tuple(int(b) for b in data.get("graph_batch_sizes", ())),
+        )
+
+
+def kv_bytes_per_token(config: DecoderConfig, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of keys plus values one token occupies across all layers."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+
+def plan_limits(
+    config: DecoderConfig,
+    *,
+    max_seq_len: int,
+    max_batch: int,
+    kv_budget_bytes: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    cuda_graphs: bool = False,
+) -> EngineLimits:
+    """The largest batch up to `max_batch` whose KV cache fits `kv_budget_bytes` (None: no cap).
+
+    Fails, naming the numbers, when not even one sequence of `max_seq_len` fits.
+    """
+    if max_seq_len < 2:
+        raise EngineLimitsError(f"max_seq_len must be at least 2 (a prompt token and one more); got {max_seq_len}")
+    if max_batch < 1:
+        raise EngineLimitsError(f"max_batch must be at least 1; got {max_batch}")
+    per_sequence = kv_bytes_per_token(config, dtype) * max_seq_len
+    batch = max_batch
+    if kv_budget_bytes is not None:
+        batch = min(max_batch, kv_budget_bytes // per_sequence)
+        if batch < 1:
+            raise EngineLimitsError(
+                f"one sequence of {max_seq_len} tokens needs {per_sequence / 2**20:.1f} MiB of KV cache but the "
+                f"budget is {kv_budget_bytes / 2**20:.1f} MiB; lower max_seq_len or raise the KV budget"
+            )
+    graphs = tuple(b for b in DEFAULT_GRAPH_SIZES if b < batch) + (batch,) if cuda_graphs else ()
+    return EngineLimits(batch, max_seq_len, per_sequence * batch, graphs)
