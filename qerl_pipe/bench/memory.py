@@ -18,16 +18,11 @@ from typing import Any
 import torch
 
 from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.bench.shapes import QWEN25_SHAPES
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 
-QWEN25_32B: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "torch_dtype": "bfloat16",
-    "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
-    "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
-    "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
+QWEN25_32B = QWEN25_SHAPES["qwen2.5-32b"]
 GIB = 2**30
 BUDGET_GIB = 20.0
 

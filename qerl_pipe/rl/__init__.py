@@ -1,0 +1,1 @@
+"""Reinforcement learning over the shared model: advantages, policy losses, AQN schedules."""
