@@ -10,7 +10,9 @@ from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import init_random_model
-from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled, lora_parameters, lora_state_dict
+from qerl_pipe.model.lora import (
+    LoraSpec, apply_lora, lora_disabled, lora_inference_cache, lora_parameters, lora_state_dict,
+)
 from qerl_pipe.model.norm import RMSNorm
 
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
@@ -177,3 +179,27 @@ def test_targets_norms_and_checkpointing():
         torch.testing.assert_close(plain, ckpt, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="targets"):
         LoraSpec(rank=2, alpha=2, targets=("qkv",))
+
+
+@pytest.mark.parametrize("targets", [("q", "k", "v", "o", "gate", "up", "down"), ("k", "up")])
+def test_fused_inference_cache_equals_per_projection_lora(targets):
+    model = _model("nvfp4", LoraSpec(rank=4, alpha=8, targets=targets))
+    _randomize_b(model)
+    ids = _ids()
+    with torch.no_grad():
+        want = model.logits(ids)
+        with lora_inference_cache(model, torch.float32):
+            got = model.logits(ids)
+        # Refreshed in place on the next entry: an optimizer step is seen, the buffers are reused.
+        linear = model.layers[0].mlp.gate_up_proj
+        buffers = linear.lora_cache
+        for b in linear.lora_B.values():
+            b.mul_(2)
+        want2 = model.logits(ids)
+        with lora_inference_cache(model, torch.float32):
+            got2 = model.logits(ids)
+        assert linear.lora_cache[0] is buffers[0] and linear.lora_cache[1] is buffers[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, want2)
+    assert not linear.use_lora_cache  # the scope ends with the context
