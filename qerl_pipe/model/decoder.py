@@ -53,10 +53,30 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
-        """Copy slot src[i] into dst[i] in every layer: one prefilled prompt shared by G samples."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+    def copy_slots(self, src: Tensor, dst: Tensor, length: int | None = None) -> None:
+        """Copy slot src[i] into dst[i] in every layer: one prefilled prompt shared by G samples.
+
+        `length`: copy only positions 0..length-1 (what the sequences hold; the rest of a row is
+        masked anyway), so moving short sequences does not copy whole max_len rows.
+        """
+        if length is None:
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+        else:
+            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def first_slots(self, batch_size: int) -> "KVCache":
+        """A cache over slots 0..batch_size-1 sharing this one's storage (no copy).
+
+        The engine decodes on the smallest prefix holding its active slots; each layer's
+        [batch_size, kv_heads, max_len, head_dim] block stays contiguous.
+        """
+        if not 1 <= batch_size <= self.batch_size:
+            raise ValueError(f"first_slots({batch_size}) outside 1..{self.batch_size}")
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, :batch_size], self.v[:, :batch_size]
+        return view
 
 
 def attend_full(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:

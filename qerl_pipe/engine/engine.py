@@ -1,0 +1,395 @@
+"""The rollout engine: continuous batching over a preallocated KV cache, one prefill per prompt.
+
+Scheduling in short (docs/engine.md has the whole story):
+
+- A sequence is a (prompt, sample) pair; all P*n wait in a queue, prompt-major.
+- A wave admits queued sequences into free slots (lowest first). Each distinct prompt of the wave
+  is prefilled once, in right-padded batches bounded by a token budget, into the slot of its first
+  sample; its KV rows are copied into the slots of the other samples, and every sample draws its
+  first token from the same prefill logits with its own random stream.
+- Decode steps run `Decoder.decode_step` on the first b slots, b the smallest CUDA-graph size
+  covering the highest active slot. When the active sequences would fit a smaller size they are
+  moved (KV rows included) into low free slots, so the tail runs on small graphs.
+- A finished sequence frees its slot at once; the queue refills free slots as soon as enough of
+  them are free to take the next prompt's samples (or a quarter of the batch).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.engine.graphs import DecodeRunner, model_fingerprint
+from qerl_pipe.engine.limits import EngineLimits
+from qerl_pipe.engine.sampling import SamplingParams, sample, sequence_key
+from qerl_pipe.errors import QerlError
+from qerl_pipe.model.decoder import Decoder
+
+# Refill when at least this fraction of the slots is free (or the next prompt's remaining samples
+# fit): each refill costs a prefill, so refilling one slot per step would prefill the same prompt
+# n times, while waiting for a whole batch would idle it through the long tail.
+_REFILL_FRACTION = 0.25
+DEFAULT_PREFILL_TOKENS = 8192
+
+
+class PromptError(QerlError):
+    """A generate() input cannot run: names the prompt or argument and the fix."""
+
+
+@dataclass
+class Rollouts:
+    """P*n sequences in order: prompt 0 samples 0..n-1, prompt 1 samples 0..n-1, ...
+
+    `tokens` are the generated ids only (a stop token that ended a sequence included),
+    `logprobs[i][t]` = log_softmax(logits / T)[tokens[i][t]] (T = 1 when greedy), before any
+    top-k/top-p truncation. `finish_reasons`: "stop" or "length".
+    """
+
+    prompt_index: list[int]
+    sample_index: list[int]
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    prefill_seconds: float = 0.0  # admission waves: prefill, KV copies to siblings, first tokens
+    decode_seconds: float = 0.0  # decode steps, compaction, bookkeeping
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    max_active: int = 0  # most sequences in flight at once
+    prefills: int = 0  # prompt prefills (more than P when a prompt's samples span waves)
+    prefill_tokens: int = 0  # real (unpadded) prompt tokens prefilled
+    compactions: int = 0  # times active sequences were moved to lower slots
+    decode_rows: int = 0  # sum over steps of the batch size the step ran on (padding included)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class _Sequence:
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    key: int  # 32-bit key of its random stream (seed, sequence id)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = ""
+
+
+def _env_graphs_enabled() -> bool:
+    return os.environ.get("QERL_ENGINE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class Engine:
+    """Generates rollouts from a Decoder: `Engine(model, limits).generate(prompts, n, sampling)`.
+
+    Allocates the KV cache (limits.max_batch slots x limits.max_seq_len, model dtype and device)
+    once. CUDA graphs are used on CUDA when `limits.graph_batch_sizes` is non-empty, unless
+    `cuda_graphs=False` or the environment sets QERL_ENGINE_CUDA_GRAPHS=0. `prefill_tokens`
+    bounds the padded tokens of one prefill batch (its activation memory).
+
+    The model runs as it is: unmerged LoRA and the AQN noise in its RMSNorm buffers. Update them
+    in place (optimizers and `noise.copy_` do); graphs are recaptured automatically when a
+    parameter or buffer has been rebound or a LoRA switch changed, and `reset_graphs()` forces it.
+    """
+
+    def __init__(
+        self,
+        model: Decoder,
+        limits: EngineLimits,
+        *,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        cuda_graphs: bool | None = None,
+    ):
+        if prefill_tokens < 1:
+            raise PromptError(f"prefill_tokens must be >= 1; got {prefill_tokens}")
+        self.model, self.limits, self.prefill_tokens = model, limits, prefill_tokens
+        self.device = model.embed_tokens.weight.device
+        self.cache = model.make_cache(limits.max_batch, limits.max_seq_len)
+        slots = limits.max_batch
+
+        def buffer() -> Tensor:
+            return torch.zeros(slots, dtype=torch.long, device=self.device)
+
+        # Per-slot state on the device, updated in place: the graphs read tokens/positions from
+        # fixed addresses, and keeping the rest there avoids per-step host-to-device copies.
+        self._tokens = buffer()  # token fed to the next step
+        self._positions = buffer()  # where that token goes in the cache
+        self._keys = buffer()  # the slot's sequence key
+        self._steps = buffer()  # tokens the slot's sequence has generated so far
+        self._live = buffer()  # 1 = a sequence occupies the slot (idle slots keep position 0)
+        self._vocab = torch.arange(model.config.vocab_size, device=self.device)
+        want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
+        use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes)
+        self._runner = DecodeRunner(
+            model, self.cache, self._tokens, self._positions, limits.graph_batch_sizes, use_graphs
+        )
+        self._fingerprint: tuple | None = None
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self._runner.use_graphs
+
+    @property
+    def captured_graph_sizes(self) -> tuple[int, ...]:
+        return self._runner.captured_sizes
+
+    def reset_graphs(self) -> None:
+        """Forget the captured CUDA graphs (call after replacing LoRA/noise tensors rather than
+        updating them in place); the next generate captures again. No-op without graphs."""
+        self._runner.reset()
+        self._fingerprint = None
+
+    # ------------------------------------------------------------------ API
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int = 1, sampling: SamplingParams = SamplingParams()
+    ) -> Rollouts:
+        """n samples of each prompt (token ids), in order prompt 0 samples 0..n-1, prompt 1, ..."""
+        if not isinstance(sampling, SamplingParams):
+            raise PromptError(f"sampling must be a SamplingParams; got {type(sampling).__name__}")
+        prompt_lists = self._check_inputs(prompts, n, sampling)
+        with torch.inference_mode():
+            return _Run(self, prompt_lists, n, sampling).run()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_inputs(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> list[list[int]]:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PromptError(f"n (samples per prompt) must be an integer >= 1; got {n!r}")
+        vocab, max_len, new = self.model.config.vocab_size, self.limits.max_seq_len, sampling.max_new_tokens
+        bad_stops = [s for s in sampling.stop_token_ids if s >= vocab]
+        if bad_stops:
+            raise PromptError(
+                f"stop_token_ids {bad_stops} lie outside the vocabulary 0..{vocab - 1}; pass this "
+                "model's tokenizer's EOS id"
+            )
+        out: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise PromptError(f"prompt {i} is not a sequence of token ids; tokenize it first") from None
+            if not ids:
+                raise PromptError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab:
+                raise PromptError(
+                    f"prompt {i} has token id {low if low < 0 else high} outside the vocabulary "
+                    f"0..{vocab - 1}; tokenize with this model's tokenizer"
+                )
+            if len(ids) + new > max_len:
+                raise PromptError(
+                    f"prompt {i} has {len(ids)} tokens, plus max_new_tokens={new} that is {len(ids) + new} "
+                    f"> the engine's max_seq_len={max_len}; shorten the prompt, lower max_new_tokens, or "
+                    "build the engine with a larger max_seq_len"
+                )
+            out.append(ids)
+        return out
+
+    def _check_graphs(self) -> None:
+        if not self._runner.use_graphs:
+            return
+        fingerprint = model_fingerprint(self.model)
+        if self._fingerprint is not None and fingerprint != self._fingerprint:
+            self._runner.reset()  # a captured graph would read stale addresses / LoRA switches
+        self._fingerprint = fingerprint
+
+
+class _Run:
+    """One generate() call: the queue, the slot table and the output lists."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], n: int, params: SamplingParams):
+        self.e, self.params, self.n = engine, params, n
+        self.seqs = [
+            _Sequence(p, s, prompt, sequence_key(params.seed, p * n + s))
+            for p, prompt in enumerate(prompts)
+            for s in range(n)
+        ]
+        self.queue: deque[int] = deque(range(len(self.seqs)))
+        self.active: dict[int, int] = {}  # slot -> sequence index
+        self.slots = engine.limits.max_batch
+        self.stops = frozenset(params.stop_token_ids)
+        self.out = Rollouts([s.prompt_index for s in self.seqs], [s.sample_index for s in self.seqs], [], [], [])
+        self.refill_min = max(1, math.ceil(self.slots * _REFILL_FRACTION))
+
+    def run(self) -> Rollouts:
+        e = self.e
+        e._check_graphs()
+        # A previous call that raised may have left slots marked live.
+        e._live.zero_()
+        e._positions.zero_()
+        while self.queue or self.active:
+            if self._should_admit():
+                t0 = time.perf_counter()
+                self._admit()
+                self.out.prefill_seconds += time.perf_counter() - t0
+                continue  # sequences may have finished on their first token: admit again
+            t0 = time.perf_counter()
+            self._decode_step()
+            self.out.decode_seconds += time.perf_counter() - t0
+        out = self.out
+        out.tokens = [s.tokens for s in self.seqs]
+        out.logprobs = [s.logprobs for s in self.seqs]
+        out.finish_reasons = [s.finish for s in self.seqs]
+        out.generated_tokens = sum(len(s.tokens) for s in self.seqs)
+        return out
+
+    # ------------------------------------------------------------------ admission
+
+    def _should_admit(self) -> bool:
+        free = self.slots - len(self.active)
+        if not self.queue or free == 0:
+            return False
+        if not self.active:
+            return True
+        head = self.seqs[self.queue[0]].prompt_index
+        remaining = sum(1 for _ in self._same_prompt(head))
+        return free >= min(remaining, self.refill_min)
+
+    def _same_prompt(self, prompt_index: int):
+        for i in self.queue:
+            if self.seqs[i].prompt_index != prompt_index:
+                break
+            yield i
+
+    def _admit(self) -> None:
+        """Move queued sequences into the lowest free slots, prefill each distinct prompt once."""
+        e = self.e
+        free = [s for s in range(self.slots) if s not in self.active]
+        taken = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+        # Groups: consecutive sequences of one prompt (the queue is prompt-major).
+        groups: list[list[tuple[int, int]]] = []  # [(sequence index, slot)]
+        for i, slot in zip(taken, free):
+            if groups and self.seqs[groups[-1][0][0]].prompt_index == self.seqs[i].prompt_index:
+                groups[-1].append((i, slot))
+            else:
+                groups.append([(i, slot)])
+        # Short prompts together: less padding per prefill batch.
+        groups.sort(key=lambda g: len(self.seqs[g[0][0]].prompt))
+        rows: list[Tensor] = []  # first-token logits, one per admitted sequence, in `order`
+        order: list[tuple[int, int]] = []
+        start = 0
+        while start < len(groups):
+            # The longest prompt is last in the chunk (sorted), so the padded size is count x its length.
+            end = start + 1
+            while end < len(groups) and (end + 1 - start) * len(self.seqs[groups[end][0][0]].prompt) <= e.prefill_tokens:
+                end += 1
+            logits = self._prefill(groups[start:end])
+            for g, group in enumerate(groups[start:end]):
+                rows.append(logits[g : g + 1].expand(len(group), -1))
+                order.extend(group)
+            start = end
+        seq_ids = [i for i, _ in order]
+        slot_ids = [slot for _, slot in order]
+        slots_t = torch.tensor(slot_ids, device=e.device)
+        keys = torch.tensor([self.seqs[i].key for i in seq_ids], device=e.device)
+        positions = torch.tensor([len(self.seqs[i].prompt) for i in seq_ids], device=e.device)
+        tokens, logprobs = sample(torch.cat(rows), keys, torch.zeros_like(keys), e._vocab, self.params)
+        e._tokens[slots_t] = tokens
+        e._positions[slots_t] = positions
+        e._keys[slots_t] = keys
+        e._steps[slots_t] = 1
+        e._live[slots_t] = 1
+        for i, slot in order:
+            self.active[slot] = i
+        self.out.max_active = max(self.out.max_active, len(self.active))
+        self._record([(slot, r) for r, slot in enumerate(slot_ids)], tokens, logprobs)
+
+    def _prefill(self, groups: list[list[tuple[int, int]]]) -> Tensor:
+        """Prefill each group's prompt into its first slot, copy it to the others: logits [G, V]."""
+        e = self.e
+        prompts = [self.seqs[g[0][0]].prompt for g in groups]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = torch.tensor(p)
+        lengths = torch.tensor([len(p) for p in prompts])
+        first = torch.tensor([g[0][1] for g in groups])
+        logits = e.model.prefill(ids.to(e.device), e.cache, first.to(e.device), lengths.to(e.device))
+        src = [g[0][1] for g in groups for _ in g[1:]]
+        dst = [slot for g in groups for _, slot in g[1:]]
+        if dst:
+            e.cache.copy_slots(torch.tensor(src, device=e.device), torch.tensor(dst, device=e.device), width)
+        self.out.prefills += len(prompts)
+        self.out.prefill_tokens += sum(len(p) for p in prompts)
+        return logits
+
+    # ------------------------------------------------------------------ decoding
+
+    def _decode_step(self) -> None:
+        e, runner = self.e, self.e._runner
+        high = max(self.active) + 1
+        b = runner.batch_size_for(high)
+        count = len(self.active)
+        if count < high:
+            target = runner.batch_size_for(count)
+            # Bucketed (graphs): whenever a smaller bucket would do. Eager: when half the rows idle.
+            if target < b and (runner.sizes or count <= high // 2):
+                self._compact(target)
+                b = runner.batch_size_for(max(self.active) + 1)
+        logits = runner.run(b)
+        tokens, logprobs = sample(logits, e._keys[:b], e._steps[:b], e._vocab, self.params)
+        e._tokens[:b].copy_(tokens)
+        e._positions[:b].add_(e._live[:b])  # idle slots stay at position 0
+        e._steps[:b].add_(1)
+        self.out.decode_steps += 1
+        self.out.decode_rows += b
+        self._record([(slot, slot) for slot in self.active], tokens, logprobs)
+
+    def _compact(self, target: int) -> None:
+        """Move the sequences in slots >= target into free slots below it (KV rows and state)."""
+        e = self.e
+        movers = sorted(s for s in self.active if s >= target)
+        holes = [s for s in range(target) if s not in self.active][: len(movers)]
+        length = max(len(self.seqs[self.active[s]].prompt) + len(self.seqs[self.active[s]].tokens) for s in movers)
+        src = torch.tensor(movers, device=e.device)
+        dst = torch.tensor(holes, device=e.device)
+        e.cache.copy_slots(src, dst, min(length, e.limits.max_seq_len))
+        for buf in (e._tokens, e._positions, e._keys, e._steps, e._live):
+            buf[dst] = buf[src]
+        e._live[src] = 0
+        e._positions[src] = 0
+        for s, d in zip(movers, holes):
+            self.active[d] = self.active.pop(s)
+        self.out.compactions += 1
+
+    def _record(self, rows: list[tuple[int, int]], tokens: Tensor, logprobs: Tensor) -> None:
+        """The step's one device-to-host copy (tokens and logprobs together), then stop checks.
+
+        `rows`: (slot, row of `tokens`) of every sequence that drew a token.
+        """
+        host = torch.stack((tokens.double(), logprobs.double())).cpu()
+        toks, lps = host[0].long().tolist(), host[1].tolist()
+        finished: list[int] = []
+        limit = self.params.max_new_tokens
+        for slot, r in rows:
+            seq = self.seqs[self.active[slot]]
+            token = toks[r]
+            seq.tokens.append(token)
+            seq.logprobs.append(lps[r])
+            if token in self.stops:
+                seq.finish = "stop"
+            elif len(seq.tokens) >= limit:
+                seq.finish = "length"
+            else:
+                continue
+            finished.append(slot)
+        if finished:
+            for slot in finished:
+                del self.active[slot]
+            index = torch.tensor(finished, device=self.e.device)
+            self.e._live[index] = 0
+            self.e._positions[index] = 0
