@@ -20,6 +20,7 @@ from qerl_pipe.engine import (
 )
 from qerl_pipe.engine.sampling import gumbel_noise, hash32, sample, sequence_key, truncate_logits
 from qerl_pipe.model.decoder import Decoder
+from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled
 from qerl_pipe.model.norm import RMSNorm
@@ -233,6 +234,9 @@ def test_lora_and_aqn_noise_reach_the_rollouts(tiny_llama):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     adapted = engine.generate(PROMPTS, sampling=greedy)
     assert adapted.tokens != plain.tokens
+    # The engine ran the fused inference copy of the adapter (refreshed from B) and left its scope.
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear) and len(m.lora_A)]
+    assert all(m.lora_cache is not None and not m.use_lora_cache for m in linears)
     for i, prompt in enumerate(PROMPTS):
         assert adapted.tokens[i] == _reference_greedy(model, prompt, 8)
     with lora_disabled(model):
@@ -246,6 +250,14 @@ def test_lora_and_aqn_noise_reach_the_rollouts(tiny_llama):
     for i, prompt in enumerate(PROMPTS):
         ref = _forward_logprobs(model, prompt, noisy.tokens[i], 0.9)
         torch.testing.assert_close(torch.tensor(noisy.logprobs[i]), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("base_format", ["nvfp4", "nf4"])
+def test_quantized_base_equals_its_forward(tiny_qwen2, base_format):
+    model = load_model(tiny_qwen2, base_format, dtype=torch.float32)
+    out = _engine(model, max_batch=3).generate(PROMPTS, sampling=SamplingParams(temperature=0, max_new_tokens=6))
+    for i, prompt in enumerate(PROMPTS):
+        assert out.tokens[i] == _reference_greedy(model, prompt, 6)
 
 
 def test_bucketed_schedule_refills_and_compacts(llama32):

@@ -21,6 +21,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,8 @@ from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.engine.sampling import SamplingParams, sample, sequence_key
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.decoder import Decoder
+from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.lora import lora_inference_cache
 
 # Refill when at least this fraction of the slots is free (or the next prompt's remaining samples
 # fit): each refill costs a prefill, so refilling one slot per step would prefill the same prompt
@@ -98,9 +101,11 @@ class Engine:
     `cuda_graphs=False` or the environment sets QERL_ENGINE_CUDA_GRAPHS=0. `prefill_tokens`
     bounds the padded tokens of one prefill batch (its activation memory).
 
-    The model runs as it is: unmerged LoRA and the AQN noise in its RMSNorm buffers. Update them
-    in place (optimizers and `noise.copy_` do); graphs are recaptured automatically when a
-    parameter or buffer has been rebound or a LoRA switch changed, and `reset_graphs()` forces it.
+    The model runs as it is: unmerged LoRA (through its fused inference copy,
+    `lora_inference_cache`, refreshed from the parameters at every `generate`) and the AQN noise
+    in its RMSNorm buffers. Update noise in place (`noise.copy_`); graphs are recaptured
+    automatically when a parameter or buffer has been rebound or a LoRA switch changed, and
+    `reset_graphs()` forces it.
     """
 
     def __init__(
@@ -159,7 +164,9 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise PromptError(f"sampling must be a SamplingParams; got {type(sampling).__name__}")
         prompt_lists = self._check_inputs(prompts, n, sampling)
-        with torch.inference_mode():
+        # The fused adapter copy is refreshed in place from the current LoRA parameters on entry
+        # (outside inference mode, so the trainer may refresh the same buffers later).
+        with self._lora_scope(), torch.inference_mode():
             return _Run(self, prompt_lists, n, sampling).run()
 
     # ------------------------------------------------------------------ helpers
@@ -198,6 +205,14 @@ class Engine:
                 )
             out.append(ids)
         return out
+
+    def _lora_scope(self) -> AbstractContextManager:
+        """`lora_inference_cache` (two matmuls per adapted linear instead of a dozen kernels)
+        unless the model has no adapter or the caller already entered that scope."""
+        linears = [m for m in self.model.modules() if isinstance(m, QuantLinear) and len(m.lora_A) > 0]
+        if not linears or any(m.use_lora_cache for m in linears):
+            return nullcontext()
+        return lora_inference_cache(self.model)
 
     def _check_graphs(self) -> None:
         if not self._runner.use_graphs:

@@ -3,9 +3,10 @@
 At batch 1-8 a 7B decode step is 2-4 ms of GPU work but hundreds of kernel launches; replaying a
 captured graph turns them into one launch. A graph records tensor addresses, so everything it
 reads is static: the token and position buffers (the engine writes into them in place), the
-KV cache, and the model's parameters and buffers (LoRA A/B, AQN noise, base weights). Updating
-those in place (optimizer steps, `noise.copy_`) is seen by the next replay; rebinding them to new
-tensors is not, hence `reset()` (the engine also notices rebinding, see `model_fingerprint`).
+KV cache, and the model's parameters and buffers (LoRA A/B or their fused inference copy, AQN
+noise, base weights). Updating those in place (optimizer steps, `noise.copy_`, the engine's
+refresh of the LoRA copy) is seen by the next replay; rebinding them to new tensors is not, hence
+`reset()` (the engine also notices rebinding, see `model_fingerprint`).
 """
 
 from __future__ import annotations
@@ -120,7 +121,12 @@ def model_fingerprint(model: nn.Module) -> tuple:
     About a microsecond per tensor: once per `generate`, not per step.
     """
     tensors = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-    switches = tuple(
-        (m.lora_enabled, m.lora_scaling, len(m.lora_A)) for m in model.modules() if isinstance(m, QuantLinear)
-    )
-    return tensors, switches
+    switches = []
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            # The fused inference copy of the adapter (`lora_inference_cache`) is a plain attribute.
+            cache = getattr(m, "lora_cache", None)
+            cache_ptrs = tuple(t.data_ptr() for t in cache) if cache is not None else ()
+            use_cache = getattr(m, "use_lora_cache", False)
+            switches.append((m.lora_enabled, m.lora_scaling, len(m.lora_A), use_cache, cache_ptrs))
+    return tensors, tuple(switches)
