@@ -9,13 +9,13 @@ Runs on a CUDA GPU with only torch and triton (no pydantic/typer), so it runs on
    dX = dY @ W both ways.
 Timing: CUDA-graph replays of R calls over R distinct weight copies (R chosen so the copies
 exceed 4x the 60 MB L2), median over replays, divided by R: no launch gaps, no warm L2.
+The candidates, the check and the timing live in `kernels.tuning` (the engine stage uses them too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict
@@ -28,6 +28,7 @@ from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.kernels.configs import KernelConfig, get_config, table_key, table_to_json
 from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4
+from qerl_pipe.kernels.tuning import dx_candidates, fwd_candidates, rel_err, time_graph, tune_one, weight_copies
 
 # (N, K) of each linear: qkv and gate_up are fused, as our model runs them.
 LAYER_SHAPES: dict[str, dict[str, tuple[int, int]]] = {
@@ -36,86 +37,6 @@ LAYER_SHAPES: dict[str, dict[str, tuple[int, int]]] = {
     "qwen2.5-32b": {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120),
                     "down": (5120, 27648)},
 }
-L2_BYTES = 60 * 2**20
-REPS = 25
-
-
-def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
-        ptx: bool = False) -> KernelConfig:
-    return KernelConfig("skinny", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
-
-
-def _gv(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
-        ptx: bool = False) -> KernelConfig:
-    return KernelConfig("gemv", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
-
-
-def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1,
-       ptx: bool = False) -> KernelConfig:
-    return KernelConfig("tiled", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
-
-
-def _dq(bn: int = 32, bk: int = 256, warps: int = 4, ptx: bool = False) -> KernelConfig:
-    return KernelConfig("dequant", 1, bn, bk, 1, warps, 1, ptx_decode=ptx)
-
-
-# Candidates per M bucket (forward): the v2 sweep's winners and runners-up, each also with the
-# inline-PTX NVFP4 decode (`ptx=True`). `_dq` = decode once to scratch, then cuBLAS.
-FWD_CANDIDATES: dict[int, list[KernelConfig]] = {
-    1: [_sk(1, 8, 512), _sk(1, 8, 512, ptx=True), _gv(1, 8, 1024), _gv(1, 8, 1024, ptx=True),
-        _gv(1, 8, 1024, split=4), _gv(1, 8, 1024, split=4, ptx=True), _sk(1, 16, 256, split=4),
-        _t(16, 64, 128, 4, 4), _t(16, 64, 128, 4, 4, ptx=True),
-        _t(16, 64, 128, 4, 4, split=2, ptx=True), _t(16, 32, 256, 4, 3, ptx=True)],
-    8: [_t(16, 64, 128, 4, 4), _t(16, 64, 128, 4, 4, ptx=True), _t(16, 32, 128, 4, 4),
-        _t(16, 32, 128, 4, 4, ptx=True), _t(16, 64, 128, 4, 4, split=4),
-        _t(16, 64, 128, 4, 4, split=4, ptx=True), _t(16, 64, 256, 4, 3, ptx=True),
-        _t(16, 128, 128, 4, 4, ptx=True)],
-    64: [_t(64, 128, 64, 4, 4), _t(64, 128, 64, 4, 4, ptx=True), _t(64, 64, 128, 4, 4, ptx=True),
-         _t(32, 128, 128, 4, 4, ptx=True), _t(64, 128, 128, 4, 3, ptx=True), _dq(),
-         _dq(ptx=True), _dq(16, 512, ptx=True)],
-    256: [_t(128, 128, 64, 8, 4, ptx=True), _dq(), _dq(16, 512), _dq(ptx=True),
-          _dq(16, 512, ptx=True), _dq(64, 128, 8, ptx=True)],
-    # v1 sweep: the tl.dot GEMM's best at M >= 1024 was 0.20-0.36x of cuBLAS; v2: 0.78-0.90x
-    # with `_dq`, where the decode pass already streams at 3.3-3.7 TB/s.
-    1024: [_dq(), _dq(16, 512), _dq(ptx=True), _dq(16, 512, ptx=True)],
-}
-# dX: block_n is the contracted tile, block_k the output tile.
-DX_CANDIDATES: list[KernelConfig] = [_dq(), _dq(ptx=True), _dq(16, 512), _dq(16, 512, ptx=True)]
-
-
-def _candidates(m: int) -> list[KernelConfig]:
-    for bound, cands in ((1, FWD_CANDIDATES[1]), (16, FWD_CANDIDATES[8]), (64, FWD_CANDIDATES[64]),
-                         (256, FWD_CANDIDATES[256])):
-        if m <= bound:
-            return cands
-    return FWD_CANDIDATES[1024]
-
-
-def _time_graph(calls: list[Callable[[], object]], reps: int = REPS) -> float:
-    """Seconds per call: median over CUDA-graph replays of all `calls` in sequence."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as graph capture requires
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(reps)]
-    for a, b in pairs:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    del graph
-    return statistics.median(a.elapsed_time(b) for a, b in pairs) * 1e-3 / len(calls)
-
-
 def _time_eager(calls: list[Callable[[], object]], reps: int = 5) -> float:
     """Seconds per call, without graphs (for torch code that copies host data while running)."""
     for c in calls:
@@ -133,38 +54,6 @@ def _time_eager(calls: list[Callable[[], object]], reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def _copies(nbytes: int) -> int:
-    return max(1, min(32, math.ceil(4 * L2_BYTES / nbytes)))
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not bool(torch.isfinite(out).all()):
-        return float("inf")
-    return float((out.float() - ref).norm() / ref.norm())
-
-
-def _tune(run: Callable[[KernelConfig, int], torch.Tensor], ref: torch.Tensor,
-          cands: list[KernelConfig], copies: int) -> tuple[KernelConfig | None, float, float,
-                                                          list[dict]]:
-    """Best (config, seconds, rel err) of `cands`; each is checked before it is timed."""
-    best: tuple[KernelConfig | None, float, float] = (None, math.inf, math.inf)
-    log = []
-    for cfg in cands:
-        try:
-            err = _rel_err(run(cfg, 0), ref)
-            if err >= 1e-2:
-                log.append({"config": asdict(cfg), "rel_err": err, "error": "wrong result"})
-                continue
-            t = _time_graph([lambda i=i: run(cfg, i) for i in range(copies)])
-        except Exception as e:  # noqa: BLE001 - a config that fails to compile is recorded
-            log.append({"config": asdict(cfg), "error": repr(e)[:300]})
-            continue
-        log.append({"config": asdict(cfg), "rel_err": err, "us": t * 1e6})
-        if t < best[1]:
-            best = (cfg, t, err)
-    return best[0], best[1], best[2], log
-
-
 def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
                 tuned: dict[str, KernelConfig]) -> list[dict]:
     from qerl_pipe.kernels.triton_matmul import launch_dx, launch_forward
@@ -177,8 +66,8 @@ def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
     del w
     dense = dequantize_nvfp4(q4, torch.float32)
     dense_nf = dequantize_nf4(nf, torch.float32)
-    r_b = _copies(wb.numel() * 2)
-    r_q = _copies(q4.packed.numel() + q4.block_scales.numel())
+    r_b = weight_copies(wb.numel() * 2)
+    r_q = weight_copies(q4.packed.numel() + q4.block_scales.numel())
     wbs = [wb] + [wb.clone() for _ in range(r_b - 1)]
     p4 = prepare_nvfp4(q4)
     p4s = [p4] + [prepare_nvfp4(q4) for _ in range(r_q - 1)]
@@ -198,38 +87,29 @@ def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
         row: dict = {"model": model, "layer": layer, "N": n, "K": k, "M": m,
                      "decode_pass_us": decode_us,
                      "decode_pass_tbps": (n * k * (0.5 + 1 / 16 + 2)) / decode_us / 1e6}
-        row["bf16_us"] = _time_graph([lambda i=i: torch.matmul(x, wbs[i].T) for i in range(r_b)]) * 1e6
+        row["bf16_us"] = time_graph([lambda i=i: torch.matmul(x, wbs[i].T) for i in range(r_b)]) * 1e6
         row["dequant_matmul_us"] = _time_eager(
             [lambda i=i: torch.matmul(x, dequantize_nvfp4(q4s[i], torch.bfloat16).T)
              for i in range(len(q4s))]) * 1e6
 
-        cfg, t, err, log = _tune(lambda c, i: launch_forward(x, "nvfp4", p4s[i], c), ref,
-                                 _candidates(m), r_q)
+        cfg, t, err, log = tune_one(lambda c, i: launch_forward(x, "nvfp4", p4s[i], c), ref,
+                                    fwd_candidates(m), r_q)
         row.update(nvfp4_us=t * 1e6, nvfp4_config=asdict(cfg) if cfg else None,
                    nvfp4_rel_err=err, nvfp4_tuning=log)
         if cfg:
             tuned[table_key("fwd", "nvfp4", m, n, k)] = cfg
         # NF4 decodes through a table lookup: try the NVFP4 winner and the bucket's first pick.
-        nf_cands = list(dict.fromkeys([c for c in (cfg, _candidates(m)[0]) if c]))
-        cfg_nf, t_nf, err_nf, _ = _tune(lambda c, i: launch_forward(x, "nf4", pnfs[i], c), ref_nf,
-                                        nf_cands, r_q)
+        nf_cands = list(dict.fromkeys([c for c in (cfg, fwd_candidates(m)[0]) if c]))
+        cfg_nf, t_nf, err_nf, _ = tune_one(lambda c, i: launch_forward(x, "nf4", pnfs[i], c), ref_nf,
+                                           nf_cands, r_q)
         row.update(nf4_us=t_nf * 1e6, nf4_config=asdict(cfg_nf) if cfg_nf else None,
                    nf4_rel_err=err_nf)
         if cfg_nf:
             tuned[table_key("fwd", "nf4", m, n, k)] = cfg_nf
 
-        row["dx_bf16_us"] = _time_graph([lambda i=i: torch.matmul(dy, wbs[i]) for i in range(r_b)]) * 1e6
-        # dX matters in training (M = tokens, large); smaller M gets one sensible tile.
-        if m >= 1024:
-            dx_cands = DX_CANDIDATES
-        elif m >= 128:
-            dx_cands = DX_CANDIDATES[:2]
-        else:
-            bm = max(16, min(64, 1 << (m - 1).bit_length()))
-            dx_cands = [_t(bm, 64, 128, 4, 3), _t(bm, 64, 128, 4, 3, ptx=True)]
-            dx_cands += [_dq(ptx=True)] if m >= 64 else []
-        cfg_dx, t_dx, err_dx, log_dx = _tune(lambda c, i: launch_dx(dy, "nvfp4", p4s[i], c), ref_dx,
-                                             dx_cands, r_q)
+        row["dx_bf16_us"] = time_graph([lambda i=i: torch.matmul(dy, wbs[i]) for i in range(r_b)]) * 1e6
+        cfg_dx, t_dx, err_dx, log_dx = tune_one(lambda c, i: launch_dx(dy, "nvfp4", p4s[i], c), ref_dx,
+                                                dx_candidates(m), r_q)
         row.update(dx_nvfp4_us=t_dx * 1e6, dx_config=asdict(cfg_dx) if cfg_dx else None,
                    dx_rel_err=err_dx, dx_tuning=log_dx)
         if cfg_dx:
@@ -252,7 +132,7 @@ def _time_decode_pass(packed: list, n: int, k: int) -> float:
 
     buf = scratch(n, k, torch.device("cuda"), torch.bfloat16)
     cfg = get_config("fwd", "nvfp4", 4096, n, k)
-    return _time_graph([lambda p=p: dequantize_into(*_operands("nvfp4", p), buf, cfg)
+    return time_graph([lambda p=p: dequantize_into(*_operands("nvfp4", p), buf, cfg)
                         for p in packed]) * 1e6
 
 
@@ -301,7 +181,7 @@ def check_correctness(n: int = 4608, k: int = 3584, ms: tuple[int, ...] = (1, 16
             ("nvfp4_linear_dx", nvfp4_linear_dx(dy, q4), dy.float() @ d4),
             ("nf4_linear_dx", nf4_linear_dx(dy, nf), dy.float() @ dnf),
         ):
-            err = _rel_err(got, ref)
+            err = rel_err(got, ref)
             out.append({"op": name, "N": n, "K": k, "M": m, "rel_err": err, "ok": err < 1e-2})
             print(f"check {name:16} M={m:<5} N={n} K={k} rel err {err:.2e}", flush=True)
     return out
