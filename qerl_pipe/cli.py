@@ -88,6 +88,21 @@ def quantize(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = No
     print(artifact.path)
 
 
+@app.command("build-engine")
+@_user_errors
+def build_engine(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
+                 quantized: Annotated[Optional[str], typer.Option(help="Quantize artifact (path or id) to build an nvfp4 engine from; without it, the recipe's calibrate/quantize artifacts are reused or made first.")] = None,
+                 artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+    """Store the model as the kernels run it, with KV-cache limits and (on CUDA) tuned kernels."""
+    from qerl_pipe.stages.build_engine import run_build_engine
+
+    store = _store(artifacts)
+    parsed = _recipe(recipe, set_, model)
+    parent = store.resolve(quantized) if quantized else None
+    artifact = run_build_engine(parsed, store, quantized=parent, force=force)
+    print(artifact.path)
+
+
 @app.command()
 @_user_errors
 def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_: SetOpt = None,

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qerl_pipe.errors import RecipeError
 
-STAGE_ORDER = ("calibrate", "quantize")
+STAGE_ORDER = ("calibrate", "quantize", "build-engine")
 
 
 class _Section(BaseModel):
@@ -71,6 +71,41 @@ class QuantizeSection(_Section):
     quality: QualitySection = Field(default_factory=QualitySection)
 
 
+class EngineSection(_Section):
+    """`build-engine`: the model as the kernels run it, with planned limits and tuned kernels."""
+
+    base_format: Literal["nvfp4", "nf4", "bf16"] = Field(
+        "nvfp4", description="Frozen base: nvfp4 reads the quantize artifact; nf4 (QLoRA baseline) and "
+        "bf16 read the original model source.",
+    )
+    max_seq_len: int = Field(1024, ge=2, description="Prompt + generated tokens per sequence (KV-cache length).")
+    max_batch: int = Field(64, ge=1, description="Most sequences decoded at once (fewer if the KV budget is smaller).")
+    kv_budget_gib: float | None = Field(
+        None, gt=0, description="KV-cache memory budget in GiB; null = auto: on CUDA 40% of the memory free "
+        "after loading the model, on CPU 2 GiB.",
+    )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="Capture the decode step as CUDA graphs; auto = on for CUDA."
+    )
+    tune_kernels: Literal["auto", "on", "off"] = Field(
+        "auto", description="Time kernel configs for this model's layer shapes on this GPU; auto = on for CUDA "
+        "with a 4-bit base.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the engine runs (and is tuned).")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Activation, KV-cache and dense-weight dtype; auto is bfloat16 on CUDA, float32 on "
+        "CPU for models under 2B parameters.",
+    )
+
+    @field_validator("cuda_graphs", "tune_kernels", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `on` / `off` as a boolean; both spellings mean the same here.
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
+
 class Recipe(_Section):
     """The whole recipe. `stages` lists what `qerl-pipe run` executes, in pipeline order."""
 
@@ -78,6 +113,7 @@ class Recipe(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     calibrate: CalibrateSection = Field(default_factory=CalibrateSection)
     quantize: QuantizeSection = Field(default_factory=QuantizeSection)
+    engine: EngineSection = Field(default_factory=EngineSection)  # the build-engine stage
 
     @field_validator("stages")
     @classmethod

@@ -144,7 +144,8 @@ def test_calibrated_quantize_is_nvfp4_with_shared_input_scales(tiny_qwen2, store
 
 def test_run_chains_calibrate_and_quantize_and_skips_when_up_to_date(tiny_llama, store_dir, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model:\n  source: {tiny_llama}\ncalibrate:\n  num_samples: 2\n  seq_len: 16\n"
+    recipe.write_text(f"stages: [calibrate, quantize]\nmodel:\n  source: {tiny_llama}\n"
+                      "calibrate:\n  num_samples: 2\n  seq_len: 16\n"
                       "quantize:\n  quality:\n    perplexity: always\n    num_samples: 2\n    seq_len: 16\n")
     first = cli("run", recipe, "--artifacts", store_dir)
     ckpt = last_line(first)

@@ -16,9 +16,11 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_without_a_file():
     recipe = load_recipe(None)
-    assert recipe.stages == ["calibrate", "quantize"]
+    assert recipe.stages == ["calibrate", "quantize", "build-engine"]
     assert recipe.model.source == "smollm2-135m-instruct"
     assert recipe.quantize.exclude == ["lm_head"]
+    assert recipe.engine.base_format == "nvfp4" and recipe.engine.kv_budget_gib is None
+    assert (recipe.engine.max_seq_len, recipe.engine.max_batch) == (1024, 64)
 
 
 def test_file_and_overrides_are_typed(tmp_path):
@@ -31,9 +33,16 @@ def test_file_and_overrides_are_typed(tmp_path):
     assert recipe.quantize.quality.perplexity == "never"
 
 
+def test_engine_switches_accept_yaml_on_and_off(tmp_path):
+    # YAML 1.1 reads bare on/off as booleans.
+    recipe = load_recipe(write(tmp_path, "engine:\n  cuda_graphs: on\n  tune_kernels: off\n"), ["engine.kv_budget_gib=1.5"])
+    assert (recipe.engine.cuda_graphs, recipe.engine.tune_kernels, recipe.engine.kv_budget_gib) == ("on", "off", 1.5)
+
+
 def test_shipped_quickstart_recipe_is_valid():
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
-    assert recipe.stages == ["calibrate", "quantize"]
+    assert recipe.stages == ["calibrate", "quantize", "build-engine"]
+    assert (recipe.engine.max_seq_len, recipe.engine.max_batch) == (256, 16)
 
 
 @pytest.mark.parametrize("text, overrides, needle", [
@@ -44,6 +53,12 @@ def test_shipped_quickstart_recipe_is_valid():
     ("", ["calibrate.device=tpu"], "'calibrate.device'"),
     ("stages: [quantize, calibrate]\n", [], "pipeline order"),
     ("stages: [train]\n", [], "unknown stage"),
+    ("stages: [build-engine, quantize]\n", [], "pipeline order"),
+    ("engine:\n  max_batch: 0\n", [], "'engine.max_batch'"),
+    ("engine:\n  bogus: 1\n", [], "unknown key 'engine.bogus'"),
+    ("", ["engine.base_format=int8"], "'engine.base_format'"),
+    ("", ["engine.kv_budget_gib=-1"], "'engine.kv_budget_gib'"),
+    ("", ["engine.tune_kernels=maybe"], "'engine.tune_kernels'"),
 ])
 def test_bad_values_name_the_key_and_the_file(tmp_path, text, overrides, needle):
     path = write(tmp_path, text)

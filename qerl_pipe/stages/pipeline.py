@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore
 from qerl_pipe.recipe import Recipe
+from qerl_pipe.stages.build_engine import run_build_engine
 from qerl_pipe.stages.calibrate import run_calibrate
 from qerl_pipe.stages.quantize import run_quantize
 
@@ -15,4 +16,8 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
         results["calibrate"] = run_calibrate(recipe, store, force=force)
     if "quantize" in recipe.stages:
         results["quantize"] = run_quantize(recipe, store, calibration=results.get("calibrate"), force=force)
+    if "build-engine" in recipe.stages:
+        # An nf4 or bf16 engine reads the original model, not the quantize artifact.
+        quantized = results.get("quantize") if recipe.engine.base_format == "nvfp4" else None
+        results["build-engine"] = run_build_engine(recipe, store, quantized=quantized, force=force)
     return results

@@ -1,0 +1,229 @@
+"""Engine weights: the model stored exactly as the kernels consume it, and loaded without work.
+
+A checkpoint keeps the standard NVFP4 bytes; the kernels need int32 words of 8 codes
+(`kernels.packing`), and NF4 / bf16 bases are made from the bf16 model. The engine stores the
+result of all that once: every fused QuantLinear's buffers under the module names of our
+`Decoder` (`layers.0.self_attn.qkv_proj.qweight`, ...), biases, norms, the embedding and an untied
+lm_head, in safetensors shards of ~`SHARD_BYTES`, plus the HF `config.json`. Loading builds a
+`Decoder` whose bases are on the meta device and installs each tensor on the target device:
+no repacking, no quantization, one copy of each weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from qerl_pipe.errors import ArtifactError
+from qerl_pipe.kernels.packing import PackedNF4, PackedNVFP4
+from qerl_pipe.model.config import SUPPORTED, DecoderConfig
+from qerl_pipe.model.decoder import Decoder
+from qerl_pipe.model.linear import BASE_FORMATS, QuantLinear
+from qerl_pipe.model.lora import LoraSpec, apply_lora
+
+WEIGHTS_FORMAT_VERSION = 1
+INDEX_NAME = "engine.safetensors.index.json"
+CONFIG_NAME = "config.json"
+# Big enough to keep the file count low, small enough that one shard's host copy is cheap.
+SHARD_BYTES = 2 * 2**30
+# Kernel containers by base format; their field names are the QuantLinear buffer names.
+_CONTAINERS: dict[str, type] = {"nvfp4": PackedNVFP4, "nf4": PackedNF4}
+
+
+def _base_fields(base_format: str) -> tuple[str, ...]:
+    if base_format == "bf16":
+        return ("weight",)
+    return tuple(f.name for f in dataclasses.fields(_CONTAINERS[base_format]))
+
+
+def _stored_tensors(model: Decoder) -> dict[str, Tensor]:
+    """What the engine stores, by our module names: every persistent tensor but LoRA and a tied head.
+
+    Derived from `state_dict` on both sides (save and load), so the two cannot disagree.
+    """
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue  # adapters are trained later; the engine is the frozen base
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # the embedding itself
+        out[name] = t
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def hf_config_from(config: DecoderConfig) -> dict[str, Any]:
+    """A config.json dict that `DecoderConfig.from_hf` reads back as `config` (for models built
+    without one, e.g. `init_random_model`)."""
+    out: dict[str, Any] = {
+        "architectures": [SUPPORTED[config.model_type]],
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        # Qwen2 has q/k/v biases by architecture; elsewhere attention_bias covers q/k/v and o.
+        "attention_bias": config.o_bias,
+        "mlp_bias": config.mlp_bias,
+        "rope_theta": config.rope.theta,
+        "sliding_window": None,
+        "use_sliding_window": False,
+    }
+    if config.rope.type == "llama3":
+        out["rope_scaling"] = {
+            "rope_type": "llama3", "factor": config.rope.factor,
+            "low_freq_factor": config.rope.low_freq_factor, "high_freq_factor": config.rope.high_freq_factor,
+            "original_max_position_embeddings": config.rope.original_max_position_embeddings,
+        }
+    return out
+
+
+def _host_copy(t: Tensor) -> Tensor:
+    """A CPU tensor owning exactly its bytes (safetensors refuses tensors that share storage)."""
+    t = t.detach().to("cpu").contiguous()
+    owns = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if owns else t.clone()
+
+
+def save_engine_model(model: Decoder, out_dir: Path, *, hf_config: Mapping[str, Any] | None = None) -> None:
+    """Write `model`'s base (no LoRA) to `out_dir`: shards, an index and config.json.
+
+    `hf_config` is the model's own config.json dict (kept, minus `quantization_config`, so token
+    ids and the like travel with the engine); without it one is rebuilt from `model.config`.
+    """
+    out_dir = Path(out_dir)
+    if hf_config is None:
+        config = hf_config_from(model.config)
+    else:
+        if DecoderConfig.from_hf(hf_config) != model.config:
+            raise ValueError("hf_config describes another model than the one being saved")
+        # The tensors here are not in that checkpoint layout; a reader must not think they are.
+        config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    tensors = _stored_tensors(model)
+    meta = [name for name, t in tensors.items() if t.device.type == "meta"]
+    if meta:
+        raise ValueError(f"cannot save an engine with unset weights ({meta[0]} is on the meta device)")
+    shards = _plan_shards(tensors)
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        file = f"engine-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: _host_copy(tensors[n]) for n in names}, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    index = {
+        "metadata": {
+            "format_version": WEIGHTS_FORMAT_VERSION,
+            "base_format": model.base_format,
+            "dtype": _dtype_name(model.dtype),
+            "total_size": sum(t.numel() * t.element_size() for t in tensors.values()),
+        },
+        "weight_map": weight_map,
+    }
+    (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
+    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _plan_shards(tensors: Mapping[str, Tensor]) -> list[list[str]]:
+    """Names per shard, in model order, each shard up to SHARD_BYTES (one bigger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: cannot read the engine's {what} ({exc}); rebuild it with --force") from None
+
+
+def load_engine_model(engine_dir: Path, device: torch.device | str, lora: LoraSpec | None = None) -> Decoder:
+    """The Decoder stored in `engine_dir`, its tensors placed on `device` as stored.
+
+    `lora` adds fresh adapters (B = 0), as `load_model` does.
+    """
+    engine_dir = Path(engine_dir)
+    index = _read_json(engine_dir / INDEX_NAME, "weight index")
+    meta = index.get("metadata", {})
+    if meta.get("format_version") != WEIGHTS_FORMAT_VERSION or meta.get("base_format") not in BASE_FORMATS:
+        raise ArtifactError(
+            f"{engine_dir}: engine weights format {meta.get('format_version')!r} / base "
+            f"{meta.get('base_format')!r} is not one this version reads; rebuild the engine with --force"
+        )
+    config = DecoderConfig.from_hf(_read_json(engine_dir / CONFIG_NAME, "config.json"))
+    dtype = getattr(torch, meta["dtype"])
+    device = torch.device(device)
+    model = Decoder(config, meta["base_format"], dtype, device)
+    _install(model, engine_dir, index["weight_map"], device)
+    if lora is not None:
+        apply_lora(model, lora)
+    return model
+
+
+def _install(model: Decoder, engine_dir: Path, weight_map: Mapping[str, str], device: torch.device) -> None:
+    expected = _stored_tensors(model)
+    unknown = sorted(set(weight_map) - set(expected))
+    missing = sorted(set(expected) - set(weight_map))
+    if unknown or missing:
+        raise ArtifactError(
+            f"{engine_dir}: the stored tensors do not match the model "
+            f"(missing {missing[:3]}, unexpected {unknown[:3]}); rebuild the engine with --force"
+        )
+    fields = _base_fields(model.base_format)
+    pending: dict[str, dict[str, Tensor]] = {}  # QuantLinear name -> base buffers read so far
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(str(engine_dir / file), framework="pt", device="cpu") as fh:
+                for name in names:
+                    _place(model, name, fh.get_tensor(name), expected[name], fields, pending, device)
+    if pending:  # cannot happen after the name check above, unless a base has a new field
+        module_name, parts = next(iter(pending.items()))
+        raise ArtifactError(f"{engine_dir}: {module_name} lacks {sorted(set(fields) - set(parts))}")
+
+
+def _place(model: Decoder, name: str, t: Tensor, target: Tensor, fields: tuple[str, ...],
+           pending: dict[str, dict[str, Tensor]], device: torch.device) -> None:
+    if t.shape != target.shape or t.dtype != target.dtype:
+        raise ArtifactError(
+            f"engine tensor {name} is {tuple(t.shape)} {t.dtype}, the model needs "
+            f"{tuple(target.shape)} {target.dtype}; rebuild the engine with --force"
+        )
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, QuantLinear) and attr in fields:
+        # Bases are on the meta device until set: the tensor goes straight to its device.
+        parts = pending.setdefault(module_name, {})
+        parts[attr] = t.to(device)
+        if len(parts) == len(fields):
+            del pending[module_name]
+            fmt = module.base_format
+            module.set_base(parts["weight"] if fmt == "bf16" else _CONTAINERS[fmt](**parts))
+        return
+    target.copy_(t)  # embedding, norms, biases, lm_head: allocated by the Decoder on `device`

@@ -1,0 +1,282 @@
+"""`qerl-pipe build-engine`: the model as the rollout engine and the trainer run it.
+
+Everything that can be done once per (model, GPU) is done here and stored, so that train and
+eval start in seconds: the base is converted to the kernels' layout (`engine.weights`), the
+KV-cache limits are planned from a memory budget on the target device (`engine.limits`), and on
+CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`). Tuning is
+per GPU, so the GPU's name is part of the artifact's identity.
+
+The base comes from the quantize artifact (nvfp4) or from the original model (nf4, the QLoRA
+baseline; bf16). `load_engine` is what later stages call.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import qerl_pipe
+from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
+from qerl_pipe.engine.limits import EngineLimits, plan_limits
+from qerl_pipe.engine.weights import load_engine_model, save_engine_model
+from qerl_pipe.errors import ArtifactError, ModelSourceError, QerlError
+from qerl_pipe.formats.checkpoint import detect_quant_format
+from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, set_table, table_from_json, table_to_json
+from qerl_pipe.log import log
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.decoder import Decoder
+from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.load import load_model, model_memory_bytes
+from qerl_pipe.model.lora import LoraSpec
+from qerl_pipe.recipe import EngineSection, Recipe
+from qerl_pipe.sources import resolve_model
+from qerl_pipe.stages import quantize as quantize_stage
+from qerl_pipe.stages.common import compute_dtype, count_parameters, model_config_key, pick_device
+
+STAGE = "build-engine"
+VERSION = 1
+KIND = "engine"
+ENGINE_FILE = "engine.json"
+ENGINE_FORMAT_VERSION = 1
+# Auto KV budget on CUDA: a share of what is free once the model is loaded; the rest is left for
+# activations, LoRA, optimizer state and the training step that shares the GPU with the engine.
+AUTO_KV_FRACTION = 0.4
+CPU_KV_BUDGET_BYTES = 2 * 2**30
+# Tuning covers every M bucket; the last one (M >= 1024: prefill and training batches) is timed
+# at a training-sized M.
+TUNING_MS = (*M_BUCKETS[:-1], 4096)
+
+
+@dataclass(frozen=True)
+class _Base:
+    """Where the base weights come from, and what names them in the artifact id."""
+
+    dir: Path
+    hf_config: dict[str, Any]
+    identity: dict[str, Any]
+    parents: list[str]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What is decided before any weight is read (so a bad value fails before any work)."""
+
+    config: DecoderConfig
+    dtype: torch.dtype
+    kv_budget_bytes: int | None  # None: measured on the GPU after loading the model
+    cuda_graphs: bool
+    tune: bool
+
+
+def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool:
+    if choice == "on" and not possible:
+        raise QerlError(f"engine.{key}: on {why}; set engine.{key}=auto or off")
+    return choice == "on" or (choice == "auto" and auto)
+
+
+def _plan(section: EngineSection, hf_config: dict[str, Any], device: torch.device) -> _Plan:
+    config = DecoderConfig.from_hf(hf_config)
+    if section.max_seq_len > config.max_position_embeddings:
+        raise QerlError(
+            f"engine.max_seq_len={section.max_seq_len} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings}); lower engine.max_seq_len"
+        )
+    cuda = device.type == "cuda"
+    four_bit = section.base_format != "bf16"
+    graphs = _switch(section.cuda_graphs, cuda, cuda, "cuda_graphs", "needs a CUDA device")
+    tune = _switch(section.tune_kernels, cuda and four_bit, cuda and four_bit, "tune_kernels",
+                   "needs a CUDA device and a 4-bit base (nvfp4 or nf4)")
+    dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
+    budget = None
+    if section.kv_budget_gib is not None:
+        budget = int(section.kv_budget_gib * 2**30)
+    elif not cuda:
+        budget = CPU_KV_BUDGET_BYTES
+    plan = _Plan(config, dtype, budget, graphs, tune)
+    if budget is not None:
+        _limits(plan, section, budget)  # raises now when not even one sequence fits
+    return plan
+
+
+def _limits(plan: _Plan, section: EngineSection, budget: int) -> EngineLimits:
+    return plan_limits(plan.config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
+                       kv_budget_bytes=budget, dtype=plan.dtype, cuda_graphs=plan.cuda_graphs)
+
+
+def _check_quantized(artifact: Artifact) -> None:
+    if artifact.kind != quantize_stage.KIND:
+        raise ArtifactError(f"{artifact.path} is a '{artifact.kind}' artifact, not a quantize checkpoint "
+                            f"('{quantize_stage.KIND}')")
+
+
+def _find_or_make_quantized(recipe: Recipe, store: ArtifactStore) -> Artifact:
+    """The quantize artifact this recipe describes, made if missing: calibrated when the recipe
+    runs calibrate (as `qerl-pipe run` would make it), weight-only otherwise."""
+    from qerl_pipe.stages.calibrate import run_calibrate
+
+    calibration = run_calibrate(recipe, store) if "calibrate" in recipe.stages else None
+    return quantize_stage.run_quantize(recipe, store, calibration=calibration)
+
+
+def _quantized_base(artifact: Artifact) -> _Base:
+    hf_config = json.loads((artifact.path / "config.json").read_text())
+    return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
+
+
+def _device_kind(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _auto_cuda_budget(device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # blocks cached from loading are free for the engine too
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free * AUTO_KV_FRACTION)
+
+
+def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
+    """Distinct (N, K) of the fused linears, in model order."""
+    shapes = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantLinear)]
+    return list(dict.fromkeys(shapes))
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    # The same files the quantize stage carries along (tokenizer, chat template, generation config).
+    for pattern in quantize_stage._COPY_PATTERNS:
+        for path in source.glob(pattern):
+            if path.is_file():
+                shutil.copy2(path, out / path.name)
+
+
+def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.device, out: Path) -> dict[str, Any]:
+    """Write the engine into `out`; returns the manifest summary."""
+    from qerl_pipe.kernels.tuning import tune_kernels
+
+    started = time.perf_counter()
+    model = load_model(base.dir, section.base_format, plan.dtype, device)
+    budget = plan.kv_budget_bytes if plan.kv_budget_bytes is not None else _auto_cuda_budget(device)
+    limits = _limits(plan, section, budget)
+    table: ConfigTable | None = None
+    if plan.tune:
+        log(f"build-engine: tuning {section.base_format} kernels on {_device_kind(device)}")
+        table = tune_kernels(_linear_shapes(model), list(TUNING_MS), section.base_format, device)
+    save_engine_model(model, out, hf_config=base.hf_config)
+    _copy_tokenizer(base.dir, out)
+    seconds = round(time.perf_counter() - started, 2)
+    engine = {
+        "format_version": ENGINE_FORMAT_VERSION,
+        "base_format": section.base_format,
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "limits": limits.to_json(),
+        "kv_budget_bytes": budget,
+        "kernel_table": table_to_json(table) if table is not None else None,
+        "device": {"type": device.type, "name": _device_kind(device)},
+        "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": seconds,
+        "qerl_pipe_version": qerl_pipe.__version__,
+    }
+    (out / ENGINE_FILE).write_text(json.dumps(engine, indent=2) + "\n")
+    summary = {
+        "base_format": section.base_format,
+        "dtype": engine["dtype"],
+        "device": engine["device"]["name"],
+        "max_batch": limits.max_batch,
+        "max_seq_len": limits.max_seq_len,
+        "kv_cache_mib": round(limits.kv_cache_bytes / 2**20, 1),
+        "kv_budget_mib": round(budget / 2**20, 1),
+        "model_mib": round(model_memory_bytes(model) / 2**20, 1),
+        "cuda_graph_sizes": list(limits.graph_batch_sizes),
+        "tuned_kernel_entries": len(table) if table is not None else 0,
+        "seconds": seconds,
+    }
+    log(f"build-engine: {section.base_format} base in {summary['dtype']} on {summary['device']}, "
+        f"{summary['model_mib']} MiB; max_batch {limits.max_batch} x max_seq_len {limits.max_seq_len} "
+        f"(KV cache {summary['kv_cache_mib']} of {summary['kv_budget_mib']} MiB); "
+        f"{summary['tuned_kernel_entries'] or 'default'} kernel configs; {seconds} s")
+    return summary
+
+
+def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifact | None = None,
+                     force: bool = False) -> Artifact:
+    """Build (or reuse) the engine the recipe's `engine` section describes.
+
+    nvfp4 builds from `quantized`, or from the quantize artifact the recipe describes (found or
+    made); nf4 and bf16 build from `recipe.model`. `force` redoes this stage only.
+    """
+    section = recipe.engine
+    device = pick_device(section.device)
+    if section.base_format == "nvfp4":
+        if quantized is None:
+            _plan(section, resolve_model(recipe.model, store).config, device)  # fail before quantizing
+            quantized = _find_or_make_quantized(recipe, store)
+        _check_quantized(quantized)
+        base = _quantized_base(quantized)
+    else:
+        if quantized is not None:
+            raise QerlError(f"a quantize artifact is the base of an nvfp4 engine only; engine.base_format="
+                            f"{section.base_format} reads the original model (drop --quantized)")
+        resolved = resolve_model(recipe.model, store)
+        quant = detect_quant_format(resolved.config)
+        if quant is not None and section.base_format == "nf4":
+            raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
+                                   "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
+        base = _Base(resolved.dir, resolved.config, {"model": model_config_key(resolved, recipe.model)},
+                     resolved.parents)
+    plan = _plan(section, base.hf_config, device)
+    config = {"base": base.identity, "engine": section.model_dump(), "device": _device_kind(device)}
+    with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
+                      parents=base.parents, force=force) as (pending, existing):
+        if existing is not None:
+            log(f"build-engine: up to date, reusing {existing.path}")
+            return existing
+        pending.summary.update(_build(base, plan, section, device, pending.dir))
+    # Just written and hashed into its manifest: no need to re-read every byte.
+    return load_artifact(store.path_for(STAGE, pending.id), verify=False)
+
+
+def _read_engine_json(path: Path) -> dict[str, Any]:
+    try:
+        engine = json.loads((path / ENGINE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: cannot read {ENGINE_FILE} ({exc}); rebuild the engine with --force") from None
+    if engine.get("format_version") != ENGINE_FORMAT_VERSION:
+        raise ArtifactError(f"{path}: engine format {engine.get('format_version')!r} is not "
+                            f"{ENGINE_FORMAT_VERSION}; rebuild the engine with --force")
+    return engine
+
+
+def load_engine(artifact_dir: Path | str, device: torch.device | str | None = None,
+                lora: LoraSpec | None = None) -> tuple[Decoder, EngineLimits]:
+    """The engine's model on `device` (default: the device type it was built for) and its limits.
+
+    Installs the engine's tuned kernel table process-wide (`kernels.configs.set_table`), or the
+    default table when it has none, so a previous engine's entries never apply to this model.
+    Does not re-hash the files (`ArtifactStore.resolve` does, for a reference given by a user).
+    """
+    path = Path(artifact_dir)
+    artifact = load_artifact(path, verify=False)
+    if artifact.kind != KIND:
+        raise ArtifactError(f"{path} is a '{artifact.kind}' artifact, not an engine; run `qerl-pipe build-engine`")
+    engine = _read_engine_json(path)
+    built = engine["device"]
+    if device is None and built["type"] == "cuda" and not torch.cuda.is_available():
+        raise QerlError(f"{path.name} was built for {built['name']} but no CUDA GPU is visible; "
+                        "pass device='cpu' to load it anyway")
+    target = torch.device(built["type"] if device is None else device)
+    if target.type != built["type"] or (target.type == "cuda" and _device_kind(target) != built["name"]):
+        log(f"build-engine: {path.name} was built and tuned for {built['name']}, loading on "
+            f"{_device_kind(target)}; its limits and kernel configs may not suit it (rebuild there)")
+    model = load_engine_model(path, target, lora)
+    if model.base_format != engine["base_format"]:
+        raise ArtifactError(f"{path}: weights are {model.base_format} but {ENGINE_FILE} says "
+                            f"{engine['base_format']}; rebuild the engine with --force")
+    table = engine.get("kernel_table")
+    set_table(table_from_json(table) if table else {})
+    return model, EngineLimits.from_json(engine["limits"])

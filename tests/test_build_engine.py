@@ -1,0 +1,230 @@
+"""`qerl-pipe build-engine` and the engine weights on tiny models (CPU): parity with `load_model`,
+reuse, limits from the budget, nf4/bf16 bases from the source, errors, and `run` with three stages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from qerl_pipe.cli import app
+from qerl_pipe.engine.limits import EngineLimits, kv_bytes_per_token
+from qerl_pipe.errors import ArtifactError
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.load import init_random_model, load_model
+from qerl_pipe.model.lora import LoraSpec, lora_parameters
+from qerl_pipe.stages.build_engine import load_engine
+from tests.conftest import read_json
+
+runner = CliRunner()
+# Weight-only quantize (no calibration pass), no perplexity report, a small CPU engine.
+FAST = ["--set", "stages=[quantize, build-engine]", "--set", "quantize.quality.perplexity=never",
+        "--set", "engine.max_seq_len=256", "--set", "engine.max_batch=8", "--set", "engine.device=cpu"]
+IDS = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def cli(*args, ok: bool = True):
+    result = runner.invoke(app, [str(a) for a in args])
+    if ok:
+        assert result.exit_code == 0, result.stderr + str(result.exception)
+    return result
+
+
+def last_line(result) -> Path:
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.logits(IDS)
+
+
+def named(store: Path, prefix: str) -> list[str]:
+    return sorted(p.name for p in store.iterdir() if p.name.startswith(prefix)) if store.exists() else []
+
+
+def test_build_from_the_quantize_artifact_and_reuse(tiny_llama, store_dir):
+    ckpt = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    first = cli("build-engine", "--quantized", ckpt, "--artifacts", store_dir, *FAST)
+    engine = last_line(first)
+    assert engine.parent == store_dir and engine.name.startswith("build-engine-")
+    names = {p.name for p in engine.iterdir()}
+    assert {"engine.json", "config.json", "engine.safetensors.index.json", "engine-00001-of-00001.safetensors",
+            "tokenizer.json", "tokenizer_config.json", "generation_config.json", "manifest.json"} <= names
+    spec = read_json(engine / "engine.json")
+    assert spec["format_version"] == 1 and spec["base_format"] == "nvfp4" and spec["dtype"] == "float32"
+    assert spec["limits"] == {"max_batch": 8, "max_seq_len": 256, "graph_batch_sizes": [],
+                              "kv_cache_bytes": spec["limits"]["kv_cache_bytes"]}
+    assert spec["kernel_table"] is None and spec["device"] == {"type": "cpu", "name": "cpu"}
+    assert "quantization_config" not in read_json(engine / "config.json")  # not the modelopt layout
+    manifest = read_json(engine / "manifest.json")
+    assert manifest["kind"] == "engine" and manifest["parents"] == [read_json(ckpt / "manifest.json")["id"]]
+    assert manifest["config"]["device"] == "cpu" and manifest["config"]["engine"]["max_batch"] == 8
+    index = read_json(engine / "engine.safetensors.index.json")
+    assert index["weight_map"]["layers.0.self_attn.qkv_proj.qweight"] == "engine-00001-of-00001.safetensors"
+
+    built = (engine / "engine.json").stat().st_mtime_ns
+    again = cli("build-engine", "--quantized", ckpt.name, "--artifacts", store_dir, *FAST)
+    assert last_line(again) == engine and "up to date" in again.stderr
+    # Without --quantized the recipe's quantize artifact is found (not re-made): the same engine.
+    found = cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *FAST)
+    assert last_line(found) == engine and found.stderr.count("up to date") == 2
+    assert (engine / "engine.json").stat().st_mtime_ns == built
+    assert len(named(store_dir, "quantize-")) == 1 and len(named(store_dir, "build-engine-")) == 1
+
+    # --force rebuilds this stage only.
+    forced = cli("build-engine", "--quantized", ckpt, "--artifacts", store_dir, "--force", *FAST)
+    assert last_line(forced) == engine and "up to date" not in forced.stderr
+    cli("verify", engine)
+
+
+def test_load_engine_matches_load_model_bit_for_bit(tiny_llama, store_dir):
+    from qerl_pipe.kernels import configs
+
+    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    (ckpt,) = named(store_dir, "quantize-")
+    configs.set_table({"fwd:nvfp4:m1": configs.KernelConfig("skinny", 1, 16, 64)})  # a previous engine's
+    model, limits = load_engine(engine)
+    assert configs._ACTIVE == configs.default_table()  # no tuned table: back to the defaults
+    assert model.base_format == "nvfp4" and model.dtype == torch.float32
+    assert model.embed_tokens.weight.device.type == "cpu"
+    reference = load_model(store_dir / ckpt, "nvfp4", dtype=torch.float32)
+    assert torch.equal(logits(model), logits(reference))
+    config = DecoderConfig.from_hf(read_json(tiny_llama / "config.json"))
+    per_sequence = kv_bytes_per_token(config, torch.float32) * 256
+    assert limits == EngineLimits(max_batch=8, max_seq_len=256, kv_cache_bytes=8 * per_sequence)
+
+    with_lora, _ = load_engine(engine, device="cpu", lora=LoraSpec(rank=4, alpha=8))
+    assert len(lora_parameters(with_lora)) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
+    assert torch.equal(logits(with_lora), logits(reference))  # B = 0
+
+
+def test_loading_neither_repacks_nor_quantizes(tiny_llama, store_dir, monkeypatch):
+    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    expected = logits(load_engine(engine)[0])
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("the engine loader repacked or quantized a weight")
+
+    for target in ("qerl_pipe.model.linear.prepare_nvfp4", "qerl_pipe.model.linear.prepare_nf4",
+                   "qerl_pipe.kernels.packing.pack_words", "qerl_pipe.formats.nvfp4.quantize_nvfp4",
+                   "qerl_pipe.formats.nf4.quantize_nf4"):
+        monkeypatch.setattr(target, forbidden)
+    assert torch.equal(logits(load_engine(engine)[0]), expected)
+
+
+def test_kv_budget_plans_the_batch(tiny_llama, store_dir):
+    config = DecoderConfig.from_hf(read_json(tiny_llama / "config.json"))
+    per_sequence = kv_bytes_per_token(config, torch.float32) * 256
+    gib = 5.5 * per_sequence / 2**30  # room for 5 sequences, not 6
+    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *FAST,
+                           "--set", f"engine.kv_budget_gib={gib!r}"))
+    _, limits = load_engine(engine)
+    assert limits.max_batch == 5 and limits.kv_cache_bytes == 5 * per_sequence
+    assert read_json(engine / "manifest.json")["summary"]["max_batch"] == 5
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "bf16"])
+def test_nf4_and_bf16_engines_read_the_original_model(tiny_qwen2, store_dir, fmt):
+    engine = last_line(cli("build-engine", "--model", tiny_qwen2, "--artifacts", store_dir, *FAST,
+                           "--set", f"engine.base_format={fmt}"))
+    assert named(store_dir, "quantize-") == []  # no quantization ran
+    manifest = read_json(engine / "manifest.json")
+    assert manifest["parents"] == [] and "model" in manifest["config"]["base"]
+    model, _ = load_engine(engine)
+    assert model.base_format == fmt
+    reference = load_model(tiny_qwen2, fmt, dtype=torch.float32)  # Qwen2: q/k/v biases travel too
+    assert torch.equal(logits(model), logits(reference))
+
+
+# A model built without a config.json (random init) round-trips too: the config is rebuilt from
+# DecoderConfig. Small shards force several files.
+ROUND_TRIP = {
+    "llama3_bias": dict(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=True, mlp_bias=True,
+                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                          original_max_position_embeddings=32)),
+    "qwen2_tied": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+}
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("llama3_bias", "nvfp4"), ("qwen2_tied", "nf4"), ("qwen3", "bf16")])
+def test_engine_weights_round_trip_in_shards(tmp_path, monkeypatch, arch, fmt):
+    from qerl_pipe.engine import weights
+
+    dims = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
+    model = init_random_model({**dims, **ROUND_TRIP[arch]}, fmt, dtype=torch.bfloat16, seed=3)
+    monkeypatch.setattr(weights, "SHARD_BYTES", 40_000)
+    weights.save_engine_model(model, tmp_path)
+    shards = sorted(tmp_path.glob("engine-*.safetensors"))
+    assert len(shards) > 2 and shards[-1].name.endswith(f"-of-{len(shards):05d}.safetensors")
+    loaded = weights.load_engine_model(tmp_path, "cpu")
+    assert loaded.config == model.config and loaded.dtype == torch.bfloat16
+    assert torch.equal(logits(loaded), logits(model))
+    stored = set(read_json(tmp_path / weights.INDEX_NAME)["weight_map"])
+    assert ("lm_head.weight" in stored) != model.config.tie_word_embeddings
+
+
+def test_a_mismatched_engine_is_refused(tmp_path):
+    from qerl_pipe.engine import weights
+
+    dims = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
+                intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    weights.save_engine_model(init_random_model(dims, "nvfp4"), tmp_path)
+    config = read_json(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(ArtifactError, match="do not match the model"):
+        weights.load_engine_model(tmp_path, "cpu")
+
+
+def _assert_clean_failure(result, needle: str, store_dir: Path) -> None:
+    assert result.exit_code == 1, result.stdout
+    assert needle in result.stderr, result.stderr
+    assert result.stderr.strip().startswith("error:") and len(result.stderr.strip().splitlines()) == 1
+    assert named(store_dir, "build-engine") == [] and named(store_dir, ".tmp-") == []
+
+
+def test_bad_inputs_fail_cleanly(tiny_llama, store_dir):
+    def build(*extra: str):
+        return cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *FAST, *extra, ok=False)
+
+    _assert_clean_failure(build("--set", "engine.kv_budget_gib=1e-7"), "KV cache", store_dir)
+    assert named(store_dir, "quantize-") == []  # refused before quantizing anything
+    _assert_clean_failure(build("--set", "engine.max_seq_len=4096"), "max_position_embeddings", store_dir)
+    _assert_clean_failure(build("--set", "engine.cuda_graphs=on"), "needs a CUDA device", store_dir)
+    _assert_clean_failure(build("--set", "engine.tune_kernels=on"), "needs a CUDA device", store_dir)
+    _assert_clean_failure(build("--set", "engine.max_batch=0"), "'engine.max_batch'", store_dir)
+    _assert_clean_failure(build("--set", "engine.base_format=int4"), "'engine.base_format'", store_dir)
+    _assert_clean_failure(build("--quantized", "nope"), "no artifact 'nope'", store_dir)
+
+    ckpt = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    _assert_clean_failure(build("--quantized", ckpt, "--set", "engine.base_format=bf16"), "drop --quantized",
+                          store_dir)
+    from_ckpt = cli("build-engine", "--model", ckpt, "--artifacts", store_dir, *FAST,
+                    "--set", "engine.base_format=nf4", ok=False)
+    _assert_clean_failure(from_ckpt, "NVFP4 checkpoint", store_dir)
+    with pytest.raises(ArtifactError, match="not an engine"):
+        load_engine(ckpt)
+
+
+def test_run_chains_three_stages_and_reuses_them(tiny_llama, store_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"stages: [calibrate, quantize, build-engine]\nmodel:\n  source: {tiny_llama}\n"
+                      "calibrate:\n  num_samples: 2\n  seq_len: 16\n"
+                      "quantize:\n  quality:\n    perplexity: never\n"
+                      "engine:\n  max_seq_len: 128\n  max_batch: 4\n  device: cpu\n")
+    first = cli("run", recipe, "--artifacts", store_dir)
+    engine = last_line(first)
+    assert engine.name.startswith("build-engine-")
+    for stage in ("calibrate", "quantize", "build-engine"):
+        assert f"{stage}: {store_dir}" in first.stderr
+    (quantized,) = named(store_dir, "quantize-")
+    assert read_json(engine / "manifest.json")["parents"] == [quantized.removeprefix("quantize-")]
+    assert read_json(store_dir / quantized / "manifest.json")["summary"]["quant_algo"] == "NVFP4"  # calibrated
+    assert read_json(engine / "engine.json")["limits"]["max_batch"] == 4
+    second = cli("run", recipe, "--artifacts", store_dir)
+    assert last_line(second) == engine and second.stderr.count("up to date") == 3
