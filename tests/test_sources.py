@@ -17,7 +17,7 @@ from qerl_pipe.textdata import load_texts, pack_sequences
 
 
 def test_default_smollm2_quickstart_end_to_end(tmp_path):
-    """The README's main job, smaller: import the packaged GGUF, calibrate, quantize, report."""
+    """The README's main job, smaller: import the packaged GGUF, calibrate, quantize, report, build the engine."""
     pytest.importorskip("gguf")
     recipe = Path(__file__).parents[1] / "recipes" / "quickstart.yaml"
     args = ["run", str(recipe), "--artifacts", str(tmp_path),
@@ -25,7 +25,12 @@ def test_default_smollm2_quickstart_end_to_end(tmp_path):
             "--set", "quantize.quality.num_samples=4", "--set", "quantize.quality.seq_len=128"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.stderr + str(result.exception)
-    ckpt = Path(result.stdout.strip().splitlines()[-1])
+    engine = Path(result.stdout.strip().splitlines()[-1])
+    assert engine.name.startswith("build-engine-")
+    engine_json = json.loads((engine / "engine.json").read_text())
+    assert engine_json["limits"]["max_batch"] == 16 and engine_json["limits"]["max_seq_len"] == 256
+    (parent,) = json.loads((engine / "manifest.json").read_text())["parents"]
+    ckpt = tmp_path / f"quantize-{parent}"
     summary = json.loads((ckpt / "manifest.json").read_text())["summary"]
     assert summary["quant_algo"] == "NVFP4" and summary["quantized_linears"] == 30 * 7
     ppl = summary["perplexity"]
