@@ -267,6 +267,7 @@ def test_bucketed_schedule_refills_and_compacts(llama32):
     reference = _engine(llama32, max_batch=1).generate(prompts, n=2, sampling=params)
     engine = _engine(llama32, max_batch=8)
     engine._runner.sizes = (1, 2, 4, 8)  # buckets as the graphs would use, decode still eager
+    engine._runner.lengths = (16, 32, 64)  # attention over a prefix of the cache rows
     out = engine.generate(prompts, n=2, sampling=params)
     assert out.tokens == reference.tokens and out.finish_reasons == reference.finish_reasons
     assert "stop" in out.finish_reasons and "length" in out.finish_reasons
@@ -282,6 +283,19 @@ def test_bf16_model_generates(tiny_qwen2):
     assert out.lengths == [6] * 8
     assert all(-1e9 < lp <= 0 for lps in out.logprobs for lp in lps)
     assert _engine(model, max_batch=4).generate(PROMPTS, n=2, sampling=SamplingParams(max_new_tokens=6, seed=1)).tokens == out.tokens
+
+
+def test_one_new_token_needs_no_decode_step(llama32):
+    out = _engine(llama32, max_batch=2).generate(PROMPTS, n=3, sampling=SamplingParams(max_new_tokens=1))
+    assert out.lengths == [1] * 12 and out.decode_steps == 0 and out.finish_reasons == ["length"] * 12
+
+
+def test_length_buckets():
+    from qerl_pipe.engine.graphs import length_buckets
+
+    assert length_buckets(4096) == (256, 512, 1024, 2048, 4096)
+    assert length_buckets(3000) == (256, 512, 1024, 2048, 3000)
+    assert length_buckets(100) == (100,)
 
 
 def test_no_prompts_gives_empty_rollouts(llama32):
@@ -336,5 +350,60 @@ def test_engine_limits_and_cache(llama32):
     assert engine.cache.k.shape == (2, 3, 2, 32, 16) and engine.cache.k.dtype == torch.float32
     assert not engine.uses_cuda_graphs and engine.captured_graph_sizes == ()
     engine.reset_graphs()  # a no-op without graphs
-    view = engine.cache.first_slots(2)
-    assert view.batch_size == 2 and view.k.data_ptr() == engine.cache.k.data_ptr()
+    view = engine.cache.first_slots(2, 16)
+    assert view.batch_size == 2 and view.max_len == 16 and view.k.data_ptr() == engine.cache.k.data_ptr()
+    with pytest.raises(ValueError):
+        engine.cache.first_slots(4)
+
+
+def test_graph_bookkeeping_with_a_fake_cuda_graph(llama32, monkeypatch):
+    """The CUDA-graph path's host logic on CPU: lazy capture per size, warm-up, static output
+    reused across replays. The fake graph 'replays' by recomputing into the captured output."""
+    from contextlib import contextmanager
+
+    from qerl_pipe.engine.graphs import DecodeRunner
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    class FakeGraph:
+        replay_fn = None
+
+        def replay(self):
+            self.replay_fn()
+
+    @contextmanager
+    def fake_context(*args, **kwargs):
+        yield
+
+    for name, value in dict(Stream=FakeStream, current_stream=FakeStream, stream=fake_context,
+                            graph=fake_context, CUDAGraph=FakeGraph, graph_pool_handle=lambda: object()).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    original = DecodeRunner._capture
+    captures = []
+
+    def capture(self, b, length):
+        entry = original(self, b, length)
+        tokens, positions, view = self.tokens[:b], self.positions[:b], self._view(b, length)
+        entry.graph.replay_fn = lambda: self._logits[:b].copy_(self.model.decode_step(tokens, positions, view))
+        captures.append((b, length))
+        return entry
+
+    monkeypatch.setattr(DecodeRunner, "_capture", capture)
+    params = SamplingParams(max_new_tokens=14, seed=4, stop_token_ids=tuple(range(0, 320, 9)))
+    reference = _engine(llama32, max_batch=8).generate(PROMPTS * 3, n=2, sampling=params)
+    engine = _engine(llama32, max_batch=8)
+    engine._runner.use_graphs, engine._runner.sizes = True, (1, 2, 4, 8)
+    engine._runner.lengths = (8, 16, 32, 64)
+    out = engine.generate(PROMPTS * 3, n=2, sampling=params)
+    assert out.tokens == reference.tokens and out.compactions > 0
+    assert len(captures) == len(set(captures)) >= 4  # each (batch, length) captured once
+    assert {b for b, _ in captures} == set(engine.captured_graph_sizes) and len(engine.captured_graph_sizes) >= 2
+    assert len({length for _, length in captures}) >= 2
+    # A rebound buffer invalidates the graphs; the next generate captures again.
+    norm = llama32.norm
+    monkeypatch.setattr(norm, "noise", norm.noise.clone())
+    captures.clear()
+    assert engine.generate(PROMPTS * 3, n=2, sampling=params).tokens == reference.tokens
+    assert captures

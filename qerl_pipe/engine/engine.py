@@ -355,7 +355,9 @@ class _Run:
             if target < b and (runner.sizes or count <= high // 2):
                 self._compact(target)
                 b = runner.batch_size_for(max(self.active) + 1)
-        logits = runner.run(b)
+        # Every active sequence's next position is below its prompt + generated length.
+        reach = max(len(self.seqs[i].prompt) + len(self.seqs[i].tokens) for i in self.active.values())
+        logits = runner.run(b, runner.length_for(reach))
         tokens, logprobs = sample(logits, e._keys[:b], e._steps[:b], e._vocab, self.params)
         e._tokens[:b].copy_(tokens)
         e._positions[:b].add_(e._live[:b])  # idle slots stay at position 0

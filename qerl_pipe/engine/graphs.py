@@ -26,13 +26,26 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
-    logits: Tensor  # the captured step's output [b, vocab], rewritten by every replay
     cache: KVCache  # the view the graph was captured on (kept alive with it)
 
 
+def length_buckets(max_len: int, smallest: int = 256) -> tuple[int, ...]:
+    """Attention lengths the decode step runs at: powers of two from `smallest`, then max_len.
+
+    A step attends over the first L positions of each row, L the smallest bucket holding every
+    active sequence, so its KV reads follow the sequences' lengths (within 2x) rather than
+    max_seq_len, with few enough distinct shapes to capture each as a graph.
+    """
+    out, length = [], smallest
+    while length < max_len:
+        out.append(length)
+        length *= 2
+    return (*out, max_len)
+
+
 class DecodeRunner:
-    """Runs `Decoder.decode_step` on slots 0..b-1 of `cache`, with inputs taken from the first b
-    entries of the engine's static `tokens` / `positions` buffers [max_batch]."""
+    """Runs `Decoder.decode_step` on slots 0..b-1 and positions 0..L-1 of `cache`, with inputs
+    taken from the first b entries of the engine's static `tokens` / `positions` [max_batch]."""
 
     def __init__(
         self,
@@ -48,9 +61,13 @@ class DecodeRunner:
         # Batch-size buckets. Without graphs they are dropped (eager runs exactly the rows
         # needed); tests set them on CPU to exercise the bucketed schedule.
         self.sizes = tuple(sorted(set(graph_sizes))) if use_graphs else ()
-        self._views: dict[int, KVCache] = {}
-        self._graphs: dict[int, _Graph] = {}
-        self._pool = None  # one memory pool shared by every captured size (they never run at once)
+        self.lengths = length_buckets(cache.max_len)
+        self._views: dict[tuple[int, int], KVCache] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None  # one memory pool shared by every captured graph (they never run at once)
+        # Every graph copies its logits into rows 0..b-1 of this one buffer, so captured outputs
+        # do not pile up (one [b, vocab] per graph would be ~1 GB at vocab 152k).
+        self._logits: Tensor | None = None
 
     def batch_size_for(self, slots: int) -> int:
         """Rows the step runs on to cover slots 0..slots-1: the smallest graph size that holds
@@ -60,39 +77,53 @@ class DecodeRunner:
                 return size
         return slots
 
+    def length_for(self, positions: int) -> int:
+        """Cache positions the step attends over to cover positions 0..positions-1."""
+        for length in self.lengths:
+            if length >= positions:
+                return length
+        raise ValueError(f"{positions} positions exceed the cache's {self.cache.max_len}")
+
     @property
     def captured_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self._graphs))
+        """Batch sizes with at least one captured graph."""
+        return tuple(sorted({b for b, _ in self._graphs}))
 
     def reset(self) -> None:
         """Drop every captured graph (and its memory); the next steps capture afresh."""
         self._graphs.clear()
         self._pool = None
+        self._logits = None
 
-    def run(self, b: int) -> Tensor:
-        """Logits [b, vocab] of one decode step on slots 0..b-1 (a graph's static output when
-        replayed: read it before the next step)."""
+    def run(self, b: int, length: int) -> Tensor:
+        """Logits [b, vocab] of one decode step on slots 0..b-1, positions 0..length-1 (a static
+        buffer when replayed: read it before the next step)."""
         if self.use_graphs and b in self.sizes:
-            entry = self._graphs.get(b)
+            key = (b, length)
+            entry = self._graphs.get(key)
             if entry is None:
-                entry = self._graphs[b] = self._capture(b)
+                entry = self._graphs[key] = self._capture(b, length)
             entry.graph.replay()
-            return entry.logits
-        return self.model.decode_step(self.tokens[:b], self.positions[:b], self._view(b))
+            return self._logits[:b]
+        return self.model.decode_step(self.tokens[:b], self.positions[:b], self._view(b, length))
 
-    def _view(self, b: int) -> KVCache:
-        view = self._views.get(b)
+    def _view(self, b: int, length: int) -> KVCache:
+        view = self._views.get((b, length))
         if view is None:
-            view = self._views[b] = self.cache.first_slots(b)
+            view = self._views[(b, length)] = self.cache.first_slots(b, length)
         return view
 
-    def _capture(self, b: int) -> _Graph:
+    def _capture(self, b: int, length: int) -> _Graph:
         # Called right before the step it will serve, with the real tokens/positions in the
         # buffers: the warm-up runs write exactly the k/v that the replay writes again (active
         # slots) or garbage at position 0 of idle slots, which nothing reads.
-        tokens, positions, view = self.tokens[:b], self.positions[:b], self._view(b)
+        tokens, positions, view = self.tokens[:b], self.positions[:b], self._view(b, length)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._logits is None:
+            rows = self.tokens.shape[0]
+            self._logits = torch.empty(rows, self.model.config.vocab_size, dtype=self.model.dtype,
+                                       device=self.tokens.device)
         # Warm up on a side stream (PyTorch's recipe): Triton compilation, cuBLAS workspaces and
         # lazily grown buffers (the dequant scratch) are all allocated outside the capture.
         side = torch.cuda.Stream()
@@ -104,14 +135,14 @@ class DecodeRunner:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self.model.decode_step(tokens, positions, view)
+                self._logits[:b].copy_(self.model.decode_step(tokens, positions, view))
         except Exception as e:
             raise RuntimeError(
-                f"capturing the decode step as a CUDA graph (batch {b}) failed: {e}. Run without graphs: "
-                "Engine(..., cuda_graphs=False) or QERL_ENGINE_CUDA_GRAPHS=0"
+                f"capturing the decode step as a CUDA graph (batch {b}, length {length}) failed: {e}. Run "
+                "without graphs: Engine(..., cuda_graphs=False) or QERL_ENGINE_CUDA_GRAPHS=0"
             ) from e
-        log.debug("captured the decode step for batch %d", b)
-        return _Graph(graph, logits, view)
+        log.debug("captured the decode step for batch %d, length %d", b, length)
+        return _Graph(graph, view)
 
 
 def model_fingerprint(model: nn.Module) -> tuple:

@@ -66,16 +66,21 @@ class KVCache:
             self.k[:, dst, :, :length] = self.k[:, src, :, :length]
             self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
-    def first_slots(self, batch_size: int) -> "KVCache":
-        """A cache over slots 0..batch_size-1 sharing this one's storage (no copy).
+    def first_slots(self, batch_size: int, length: int | None = None) -> "KVCache":
+        """A cache over slots 0..batch_size-1 and positions 0..length-1 sharing this one's storage.
 
-        The engine decodes on the smallest prefix holding its active slots; each layer's
-        [batch_size, kv_heads, max_len, head_dim] block stays contiguous.
+        The engine decodes on the smallest prefix holding its active slots, and attends only over
+        the positions its sequences have reached (decode_step masks the rest anyway, so the
+        result is the same but the step reads less of the cache). Positions passed to
+        decode_step must then be below `length`.
         """
-        if not 1 <= batch_size <= self.batch_size:
-            raise ValueError(f"first_slots({batch_size}) outside 1..{self.batch_size}")
+        length = self.max_len if length is None else length
+        if not 1 <= batch_size <= self.batch_size or not 1 <= length <= self.max_len:
+            raise ValueError(
+                f"first_slots({batch_size}, {length}) outside 1..{self.batch_size} slots, 1..{self.max_len} positions"
+            )
         view = object.__new__(KVCache)
-        view.k, view.v = self.k[:, :batch_size], self.v[:, :batch_size]
+        view.k, view.v = self.k[:, :batch_size, :, :length], self.v[:, :batch_size, :, :length]
         return view
 
 
