@@ -8,7 +8,8 @@ Scheduling in short (docs/engine.md has the whole story):
   sample; its KV rows are copied into the slots of the other samples, and every sample draws its
   first token from the same prefill logits with its own random stream.
 - Decode steps run `Decoder.decode_step` on the first b slots, b the smallest CUDA-graph size
-  covering the highest active slot. When the active sequences would fit a smaller size they are
+  covering the highest active slot, and the first L positions, L the smallest length bucket
+  covering every active sequence. When the active sequences would fit a smaller size they are
   moved (KV rows included) into low free slots, so the tail runs on small graphs.
 - A finished sequence frees its slot at once; the queue refills free slots as soon as enough of
   them are free to take the next prompt's samples (or a quarter of the batch).
