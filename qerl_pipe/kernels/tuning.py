@@ -201,18 +201,19 @@ def _representative_ms(ms: Iterable[int]) -> dict[int, int]:
 Launch = Callable[[Tensor, object, KernelConfig], Tensor]
 
 
-def _tune_shape(n: int, k: int, ms: list[int], fmt: str, device: torch.device,
+def _tune_shape(n: int, k: int, ms: list[int], dx_ms: list[int], fmt: str, device: torch.device,
                 launch_fwd: Launch, launch_dx: Launch, timer: Timer) -> ConfigTable:
     """Table entries of one (N, K): the forward and dX winners at each M (a function of its own,
     so the weight copies and references are freed when it returns)."""
     gen = torch.Generator(device=device).manual_seed(n * 31 + k)
     weights, dense = _random_weight(n, k, fmt, device, gen)
     table: ConfigTable = {}
-    for m in ms:
+    for m in sorted(set(ms) | set(dx_ms)):
         x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
         dy = torch.randn(m, n, device=device, generator=gen).to(torch.bfloat16)
-        jobs = (("fwd", lambda c, i: launch_fwd(x, weights[i], c), x.float() @ dense.T, fwd_candidates(m)),
-                ("dx", lambda c, i: launch_dx(dy, weights[i], c), dy.float() @ dense, dx_candidates(m)))
+        jobs = [("fwd", lambda c, i: launch_fwd(x, weights[i], c), x.float() @ dense.T, fwd_candidates(m))] if m in ms else []
+        if m in dx_ms:
+            jobs.append(("dx", lambda c, i: launch_dx(dy, weights[i], c), dy.float() @ dense, dx_candidates(m)))
         for op, run, ref, cands in jobs:
             cfg, _, _, log = tune_one(run, ref, cands, len(weights), timer)
             if cfg is None:
@@ -226,26 +227,28 @@ def _tune_shape(n: int, k: int, ms: list[int], fmt: str, device: torch.device,
 
 
 def _tune_table(shapes: list[tuple[int, int]], ms: list[int], fmt: str, device: torch.device,
-                launch_fwd: Launch, launch_dx: Launch, timer: Timer) -> ConfigTable:
+                launch_fwd: Launch, launch_dx: Launch, timer: Timer, dx_ms: list[int] | None = None) -> ConfigTable:
     """The loop of `tune_kernels` with the launches and the timer passed in (CPU tests fake them)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     buckets = list(_representative_ms(ms).values())
+    dx_buckets = buckets if dx_ms is None else list(_representative_ms(dx_ms).values())
     table: ConfigTable = {}
     for n, k in dict.fromkeys(shapes):  # distinct shapes, in order
-        table.update(_tune_shape(n, k, buckets, fmt, device, launch_fwd, launch_dx, timer))
+        table.update(_tune_shape(n, k, buckets, dx_buckets, fmt, device, launch_fwd, launch_dx, timer))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return table
 
 
 def tune_kernels(shapes: list[tuple[int, int]], ms: list[int], fmt: str,
-                 device: torch.device | str) -> ConfigTable:
+                 device: torch.device | str, dx_ms: list[int] | None = None) -> ConfigTable:
     """Per-layer configs for `fmt` ('nvfp4' or 'nf4') on this CUDA GPU.
 
     `shapes` are the model's distinct fused-linear (N, K); for each shape and each M bucket of
-    `ms` (timed at the largest given M in the bucket), the forward and dX ops get the fastest
-    correct candidate, keyed `{op}:{fmt}:m{bucket}:n{N}:k{K}` (install with `set_table`).
+    `ms` (timed at the largest given M in the bucket), the forward op gets the fastest correct
+    candidate, and so does dX at the buckets of `dx_ms` (default: `ms`); keys
+    `{op}:{fmt}:m{bucket}:n{N}:k{K}` (install with `set_table`). Untuned buckets keep the defaults.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -254,4 +257,4 @@ def tune_kernels(shapes: list[tuple[int, int]], ms: list[int], fmt: str,
 
     return _tune_table(list(shapes), list(ms), fmt, device,
                        lambda x, w, c: launch_forward(x, fmt, w, c),
-                       lambda dy, w, c: launch_dx(dy, fmt, w, c), time_graph)
+                       lambda dy, w, c: launch_dx(dy, fmt, w, c), time_graph, dx_ms)

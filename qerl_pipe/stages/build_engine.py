@@ -49,9 +49,11 @@ ENGINE_FORMAT_VERSION = 1
 # activations, LoRA, optimizer state and the training step that shares the GPU with the engine.
 AUTO_KV_FRACTION = 0.4
 CPU_KV_BUDGET_BYTES = 2 * 2**30
-# Tuning covers every M bucket; the last one (M >= 1024: prefill and training batches) is timed
-# at a training-sized M.
-TUNING_MS = (*M_BUCKETS[:-1], 4096)
+# Tuning covers the M buckets the engine decodes at (up to its max batch) and a training-sized M
+# (the M >= 1024 bucket: prefill and the training forward); dX runs only in training, so only
+# there. Tuning every bucket for both ops would take minutes on a 7B model for no use.
+PREFILL_TUNING_M = 4096
+TUNING_MS = (*M_BUCKETS[:-1], PREFILL_TUNING_M)
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,9 @@ def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.devic
     table: ConfigTable | None = None
     if plan.tune:
         log(f"build-engine: tuning {section.base_format} kernels on {_device_kind(device)}")
-        table = tune_kernels(_linear_shapes(model), list(TUNING_MS), section.base_format, device)
+        decode_ms = [m for m in TUNING_MS if m <= limits.max_batch]
+        table = tune_kernels(_linear_shapes(model), decode_ms + [PREFILL_TUNING_M], section.base_format, device,
+                             dx_ms=[PREFILL_TUNING_M])
     save_engine_model(model, out, hf_config=base.hf_config)
     _copy_tokenizer(base.dir, out)
     seconds = round(time.perf_counter() - started, 2)
