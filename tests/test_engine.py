@@ -407,3 +407,9 @@ def test_graph_bookkeeping_with_a_fake_cuda_graph(llama32, monkeypatch):
     captures.clear()
     assert engine.generate(PROMPTS * 3, n=2, sampling=params).tokens == reference.tokens
     assert captures
+    # Capturing every graph ahead of time, then generating, captures nothing more.
+    engine.reset_graphs()
+    assert engine.capture_graphs() == 4 * 4
+    captures.clear()
+    assert engine.generate(PROMPTS * 3, n=2, sampling=params).tokens == reference.tokens
+    assert captures == []

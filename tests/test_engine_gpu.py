@@ -138,6 +138,10 @@ def test_in_place_and_rebound_tensors_under_graphs(tiny_llama):
     graphed.reset_graphs()
     assert graphed.captured_graph_sizes == ()
     _assert_same(graphed.generate(PROMPTS, sampling=GREEDY), rebound, atol=1e-5)
+    # Everything captured up front (idle slots: harmless warm-up writes), then the same results.
+    graphed.reset_graphs()
+    assert graphed.capture_graphs() == len(graphed._runner.sizes) * len(graphed._runner.lengths)
+    _assert_same(graphed.generate(PROMPTS, sampling=GREEDY), rebound, atol=1e-5)
 
 
 def test_env_var_disables_graphs(tiny_llama, monkeypatch):

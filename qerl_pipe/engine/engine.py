@@ -156,6 +156,24 @@ class Engine:
         self._runner.reset()
         self._fingerprint = None
 
+    def capture_graphs(self) -> int:
+        """Capture every (batch size, attention length) graph now instead of lazily during
+        generation (e.g. before timing a run); returns how many exist. No-op without graphs.
+
+        Safe between generate calls: all slots are idle, so the warm-up steps only write unused
+        position 0 of each row.
+        """
+        if not self._runner.use_graphs:
+            return 0
+        with self._lora_scope(), torch.inference_mode():
+            self._check_graphs()  # the same model state generate() will see
+            self._live.zero_()
+            self._positions.zero_()
+            for b in self._runner.sizes:
+                for length in self._runner.lengths:
+                    self._runner.ensure_captured(b, length)
+        return len(self._runner._graphs)
+
     # ------------------------------------------------------------------ API
 
     def generate(

@@ -99,13 +99,16 @@ class DecodeRunner:
         """Logits [b, vocab] of one decode step on slots 0..b-1, positions 0..length-1 (a static
         buffer when replayed: read it before the next step)."""
         if self.use_graphs and b in self.sizes:
-            key = (b, length)
-            entry = self._graphs.get(key)
-            if entry is None:
-                entry = self._graphs[key] = self._capture(b, length)
-            entry.graph.replay()
+            self.ensure_captured(b, length).graph.replay()
             return self._logits[:b]
         return self.model.decode_step(self.tokens[:b], self.positions[:b], self._view(b, length))
+
+    def ensure_captured(self, b: int, length: int) -> _Graph:
+        """The graph for (b, length), captured now if it does not exist yet."""
+        entry = self._graphs.get((b, length))
+        if entry is None:
+            entry = self._graphs[(b, length)] = self._capture(b, length)
+        return entry
 
     def _view(self, b: int, length: int) -> KVCache:
         view = self._views.get((b, length))
