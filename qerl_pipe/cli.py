@@ -162,7 +162,27 @@ def bench_kernels(out: Annotated[Optional[Path], typer.Option(help="Write the JS
     """NVFP4 / NF4 W4A16 kernels vs cuBLAS bf16 and dequantize-then-matmul (needs a CUDA GPU)."""
     from qerl_pipe.bench.kernels import run_kernel_bench
 
-    _emit(run_kernel_bench(shapes=[s.strip() for s in shapes.split(",") if s.strip()]), out)
+    _emit(run_kernel_bench(shapes=_csv(shapes, str)), out)
+
+
+@bench_app.command("rollout")
+@_user_errors
+def bench_rollout(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,
+                  shapes: Annotated[str, typer.Option(help="Comma-separated model shapes.")] = "qwen2.5-7b,qwen2.5-32b",
+                  batches: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,64,256",
+                  prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 256,
+                  new_tokens: Annotated[int, typer.Option(help="Generated tokens per sequence (no early stop).")] = 512,
+                  hf_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence for HF generate (slow).")] = 64,
+                  lora_rank: Annotated[int, typer.Option(help="LoRA rank attached to our model.")] = 32) -> None:
+    """Rollout speed: HF generate vs our engine in bf16 and NVFP4 (random weights, needs a CUDA GPU)."""
+    from qerl_pipe.bench.rollout import run_rollout_bench
+
+    _emit(run_rollout_bench(_csv(shapes, str), _csv(batches, int), prompt_len, new_tokens, hf_new_tokens,
+                            lora_rank=lora_rank), out)
+
+
+def _csv(text: str, kind: type) -> list:
+    return [kind(s.strip()) for s in text.split(",") if s.strip()]
 
 
 @bench_app.command("quantize")

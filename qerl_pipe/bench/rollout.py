@@ -1,0 +1,249 @@
+"""Rollout benchmark: HF transformers `generate` vs our engine in bf16 and NVFP4, at Qwen2.5 shapes.
+
+`python3 -m qerl_pipe.bench.rollout --shapes qwen2.5-7b --out FILE.json` (torch, triton and
+transformers only: runs on the device image as is). Random weights of the exact shapes; prompts
+of `--prompt-len` random tokens, `--new-tokens` sampled tokens at temperature 1 with no stop
+token (every sequence runs to the end), LoRA of rank `--lora-rank` on all seven projections
+attached to our model (computed unmerged, as in training). For each batch size it reports
+tokens/s, the mean decode-step time, and that time over the HBM lower bound: the bytes one step
+must read (every weight once, LoRA, the KV cache of the mean context) at `--hbm-tbps`.
+
+HF `generate` is slow, so it runs `--hf-new-tokens` tokens (default 64): its decode-step time is
+(t(N) - t(1)) / (N - 1), and its tokens/s is reported for that length (the prefill counts less
+in ours, which makes the comparison slightly favour HF at batch 1-8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from qerl_pipe.engine import Engine, SamplingParams
+from qerl_pipe.errors import QerlError
+from qerl_pipe.engine.limits import kv_bytes_per_token, plan_limits
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.load import init_random_model, model_memory_bytes
+from qerl_pipe.model.lora import LoraSpec
+
+GIB = 2**30
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Stay clear of the special tokens at the top of Qwen's vocabulary.
+    return torch.randint(0, min(vocab, 150000), (batch, length), generator=gen).tolist()
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
+
+
+def _lora_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+
+
+Emit = Callable[[dict], None]
+
+
+def bench_hf(config: dict[str, Any], batches: list[int], prompt_len: int, new_tokens: int,
+             emit: Emit = lambda row: None, device: str = "cuda") -> list[dict]:
+    """HF transformers bf16 `generate` (sampling, no early stop) on a random model of `config`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    rows = []
+    for batch in batches:
+        _free()
+        ids = torch.tensor(_prompts(batch, prompt_len, config["vocab_size"]), device=device)
+        mask = torch.ones_like(ids)
+
+        def run(n: int, hf: torch.nn.Module = model) -> float:
+            _sync()
+            t0 = time.perf_counter()
+            hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                           top_k=0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+            _sync()
+            return time.perf_counter() - t0
+
+        run(2)  # warm-up
+        t1, tn = run(1), run(new_tokens)
+        rows.append({
+            "impl": "hf-generate", "format": "bf16", "batch": batch, "new_tokens": new_tokens,
+            "tokens_per_s": batch * new_tokens / tn, "decode_step_ms": 1e3 * (tn - t1) / (new_tokens - 1),
+            "prefill_s": t1, "total_s": tn, "peak_gib": _peak_gib(),
+        })
+        print(_fmt(rows[-1]), flush=True)
+        emit(rows[-1])
+    del model, run
+    _free()
+    return rows
+
+
+def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], prompt_len: int,
+                 new_tokens: int, lora_rank: int, hbm_tbps: float, device: str = "cuda",
+                 emit: Emit = lambda row: None) -> list[dict]:
+    """Our engine on a random model in `base_format` with LoRA attached, one row per batch size
+    (`device="cpu"` only to smoke-test this code on tiny shapes)."""
+    _free()
+    t0 = time.perf_counter()
+    model = init_random_model(config, base_format=base_format, device=device,
+                              lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
+    _sync()
+    build_s = time.perf_counter() - t0
+    dcfg = DecoderConfig.from_hf(config)
+    weight_bytes, lora_bytes = model_memory_bytes(model), _lora_bytes(model)
+    # A decode step reads every weight but the embedding table (only B rows of it).
+    embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    if dcfg.tie_word_embeddings:
+        embed_bytes = 0
+    step_weight_bytes = weight_bytes - embed_bytes
+    rows = []
+    for batch in batches:
+        _free()
+        limits = plan_limits(dcfg, max_seq_len=prompt_len + new_tokens, max_batch=batch,
+                             cuda_graphs=device == "cuda")
+        engine = Engine(model, limits)
+        prompts = _prompts(batch, prompt_len, config["vocab_size"], seed=1)
+        # Warm-up: compile the kernels this batch uses, then capture every decode graph (batch x
+        # attended length) so that no capture lands in the timed run.
+        engine.generate(prompts, 1, SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
+        if engine.uses_cuda_graphs:
+            engine.capture_graphs()
+        _sync()
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, 1, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=2))
+        _sync()
+        total = time.perf_counter() - t0
+        generated = sum(out.lengths)
+        step_s = out.decode_seconds / max(out.decode_steps, 1)
+        mean_context = prompt_len + new_tokens / 2
+        kv_bytes = batch * mean_context * kv_bytes_per_token(dcfg, model.dtype)
+        bound_s = (step_weight_bytes + kv_bytes) / (hbm_tbps * 1e12)
+        rows.append({
+            "impl": "qerl-engine", "format": base_format, "batch": batch, "new_tokens": new_tokens,
+            "generated_tokens": generated, "all_ran_to_length": generated == batch * new_tokens,
+            "tokens_per_s": generated / total, "decode_step_ms": 1e3 * step_s,
+            "decode_steps": out.decode_steps, "prefill_s": out.prefill_seconds, "total_s": total,
+            "hbm_bound_step_ms": 1e3 * bound_s, "step_over_hbm_bound": step_s / bound_s,
+            "step_bytes_weights": step_weight_bytes, "step_bytes_kv_mean": kv_bytes,
+            "model_bytes": weight_bytes, "lora_bytes": lora_bytes, "kv_cache_bytes": limits.kv_cache_bytes,
+            "build_s": build_s, "peak_gib": _peak_gib(),
+        })
+        print(_fmt(rows[-1]), flush=True)
+        emit(rows[-1])
+        del engine, out
+    del model
+    _free()
+    return rows
+
+
+def _fmt(r: dict) -> str:
+    bound = f" bound {r['hbm_bound_step_ms']:.2f} ms ({r['step_over_hbm_bound']:.2f}x)" if "hbm_bound_step_ms" in r else ""
+    return (f"{r['impl']:12} {r['format']:6} batch {r['batch']:4}: {r['tokens_per_s']:9.0f} tok/s, "
+            f"step {r['decode_step_ms']:7.2f} ms{bound}, peak {r['peak_gib']:.1f} GiB")
+
+
+def _row(rows: list[dict], shape: str, impl: str, fmt: str, batch: int) -> dict | None:
+    return next((r for r in rows if r["shape"] == shape and r["impl"] == impl and r["format"] == fmt
+                 and r["batch"] == batch), None)
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    out = []
+    for shape, want in (("qwen2.5-7b", 2.0), ("qwen2.5-32b", 2.5)):
+        fp4, bf16 = _row(rows, shape, "qerl-engine", "nvfp4", 8), _row(rows, shape, "qerl-engine", "bf16", 8)
+        if fp4 and bf16:
+            ratio = fp4["tokens_per_s"] / bf16["tokens_per_s"]
+            out.append(target(f"{shape} batch 8: NVFP4 tokens/s over our bf16", f">= {want}x",
+                              round(ratio, 3), "x", ratio >= want))
+    small = [r for r in rows if r["impl"] == "qerl-engine" and r["batch"] <= 8]
+    if small:
+        worst = max(small, key=lambda r: r["step_over_hbm_bound"])
+        out.append(target(f"batch 1-8 decode step over HBM lower bound (worst: {worst['shape']} "
+                          f"{worst['format']} batch {worst['batch']})", "<= 1.3x",
+                          round(worst["step_over_hbm_bound"], 3), "x", worst["step_over_hbm_bound"] <= 1.3))
+    ours, hf = _row(rows, "qwen2.5-7b", "qerl-engine", "bf16", 64), _row(rows, "qwen2.5-7b", "hf-generate", "bf16", 64)
+    if ours and hf:
+        ratio = ours["tokens_per_s"] / hf["tokens_per_s"]
+        out.append(target("qwen2.5-7b batch 64: our bf16 engine over HF generate (tokens/s)", ">= 5x",
+                          round(ratio, 2), "x", ratio >= 5))
+    return out
+
+
+def run_rollout_bench(shapes: list[str], batches: list[int], prompt_len: int = 256, new_tokens: int = 512,
+                      hf_new_tokens: int = 64, hf_batches: list[int] | None = None, lora_rank: int = 32,
+                      formats: tuple[str, ...] = ("bf16", "nvfp4"), hbm_tbps: float = 4.2,
+                      partial: Path | None = None) -> dict[str, Any]:
+    """Every row, then the targets. `partial`: rewritten after each row, so a run cut short by a
+    time limit still leaves what it measured."""
+    if not torch.cuda.is_available():
+        raise QerlError("bench rollout measures GPU generation and needs a CUDA GPU; none is visible here")
+    settings = {"prompt_len": prompt_len, "new_tokens": new_tokens, "hf_new_tokens": hf_new_tokens,
+                "lora_rank": lora_rank, "sampling": "temperature 1.0, no top-p/top-k, no stop token",
+                "hbm_tbps_for_bound": hbm_tbps}
+    rows: list[dict] = []
+
+    def result() -> dict[str, Any]:
+        return results_file(rows, targets(rows), settings=settings, torch=torch.__version__)
+
+    for shape in shapes:
+        config = QWEN25_SHAPES[shape]
+
+        def emit(row: dict, shape: str = shape) -> None:
+            rows.append({"shape": shape, **row})
+            if partial is not None:
+                partial.write_text(json.dumps(result(), indent=1) + "\n")
+
+        if hf_batches != []:
+            bench_hf(config, hf_batches or batches, prompt_len, hf_new_tokens, emit)
+        for fmt in formats:
+            bench_engine(config, fmt, batches, prompt_len, new_tokens, lora_rank, hbm_tbps, emit=emit)
+    return result()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["qwen2.5-7b"], choices=sorted(QWEN25_SHAPES))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    ap.add_argument("--hf-batches", nargs="*", type=int, default=None,
+                    help="batch sizes for HF generate (default: --batches; empty: skip HF)")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--hf-new-tokens", type=int, default=64)
+    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4", "nf4"])
+    ap.add_argument("--hbm-tbps", type=float, default=4.2)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    result = run_rollout_bench(args.shapes, args.batches, args.prompt_len, args.new_tokens, args.hf_new_tokens,
+                               args.hf_batches, args.lora_rank, tuple(args.formats), args.hbm_tbps, partial=args.out)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for t in result["targets"]:
+        print(f"target {t['name']:70} {t['target']:<8} measured {t['measured']} {'MET' if t['met'] else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
