@@ -129,7 +129,7 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
         prompts = _prompts(batch, prompt_len, config["vocab_size"], seed=1)
         # Warm-up: compile the kernels this batch uses, then capture every decode graph (batch x
         # attended length) so that no capture lands in the timed run.
-        engine.generate(prompts, 1, SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
+        engine.generate(prompts, 1, SamplingParams(temperature=1.0, max_new_tokens=min(8, new_tokens), seed=1))
         if engine.uses_cuda_graphs:
             engine.capture_graphs()
         _sync()
