@@ -91,31 +91,38 @@ def test_greedy_equals_transformers_fp32(smollm2):
         assert g == r, f"prompt {i}: ours {tokenizer.decode(g)!r}"
 
 
-def test_greedy_bf16_agreement_and_nvfp4_logprobs(smollm2):
-    """bf16: report how many tokens agree with transformers (kernels round differently, so a
-    near-tie may flip late); NVFP4: sampled-token logprobs from the engine (decode kernels, CUDA
-    graphs) vs the training forward (prefill-sized kernels) on the same tokens."""
+def test_greedy_bf16_agreement(smollm2):
+    """bf16: kernels round differently from transformers', so a near-tie may flip late; report
+    how many tokens agree before the first difference and require a solid common prefix."""
     model_dir, tokenizer, prompts = smollm2
     eos = tokenizer.eos_token_id
     ref = _hf_greedy(model_dir, prompts, torch.bfloat16, eos)
     _, engine = _ours(model_dir, prompts, torch.bfloat16)
     got = engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, stop_token_ids=(eos,)))
-    agree = []
-    for r, g in zip(ref, got.tokens):
-        n = next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), min(len(r), len(g)))
-        agree.append(n)
+    agree = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), min(len(r), len(g)))
+             for r, g in zip(ref, got.tokens)]
     print(f"bf16 greedy: tokens agreeing with transformers before the first difference: {agree} of {NEW_TOKENS}")
     assert min(agree) >= 8, "bf16 greedy diverges from transformers within 8 tokens"
 
-    model, engine = _ours(model_dir, prompts, torch.bfloat16, base="nvfp4")
+
+@pytest.mark.parametrize("base", ["bf16", "nvfp4"])
+def test_sampled_logprobs_equal_the_training_forward(smollm2, base):
+    """Engine logprobs (decode kernels at M = batch, CUDA graphs) vs the training forward (one
+    pass over prompt + response) on the same tokens. Both round logits to bf16, whose spacing is
+    0.125 at |logit| 16-32 (SmolLM2's range), so the bound is a few such steps at most and a
+    small mean."""
+    model_dir, _, prompts = smollm2
+    model, engine = _ours(model_dir, prompts, torch.bfloat16, base=base)
     out = engine.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=3))
-    worst = 0.0
+    diffs = []
     for k, (toks, lps) in enumerate(zip(out.tokens, out.logprobs)):
         prompt = prompts[out.prompt_index[k]]
         ids = torch.tensor([prompt + toks], device="cuda")
         with torch.no_grad():
             logits = model.logits(ids)[0, len(prompt) - 1 : -1].float()
         ref_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks, device="cuda")[:, None])[:, 0]
-        worst = max(worst, float((ref_lp - torch.tensor(lps, device="cuda")).abs().max()))
-    print(f"nvfp4 bf16: max |engine logprob - training-forward logprob| over {sum(out.lengths)} tokens: {worst:.4f}")
-    assert worst < 0.1
+        diffs.append((ref_lp - torch.tensor(lps, device="cuda")).abs())
+    d = torch.cat(diffs)
+    print(f"{base}: |engine logprob - training-forward logprob| over {d.numel()} tokens: "
+          f"mean {float(d.mean()):.4f}, max {float(d.max()):.4f}")
+    assert float(d.mean()) < 0.05 and float(d.max()) < 0.5

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.fused import fused_for_inference
 from qerl_pipe.model.linear import BaseFormat, QuantLinear
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import apply_rope, inv_frequencies, rope_cos_sin
@@ -109,21 +110,26 @@ def attend_prefill(
     return attend_full(q, k, v, None)
 
 
+def decode_mask(positions: Tensor, length: int) -> Tensor:
+    """[B, 1, 1, length] bool: slot b attends to cache positions 0..positions[b] (built once per step)."""
+    b = positions.shape[0]
+    return (torch.arange(length, device=positions.device) <= positions.view(b, 1)).view(b, 1, 1, length)
+
+
 def attend_decode(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, mask: Tensor
 ) -> Tensor:
-    """One new token per slot: scatter its k/v at `positions`, attend over the whole cache row.
+    """One new token per slot: scatter its k/v at `positions`, attend over the cache row under `mask`.
 
     Shapes never depend on the positions (scatter plus a length mask), so the step can be captured
     in a CUDA graph. GQA without copying the cache: the G query heads sharing a kv head become G
     "query rows" of that head.
     """
     b, hq, _, d = q.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    hkv = k_cache.shape[1]
     index = positions.view(b, 1, 1, 1).expand(b, hkv, 1, d)
     k_cache.scatter_(2, index, k)
     v_cache.scatter_(2, index, v)
-    mask = (torch.arange(s, device=q.device) <= positions.view(b, 1)).view(b, 1, 1, s)
     out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k_cache, v_cache, attn_mask=mask)
     return out.reshape(b, hq, 1, d)
 
@@ -157,6 +163,13 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
+@fused_for_inference
+def silu_gate(gate_up: Tensor) -> Tensor:
+    """SiLU(gate) * up from the fused gate_up projection's output."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, base_format: BaseFormat, dtype: torch.dtype, device: Device):
         super().__init__()
@@ -169,8 +182,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_gate(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -295,8 +307,9 @@ class Decoder(nn.Module):
                 f"decode_step needs tokens and positions of shape ({cache.batch_size},), one per cache "
                 f"slot; got {tuple(tokens.shape)} and {tuple(positions.shape)}"
             )
+        mask = decode_mask(positions, cache.max_len)  # one mask for every layer
         attends = [
-            partial(attend_decode, k_cache=cache.k[i], v_cache=cache.v[i], positions=positions)
+            partial(attend_decode, k_cache=cache.k[i], v_cache=cache.v[i], positions=positions, mask=mask)
             for i in range(len(self.layers))
         ]
         hidden = self._run_layers(tokens[:, None], positions[:, None], attends)

@@ -5,6 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qerl_pipe.model.fused import fused_for_inference
+
+
+@fused_for_inference
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # One rounding to the activation dtype, after the (weight + noise) product in float32.
+    return (normed * (weight.float() + noise)).to(x.dtype)
+
 
 class RMSNorm(nn.Module):
     """y = (weight + noise) * x / rms(x).
@@ -24,10 +34,7 @@ class RMSNorm(nn.Module):
         self.register_buffer("noise", torch.zeros(dim, dtype=torch.float32, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # One rounding to the activation dtype, after the (weight + noise) product in float32.
-        return (normed * (self.weight.float() + self.noise)).to(x.dtype)
+        return rms_norm(x, self.weight, self.noise, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
