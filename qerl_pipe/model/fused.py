@@ -8,7 +8,9 @@ memory traffic. torch.compile turns each such function into one or two generated
 
 Only for no-grad CUDA calls (the rollout engine, scoring): the training forward keeps the eager
 ops and their plain autograd, and CPU runs (tests, CI) never compile. `QERL_COMPILE=0` turns it
-off everywhere.
+off everywhere. A fused kernel may round once where eager rounds twice (RoPE's x*cos + rot*sin:
+at most one bf16 step apart, seen on CPU), so engine logprobs and the training forward can differ
+by that much on top of the matmul kernels' own rounding.
 """
 
 from __future__ import annotations
