@@ -37,9 +37,12 @@ def fused_for_inference(fn: F) -> F:
     def wrapper(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if x.is_cuda and not torch.is_grad_enabled() and compile_enabled():
             if not compiled:
-                # dynamic=None: static shapes first, then a dynamic kernel once a shape changes
-                # (prompt lengths vary in prefill; decode has one shape per batch size).
-                compiled.append(torch.compile(fn, fullgraph=True, dynamic=None))
+                # dynamic=True: one kernel for every shape. With static-then-dynamic kernels
+                # (dynamic=None) the first batch size got its own kernel whose RMSNorm reduction
+                # rounded differently from the others', so a rollout's tokens depended on the
+                # batch it ran in (an H200 GPU test caught it); one kernel keeps every row's
+                # arithmetic the same, and prompt lengths never trigger a recompile.
+                compiled.append(torch.compile(fn, fullgraph=True, dynamic=True))
             return compiled[0](x, *args, **kwargs)
         return fn(x, *args, **kwargs)
 
