@@ -16,11 +16,15 @@ by that much on top of the matmul kernels' own rounding.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+import torch._dynamo
+
+log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., torch.Tensor])
 
@@ -30,20 +34,34 @@ def compile_enabled() -> bool:
 
 
 def fused_for_inference(fn: F) -> F:
-    """`fn` itself, or its torch.compile'd twin when called without grad on CUDA tensors."""
-    compiled: list[Callable[..., torch.Tensor]] = []
+    """`fn` itself, or its torch.compile'd twin when called without grad on CUDA tensors.
+
+    If Dynamo gives up on it (e.g. its recompile limit, hit when one process runs many models of
+    different dtypes, as a test session does), the function stays eager from then on, with a
+    warning: slower, never wrong.
+    """
+    state: dict[str, Callable[..., torch.Tensor] | None] = {}
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if x.is_cuda and not torch.is_grad_enabled() and compile_enabled():
-            if not compiled:
-                # dynamic=True: one kernel for every shape. With static-then-dynamic kernels
-                # (dynamic=None) the first batch size got its own kernel whose RMSNorm reduction
-                # rounded differently from the others', so a rollout's tokens depended on the
-                # batch it ran in (an H200 GPU test caught it); one kernel keeps every row's
-                # arithmetic the same, and prompt lengths never trigger a recompile.
-                compiled.append(torch.compile(fn, fullgraph=True, dynamic=True))
-            return compiled[0](x, *args, **kwargs)
-        return fn(x, *args, **kwargs)
+        if not (x.is_cuda and not torch.is_grad_enabled() and compile_enabled()):
+            return fn(x, *args, **kwargs)
+        if "compiled" not in state:
+            # dynamic=True: one kernel for every shape. With static-then-dynamic kernels
+            # (dynamic=None) the first batch size got its own kernel whose RMSNorm reduction
+            # rounded differently from the others', so a rollout's tokens depended on the
+            # batch it ran in (an H200 GPU test caught it); one kernel keeps every row's
+            # arithmetic the same, and prompt lengths never trigger a recompile.
+            state["compiled"] = torch.compile(fn, fullgraph=True, dynamic=True)
+        compiled = state["compiled"]
+        if compiled is None:
+            return fn(x, *args, **kwargs)
+        try:
+            return compiled(x, *args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            log.warning("%s: torch.compile gave up (%s); running it eagerly from now on",
+                        fn.__name__, type(exc).__name__)
+            state["compiled"] = None
+            return fn(x, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
