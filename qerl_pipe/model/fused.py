@@ -58,7 +58,7 @@ def fused_for_inference(fn: F) -> F:
             return fn(x, *args, **kwargs)
         try:
             return compiled(x, *args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as exc:
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
             log.warning("%s: torch.compile gave up (%s); running it eagerly from now on",
                         fn.__name__, type(exc).__name__)
             state["compiled"] = None
