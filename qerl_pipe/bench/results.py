@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 
@@ -31,9 +32,25 @@ def target(name: str, target: str, measured: float, unit: str, met: bool) -> dic
     return {"name": name, "target": target, "measured": measured, "unit": unit, "met": bool(met)}
 
 
+def command_line() -> str:
+    """How this process was started, without the machine's paths: `qerl-pipe ...` for the console
+    script, `python3 -m qerl_pipe....` for a module run with -m (sys.argv[0] is then its file)."""
+    if not sys.argv:
+        return ""
+    first, rest = Path(sys.argv[0]), sys.argv[1:]
+    if "qerl-pipe" in first.name:
+        return " ".join(["qerl-pipe", *rest])
+    package = Path(__file__).resolve().parents[1]
+    try:
+        module = ".".join(first.resolve().with_suffix("").relative_to(package.parent).parts)
+    except ValueError:
+        return " ".join([first.name, *rest])
+    return " ".join(["python3", "-m", module.removesuffix(".__main__"), *rest])
+
+
 def results_file(results: Any, targets: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     return {
-        "command": " ".join(["qerl-pipe", *sys.argv[1:]]) if sys.argv and "qerl-pipe" in sys.argv[0] else " ".join(sys.argv),
+        "command": command_line(),
         "commit": current_commit(),
         "gpu": device_name(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
