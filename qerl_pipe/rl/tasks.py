@@ -1,0 +1,156 @@
+"""Problems to train and evaluate on, and the prompts the policy sees.
+
+A `Problem` is a question and its gold final answer. They come from the packaged GSM8K / MATH-500
+files, from a generated two-digit addition task (small models can learn it in a few steps), or from
+a user .jsonl file. Everything is checked while loading, so a bad spec fails before any model work.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from qerl_pipe.errors import QerlError
+from qerl_pipe.textdata import packaged_path
+
+
+class TaskError(QerlError):
+    """A problem set cannot be loaded: unknown spec, missing file, missing field, or nothing in it."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str  # stable across runs: "<spec>:<row>", "arithmetic:<seed>:<i>", "<file name>:<row>"
+    question: str
+    answer: str  # gold final answer (GSM8K: the number after '####', commas removed)
+    kind: str  # "gsm8k" | "math" | "arithmetic" | "jsonl"
+
+
+# spec -> (packaged file, question field, answer field, kind)
+PACKAGED = {
+    "gsm8k:train": ("gsm8k/train.jsonl", "question", "answer", "gsm8k"),
+    "gsm8k:test": ("gsm8k/test.jsonl", "question", "answer", "gsm8k"),
+    "math500:test": ("math500/test.jsonl", "problem", "answer", "math"),
+}
+ARITHMETIC_DEFAULT_N = 1000
+
+_BOXED = "Let's think step by step and output the final answer within \\boxed{}."
+DEFAULT_INSTRUCTIONS: dict[str, str] = {
+    "gsm8k": _BOXED,
+    "math": _BOXED,
+    "jsonl": _BOXED,
+    "arithmetic": "Put the answer in \\boxed{}.",
+}
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def load_problems(spec: str, *, limit: int | None = None, seed: int = 0,
+                  question_field: str | None = None, answer_field: str | None = None) -> list[Problem]:
+    """Problems from a spec: 'gsm8k:train', 'gsm8k:test', 'math500:test', 'arithmetic[:N]', or a .jsonl path.
+
+    `limit` keeps the first N problems in file order (for arithmetic it is how many are generated).
+    `seed` only drives the arithmetic generator; shuffling is the caller's business.
+    `question_field` / `answer_field` rename the fields read (defaults: the packaged files' own names,
+    'question' / 'answer' for a user file). A GSM8K-style answer ('... #### 42') keeps the text after
+    the last '####', with thousands commas removed when it is a number.
+    """
+    if limit is not None and limit < 1:
+        raise TaskError(f"problem limit {limit}: must be at least 1 (or unset for all)")
+    if spec == "arithmetic" or spec.startswith("arithmetic:"):
+        return _arithmetic(spec, limit, seed)
+    if spec in PACKAGED:
+        rel, q_default, a_default, kind = PACKAGED[spec]
+        path, prefix = packaged_path(rel), spec
+    else:
+        path = Path(spec)
+        if path.suffix != ".jsonl":
+            raise TaskError(f"problem set '{spec}': expected one of {', '.join(PACKAGED)}, 'arithmetic[:N]', "
+                            "or a path to a .jsonl file")
+        if not path.is_file():
+            raise TaskError(f"problem file {path} does not exist; give an existing .jsonl path or one of "
+                            f"{', '.join(PACKAGED)}")
+        q_default, a_default, kind, prefix = "question", "answer", "jsonl", path.name
+    problems = _read_jsonl(path, prefix, kind, question_field or q_default, answer_field or a_default, limit)
+    if not problems:
+        raise TaskError(f"problem file {path} holds no problems; it needs one JSON object per line")
+    return problems
+
+
+def _read_jsonl(path: Path, prefix: str, kind: str, q_field: str, a_field: str, limit: int | None) -> list[Problem]:
+    problems: list[Problem] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(problems) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise TaskError(f"{path}:{lineno}: not valid JSON (one object per line expected)") from None
+            if not isinstance(row, dict):
+                raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            for field, option in ((q_field, "question_field"), (a_field, "answer_field")):
+                if row.get(field) is None:
+                    raise TaskError(f"{path}:{lineno}: no field '{field}' (fields: {', '.join(row) or 'none'}); "
+                                    f"set {option} to the field that holds it")
+            answer = _gold(str(row[a_field]), kind)
+            if not answer:
+                raise TaskError(f"{path}:{lineno}: empty answer in field '{a_field}'"
+                                + (" (a GSM8K answer must end with '#### <number>')" if kind == "gsm8k" else ""))
+            problems.append(Problem(f"{prefix}:{len(problems)}", str(row[q_field]), answer, kind))
+    return problems
+
+
+def _gold(raw: str, kind: str) -> str:
+    """The final answer in a gold field: GSM8K solutions end in '#### <answer>'; others are the answer."""
+    if kind == "gsm8k" and "####" not in raw:
+        return ""
+    answer = raw.rsplit("####", 1)[-1].strip() if "####" in raw else raw.strip()
+    plain = answer.replace(",", "")
+    return plain if _NUMBER.fullmatch(plain) else answer
+
+
+def _arithmetic(spec: str, limit: int | None, seed: int) -> list[Problem]:
+    """'What is a + b?' with a, b uniform in 10..99, the same list for the same seed (a prefix for a smaller N)."""
+    _, _, count = spec.partition(":")
+    if count and not (count.isdigit() and int(count) > 0):
+        raise TaskError(f"problem set '{spec}': write 'arithmetic' or 'arithmetic:N' with N a positive integer")
+    n = int(count) if count else ARITHMETIC_DEFAULT_N
+    if limit is not None:
+        n = min(n, limit)
+    rng = random.Random(seed)
+    problems = []
+    for i in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        problems.append(Problem(f"arithmetic:{seed}:{i}", f"What is {a} + {b}?", str(a + b), "arithmetic"))
+    return problems
+
+
+def render_prompt(tokenizer, problem: Problem, instruction: str | None = None) -> list[int]:
+    """Token ids of the prompt for one problem, ending where the model's answer starts.
+
+    The user turn is the question, a newline, and the instruction (DEFAULT_INSTRUCTIONS[kind] when
+    None; an empty instruction leaves the question alone). With a chat template (instruct models) the
+    turn goes through it with add_generation_prompt=True, so the ids end at the assistant header.
+    Without one (base models, and the tiny test tokenizer in tests/conftest.py, which has no
+    template) the prompt is the plain text f"{question}\\n{instruction}\\n", tokenized with the
+    tokenizer's special tokens (a BOS where it adds one).
+    """
+    if instruction is None:
+        instruction = DEFAULT_INSTRUCTIONS.get(problem.kind, _BOXED)
+    content = f"{problem.question}\n{instruction}" if instruction else problem.question
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                            add_generation_prompt=True, tokenize=True)
+        # transformers 5 returns a BatchEncoding here; 4.x returns the ids.
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return [int(i) for i in ids]
+    return list(tokenizer(content + "\n", add_special_tokens=True)["input_ids"])
