@@ -1,0 +1,146 @@
+"""Answer extraction, grading (math-verify), and weighted rewards with custom functions."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from qerl_pipe.errors import QerlError
+from qerl_pipe.rl.rewards import RewardError, RewardSpec, extract_answer, is_correct, load_custom_rewards, score
+from qerl_pipe.rl.tasks import Problem
+
+POLAR = "\\left( 3, \\frac{\\pi}{2} \\right)"
+
+
+@pytest.mark.parametrize("completion, kind, expected", [
+    ("so \\boxed{42}.", "gsm8k", "42"),
+    ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "math", "\\frac{1}{2}"),  # the last one
+    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "math", POLAR),  # nested braces
+    ("\\boxed{\\frac{a}{b_{1}}} and more text 7", "gsm8k", "\\frac{a}{b_{1}}"),  # boxed wins over numbers
+    ("first \\boxed{5} then a cut-off \\boxed{6", "math", "5"),  # an open box is skipped
+    ("\\fbox{9}", "math", "9"),
+    ("The answer is 1,234.", "gsm8k", "1234"),
+    ("It is 3 - 8 = -5.", "arithmetic", "-5"),
+    ("costs 3.50 dollars", "jsonl", "3.50"),
+    ("I think 12, or rather 13.", "gsm8k", "13"),
+    ("no number here", "gsm8k", None),
+    ("The answer is 5.", "math", None),  # math needs a box
+    ("\\boxed{}", "math", None),
+    ("", "arithmetic", None),
+])
+def test_extract_answer(completion, kind, expected):
+    assert extract_answer(completion, kind) == expected
+
+
+@pytest.mark.parametrize("extracted, gold, kind, expected", [
+    ("42", "42", "gsm8k", True),
+    ("42.0", "42", "gsm8k", True),
+    ("1234", "1234", "gsm8k", True),
+    ("1,234", "1234", "gsm8k", True),
+    ("\\$18", "18", "gsm8k", True),
+    ("-5", "-5", "arithmetic", True),
+    ("5", "-5", "arithmetic", False),
+    ("41", "42", "gsm8k", False),
+    ("3,4", "34", "gsm8k", False),
+    ("\\frac{1}{2}", "0.5", "math", True),
+    ("0.5", "\\frac{1}{2}", "math", True),
+    ("\\dfrac{1}{3}", "\\frac{1}{2}", "math", False),
+    ("(3, \\pi/2)", POLAR, "math", True),
+    (POLAR, POLAR, "math", True),
+    ("\\left( 3, \\frac{\\pi}{3} \\right)", POLAR, "math", False),
+    ("3", POLAR, "math", False),
+    ("x^2+1", "1+x^2", "math", True),
+    ("25\\%", "25", "gsm8k", True),
+    ("18 \\text{ dollars}", "18", "gsm8k", True),
+    (None, "42", "gsm8k", False),
+    ("", "42", "gsm8k", False),
+    ("\\frac{", "\\frac{1}{2}", "math", False),  # unparsable: wrong, no exception
+    ("1" * 2000, "1", "math", False),  # degenerate length
+])
+def test_is_correct(extracted, gold, kind, expected):
+    assert is_correct(extracted, gold, kind) is expected
+
+
+def test_is_correct_off_the_main_thread():
+    # math-verify's signal-based timeouts would raise off the main thread; ours switches them off there.
+    results = []
+    t = threading.Thread(target=lambda: results.append(
+        (is_correct("\\frac{1}{2}", "0.5", "math"), is_correct("(3, \\pi/3)", POLAR, "math"))))
+    t.start()
+    t.join()
+    assert results == [(True, False)]
+
+
+def _problems(n=1):
+    return [Problem(f"t:{i}", "What is 20 + 22?", "42", "arithmetic") for i in range(n)]
+
+
+def test_score_weights_add_up():
+    completions = ["\\boxed{42}", "it is 42", "\\boxed{41}", "nothing"]
+    scored = score(completions, _problems(4), RewardSpec(accuracy=1.0, format=0.25))
+    assert scored.components == {"accuracy": [1.0, 1.0, 0.0, 0.0], "format": [1.0, 0.0, 1.0, 0.0]}
+    assert scored.rewards == [1.25, 1.0, 0.25, 0.0]
+    assert scored.correct == [True, True, False, False]
+    assert scored.extracted == ["42", "42", "41", None]
+    # correctness is reported even when it carries no weight
+    scored = score(completions, _problems(4), RewardSpec(accuracy=0.0, format=1.0))
+    assert scored.rewards == [1.0, 0.0, 1.0, 0.0] and scored.correct == [True, True, False, False]
+    with pytest.raises(ValueError, match="one problem per completion"):
+        score(completions, _problems(3), RewardSpec())
+
+
+@pytest.fixture()
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod.py").write_text(
+        "def brevity(completion, problem):\n"
+        "    return -len(completion) / 100\n"
+        "def echo_id(completion, problem):\n"
+        "    return float(problem.id.endswith(':1'))\n"
+        "def explode(completion, problem):\n"
+        "    if 'boom' in completion:\n"
+        "        raise RuntimeError('kaboom')\n"
+        "    return 0.0\n"
+        "def nan(completion, problem):\n"
+        "    return float('nan')\n"
+        "NOT_A_FUNCTION = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_rewards_mod"
+
+
+def test_custom_rewards_add_with_weight_one(reward_module):
+    spec = RewardSpec(accuracy=2.0, custom=(f"{reward_module}:brevity", f"{reward_module}:echo_id"))
+    scored = score(["\\boxed{42}", "x" * 50], _problems(2), spec)
+    assert scored.components[f"{reward_module}:brevity"] == [-0.1, -0.5]
+    assert scored.components[f"{reward_module}:echo_id"] == [0.0, 1.0]
+    assert scored.rewards == pytest.approx([2.0 - 0.1, 0.0 - 0.5 + 1.0])
+
+
+def test_raising_custom_reward_names_reward_problem_and_completion(reward_module):
+    spec = RewardSpec(custom=(f"{reward_module}:explode",))
+    completion = "fine until boom " + "y" * 300
+    with pytest.raises(RewardError) as info:
+        score(["ok", completion], _problems(2), spec)
+    message = str(info.value)
+    assert f"{reward_module}:explode" in message and "kaboom" in message and "t:1" in message
+    assert repr(completion[:200]) in message and "y" * 201 not in message
+    with pytest.raises(RewardError, match="returned nan, not a finite number, on problem t:0"):
+        score(["ok"], _problems(1), RewardSpec(custom=(f"{reward_module}:nan",)))
+
+
+@pytest.mark.parametrize("name, message", [
+    ("no_colon", "write it as 'module:function'"),
+    ("surely_missing_module_xyz:f", "cannot import module 'surely_missing_module_xyz'"),
+    ("{mod}:absent", "has no function 'absent'"),
+    ("{mod}:NOT_A_FUNCTION", "has no function 'NOT_A_FUNCTION'"),
+])
+def test_bad_custom_names_fail_at_load(reward_module, name, message):
+    with pytest.raises(RewardError, match=message):
+        load_custom_rewards([name.format(mod=reward_module)])
+    assert issubclass(RewardError, QerlError)
+
+
+def test_duplicate_custom_reward(reward_module):
+    with pytest.raises(RewardError, match="listed twice"):
+        load_custom_rewards([f"{reward_module}:brevity"] * 2)
+    assert [n for n, _ in load_custom_rewards([f"{reward_module}:brevity"])] == [f"{reward_module}:brevity"]
