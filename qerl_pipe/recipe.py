@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qerl_pipe.errors import RecipeError
 
-STAGE_ORDER = ("calibrate", "quantize", "build-engine")
+STAGE_ORDER = ("calibrate", "quantize", "build-engine", "train")
 
 
 class _Section(BaseModel):
@@ -106,6 +106,118 @@ class EngineSection(_Section):
         return value
 
 
+class LoraSection(_Section):
+    rank: int = Field(32, ge=1, description="LoRA rank r.")
+    alpha: float = Field(64.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
+        default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"],
+        description="Projections that get an adapter (HF q_proj, k_proj, ...).", min_length=1,
+    )
+    train_norms: bool = Field(False, description="Also train the RMSNorm weights (exported as PEFT modules_to_save).")
+
+
+class AqnSection(_Section):
+    """Adaptive Quantization Noise: N(0, sigma^2) on the norms feeding q/k/v and gate/up, per rollout step."""
+
+    schedule: Literal["exponential", "linear", "cosine", "log", "none"] = Field(
+        "exponential", description="Sigma over the K stages (stage 0 noise-free); none = no AQN."
+    )
+    sigma_start: float = Field(1e-2, gt=0, description="Sigma of stage 1.")
+    sigma_end: float = Field(5e-4, gt=0, description="Sigma of the last stage (<= sigma_start).")
+    num_stages: int = Field(10, ge=3, description="K: the training steps split into K equal stages.")
+    apply_in_training: bool = Field(
+        False, description="Keep the rollout's noise in the training forward (default: train on the clean weights)."
+    )
+
+    @model_validator(mode="after")
+    def _decays(self) -> "AqnSection":
+        if self.sigma_end > self.sigma_start:
+            raise ValueError(f"sigma_end ({self.sigma_end}) > sigma_start ({self.sigma_start}): the noise must "
+                             "decay; swap them")
+        return self
+
+
+class OverlongSection(_Section):
+    """DAPO's treatment of responses that hit max_new_tokens."""
+
+    mask: bool = Field(False, description="Responses cut at max_new_tokens get no loss (overlong filtering).")
+    soft_penalty: bool = Field(False, description="Add DAPO's soft overlong penalty to the reward.")
+    buffer: int | None = Field(
+        None, ge=1, description="Penalty ramp: 0 up to max_new_tokens - buffer tokens, -1 at max_new_tokens; "
+        "null = max_new_tokens // 4.",
+    )
+
+
+class DynamicSamplingSection(_Section):
+    """DAPO's dynamic sampling: groups whose rewards are all equal carry no signal; draw more prompts."""
+
+    enabled: bool = False
+    max_draws: int = Field(3, ge=1, description="Most generation rounds per step (the first included).")
+
+
+class RewardsSection(_Section):
+    accuracy: float = Field(1.0, description="Weight of the correctness reward (1 when the answer matches).")
+    format: float = Field(0.0, description="Weight of the format reward (the answer is in the expected form).")
+    custom: list[str] = Field(default_factory=list, description="Extra reward functions 'module:function'.")
+
+
+class TrainSection(_Section):
+    """`train`: GRPO/DAPO of LoRA adapters over the engine's frozen base, with AQN."""
+
+    data: str = Field("arithmetic", description="Training problems: 'gsm8k:train', 'math500:test', "
+                      "'arithmetic[:N]' (seeded two-digit additions) or a .jsonl file.")
+    eval_data: str | None = Field("arithmetic", description="Problems for the greedy accuracy before and after "
+                                  "training (same forms as data; arithmetic is drawn with seed + 1); null = none.")
+    eval_limit: int = Field(100, ge=0, description="Evaluate on the first N problems (0 = no evaluation).")
+    question_field: str | None = Field(None, description="JSONL field of the question (default: the dataset's).")
+    answer_field: str | None = Field(None, description="JSONL field of the answer (default: the dataset's).")
+    instruction: str | None = Field(None, description="Instruction added to each question (default: the task's).")
+    steps: int = Field(100, ge=1, description="RL steps (one batch of rollouts each).")
+    prompts_per_step: int = Field(8, ge=1, description="B: prompts per step.")
+    group_size: int = Field(8, ge=2, description="G: samples per prompt (the group of the advantage baseline).")
+    max_new_tokens: int = Field(256, ge=1, description="Longest response in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (also the logprobs' temperature).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1 = off.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    loss: Literal["grpo", "dapo", "dr_grpo"] = Field(
+        "dapo", description="Token aggregation: grpo = per-sequence mean, dapo = token mean over the batch, "
+        "dr_grpo = sum / (sequences x max_new_tokens).",
+    )
+    eps_low: float = Field(0.2, ge=0, lt=1, description="Lower clip: ratio >= 1 - eps_low.")
+    eps_high: float = Field(0.28, ge=0, description="Upper clip: ratio <= 1 + eps_high (DAPO's clip-higher).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage = (r - group mean) / std of the group, of the batch, or not divided."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the base (adapter disabled); 0 = off.")
+    mu: int = Field(1, ge=1, description="Optimizer updates per batch of rollouts (> 1 keeps old logprobs).")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward (gradient accumulation).")
+    lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay to 0.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null = off.")
+    gradient_checkpointing: bool = Field(
+        True, description="Recompute each layer's activations in backward (less memory, ~1/3 more compute)."
+    )
+    lora: LoraSection = Field(default_factory=LoraSection)
+    aqn: AqnSection = Field(default_factory=AqnSection)
+    overlong: OverlongSection = Field(default_factory=OverlongSection)
+    dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
+    tis_cap: float | None = Field(
+        None, ge=1, description="Truncated importance sampling of the rollout/trainer mismatch; null = off."
+    )
+    rewards: RewardsSection = Field(default_factory=RewardsSection)
+    checkpoint_every: int = Field(10, ge=0, description="Checkpoint every N steps (and at the end); 0 = end only.")
+    seed: int = Field(0, description="Seeds the data order, LoRA init, AQN draws and sampling.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train (the engine's model is loaded there).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainSection":
+        buffer = self.overlong.buffer
+        if buffer is not None and buffer > self.max_new_tokens:
+            raise ValueError(f"overlong.buffer ({buffer}) exceeds max_new_tokens ({self.max_new_tokens})")
+        return self
+
+
 class Recipe(_Section):
     """The whole recipe. `stages` lists what `qerl-pipe run` executes, in pipeline order."""
 
@@ -114,6 +226,7 @@ class Recipe(_Section):
     calibrate: CalibrateSection = Field(default_factory=CalibrateSection)
     quantize: QuantizeSection = Field(default_factory=QuantizeSection)
     engine: EngineSection = Field(default_factory=EngineSection)  # the build-engine stage
+    train: TrainSection = Field(default_factory=TrainSection)
 
     @field_validator("stages")
     @classmethod

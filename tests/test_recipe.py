@@ -16,7 +16,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_without_a_file():
     recipe = load_recipe(None)
-    assert recipe.stages == ["calibrate", "quantize", "build-engine"]
+    assert recipe.stages == ["calibrate", "quantize", "build-engine", "train"]
     assert recipe.model.source == "smollm2-135m-instruct"
     assert recipe.quantize.exclude == ["lm_head"]
     assert recipe.engine.base_format == "nvfp4" and recipe.engine.kv_budget_gib is None
@@ -41,8 +41,9 @@ def test_engine_switches_accept_yaml_on_and_off(tmp_path):
 
 def test_shipped_quickstart_recipe_is_valid():
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
-    assert recipe.stages == ["calibrate", "quantize", "build-engine"]
-    assert (recipe.engine.max_seq_len, recipe.engine.max_batch) == (256, 16)
+    assert recipe.stages == ["calibrate", "quantize", "build-engine", "train"]
+    assert (recipe.engine.max_seq_len, recipe.engine.max_batch) == (256, 32)
+    assert recipe.train.data == "arithmetic" and recipe.train.loss == "dapo"
 
 
 @pytest.mark.parametrize("text, overrides, needle", [
@@ -52,7 +53,7 @@ def test_shipped_quickstart_recipe_is_valid():
     ("", ["quantize.format=int8"], "'quantize.format'"),
     ("", ["calibrate.device=tpu"], "'calibrate.device'"),
     ("stages: [quantize, calibrate]\n", [], "pipeline order"),
-    ("stages: [train]\n", [], "unknown stage"),
+    ("stages: [export]\n", [], "unknown stage"),
     ("stages: [build-engine, quantize]\n", [], "pipeline order"),
     ("engine:\n  max_batch: 0\n", [], "'engine.max_batch'"),
     ("engine:\n  bogus: 1\n", [], "unknown key 'engine.bogus'"),

@@ -1,0 +1,89 @@
+"""Training checkpoints: everything a resumed run needs to continue bit for bit.
+
+`checkpoints/step-000040/` holds the adapter (PEFT names, safetensors), `trainer_state.pt`
+(optimizer, LR schedule, RNG states, the trainer's own state: step, data position, AQN) and a
+readable `trainer_state.json`. A checkpoint is written into a hidden sibling and renamed into
+place, so a kill at any moment leaves either the previous checkpoint or the new one, never half
+of one; older ones are removed after the rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl_pipe.errors import ArtifactError
+from qerl_pipe.formats.peft_adapter import ADAPTER_WEIGHTS, load_adapter_weights
+from qerl_pipe.model.lora import lora_state_dict
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.pt"
+INFO_FILE = "trainer_state.json"
+_NAME = re.compile(r"step-(\d+)")
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, trainer_state: dict[str, Any]) -> Path:
+    """Write checkpoint `step` (steps done) atomically; returns its directory."""
+    from safetensors.torch import save_file
+
+    root = run_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    adapter = {k: v.detach().to("cpu").contiguous().clone() for k, v in lora_state_dict(model).items()}
+    save_file(adapter, str(tmp / ADAPTER_WEIGHTS))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
+                "trainer": trainer_state}, tmp / STATE_FILE)
+    (tmp / INFO_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
+    if final.exists():  # the same step written again (a resumed run that redid it)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for old in root.iterdir():
+        if old != final and _NAME.fullmatch(old.name):
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return max(found)[1] if found else None
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """Restore the adapter, optimizer, scheduler and RNG states from `path`; returns the trainer state."""
+    try:
+        load_adapter_weights(model, path / ADAPTER_WEIGHTS)
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        raise ArtifactError(f"cannot resume from {path} ({exc}); start the run over with --force") from None
+    set_rng_state(state["rng"])
+    return state["trainer"]

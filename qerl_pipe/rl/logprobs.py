@@ -1,0 +1,87 @@
+"""Per-token logprobs and entropies of responses under the training forward, LM head in chunks.
+
+The LM head is the largest activation of an RL step: [tokens, vocab] in float32 is 620 MB per
+1024 tokens at Qwen's 152k vocabulary. Only response tokens are scored, a chunk at a time, and
+the backward pass recomputes a chunk's softmax from its hidden states instead of keeping it, so
+at most one chunk of logits exists at any time, in forward and in backward.
+
+Definition (the engine's, docs/engine.md): logp[t] = log_softmax(lm_head(h[t-1]).float() / T)[ids[t]],
+the logits computed in the model dtype, the softmax in float32, over the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.model.decoder import Decoder
+
+DEFAULT_CHUNK = 1024
+
+
+class _ChunkLogprob(torch.autograd.Function):
+    """(h [N, H], frozen W [V, H], targets [N]) -> (logp [N], entropy [N]) in float32.
+
+    Saves only `h`; backward recomputes the softmax p and returns dh = (g (onehot - p) / T) W.
+    The entropy is a metric: it carries no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float):
+        logits = (h @ weight.t()).float() / temperature
+        logz = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+        probs = torch.softmax(logits, dim=-1)
+        entropy = logz - (probs * logits).sum(-1)
+        ctx.save_for_backward(h, weight, targets)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):
+        h, weight, targets = ctx.saved_tensors
+        probs = torch.softmax((h @ weight.t()).float() / ctx.temperature, dim=-1)
+        grad_logits = -probs
+        grad_logits[torch.arange(len(targets), device=h.device), targets] += 1.0
+        grad_logits *= grad_logp[:, None] / ctx.temperature
+        return grad_logits.to(h.dtype) @ weight, None, None, None
+
+
+def sequence_logprobs(
+    model: Decoder,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_mask: Tensor,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+) -> tuple[Tensor, Tensor]:
+    """logp [B, T] and entropy [B, T] (float32) of each token in `response_mask`, zero elsewhere.
+
+    `input_ids` [B, T] are prompt + response (either padding side, `attention_mask` 1 on real
+    tokens); `response_mask` [B, T] is 1 on the response tokens to score (never on position 0,
+    which has no predecessor). Gradients flow to LoRA (and trainable norms) through `logp`.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for logprobs; got {temperature}")
+    if model.lm_head.weight.requires_grad:
+        raise ValueError("sequence_logprobs assumes a frozen LM head (only LoRA and norms train)")
+    hidden = model(input_ids, attention_mask=attention_mask)
+    scored = response_mask.bool().clone()
+    scored[:, 0] = False
+    rows, cols = scored.nonzero(as_tuple=True)
+    h = hidden[rows, cols - 1]  # the hidden state that predicts token `cols`
+    targets = input_ids[rows, cols]
+    parts_logp, parts_entropy = [], []
+    for start in range(0, len(targets), chunk):
+        lp, ent = _ChunkLogprob.apply(h[start:start + chunk], model.lm_head.weight,
+                                      targets[start:start + chunk], float(temperature))
+        parts_logp.append(lp)
+        parts_entropy.append(ent)
+    shape = input_ids.shape
+    logp = torch.zeros(shape, dtype=torch.float32, device=input_ids.device)
+    entropy = torch.zeros(shape, dtype=torch.float32, device=input_ids.device)
+    if parts_logp:
+        logp = logp.index_put((rows, cols), torch.cat(parts_logp))
+        entropy = entropy.index_put((rows, cols), torch.cat(parts_entropy))
+    return logp, entropy

@@ -1,0 +1,114 @@
+"""Where a run's numbers go: metrics.jsonl (one line per step), TensorBoard when it is installed,
+a progress line on stderr, and PNG plots at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from qerl_pipe.log import console, log
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOTS_DIR = "plots"
+# (metrics key, plot title) of the PNGs written at the end.
+PLOTTED = (("reward_mean", "reward"), ("accuracy", "accuracy"), ("entropy", "entropy"),
+           ("sigma", "AQN sigma"), ("response_length_mean", "response length (tokens)"))
+
+
+class MetricsLog:
+    """Appends one JSON line per step to `run_dir/metrics.jsonl` (flushed at once).
+
+    Opened at `first_step` (a resumed run), it drops the lines of steps >= first_step: those
+    steps run again from the checkpoint and log themselves anew.
+    """
+
+    def __init__(self, run_dir: Path, first_step: int = 0):
+        self.path = run_dir / METRICS_FILE
+        self.records: list[dict[str, Any]] = []
+        if self.path.exists():
+            lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in map(json.loads, lines) if r["step"] <= first_step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        tmp.replace(self.path)
+        self._file = self.path.open("a")
+        self._tb = _tensorboard(run_dir / TENSORBOARD_DIR, first_step)
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _tensorboard(path: Path, first_step: int):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(path), purge_step=first_step + 1 if first_step else None)
+
+
+@contextmanager
+def step_progress(total: int, done: int) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """Yields `update(record)`: a bar with reward and ETA on a terminal, else one log line per step."""
+    columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("reward {task.fields[reward]}"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("train", total=total, completed=done, reward="-")
+
+        def update(r: dict[str, Any]) -> None:
+            bar.update(task, advance=1, reward=f"{r['reward_mean']:.3f}")
+            if not console.is_terminal:
+                log(f"train: step {r['step']}/{total} reward {r['reward_mean']:.3f} accuracy {r['accuracy']:.3f} "
+                    f"length {r['response_length_mean']:.1f} sigma {r['sigma']:.2g} lr {r['lr']:.2g} "
+                    f"{r['step_seconds']:.1f} s")
+
+        yield update
+
+
+def write_plots(records: list[dict[str, Any]], out_dir: Path) -> list[str]:
+    """One PNG per PLOTTED metric against the step; returns the file names ([] and a log line
+    when matplotlib is not installed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("train: matplotlib is not installed, so no plots were written (pip install matplotlib)")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in records]
+    written = []
+    for key, title in PLOTTED:
+        values = [r.get(key) for r in records]
+        if not any(isinstance(v, (int, float)) and math.isfinite(v) for v in values if v is not None):
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps, [math.nan if v is None else v for v in values], marker="." if len(steps) < 50 else None)
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        name = f"{key}.png"
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    return written

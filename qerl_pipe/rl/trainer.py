@@ -1,0 +1,312 @@
+"""GRPO/DAPO of LoRA adapters over one shared model, with Adaptive Quantization Noise.
+
+One step (`Trainer.step`), from prompts to optimizer:
+
+1. B prompts from the seeded data order.
+2. AQN: a fresh N(0, sigma(step)^2) draw into the norms feeding q/k/v and gate/up.
+3. The engine samples G responses per prompt (same model object: LoRA as the last update left
+   it, the noise in its norm buffers); they are decoded and scored, and each group's rewards
+   become advantages (+ DAPO's soft overlong penalty). With dynamic sampling, groups whose rewards
+   are all equal are dropped and more prompts are drawn, up to `max_draws` rounds.
+4. The noise is cleared unless `aqn.apply_in_training`: training sees the clean weights.
+5. Old logprobs (only when mu > 1: otherwise the ratio is exactly 1) and base logprobs (k3 KL,
+   adapter disabled: no second model), then mu AdamW updates; each runs the whole batch in
+   micro-batches whose losses are normalised by whole-batch counts, so accumulating their
+   gradients equals one big batch.
+6. Clip gradients, step the warmup + cosine LR schedule, report the step's metrics.
+
+`fit` runs steps with checkpoints, resume and metrics around them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.engine import Engine, SamplingParams
+from qerl_pipe.log import log
+from qerl_pipe.model.decoder import Decoder
+from qerl_pipe.model.lora import lora_disabled, lora_parameters
+from qerl_pipe.recipe import TrainSection
+from qerl_pipe.rl.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
+from qerl_pipe.rl.aqn import AqnSchedule, clear_noise, draw_noise
+from qerl_pipe.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from qerl_pipe.rl.data_order import DataOrder
+from qerl_pipe.rl.logprobs import DEFAULT_CHUNK, sequence_logprobs
+from qerl_pipe.rl.losses import LossNorm, PolicyLossConfig, policy_loss
+from qerl_pipe.rl.metrics import MetricsLog, step_progress
+from qerl_pipe.rl.rewards import RewardSpec, score
+from qerl_pipe.rl.schedule import step_seed, warmup_cosine
+from qerl_pipe.rl.tasks import Problem
+
+# step_seed streams: sampling of the first draw, the AQN noise, then extra dynamic-sampling draws.
+_SAMPLING, _NOISE = 0, 1
+
+
+@dataclass
+class Group:
+    """The G responses to one prompt, with the engine's logprobs and the rewards."""
+
+    prompt: list[int]
+    responses: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    rewards: Tensor  # [G]
+
+
+@dataclass
+class RolloutBatch:
+    """Prompt + response per row, right-padded to the longest row; [N, T] unless noted."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor  # 1 on response tokens
+    loss_mask: Tensor  # response tokens that count (overlong masking zeroes whole rows)
+    rollout_logp: Tensor  # the engine's logprob of each response token
+    advantages: Tensor  # [N]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def split(self, size: int) -> list["RolloutBatch"]:
+        """Micro-batches of `size` rows, each cut to its own longest row."""
+        out = []
+        for start in range(0, len(self), size):
+            rows = slice(start, start + size)
+            width = int(self.attention_mask[rows].sum(1).max())
+            out.append(RolloutBatch(*(t[rows, :width] for t in (
+                self.input_ids, self.attention_mask, self.response_mask, self.loss_mask, self.rollout_logp)),
+                self.advantages[rows]))
+        return out
+
+
+def build_batch(groups: Sequence[Group], advantages: Tensor, mask_overlong: bool, device: torch.device) -> RolloutBatch:
+    rows = [(g.prompt, r, lp, f) for g in groups for r, lp, f in zip(g.responses, g.logprobs, g.finish_reasons)]
+    n, width = len(rows), max(len(p) + len(r) for p, r, _, _ in rows)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    attention, response = torch.zeros(n, width, dtype=torch.long), torch.zeros(n, width)
+    rollout_logp = torch.zeros(n, width)
+    for i, (prompt, tokens, logprobs, _) in enumerate(rows):
+        end = len(prompt) + len(tokens)
+        ids[i, :end] = torch.tensor(prompt + tokens)
+        attention[i, :end] = 1
+        response[i, len(prompt):end] = 1
+        rollout_logp[i, len(prompt):end] = torch.tensor(logprobs)
+    loss_mask = response.clone()
+    if mask_overlong:
+        loss_mask[torch.tensor([f == "length" for _, _, _, f in rows])] = 0
+    return RolloutBatch(ids.to(device), attention.to(device), response.to(device), loss_mask.to(device),
+                        rollout_logp.to(device), advantages.to(device))
+
+
+class Trainer:
+    """One RL run's state: the model (shared with `engine`), optimizer, LR schedule, data order, step."""
+
+    def __init__(self, model: Decoder, engine: Engine, tokenizer, problems: Sequence[Problem],
+                 prompts: Sequence[Sequence[int]], cfg: TrainSection, stop_token_ids: tuple[int, ...],
+                 logprob_chunk: int = DEFAULT_CHUNK):
+        if engine.model is not model:
+            raise ValueError("the engine must generate from the model being trained (one shared model)")
+        self.model, self.engine, self.tokenizer, self.cfg = model, engine, tokenizer, cfg
+        self.problems, self.prompts = list(problems), [list(p) for p in prompts]
+        self.stop_token_ids, self.logprob_chunk = tuple(stop_token_ids), logprob_chunk
+        self.device = model.embed_tokens.weight.device
+        model.gradient_checkpointing = cfg.gradient_checkpointing
+        self.params = lora_parameters(model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, cfg.steps)
+        a = cfg.aqn
+        self.aqn = AqnSchedule(a.schedule, a.sigma_start, a.sigma_end, a.num_stages)
+        self.loss_cfg = PolicyLossConfig(cfg.loss, cfg.eps_low, cfg.eps_high, cfg.kl_coef, cfg.max_new_tokens,
+                                         cfg.tis_cap)
+        self.reward_spec = RewardSpec(cfg.rewards.accuracy, cfg.rewards.format, tuple(cfg.rewards.custom))
+        self.overlong_buffer = cfg.overlong.buffer or max(1, cfg.max_new_tokens // 4)
+        self.data = DataOrder(len(self.prompts), cfg.seed)
+        self.step_count = 0  # steps done
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps beside the adapter, optimizer, scheduler and RNG states."""
+        return {"step": self.step_count, "data": self.data.state_dict(),
+                "aqn": {"schedule": self.aqn.kind, "sigma_start": self.aqn.sigma_start,
+                        "sigma_end": self.aqn.sigma_end, "num_stages": self.aqn.num_stages,
+                        "total_steps": self.cfg.steps}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["aqn"] != self.state_dict()["aqn"]:
+            raise ValueError(f"checkpoint AQN schedule {state['aqn']} differs from this run's")
+        self.step_count = state["step"]
+        self.data.load_state_dict(state["data"])
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> dict[str, Any]:
+        cfg, step = self.cfg, self.step_count
+        started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        sigma = self.aqn.sigma(step, cfg.steps)
+        noise_gen = torch.Generator(device=self.device).manual_seed(step_seed(cfg.seed, step, _NOISE))
+        draw_noise(self.model, sigma, noise_gen)
+        groups, rollout = self._rollouts(step)
+        if not cfg.aqn.apply_in_training:
+            clear_noise(self.model)
+        lr = self.scheduler.get_last_lr()[0]
+        trained = time.perf_counter()
+        update = self._update(groups) if groups else {"skipped": True}
+        clear_noise(self.model)
+        self.scheduler.step()
+        self.step_count += 1
+        done = time.perf_counter()
+        train_seconds = done - trained
+        return {
+            "step": self.step_count, **rollout, **update, "sigma": sigma, "lr": lr,
+            "kept_groups": len(groups),
+            "train_tokens_per_s": update.get("train_tokens", 0) / train_seconds if train_seconds > 0 else 0.0,
+            "train_seconds": train_seconds, "step_seconds": done - started,
+            "peak_gpu_memory_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
+                                    if self.device.type == "cuda" else None),
+        }
+
+    def _rollouts(self, step: int) -> tuple[list[Group], dict[str, Any]]:
+        """Sample, score and keep groups (dynamic sampling: only groups with a reward spread)."""
+        cfg, g = self.cfg, self.cfg.group_size
+        dynamic = cfg.dynamic_sampling.enabled
+        kept: list[Group] = []
+        rewards_seen, correct, lengths, finishes = [], [], [], []
+        seconds, tokens, draws = 0.0, 0, 0
+        for draw in range(cfg.dynamic_sampling.max_draws if dynamic else 1):
+            draws += 1
+            indices = self.data.take(cfg.prompts_per_step)
+            prompts = [self.prompts[i] for i in indices]
+            seed = step_seed(cfg.seed, step, _SAMPLING if draw == 0 else draw + 1)
+            params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                    max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed)
+            t0 = time.perf_counter()
+            out = self.engine.generate(prompts, n=g, sampling=params)
+            seconds += time.perf_counter() - t0
+            tokens += out.generated_tokens
+            texts = self.tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
+            scored = score(texts, [self.problems[i] for i in indices for _ in range(g)], self.reward_spec)
+            rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+            if cfg.overlong.soft_penalty:
+                rewards += soft_overlong_penalty(torch.tensor(out.lengths), cfg.max_new_tokens, self.overlong_buffer)
+            rewards_seen.append(rewards)
+            correct += scored.correct
+            lengths += out.lengths
+            finishes += out.finish_reasons
+            flat = zero_variance_groups(rewards, g).tolist()
+            for p, prompt in enumerate(prompts):
+                if dynamic and flat[p]:
+                    continue
+                rows = slice(p * g, (p + 1) * g)
+                kept.append(Group(prompt, out.tokens[rows], out.logprobs[rows], out.finish_reasons[rows], rewards[rows]))
+            if len(kept) >= cfg.prompts_per_step:
+                break
+        all_rewards = torch.cat(rewards_seen)
+        n = len(lengths)
+        return kept[:cfg.prompts_per_step], {
+            "reward_mean": float(all_rewards.mean()),
+            "reward_std": float(all_rewards.std()) if n > 1 else 0.0,
+            "accuracy": sum(correct) / n,
+            "response_length_mean": sum(lengths) / n,
+            "truncation_rate": finishes.count("length") / n,
+            "zero_variance_fraction": float(zero_variance_groups(all_rewards, g).float().mean()),
+            "draws": draws,
+            "rollout_seconds": seconds,
+            "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        }
+
+    def _logprobs(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        return sequence_logprobs(self.model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                 self.cfg.temperature, self.logprob_chunk)
+
+    @torch.no_grad()
+    def _fixed_logprobs(self, micro: list[RolloutBatch], base: bool) -> list[Tensor]:
+        """Logprobs that stay fixed during the updates: the policy before them, or the base model."""
+        with lora_disabled(self.model) if base else nullcontext():
+            return [self._logprobs(mb)[0] for mb in micro]
+
+    def _update(self, groups: list[Group]) -> dict[str, Any]:
+        cfg = self.cfg
+        rewards = torch.cat([grp.rewards for grp in groups])
+        advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)
+        if cfg.kl_coef == 0 and not bool(advantages.any()):
+            return self._zero_signal_update()
+        batch = build_batch(groups, advantages, cfg.overlong.mask, self.device)
+        micro = batch.split(cfg.micro_batch_size)
+        norm = LossNorm.of(batch.loss_mask)  # whole-batch counts for every micro-batch
+        old = self._fixed_logprobs(micro, base=False) if cfg.mu > 1 else [None] * len(micro)
+        ref = self._fixed_logprobs(micro, base=True) if cfg.kl_coef > 0 else [None] * len(micro)
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": 0.0}
+        counted = response_tokens = 0
+        for update in range(cfg.mu):
+            self.optimizer.zero_grad(set_to_none=True)
+            for k, mb in enumerate(micro):
+                logp, entropy = self._logprobs(mb)
+                loss, m = policy_loss(logp, mb.advantages, mb.loss_mask, self.loss_cfg, old_logp=old[k],
+                                      ref_logp=ref[k], rollout_logp=mb.rollout_logp, norm=norm)
+                loss.backward()
+                tokens = int(mb.loss_mask.sum())
+                totals["loss"] += float(loss.detach()) / cfg.mu
+                totals["clip_fraction"] += m["clip_fraction"] * tokens
+                totals["kl"] += m["kl"] * tokens
+                counted += tokens
+                if update == 0:
+                    totals["entropy"] += float((entropy * mb.response_mask).sum())
+                    response_tokens += int(mb.response_mask.sum())
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) / cfg.mu
+            self.optimizer.step()
+        for key in ("clip_fraction", "kl"):
+            totals[key] /= max(counted, 1)
+        totals["entropy"] /= max(response_tokens, 1)
+        passes = cfg.mu + (cfg.mu > 1) + (cfg.kl_coef > 0)  # forward passes over the batch
+        return {**totals, "train_tokens": int(batch.attention_mask.sum()) * passes}
+
+
+    def _zero_signal_update(self) -> dict[str, Any]:
+        """Every advantage is 0 (all groups flat) and there is no KL term: the loss and its gradient
+        are exactly 0, so the forward/backward passes are skipped. AdamW still steps on zero
+        gradients, as the full computation would (its momentum keeps moving the weights)."""
+        for _ in range(self.cfg.mu):
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+        return {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": None,
+                "train_tokens": 0}
+
+
+def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str, Any]]:
+    """Run the remaining steps of `trainer` in `run_dir`, resuming from its latest checkpoint.
+
+    Checkpoints every `checkpoint_every` steps (0 = only at the end) and after the last step.
+    Returns every step's metrics (those of earlier sessions included).
+    """
+    total = trainer.cfg.steps
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model, trainer.optimizer, trainer.scheduler))
+        log(f"train: resuming {run_dir} after step {trainer.step_count} of {total}")
+    metrics = MetricsLog(run_dir, trainer.step_count)
+    try:
+        with step_progress(total, trainer.step_count) as update:
+            while trainer.step_count < total:
+                record = trainer.step()
+                metrics.append(record)
+                update(record)
+                done = trainer.step_count
+                if done == total or (checkpoint_every and done % checkpoint_every == 0):
+                    save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler,
+                                    trainer.state_dict())
+    finally:
+        metrics.close()
+    return metrics.records
