@@ -105,6 +105,21 @@ def build_engine(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt 
 
 @app.command()
 @_user_errors
+def train(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
+          engine: Annotated[Optional[str], typer.Option(help="Engine artifact (path or id) to train over; without it, the recipe's engine is reused or built first.")] = None,
+          artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+    """GRPO/DAPO of a LoRA adapter over the engine's frozen base, with AQN; resumes an interrupted run."""
+    from qerl_pipe.stages.train import run_train
+
+    store = _store(artifacts)
+    parsed = _recipe(recipe, set_, model)
+    parent = store.resolve(engine) if engine else None
+    artifact = run_train(parsed, store, engine=parent, force=force)
+    print(artifact.path)
+
+
+@app.command()
+@_user_errors
 def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_: SetOpt = None,
         artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
     """Run the recipe's stages in order, reusing up-to-date artifacts."""

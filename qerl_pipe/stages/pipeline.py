@@ -7,11 +7,14 @@ from qerl_pipe.recipe import Recipe
 from qerl_pipe.stages.build_engine import run_build_engine
 from qerl_pipe.stages.calibrate import run_calibrate
 from qerl_pipe.stages.quantize import run_quantize
+from qerl_pipe.stages.train import check_train_inputs, run_train
 
 
 def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> dict[str, Artifact]:
     """Run `recipe.stages`; `force` redoes every stage. Returns each stage's artifact."""
     results: dict[str, Artifact] = {}
+    if "train" in recipe.stages:
+        check_train_inputs(recipe)  # a bad data file or reward name fails before the first stage
     if "calibrate" in recipe.stages:
         results["calibrate"] = run_calibrate(recipe, store, force=force)
     if "quantize" in recipe.stages:
@@ -20,4 +23,6 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
         # An nf4 or bf16 engine reads the original model, not the quantize artifact.
         quantized = results.get("quantize") if recipe.engine.base_format == "nvfp4" else None
         results["build-engine"] = run_build_engine(recipe, store, quantized=quantized, force=force)
+    if "train" in recipe.stages:
+        results["train"] = run_train(recipe, store, engine=results.get("build-engine"), force=force)
     return results

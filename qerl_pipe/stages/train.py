@@ -1,0 +1,266 @@
+"""`qerl-pipe train`: GRPO/DAPO of a LoRA adapter over an engine's frozen base, with AQN.
+
+Reads an engine artifact (found or built from the recipe, or `--engine`), trains in a work
+directory that is stable for the run's id, `<store>/.runs/train-<id>/`, so that a killed run
+started again with the same inputs resumes from its last checkpoint. When the last step is done
+it evaluates, exports the adapter, and the whole work directory becomes the artifact (hard links
+into the store's pending directory, sealed by its manifest; the work directory is removed after).
+
+The artifact: `adapter/` (PEFT), `metrics.jsonl`, `plots/`, `report.json` / `report.md`,
+`eval/before.jsonl` / `eval/after.jsonl` (greedy completions), `checkpoints/step-N/` (the last
+checkpoint, to continue from), `run.json`, `tensorboard/` when it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
+from qerl_pipe.engine import Engine
+from qerl_pipe.errors import ArtifactError, QerlError
+from qerl_pipe.formats.peft_adapter import save_adapter
+from qerl_pipe.log import log
+from qerl_pipe.model.dense_copy import dense_base_copy
+from qerl_pipe.model.lora import LoraSpec, apply_lora
+from qerl_pipe.recipe import Recipe, TrainSection
+from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
+from qerl_pipe.rl.metrics import PLOTS_DIR, write_plots
+from qerl_pipe.rl.rewards import load_custom_rewards
+from qerl_pipe.rl.tasks import Problem, load_problems, render_prompt
+from qerl_pipe.rl.trainer import Trainer, fit
+from qerl_pipe.stages import build_engine as build_engine_stage
+from qerl_pipe.stages.common import load_tokenizer, pick_device
+
+STAGE = "train"
+VERSION = 1
+KIND = "run"
+RUNS_DIR = ".runs"  # in-progress runs, by artifact id: what a second `train` resumes
+RUN_FILE = "run.json"
+EVAL_DIR = "eval"
+ADAPTER_DIR = "adapter"
+
+
+def _load_data(section: TrainSection) -> tuple[list[Problem], list[Problem]]:
+    """Training and evaluation problems (raises before any model work when a spec is bad)."""
+    def fields(spec: str) -> dict[str, Any]:
+        if not spec.endswith(".jsonl"):
+            return {}
+        return {"question_field": section.question_field, "answer_field": section.answer_field}
+
+    train = load_problems(section.data, seed=section.seed, **fields(section.data))
+    evaluation: list[Problem] = []
+    if section.eval_data and section.eval_limit:
+        # seed + 1: generated problems (arithmetic) differ from the training ones.
+        evaluation = load_problems(section.eval_data, limit=section.eval_limit, seed=section.seed + 1,
+                                   **fields(section.eval_data))
+    return train, evaluation
+
+
+def _check_engine(engine: Artifact, section: TrainSection) -> None:
+    if engine.kind != build_engine_stage.KIND:
+        raise ArtifactError(f"{engine.path} is a '{engine.kind}' artifact, not an engine; pass a build-engine "
+                            "artifact to --engine")
+    max_seq_len = engine.summary.get("max_seq_len")
+    if max_seq_len is not None and section.max_new_tokens >= max_seq_len:
+        raise QerlError(f"train.max_new_tokens={section.max_new_tokens} leaves no room for a prompt in the engine's "
+                        f"max_seq_len={max_seq_len}; lower train.max_new_tokens or build the engine with a larger "
+                        "engine.max_seq_len")
+
+
+def _base_model_name(engine: Artifact, store: ArtifactStore) -> str:
+    """The model the engine was made from, as the recipe named it (for adapter_config.json)."""
+    base = engine.manifest.get("config", {}).get("base", {})
+    model_key = base.get("model")
+    if model_key is None and "quantized" in base:
+        try:
+            model_key = store.resolve(base["quantized"], verify=False).manifest["config"]["model"]
+        except (ArtifactError, KeyError):
+            model_key = None
+    try:
+        return str(model_key["source"]["source"])
+    except (TypeError, KeyError):
+        return str(engine.path)
+
+
+def _stop_token_ids(tokenizer, engine_dir: Path) -> tuple[int, ...]:
+    """The tokenizer's EOS and the generation config's eos_token_id(s)."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    config = engine_dir / "generation_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not ids:
+        raise QerlError(f"{engine_dir}: the tokenizer has no EOS token, so responses could never stop")
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _prompts(tokenizer, problems: list[Problem], section: TrainSection, max_seq_len: int,
+             what: str) -> tuple[list[Problem], list[list[int]]]:
+    """Rendered prompts, without those too long for the engine (with a log line)."""
+    room = max_seq_len - section.max_new_tokens
+    kept = [(p, ids) for p in problems if len(ids := render_prompt(tokenizer, p, section.instruction)) <= room]
+    if len(kept) < len(problems):
+        log(f"train: {len(problems) - len(kept)} of {len(problems)} {what} problems have prompts longer than "
+            f"{room} tokens (engine max_seq_len - max_new_tokens) and are skipped")
+    if not kept and problems:
+        raise QerlError(f"no {what} prompt fits in {room} tokens; lower train.max_new_tokens or build the engine "
+                        "with a larger engine.max_seq_len")
+    return [p for p, _ in kept], [ids for _, ids in kept]
+
+
+def _write_eval(run_dir: Path, name: str, result: EvalResult) -> None:
+    out = run_dir / EVAL_DIR
+    out.mkdir(exist_ok=True)
+    (out / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in result.samples))
+    (out / f"{name}.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+
+
+def _report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]], before: dict | None,
+            after: dict | None, seconds: float, device: str) -> dict[str, Any]:
+    tenth = max(1, len(records) // 10)
+
+    def mean(key: str, rows: list[dict[str, Any]]) -> float:
+        return sum(r[key] for r in rows) / max(1, len(rows))
+
+    report = {
+        "steps": len(records), "device": device, "seconds": round(seconds, 1),
+        "train_data": section.data, "eval_data": section.eval_data if before else None,
+        "eval_before": before, "eval_after": after,
+        "reward_first_tenth": mean("reward_mean", records[:tenth]),
+        "reward_last_tenth": mean("reward_mean", records[-tenth:]),
+        "accuracy_first_tenth": mean("accuracy", records[:tenth]),
+        "accuracy_last_tenth": mean("accuracy", records[-tenth:]),
+        "rollout_tokens_per_s": mean("rollout_tokens_per_s", records),
+        "step_seconds_mean": mean("step_seconds", records),
+    }
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# Training report ({len(records)} steps on {device}, {report['seconds']} s)", "",
+             f"Loss {section.loss}, B={section.prompts_per_step} prompts x G={section.group_size}, lr {section.lr}, "
+             f"LoRA r={section.lora.rank}, AQN {section.aqn.schedule} {section.aqn.sigma_start:g} -> "
+             f"{section.aqn.sigma_end:g}, data {section.data}.", ""]
+    if before and after:
+        lines += [f"Greedy accuracy on {before['total']} problems of {section.eval_data}:", "",
+                  "| | accuracy | mean length | truncated |", "|---|---|---|---|"]
+        for name, r in (("before", before), ("after", after)):
+            lines.append(f"| {name} | {r['accuracy']:.3f} ({r['correct']}/{r['total']}) | "
+                         f"{r['response_length_mean']:.1f} | {r['truncation_rate']:.2f} |")
+        lines.append("")
+    lines += [f"Training reward, first tenth of the steps: {report['reward_first_tenth']:.3f}; last tenth: "
+              f"{report['reward_last_tenth']:.3f} (accuracy {report['accuracy_first_tenth']:.3f} -> "
+              f"{report['accuracy_last_tenth']:.3f}).", ""]
+    (run_dir / "report.md").write_text("\n".join(lines))
+    return report
+
+
+def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: list[Problem],
+           eval_problems: list[Problem], device: torch.device, run_dir: Path, base_model: str) -> dict[str, Any]:
+    """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary."""
+    started = time.perf_counter()
+    model, limits = build_engine_stage.load_engine(engine.path, device)
+    spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
+    apply_lora(model, spec, seed=section.seed)
+    tokenizer = load_tokenizer(engine.path, recipe.model.trust_remote_code)
+    stops = _stop_token_ids(tokenizer, engine.path)
+    problems, prompts = _prompts(tokenizer, problems, section, limits.max_seq_len, "training")
+    eval_problems, eval_prompts = _prompts(tokenizer, eval_problems, section, limits.max_seq_len, "evaluation")
+    engine_runner = Engine(model, limits)
+    # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
+    with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
+        if dense_bytes:
+            log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
+        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, section, stops)
+        before = after = None
+        if eval_prompts:
+            before_file = run_dir / EVAL_DIR / "before.json"
+            if before_file.is_file():  # a resumed run evaluated the fresh adapter already
+                before = json.loads(before_file.read_text())
+            else:
+                result = greedy_eval(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens, stops)
+                _write_eval(run_dir, "before", result)
+                before = result.summary()
+                log(f"train: greedy accuracy before training {before['accuracy']:.3f} "
+                    f"({before['correct']}/{before['total']} of {section.eval_data})")
+        records = fit(trainer, run_dir, section.checkpoint_every)
+        if eval_prompts:
+            result = greedy_eval(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens, stops)
+            _write_eval(run_dir, "after", result)
+            after = result.summary()
+            log(f"train: greedy accuracy after training {after['accuracy']:.3f} "
+                f"({after['correct']}/{after['total']}); before {before['accuracy']:.3f}")
+    save_adapter(model, spec, run_dir / ADAPTER_DIR, base_model)
+    write_plots(records, run_dir / PLOTS_DIR)
+    report = _report(run_dir, section, records, before, after, time.perf_counter() - started, str(device))
+    return {
+        "steps": len(records),
+        "accuracy_before": before["accuracy"] if before else None,
+        "accuracy_after": after["accuracy"] if after else None,
+        "reward_first_tenth": report["reward_first_tenth"],
+        "reward_last_tenth": report["reward_last_tenth"],
+        "device": str(device),
+        "seconds_this_session": round(time.perf_counter() - started, 1),
+    }
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hard-link every file of src into dst (same file system: instant, no second copy); copy when
+    links are not possible. The work directory stays whole until the artifact is sealed."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link, dirs_exist_ok=True)
+
+
+def run_dir_for(store: ArtifactStore, art_id: str) -> Path:
+    return store.root / RUNS_DIR / f"{STAGE}-{art_id}"
+
+
+def check_train_inputs(recipe: Recipe) -> tuple[list[Problem], list[Problem]]:
+    """Everything about the train section that can fail without a model: data files, fields,
+    custom reward names. `run` calls it before its first stage."""
+    problems, eval_problems = _load_data(recipe.train)
+    load_custom_rewards(recipe.train.rewards.custom)
+    return problems, eval_problems
+
+
+def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None = None, force: bool = False) -> Artifact:
+    """Train the recipe's `train` section over `engine` (default: the recipe's engine, found or built).
+
+    An interrupted run with the same inputs is resumed from its last checkpoint; `force` starts it
+    over (and redoes a finished one).
+    """
+    section = recipe.train
+    device = pick_device(section.device)
+    problems, eval_problems = check_train_inputs(recipe)  # before any model work
+    if engine is None:
+        engine = build_engine_stage.run_build_engine(recipe, store)
+    _check_engine(engine, section)
+    config = {"train": section.model_dump(), "device": device.type}
+    with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
+                      parents=[engine.id], force=force) as (pending, existing):
+        if existing is not None:
+            log(f"train: up to date, reusing {existing.path}")
+            return existing
+        run_dir = run_dir_for(store, pending.id)
+        if force and run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_FILE).write_text(json.dumps({"id": pending.id, "engine": engine.id, **config}, indent=2) + "\n")
+        summary = _train(recipe, section, engine, problems, eval_problems, device, run_dir,
+                         _base_model_name(engine, store))
+        _link_tree(run_dir, pending.dir)
+        pending.summary.update(summary)
+    shutil.rmtree(run_dir)  # sealed: the artifact holds it all
+    artifact = load_artifact(store.path_for(STAGE, pending.id), verify=False)
+    log(f"train: {artifact.path}")
+    return artifact

@@ -1,0 +1,189 @@
+"""`qerl-pipe train` on a tiny model (CPU): the run artifact, reuse, the PEFT adapter, inputs that
+fail before any work, and a run killed with SIGKILL then resumed, bit-identical to an unbroken one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from qerl_pipe.cli import app
+from tests.conftest import read_json
+
+ROOT = Path(__file__).parents[1]
+runner = CliRunner()
+ENGINE = ["--set", "stages=[quantize, build-engine, train]", "--set", "quantize.quality.perplexity=never",
+          "--set", "engine.max_seq_len=128", "--set", "engine.max_batch=16", "--set", "engine.device=cpu"]
+# A small run with a reward the random model can learn (see tests/test_rl_trainer.py).
+TRAIN = ["--set", "train.steps=4", "--set", "train.prompts_per_step=4", "--set", "train.group_size=4",
+         "--set", "train.max_new_tokens=12", "--set", "train.temperature=0.25", "--set", "train.lr=2e-2",
+         "--set", "train.eval_limit=8", "--set", "train.checkpoint_every=2", "--set", "train.device=cpu",
+         "--set", "train.rewards.accuracy=0", "--set", "train.rewards.custom=[tests.test_train_stage:letter_e]"]
+
+
+def letter_e(completion: str, problem) -> float:
+    if os.environ.get("QERL_TEST_SLOW_REWARD"):
+        time.sleep(0.02)  # the killed run: slow enough that the kill lands between checkpoints
+    return completion.count("e") / max(1, len(completion))
+
+
+def cli(*args, ok: bool = True):
+    result = runner.invoke(app, [str(a) for a in args])
+    if ok:
+        assert result.exit_code == 0, result.stderr + str(result.exception)
+    return result
+
+
+def last_line(result) -> Path:
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def named(store: Path, prefix: str) -> list[str]:
+    return sorted(p.name for p in store.iterdir() if p.name.startswith(prefix)) if store.exists() else []
+
+
+def test_train_writes_a_run_and_reuses_it(tiny_llama, store_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  source: {tiny_llama}\n")
+    first = cli("run", recipe, "--artifacts", store_dir, *ENGINE, *TRAIN)
+    run = last_line(first)
+    assert run.name.startswith("train-") and "greedy accuracy before training" in first.stderr
+    (engine,) = named(store_dir, "build-engine-")
+    manifest = read_json(run / "manifest.json")
+    assert manifest["kind"] == "run" and manifest["parents"] == [engine.removeprefix("build-engine-")]
+    assert manifest["config"]["train"]["steps"] == 4 and manifest["summary"]["steps"] == 4
+    files = set(manifest["files"])
+    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "metrics.jsonl", "report.json",
+            "report.md", "run.json", "eval/before.jsonl", "eval/after.jsonl",
+            "checkpoints/step-000004/adapter_model.safetensors", "checkpoints/step-000004/trainer_state.pt"} <= files
+    assert not any(f.startswith("checkpoints/step-000002") for f in files)  # only the last one is kept
+    pytest.importorskip("matplotlib")
+    assert {"plots/reward_mean.png", "plots/accuracy.png", "plots/entropy.png", "plots/sigma.png",
+            "plots/response_length_mean.png"} <= files
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("reward_mean", "reward_std", "accuracy", "entropy", "response_length_mean", "truncation_rate",
+                "clip_fraction", "kl", "sigma", "lr", "rollout_tokens_per_s", "train_tokens_per_s", "step_seconds",
+                "peak_gpu_memory_gib"):
+        assert key in records[0], key
+    report = read_json(run / "report.json")
+    assert report["eval_before"]["total"] == 8 and 0 <= report["eval_after"]["accuracy"] <= 1
+    assert "| before |" in (run / "report.md").read_text()
+    assert named(store_dir / ".runs", "train-") == []  # sealed: the work directory is gone
+    cli("verify", run)
+
+    again = cli("train", "--model", tiny_llama, "--artifacts", store_dir, *ENGINE, *TRAIN)
+    assert last_line(again) == run and "train: up to date" in again.stderr
+    by_ref = cli("train", "--engine", engine, "--model", tiny_llama, "--artifacts", store_dir, *ENGINE, *TRAIN)
+    assert last_line(by_ref) == run
+
+
+def test_adapter_loads_into_peft_and_reproduces_our_logits(tiny_llama, store_dir):
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from qerl_pipe.formats.peft_adapter import load_adapter_weights
+    from qerl_pipe.model.lora import LoraSpec
+    from qerl_pipe.stages.build_engine import load_engine
+
+    run = last_line(cli("train", "--model", tiny_llama, "--artifacts", store_dir, *ENGINE, *TRAIN,
+                        "--set", "engine.base_format=bf16", "--set", "train.steps=2", "--set", "train.eval_limit=0",
+                        "--set", "train.lora.rank=4", "--set", "train.lora.alpha=8"))
+    adapter = run / "adapter"
+    config = PeftConfig.from_pretrained(str(adapter))
+    assert config.peft_type == "LORA" and config.task_type == "CAUSAL_LM" and config.r == 4
+    assert config.lora_alpha == 8 and set(config.target_modules) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert config.base_model_name_or_path == str(tiny_llama)
+
+    (engine,) = named(store_dir, "build-engine-")
+    ours, _ = load_engine(store_dir / engine, "cpu", lora=LoraSpec(4, 8))
+    load_adapter_weights(ours, adapter / "adapter_model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, str(adapter))
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+        got = ours.logits(ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with torch.no_grad(), peft_model.disable_adapter():
+        assert (peft_model(input_ids=ids).logits - want).abs().max() > 1e-4  # the adapter was trained
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.loss=ppo", "'train.loss'"),
+    ("train.group_size=1", "'train.group_size'"),
+    ("train.aqn.sigma_end=0.1", "sigma_end (0.1) > sigma_start"),
+    ("train.data=/nonexistent/problems.jsonl", "does not exist"),
+    ("train.eval_data=gsm8k:dev", "problem set 'gsm8k:dev'"),
+    ("train.rewards.custom=[no_such_module:reward]", "cannot import module 'no_such_module'"),
+])
+def test_bad_train_inputs_fail_before_any_work(tiny_llama, store_dir, tmp_path, override, needle):
+    for command in ("train", "run"):
+        if command == "run":
+            recipe = tmp_path / "r.yaml"
+            recipe.write_text(f"stages: [calibrate, quantize, build-engine, train]\nmodel:\n  source: {tiny_llama}\n")
+            result = cli("run", recipe, "--artifacts", store_dir, "--set", override, ok=False)
+        else:
+            result = cli("train", "--model", tiny_llama, "--artifacts", store_dir, *ENGINE, "--set", override, ok=False)
+        assert result.exit_code == 1, result.stdout
+        assert result.stderr.strip().startswith("error:") and len(result.stderr.strip().splitlines()) == 1
+        assert needle in result.stderr, result.stderr
+        assert [p for p in named(store_dir, "") if p != ".locks"] == []  # nothing made, not even a quantize
+
+
+def _command(model: Path, store: Path) -> list[str]:
+    args = ["train", "--model", model, "--artifacts", store, *ENGINE, *TRAIN,
+            "--set", "train.steps=10", "--set", "train.checkpoint_every=2", "--set", "train.eval_limit=4"]
+    return [sys.executable, "-m", "qerl_pipe", *map(str, args)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
+def test_a_killed_run_resumes_bit_identical(tiny_llama, tmp_path):
+    whole = subprocess.run(_command(tiny_llama, tmp_path / "a"), env=_env(), capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    reference = Path(whole.stdout.strip().splitlines()[-1])
+
+    store = tmp_path / "b"
+    proc = subprocess.Popen(_command(tiny_llama, store), env=_env(QERL_TEST_SLOW_REWARD="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    try:
+        while not list(store.glob(".runs/train-*/checkpoints/step-000004")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its 4th step"
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert named(store, "train-") == []  # killed mid-run: no artifact
+    (run_dir,) = store.glob(".runs/train-*")
+    (checkpoint,) = (run_dir / "checkpoints").glob("step-*")
+    done = int(checkpoint.name.removeprefix("step-"))
+    assert 4 <= done < 10
+
+    resumed = subprocess.run(_command(tiny_llama, store), env=_env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming {run_dir} after step {done} of 10" in resumed.stderr
+    assert "greedy accuracy before training" not in resumed.stderr  # kept from the first session
+    run = Path(resumed.stdout.strip().splitlines()[-1])
+    assert run.name == reference.name  # same inputs, same id
+    for rel in ("adapter/adapter_model.safetensors", "checkpoints/step-000010/adapter_model.safetensors"):
+        assert (run / rel).read_bytes() == (reference / rel).read_bytes(), rel
+    lines = [[json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, reference)]
+    assert [r["step"] for r in lines[0]] == list(range(1, 11))
+    for mine, ref in zip(*lines):
+        for key in ("reward_mean", "loss", "grad_norm", "entropy", "sigma", "lr", "response_length_mean"):
+            assert mine[key] == ref[key], (mine["step"], key)
+    assert read_json(run / "report.json")["eval_after"] == read_json(reference / "report.json")["eval_after"]
