@@ -10,7 +10,7 @@ import torch
 
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.model.load import init_random_model, load_model
-from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_parameters
+from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled, lora_parameters
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.recipe import TrainSection
 from qerl_pipe.rl.aqn import noisy_norms
@@ -211,3 +211,29 @@ def test_all_flat_groups_skip_the_passes_but_step_adamw(tiny):
     record = trainer.step()
     assert record["reward_mean"] == 0 and record["entropy"] is None and record["train_tokens"] == 0
     assert trainer.optimizer.state[trainer.params[0]]["step"] == 1
+
+
+def test_rollouts_sample_from_the_adapter_the_optimizer_just_updated(tiny):
+    """One model, no sync: after updates, the engine's logprobs are the trainer's (not the base's)."""
+    trainer = make_trainer(tiny, steps=3, lr=5e-2, temperature=0.5, aqn={"schedule": "none"})
+    for _ in range(2):
+        trainer.step()
+    out = trainer.engine.generate(trainer.prompts[:4], n=2, sampling=trainer_sampling(trainer))
+    groups = [Group(trainer.prompts[p], out.tokens[2 * p:2 * p + 2], out.logprobs[2 * p:2 * p + 2],
+                    out.finish_reasons[2 * p:2 * p + 2], torch.zeros(2)) for p in range(4)]
+    batch = build_batch(groups, torch.zeros(8), False, torch.device("cpu"))
+    with torch.no_grad():
+        logp, _ = trainer._logprobs(batch)
+        with lora_disabled(trainer.model):
+            base, _ = trainer._logprobs(batch)
+    mask = batch.response_mask.bool()
+    assert (logp - batch.rollout_logp)[mask].abs().max() < 1e-4
+    assert (base - batch.rollout_logp)[mask].abs().max() > 1e-2  # the adapter did move the policy
+
+
+def trainer_sampling(trainer: Trainer):
+    from qerl_pipe.engine import SamplingParams
+
+    cfg = trainer.cfg
+    return SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                          stop_token_ids=trainer.stop_token_ids, seed=123)
