@@ -26,7 +26,7 @@ def test_training_steps_on_cuda_with_graph_rollouts(tiny_llama, base_format):
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
     section = TrainSection.model_validate(dict(
-        steps=4, prompts_per_step=4, group_size=4, max_new_tokens=16, lr=5e-2, temperature=0.5,
+        steps=6, prompts_per_step=4, group_size=4, max_new_tokens=16, lr=5e-2, temperature=0.5,
         micro_batch_size=8, rewards={"accuracy": 0.0, "custom": ["tests.test_rl_trainer:letter_e"]},
         aqn={"num_stages": 3, "sigma_start": 0.05, "sigma_end": 0.01}, kl_coef=0.01, mu=2))
     model = load_model(tiny_llama, base_format, dtype=torch.bfloat16, device="cuda")
@@ -37,10 +37,11 @@ def test_training_steps_on_cuda_with_graph_rollouts(tiny_llama, base_format):
     problems = load_problems("arithmetic:64")
     prompts = [render_prompt(tokenizer, p) for p in problems]
     trainer = Trainer(model, engine, tokenizer, problems, prompts, section, (tokenizer.eos_token_id,))
-    records = [trainer.step() for _ in range(4)]
+    records = [trainer.step() for _ in range(6)]
     for r in records:
         assert math.isfinite(r["loss"]) and r["peak_gpu_memory_gib"] > 0 and r["rollout_tokens_per_s"] > 0
-    assert [r["sigma"] > 0 for r in records] == [False, True, True, True]
+    # K = 3 stages of 2 steps each: stage 0 (steps 0-1) is noise-free.
+    assert [r["sigma"] > 0 for r in records] == [False, False, True, True, True, True]
     assert engine.captured_graph_sizes
 
     # The graphs replay over the LoRA the optimizer updated in place: engine logprobs = trainer's.
