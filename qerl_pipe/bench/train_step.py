@@ -2,7 +2,7 @@
 
 `qerl-pipe bench train-step --shape qwen2.5-7b --quant bf16 --quant nvfp4 --out FILE.json`, or
 `python3 -m qerl_pipe.bench.train_step --shape qwen2.5-7b --quant bf16 nvfp4 --out FILE.json`
-(torch and triton only: runs on the device image as is). Every (shape, quant) pair runs in this
+(no pydantic or typer needed: runs on the device image as is). Every (shape, quant) pair runs in this
 process, one after another, with the GPU memory freed in between.
 
 Each configuration: random weights of the exact shape built directly in the base format, LoRA on
