@@ -196,6 +196,24 @@ def bench_rollout(out: Annotated[Optional[Path], typer.Option(help="Write the JS
                             lora_rank=lora_rank), out)
 
 
+@bench_app.command("train-step")
+@_user_errors
+def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape", help="Model shape (repeatable or comma-separated): qwen2.5-7b, -14b, -32b, -72b.")] = None,
+                     quant: Annotated[Optional[list[str]], typer.Option("--quant", help="Base format (repeatable or comma-separated): bf16, nf4, nvfp4.")] = None,
+                     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward [default: 8 for 7B/14B, 4 for 32B/72B].")] = None,
+                     kv_slots: Annotated[Optional[int], typer.Option(help="Engine slots (KV cache rows) [default: all 64 sequences at once].")] = None,
+                     response_len: Annotated[int, typer.Option(help="Sampled tokens per response (no early stop).")] = 1024,
+                     memory_limit_gib: Annotated[Optional[float], typer.Option(help="Treat the GPU as having this much free memory [default: what is free].")] = None,
+                     out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
+    """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format; needs a CUDA GPU."""
+    from qerl_pipe.bench.train_step import GIB, StepSettings, run_train_step_bench, split_values
+
+    settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len)
+    limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
+    _emit(run_train_step_bench(split_values(shape or ["qwen2.5-7b"]), split_values(quant or ["bf16", "nvfp4"]),
+                               settings, memory_limit_bytes=limit, out=out), out)
+
+
 def _csv(text: str, kind: type) -> list:
     return [kind(s.strip()) for s in text.split(",") if s.strip()]
 

@@ -187,7 +187,10 @@ def quantize_nvfp4_in_row_chunks(
     """
     _check_shape(weight, name)
     if global_scale is None:
-        global_scale = global_scale_from_amax(weight.detach().abs().amax())
+        # max |w| as max(max w, -min w): the same value (NaN included) without a |w| copy of the
+        # whole tensor, ~1 GB for a 72B gate_up, which would be the largest temporary here.
+        w = weight.detach()
+        global_scale = global_scale_from_amax(torch.maximum(w.amax(), w.amin().neg()))
     rows = max(1, chunk_elements // weight.shape[1])
     parts = []
     for chunk in weight.split(rows):

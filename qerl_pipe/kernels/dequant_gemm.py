@@ -53,6 +53,12 @@ def scratch(n: int, k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     return buf[: n * k].view(n, k)
 
 
+def release_scratch() -> None:
+    """Drop every decode buffer (a process that moves on to another model, such as a benchmark
+    running several in turn, would otherwise keep the last one's largest layer allocated)."""
+    _SCRATCH.clear()
+
+
 def dequantize_into(fmt_id: int, q: Tensor, s: Tensor, g: Tensor, lut: Tensor, out: Tensor,
                     cfg: KernelConfig, ptx: bool = False) -> Tensor:
     """Decode the packed weight (operands as `triton_matmul._operands` gives them) into `out`.

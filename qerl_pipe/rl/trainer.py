@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -34,7 +34,6 @@ from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.log import log
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.lora import lora_disabled, lora_parameters
-from qerl_pipe.recipe import TrainSection
 from qerl_pipe.rl.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
 from qerl_pipe.rl.aqn import AqnSchedule, clear_noise, draw_noise
 from qerl_pipe.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -45,6 +44,9 @@ from qerl_pipe.rl.metrics import MetricsLog, step_progress
 from qerl_pipe.rl.rewards import RewardSpec, score
 from qerl_pipe.rl.schedule import step_seed, warmup_cosine
 from qerl_pipe.rl.tasks import Problem
+
+if TYPE_CHECKING:  # only an annotation: the trainer itself runs without pydantic (GPU benchmarks)
+    from qerl_pipe.recipe import TrainSection
 
 # step_seed streams: sampling of the first draw, the AQN noise, then extra dynamic-sampling draws.
 _SAMPLING, _NOISE = 0, 1

@@ -1,0 +1,106 @@
+"""What one RL step of a model asks of the GPU, estimated from the config before anything is allocated.
+
+`bench train-step` checks this against the free GPU memory first, so a configuration that cannot
+fit (72B with a bf16 base: ~145 GB of weights alone) is reported as `fits: false` with the bytes
+it would need, instead of dying halfway through the build. Weights, LoRA state and the KV cache
+are exact counts; activations are a deliberate over-estimate of what gradient checkpointing keeps
+(every layer's input) plus one layer's recompute and one LM-head chunk, the peak of the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qerl_pipe.engine.limits import kv_bytes_per_token
+from qerl_pipe.formats.nf4 import NF4_BLOCK
+from qerl_pipe.formats.nvfp4 import BLOCK_SIZE
+from qerl_pipe.model.config import DecoderConfig
+
+BF16 = 2
+# Stored bytes per base-weight element: 4-bit codes plus one scale per block (NVFP4: an fp8
+# scale per 16; NF4: an fp32 absmax per 64).
+BASE_BYTES = {"bf16": 2.0, "nvfp4": 0.5 + 1 / BLOCK_SIZE, "nf4": 0.5 + 4 / NF4_BLOCK}
+# And per linear: NVFP4's fp32 global scale, NF4's table of 16 fp32 levels.
+PER_LINEAR_BYTES = {"bf16": 0, "nvfp4": 4, "nf4": 16 * 4}
+# A LoRA parameter costs its fp32 value, its fp32 gradient and AdamW's two fp32 moments.
+LORA_TRAIN_BYTES = 4 * 4
+# cuBLAS workspaces, CUDA-graph pools, sampling buffers and allocator rounding.
+SLACK_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class StepSize:
+    """The work of one step: `sequences` rows of `seq_len` tokens; training in `micro_batch` rows."""
+
+    sequences: int
+    seq_len: int
+    prompt_len: int
+    prompts: int
+    kv_slots: int
+    micro_batch: int
+    lora_rank: int
+    logprob_chunk: int
+
+
+def _linears(c: DecoderConfig) -> list[tuple[int, tuple[int, ...]]]:
+    """(in_features, output sizes of its fused projections) of one layer's linears."""
+    i = c.intermediate_size
+    return [(c.hidden_size, (c.q_size, c.kv_size, c.kv_size)), (c.q_size, (c.hidden_size,)),
+            (c.hidden_size, (i, i)), (i, (c.hidden_size,))]
+
+
+def weight_bytes(c: DecoderConfig, base_format: str) -> int:
+    """The model without LoRA: base linears, embedding, LM head, norms, biases."""
+    linear = sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers
+    tables = c.vocab_size * c.hidden_size * BF16 * (1 if c.tie_word_embeddings else 2)
+    # Norm weights in bf16 with their fp32 AQN noise buffers; q/k/v biases for Qwen2.
+    norms = (2 * c.num_layers + 1) * c.hidden_size * (BF16 + 4)
+    bias = c.num_layers * (c.q_size + 2 * c.kv_size) * BF16 if c.qkv_bias else 0
+    per_linear = len(_linears(c)) * c.num_layers * PER_LINEAR_BYTES[base_format]
+    return int(linear * BASE_BYTES[base_format]) + tables + norms + bias + per_linear
+
+
+def lora_params(c: DecoderConfig, rank: int) -> int:
+    """Trainable LoRA elements on all seven projections."""
+    return c.num_layers * sum(rank * (k + n) for k, outs in _linears(c) for n in outs)
+
+
+def lora_bytes(c: DecoderConfig, rank: int) -> int:
+    """LoRA values, gradients and AdamW moments, plus the engine's fused bf16 copy (its B is
+    block-diagonal over a layer's projections, so it is larger than the adapter itself)."""
+    cache = sum(rank * len(outs) * (k + sum(outs)) for k, outs in _linears(c)) * c.num_layers * BF16
+    return lora_params(c, rank) * LORA_TRAIN_BYTES + cache
+
+
+def activation_bytes(c: DecoderConfig, s: StepSize) -> int:
+    """Peak of the training pass of one micro-batch (larger than any rollout activation here)."""
+    tokens = s.micro_batch * s.seq_len
+    h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    kept = (c.num_layers + 1) * tokens * h * BF16  # checkpointing keeps each layer's input
+    # One layer recomputed in backward: norms, q/k/v (k/v also repeated to every query head),
+    # attention, the gate/up product and SiLU; x1.5 for the gradients alive beside them.
+    layer = int(1.5 * tokens * BF16 * (6 * h + 2 * (q + 2 * kv) + 3 * q + 4 * i))
+    # LM head chunk: bf16 logits, fp32 logits, softmax and one fp32 temporary (x 152k vocab).
+    chunk = min(s.logprob_chunk, tokens) * c.vocab_size * (BF16 + 3 * 4)
+    mask = s.micro_batch * s.seq_len * s.seq_len * (1 + BF16)
+    return kept + layer + chunk + mask + 2 * tokens * h * BF16  # + the gathered hidden states
+
+
+def scratch_bytes(c: DecoderConfig, base_format: str) -> int:
+    """The 4-bit large-M path decodes the largest linear into one shared bf16 buffer."""
+    if base_format == "bf16":
+        return 0
+    return max(k * sum(outs) for k, outs in _linears(c)) * BF16
+
+
+def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize) -> dict[str, int]:
+    """Each part of the step's peak and their `total`, in bytes."""
+    parts = {
+        "weights": weight_bytes(c, base_format),
+        "lora_and_optimizer": lora_bytes(c, s.lora_rank),
+        "kv_cache": kv_bytes_per_token(c) * s.kv_slots * s.seq_len,
+        "activations": activation_bytes(c, s),
+        "dequant_scratch": scratch_bytes(c, base_format),
+        "slack": SLACK_BYTES,
+    }
+    return {**parts, "total": sum(parts.values())}

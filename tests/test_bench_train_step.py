@@ -1,0 +1,145 @@
+"""The train-step benchmark's whole path on CPU with a tiny config (its figures come from the GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl_pipe.bench import train_step
+from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from qerl_pipe.bench.step_memory import StepSize, estimate_step_bytes
+from qerl_pipe.bench.train_step import StepSettings, run_train_step_bench, targets
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.load import init_random_model, model_memory_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+            rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=512)
+SMALL = StepSettings(prompts=2, group_size=2, prompt_len=8, response_len=6, lora_rank=2, micro_batch=2,
+                     warmup_prompts=1, warmup_group_size=2, warmup_tokens=3, logprob_chunk=4)
+ROW_FIELDS = {"shape", "quant", "fits", "status", "micro_batch", "kv_slots", "estimate_bytes", "build_s",
+              "warmup", "rollout_s", "train_s", "step_s", "rollout_tokens_per_s", "train_tokens_per_s",
+              "peak_allocated_bytes", "peak_reserved_bytes", "model_resident_bytes", "kv_cache_bytes"}
+
+
+def _run(tmp_path, quants, **kwargs):
+    lines: list[str] = []
+    out = tmp_path / "train-step.json"
+    result = run_train_step_bench(["tiny"], quants, SMALL, device="cpu", out=out,
+                                  shape_configs={"tiny": TINY}, emit=lines.append, **kwargs)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [json.loads(line) for line in lines] == result["results"]
+    return result
+
+
+def test_full_step_rows_on_cpu(tmp_path):
+    result = _run(tmp_path, ["bf16", "nvfp4"])
+    assert {"command", "commit", "gpu", "date", "settings", "results", "targets"} <= set(result)
+    rows = result["results"]
+    assert [(r["shape"], r["quant"], r["status"], r["fits"]) for r in rows] == [
+        ("tiny", "bf16", "ok", True), ("tiny", "nvfp4", "ok", True)]
+    for r in rows:
+        assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
+        assert r["all_responses_full_length"] and r["rollout_tokens"] == 4 * 6
+        assert r["train_tokens"] == 4 * (8 + 6)  # prompt + response of every sequence, one pass
+        assert r["grad_norm"] > 0 and r["reward_std"] > 0  # the backward really ran
+        assert r["step_s"] >= r["rollout_s"] > 0 and r["train_s"] > 0
+        assert r["peak_allocated_bytes"] is None and not r["cuda_graphs"]  # CPU: no CUDA stats
+        assert r["kv_cache_bytes"] == r["estimate_bytes"]["kv_cache"]
+        # AdamW's two moments (and a step counter per parameter).
+        assert 0 <= r["optimizer_state_bytes"] - 2 * r["lora_param_bytes"] < 1000
+        assert "1 prompt x 2 samples x 3 new tokens" in r["warmup"]["what"]
+    assert result["nvfp4_over_bf16"][0]["shape"] == "tiny"
+    assert result["targets"] == []  # no Qwen2.5 shape ran
+
+
+def test_does_not_fit_and_out_of_memory_are_rows_not_crashes(tmp_path, monkeypatch):
+    result = _run(tmp_path, ["bf16"], memory_limit_bytes=1000)
+    (row,) = result["results"]
+    assert (row["fits"], row["status"]) == (False, "does-not-fit")
+    assert row["asked_bytes"] == row["estimate_bytes"]["total"] > 1000
+
+    real = train_step.init_random_model
+    calls = []
+
+    def first_one_ooms(*args, **kwargs):
+        calls.append(kwargs["base_format"])
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_step, "init_random_model", first_one_ooms)
+    rows = _run(tmp_path, ["nvfp4", "bf16"])["results"]
+    assert [(r["quant"], r["status"]) for r in rows] == [("nvfp4", "oom"), ("bf16", "ok")]
+    assert "out of memory" in rows[0]["error"] and rows[0]["fits"] is False
+
+
+def test_targets_block():
+    ok = dict(status="ok", peak_reserved_gib=30.0, estimate_gib=50.0)
+    rows = [{"shape": "qwen2.5-7b", "quant": "bf16", "step_s": 30.0, **ok},
+            {"shape": "qwen2.5-7b", "quant": "nvfp4", "step_s": 15.0, **ok},
+            {"shape": "qwen2.5-32b", "quant": "nvfp4", **ok, "peak_reserved_gib": 45.0},
+            {"shape": "qwen2.5-72b", "quant": "nvfp4", **ok, "status": "oom"}]
+    got = {t["name"].split(" ")[0] + " " + t["unit"]: (t["measured"], t["met"]) for t in targets(rows)}
+    assert got == {"qwen2.5-32b GiB": (45.0, False), "qwen2.5-72b GiB": (50.0, False), "qwen2.5-7b x": (2.0, True)}
+    for t in targets(rows):
+        assert set(t) == {"name", "target", "measured", "unit", "met"}
+
+
+def test_memory_estimate():
+    # Exact for the weights (what the model really holds, LoRA aside).
+    model = init_random_model(TINY, "nvfp4")
+    size = StepSize(4, 14, 8, 2, 4, 2, 2, 4)
+    assert estimate_step_bytes(DecoderConfig.from_hf(TINY), "nvfp4", size)["weights"] == model_memory_bytes(model) \
+        - sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n == "inv_freq")
+    # The real step: 72B does not fit on a 141 GB GPU in bf16, does in NVFP4; 32B NVFP4 ~50 GiB.
+    step = StepSettings()
+    gib = {(shape, q): estimate_step_bytes(DecoderConfig.from_hf(QWEN25_SHAPES[shape]), q,
+                                           step.size(shape))["total"] / 2**30
+           for shape in ("qwen2.5-32b", "qwen2.5-72b") for q in ("bf16", "nvfp4")}
+    assert gib["qwen2.5-72b", "bf16"] > 141 and gib["qwen2.5-72b", "nvfp4"] < 100
+    assert 40 < gib["qwen2.5-32b", "nvfp4"] < 60
+
+
+@pytest.mark.parametrize("argv", [["--shape", "tiny"], ["--shape", "qwen2.5-7b", "--quant", "fp8"]])
+def test_module_entry_rejects_bad_input_without_a_traceback(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train_step.main(argv)
+    assert "error:" in str(exc.value)
+
+
+def test_train_config_is_a_complete_valid_train_section():
+    from qerl_pipe.recipe import TrainSection
+
+    tree = train_step.train_config(StepSettings(), 4, 8, 8, 1024)
+    assert TrainSection.model_validate(tree).model_dump() == tree
+
+
+def test_bench_imports_without_pydantic_or_typer():
+    """The device image has torch and triton but no pydantic: the bench must not need it."""
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('pydantic', 'typer'):\n"
+            "            raise ImportError(f'{name} is blocked')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import qerl_pipe.bench.train_step\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_cli_subcommand():
+    from typer.testing import CliRunner
+
+    from qerl_pipe.cli import app
+
+    runner = CliRunner()
+    assert "--micro-batch" in runner.invoke(app, ["bench", "train-step", "--help"]).output
+    bad = runner.invoke(app, ["bench", "train-step", "--shape", "qwen2.5-7b,tiny", "--quant", "nvfp4"])
+    assert bad.exit_code == 1 and "unknown ['tiny']" in bad.output
