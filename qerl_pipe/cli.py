@@ -107,15 +107,34 @@ def build_engine(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt 
 @_user_errors
 def train(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
           engine: Annotated[Optional[str], typer.Option(help="Engine artifact (path or id) to train over; without it, the recipe's engine is reused or built first.")] = None,
-          artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+          artifacts: ArtifactsOpt = None, force: ForceOpt = False,
+          nproc: Annotated[int, typer.Option("--nproc", min=1, help="Data-parallel processes (one per GPU), started through torchrun.")] = 1) -> None:
     """GRPO/DAPO of a LoRA adapter over the engine's frozen base, with AQN; resumes an interrupted run."""
+    if nproc > 1:
+        from qerl_pipe.launch import relaunch
+
+        raise typer.Exit(relaunch(nproc, _train_args(recipe, set_, model, engine, artifacts, force)))
+    from qerl_pipe.rl.distributed import current_dist
     from qerl_pipe.stages.train import run_train
 
     store = _store(artifacts)
     parsed = _recipe(recipe, set_, model)
     parent = store.resolve(engine) if engine else None
     artifact = run_train(parsed, store, engine=parent, force=force)
-    print(artifact.path)
+    if current_dist().is_main:  # one artifact line on stdout, however many ranks
+        print(artifact.path)
+
+
+def _train_args(recipe: Path | None, set_: list[str] | None, model: str | None, engine: str | None,
+                artifacts: Path | None, force: bool) -> list[str]:
+    """`train`'s arguments without --nproc: what each torchrun worker is started with."""
+    args = ["train"]
+    for flag, value in (("--recipe", recipe), ("--model", model), ("--engine", engine), ("--artifacts", artifacts)):
+        if value is not None:
+            args += [flag, str(value)]
+    for item in set_ or []:
+        args += ["--set", item]
+    return args + (["--force"] if force else [])
 
 
 @app.command()
