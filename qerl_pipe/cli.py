@@ -215,6 +215,23 @@ def bench_rollout(out: Annotated[Optional[Path], typer.Option(help="Write the JS
                             lora_rank=lora_rank), out)
 
 
+@bench_app.command("train-scaling")
+@_user_errors
+def bench_train_scaling(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,
+                        shape: Annotated[str, typer.Option(help="Model shape (random weights): qwen2.5-7b, ... or tiny.")] = "qwen2.5-7b",
+                        nproc: Annotated[str, typer.Option(help="Comma-separated process counts (one GPU each).")] = "1,2",
+                        device: Annotated[str, typer.Option(help="cuda, or cpu (gloo; a smoke test).")] = "cuda",
+                        prompts_per_step: Annotated[int, typer.Option(help="Global batch B (prompts per step).")] = 32,
+                        group_size: Annotated[int, typer.Option(help="Samples per prompt G.")] = 8,
+                        new_tokens: Annotated[int, typer.Option(help="Generated tokens per sample (no early stop).")] = 256,
+                        steps: Annotated[int, typer.Option(help="Timed steps after one warm-up step.")] = 3) -> None:
+    """RL steps/s on 1 vs N GPUs at the same global batch, through torchrun (target: 2 GPUs >= 1.8x)."""
+    from qerl_pipe.bench.train_scaling import run_train_scaling_bench
+
+    _emit(run_train_scaling_bench(shape, _csv(nproc, int), device, prompts_per_step, group_size,
+                                  new_tokens=new_tokens, steps=steps), out)
+
+
 def _csv(text: str, kind: type) -> list:
     return [kind(s.strip()) for s in text.split(",") if s.strip()]
 

@@ -107,6 +107,10 @@ def test_two_gloo_processes_train_like_one(tiny_llama, store_dir):
     manifest = json.loads((two / "manifest.json").read_text())
     assert manifest["config"]["processes"] == 2 and manifest["summary"]["processes"] == 2
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-000003"]
+    again = subprocess.run([sys.executable, "-m", "qerl_pipe", *map(str, args)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.strip().splitlines() == [str(two)], again.stderr[-3000:]
+    assert "train: up to date" in again.stderr  # rank 0 found it; the other rank followed
 
     # Sampling noise is keyed by global sequence ids and every rank sees the whole draw's rewards:
     # the same tokens, rewards and kept groups as one process, exactly (the weights agree to ~1e-7,
@@ -136,3 +140,19 @@ def test_two_gloo_processes_train_like_one(tiny_llama, store_dir):
     norm = sum(float(w.pow(2).sum()) for w in ref_adapter.values()) ** 0.5
     assert diff / norm < 3e-4
     assert max(float((got_adapter[k] - w).abs().max()) for k, w in ref_adapter.items()) < 1e-3
+
+
+# ---------------------------------------------------------------------- the scaling benchmark's logic
+
+
+def test_scaling_bench_measures_a_step_and_sets_the_target():
+    from qerl_pipe.bench.train_scaling import measure, scaling_targets
+
+    row = measure("tiny", "cpu", prompts_per_step=2, group_size=2, prompt_len=8, new_tokens=4, steps=1, warmup=1,
+                  lora_rank=4, micro_batch_size=4)
+    assert row["processes"] == 1 and row["steps_per_s"] > 0 and row["sequences_per_rank"] == 4
+    rows = [row, {**row, "processes": 2, "steps_per_s": 1.9 * row["steps_per_s"]}]
+    (t,) = scaling_targets(rows)
+    assert t["target"] == ">= 1.8x" and t["measured"] == pytest.approx(1.9, abs=1e-3) and t["met"]
+    assert not scaling_targets([row, {**row, "processes": 2, "steps_per_s": 1.5 * row["steps_per_s"]}])[0]["met"]
+    assert scaling_targets([row]) == []

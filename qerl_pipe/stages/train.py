@@ -268,11 +268,12 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         return _follow_train(recipe, section, engine, problems, eval_problems, device, store, dist)
     with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
                       parents=[engine.id], force=force) as (pending, existing):
-        run_dir = run_dir_for(store, pending.id)
-        dist.broadcast((str(existing.path) if existing is not None else None, str(run_dir)))
         if existing is not None:
+            dist.broadcast((str(existing.path), None))
             log(f"train: up to date, reusing {existing.path}")
             return existing
+        run_dir = run_dir_for(store, pending.id)
+        dist.broadcast((None, str(run_dir)))
         if force and run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
