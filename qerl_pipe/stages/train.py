@@ -256,6 +256,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
     dist, device_choice = init_distributed(section.device)
     device = pick_device(device_choice)
     problems, eval_problems = check_train_inputs(recipe)  # before any model work
+    dist.share(section.prompts_per_step)  # B must split evenly over the ranks
     if engine is None:  # rank 0 finds or builds it; the others load what it found
         found = build_engine_stage.run_build_engine(recipe, store) if dist.is_main else None
         path = dist.broadcast(found.path if found is not None else None)
