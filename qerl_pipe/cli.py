@@ -107,15 +107,34 @@ def build_engine(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt 
 @_user_errors
 def train(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
           engine: Annotated[Optional[str], typer.Option(help="Engine artifact (path or id) to train over; without it, the recipe's engine is reused or built first.")] = None,
-          artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+          artifacts: ArtifactsOpt = None, force: ForceOpt = False,
+          nproc: Annotated[int, typer.Option("--nproc", min=1, help="Data-parallel processes (one per GPU), started through torchrun.")] = 1) -> None:
     """GRPO/DAPO of a LoRA adapter over the engine's frozen base, with AQN; resumes an interrupted run."""
+    if nproc > 1:
+        from qerl_pipe.launch import relaunch
+
+        raise typer.Exit(relaunch(nproc, _train_args(recipe, set_, model, engine, artifacts, force)))
+    from qerl_pipe.rl.distributed import current_dist
     from qerl_pipe.stages.train import run_train
 
     store = _store(artifacts)
     parsed = _recipe(recipe, set_, model)
     parent = store.resolve(engine) if engine else None
     artifact = run_train(parsed, store, engine=parent, force=force)
-    print(artifact.path)
+    if current_dist().is_main:  # one artifact line on stdout, however many ranks
+        print(artifact.path)
+
+
+def _train_args(recipe: Path | None, set_: list[str] | None, model: str | None, engine: str | None,
+                artifacts: Path | None, force: bool) -> list[str]:
+    """`train`'s arguments without --nproc: what each torchrun worker is started with."""
+    args = ["train"]
+    for flag, value in (("--recipe", recipe), ("--model", model), ("--engine", engine), ("--artifacts", artifacts)):
+        if value is not None:
+            args += [flag, str(value)]
+    for item in set_ or []:
+        args += ["--set", item]
+    return args + (["--force"] if force else [])
 
 
 @app.command()
@@ -212,6 +231,23 @@ def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape
     limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
     _emit(run_train_step_bench(split_values(shape or ["qwen2.5-7b"]), split_values(quant or ["bf16", "nvfp4"]),
                                settings, memory_limit_bytes=limit, out=out), out)
+
+
+@bench_app.command("train-scaling")
+@_user_errors
+def bench_train_scaling(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,
+                        shape: Annotated[str, typer.Option(help="Model shape (random weights): qwen2.5-7b, ... or tiny.")] = "qwen2.5-7b",
+                        nproc: Annotated[str, typer.Option(help="Comma-separated process counts (one GPU each).")] = "1,2",
+                        device: Annotated[str, typer.Option(help="cuda, or cpu (gloo; a smoke test).")] = "cuda",
+                        prompts_per_step: Annotated[int, typer.Option(help="Global batch B (prompts per step).")] = 32,
+                        group_size: Annotated[int, typer.Option(help="Samples per prompt G.")] = 8,
+                        new_tokens: Annotated[int, typer.Option(help="Generated tokens per sample (no early stop).")] = 256,
+                        steps: Annotated[int, typer.Option(help="Timed steps after one warm-up step.")] = 3) -> None:
+    """RL steps/s on 1 vs N GPUs at the same global batch, through torchrun (target: 2 GPUs >= 1.8x)."""
+    from qerl_pipe.bench.train_scaling import run_train_scaling_bench
+
+    _emit(run_train_scaling_bench(shape, _csv(nproc, int), device, prompts_per_step, group_size,
+                                  new_tokens=new_tokens, steps=steps), out)
 
 
 def _csv(text: str, kind: type) -> list:

@@ -177,16 +177,24 @@ class Engine:
     # ------------------------------------------------------------------ API
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], n: int = 1, sampling: SamplingParams = SamplingParams()
+        self, prompts: Sequence[Sequence[int]], n: int = 1, sampling: SamplingParams = SamplingParams(),
+        first_sequence_id: int = 0,
     ) -> Rollouts:
-        """n samples of each prompt (token ids), in order prompt 0 samples 0..n-1, prompt 1, ..."""
+        """n samples of each prompt (token ids), in order prompt 0 samples 0..n-1, prompt 1, ...
+
+        Sample s of prompt p draws its random numbers as sequence `first_sequence_id + p * n + s`:
+        a data-parallel rank that generates prompts k.. of a larger batch passes k * n, and its
+        samples are the ones a single process generating the whole batch would draw.
+        """
         if not isinstance(sampling, SamplingParams):
             raise PromptError(f"sampling must be a SamplingParams; got {type(sampling).__name__}")
         prompt_lists = self._check_inputs(prompts, n, sampling)
+        if isinstance(first_sequence_id, bool) or not isinstance(first_sequence_id, int) or first_sequence_id < 0:
+            raise PromptError(f"first_sequence_id must be an integer >= 0; got {first_sequence_id!r}")
         # The fused adapter copy is refreshed in place from the current LoRA parameters on entry
         # (outside inference mode, so the trainer may refresh the same buffers later).
         with self._lora_scope(), torch.inference_mode():
-            return _Run(self, prompt_lists, n, sampling).run()
+            return _Run(self, prompt_lists, n, sampling, first_sequence_id).run()
 
     # ------------------------------------------------------------------ helpers
 
@@ -245,10 +253,11 @@ class Engine:
 class _Run:
     """One generate() call: the queue, the slot table and the output lists."""
 
-    def __init__(self, engine: Engine, prompts: list[list[int]], n: int, params: SamplingParams):
+    def __init__(self, engine: Engine, prompts: list[list[int]], n: int, params: SamplingParams,
+                 first_sequence_id: int = 0):
         self.e, self.params, self.n = engine, params, n
         self.seqs = [
-            _Sequence(p, s, prompt, sequence_key(params.seed, p * n + s))
+            _Sequence(p, s, prompt, sequence_key(params.seed, first_sequence_id + p * n + s))
             for p, prompt in enumerate(prompts)
             for s in range(n)
         ]

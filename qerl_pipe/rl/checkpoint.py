@@ -45,8 +45,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, trainer_state: dict[str, Any]) -> Path:
-    """Write checkpoint `step` (steps done) atomically; returns its directory."""
+                    scheduler: Any, trainer_state: dict[str, Any],
+                    rank_rng_states: list[dict[str, Any]] | None = None) -> Path:
+    """Write checkpoint `step` (steps done) atomically; returns its directory.
+
+    `rank_rng_states`: every data-parallel rank's RNG states, in rank order (their CUDA
+    generators differ); each rank restores its own. Without it, this process's states.
+    """
     from safetensors.torch import save_file
 
     root = run_dir / CHECKPOINTS
@@ -56,8 +61,11 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     tmp.mkdir()
     adapter = {k: v.detach().to("cpu").contiguous().clone() for k, v in lora_state_dict(model).items()}
     save_file(adapter, str(tmp / ADAPTER_WEIGHTS))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
-                "trainer": trainer_state}, tmp / STATE_FILE)
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "rng": rank_rng_states[0] if rank_rng_states else rng_state(), "trainer": trainer_state}
+    if rank_rng_states:
+        state["rng_ranks"] = rank_rng_states
+    torch.save(state, tmp / STATE_FILE)
     (tmp / INFO_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
     if final.exists():  # the same step written again (a resumed run that redid it)
         shutil.rmtree(final)
@@ -76,8 +84,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
-    """Restore the adapter, optimizer, scheduler and RNG states from `path`; returns the trainer state."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    rank: int = 0) -> dict[str, Any]:
+    """Restore the adapter, optimizer, scheduler and RNG states from `path`; returns the trainer state.
+
+    `rank`: the data-parallel rank restoring it; it gets its own RNG states when the checkpoint
+    has them (a run with as many ranks), else rank 0's.
+    """
     try:
         load_adapter_weights(model, path / ADAPTER_WEIGHTS)
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
@@ -85,5 +98,6 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         scheduler.load_state_dict(state["scheduler"])
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         raise ArtifactError(f"cannot resume from {path} ({exc}); start the run over with --force") from None
-    set_rng_state(state["rng"])
+    per_rank = state.get("rng_ranks") or [state["rng"]]
+    set_rng_state(per_rank[rank] if rank < len(per_rank) else state["rng"])
     return state["trainer"]

@@ -16,6 +16,12 @@ One step (`Trainer.step`), from prompts to optimizer:
 6. Clip gradients, step the warmup + cosine LR schedule, report the step's metrics.
 
 `fit` runs steps with checkpoints, resume and metrics around them.
+
+Under torchrun (`Dist` with several ranks) each rank samples its contiguous share of every
+draw's prompts, numbering its sequences as one process would (so the samples are the same); the
+draw's rewards are gathered, so every rank keeps the same groups, computes the advantages over
+the whole batch and reports whole-batch metrics; the loss normaliser counts every rank's tokens;
+the LoRA gradients are summed before clipping. Rank 0 alone writes metrics and checkpoints.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.lora import lora_disabled, lora_parameters
 from qerl_pipe.rl.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
 from qerl_pipe.rl.aqn import AqnSchedule, clear_noise, draw_noise
-from qerl_pipe.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from qerl_pipe.rl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
 from qerl_pipe.rl.data_order import DataOrder
+from qerl_pipe.rl.distributed import Dist, global_loss_norm
 from qerl_pipe.rl.logprobs import DEFAULT_CHUNK, sequence_logprobs
 from qerl_pipe.rl.losses import LossNorm, PolicyLossConfig, policy_loss
 from qerl_pipe.rl.metrics import MetricsLog, step_progress
@@ -61,6 +68,19 @@ class Group:
     logprobs: list[list[float]]
     finish_reasons: list[str]
     rewards: Tensor  # [G]
+    advantages: Tensor | None = None  # [G], set by the trainer from the whole batch's rewards
+
+
+@dataclass
+class _Draw:
+    """One rank's share of one rollout draw: what the other ranks need to see (small, picklable)."""
+
+    rewards: Tensor  # [P * G], its prompts in order
+    correct: list[bool]
+    lengths: list[int]
+    finish_reasons: list[str]
+    tokens: int
+    seconds: float
 
 
 @dataclass
@@ -113,7 +133,7 @@ class Trainer:
 
     def __init__(self, model: Decoder, engine: Engine, tokenizer, problems: Sequence[Problem],
                  prompts: Sequence[Sequence[int]], cfg: TrainSection, stop_token_ids: tuple[int, ...],
-                 logprob_chunk: int = DEFAULT_CHUNK):
+                 logprob_chunk: int = DEFAULT_CHUNK, dist: Dist | None = None):
         if engine.model is not model:
             raise ValueError("the engine must generate from the model being trained (one shared model)")
         self.model, self.engine, self.tokenizer, self.cfg = model, engine, tokenizer, cfg
@@ -130,7 +150,11 @@ class Trainer:
                                          cfg.tis_cap)
         self.reward_spec = RewardSpec(cfg.rewards.accuracy, cfg.rewards.format, tuple(cfg.rewards.custom))
         self.overlong_buffer = cfg.overlong.buffer or max(1, cfg.max_new_tokens // 4)
+        # Every rank walks the same data order and takes whole draws; each then samples its share.
         self.data = DataOrder(len(self.prompts), cfg.seed)
+        self.dist = dist or Dist()
+        self.share = self.dist.share(cfg.prompts_per_step)  # raises unless B splits evenly
+        self.dist.broadcast_parameters(self.params)
         self.step_count = 0  # steps done
 
     # ------------------------------------------------------------------ state
@@ -159,63 +183,73 @@ class Trainer:
         noise_gen = torch.Generator(device=self.device).manual_seed(step_seed(cfg.seed, step, _NOISE))
         draw_noise(self.model, sigma, noise_gen)
         groups, rollout = self._rollouts(step)
+        kept = rollout.pop("kept_groups")  # over all ranks; this rank may hold none of them
         if not cfg.aqn.apply_in_training:
             clear_noise(self.model)
         lr = self.scheduler.get_last_lr()[0]
         trained = time.perf_counter()
-        update = self._update(groups) if groups else {"skipped": True}
+        update = self._update(groups) if kept else {"skipped": True}
         clear_noise(self.model)
         self.scheduler.step()
         self.step_count += 1
         done = time.perf_counter()
-        train_seconds = done - trained
+        cuda = self.device.type == "cuda"
+        # The slowest rank sets the pace: report its times and the largest memory peak.
+        train_seconds, step_seconds, peak_bytes = self.dist.max(
+            [done - trained, done - started, torch.cuda.max_memory_allocated(self.device) if cuda else 0])
         return {
             "step": self.step_count, **rollout, **update, "sigma": sigma, "lr": lr,
-            "kept_groups": len(groups),
+            "kept_groups": kept,
             "train_tokens_per_s": update.get("train_tokens", 0) / train_seconds if train_seconds > 0 else 0.0,
-            "train_seconds": train_seconds, "step_seconds": done - started,
-            "peak_gpu_memory_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
-                                    if self.device.type == "cuda" else None),
+            "train_seconds": train_seconds, "step_seconds": step_seconds,
+            "peak_gpu_memory_gib": peak_bytes / 2**30 if cuda else None,
         }
 
     def _rollouts(self, step: int) -> tuple[list[Group], dict[str, Any]]:
-        """Sample, score and keep groups (dynamic sampling: only groups with a reward spread)."""
+        """Sample, score and keep groups (dynamic sampling: only groups with a reward spread).
+
+        Returns this rank's kept groups, with advantages over the whole batch, and the metrics.
+        The keep/stop decisions use the gathered rewards of the whole draw, so every rank makes
+        the same ones and the kept groups are those one process would keep, in its order.
+        """
         cfg, g = self.cfg, self.cfg.group_size
         dynamic = cfg.dynamic_sampling.enabled
-        kept: list[Group] = []
+        kept: list[Group | None] = []  # the whole batch's kept groups; None = another rank's
+        kept_rewards: list[Tensor] = []
         rewards_seen, correct, lengths, finishes = [], [], [], []
         seconds, tokens, draws = 0.0, 0, 0
         for draw in range(cfg.dynamic_sampling.max_draws if dynamic else 1):
             draws += 1
-            indices = self.data.take(cfg.prompts_per_step)
-            prompts = [self.prompts[i] for i in indices]
-            seed = step_seed(cfg.seed, step, _SAMPLING if draw == 0 else draw + 1)
-            params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed)
-            t0 = time.perf_counter()
-            out = self.engine.generate(prompts, n=g, sampling=params)
-            seconds += time.perf_counter() - t0
-            tokens += out.generated_tokens
-            texts = self.tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
-            scored = score(texts, [self.problems[i] for i in indices for _ in range(g)], self.reward_spec)
-            rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-            if cfg.overlong.soft_penalty:
-                rewards += soft_overlong_penalty(torch.tensor(out.lengths), cfg.max_new_tokens, self.overlong_buffer)
+            mine, out, parts = self._draw(step, draw)
+            rewards = torch.cat([part.rewards for part in parts])  # the whole draw, prompt by prompt
+            seconds += max(part.seconds for part in parts)
+            tokens += sum(part.tokens for part in parts)
             rewards_seen.append(rewards)
-            correct += scored.correct
-            lengths += out.lengths
-            finishes += out.finish_reasons
+            for part in parts:
+                correct += part.correct
+                lengths += part.lengths
+                finishes += part.finish_reasons
             flat = zero_variance_groups(rewards, g).tolist()
-            for p, prompt in enumerate(prompts):
+            for p in range(cfg.prompts_per_step):
                 if dynamic and flat[p]:
                     continue
-                rows = slice(p * g, (p + 1) * g)
-                kept.append(Group(prompt, out.tokens[rows], out.logprobs[rows], out.finish_reasons[rows], rewards[rows]))
+                kept_rewards.append(rewards[p * g:(p + 1) * g])
+                local = p - self.share.start
+                rows = slice(local * g, (local + 1) * g)
+                kept.append(Group(self.prompts[mine[local]], out.tokens[rows], out.logprobs[rows],
+                                  out.finish_reasons[rows], rewards[p * g:(p + 1) * g])
+                            if p in self.share else None)
             if len(kept) >= cfg.prompts_per_step:
                 break
+        kept, kept_rewards = kept[:cfg.prompts_per_step], kept_rewards[:cfg.prompts_per_step]
+        if kept:  # 'batch' scaling needs the std of every rank's rewards: computed on all of them
+            advantages = group_advantages(torch.cat(kept_rewards), g, cfg.scale_rewards)
+            for i, group in enumerate(kept):
+                if group is not None:
+                    group.advantages = advantages[i * g:(i + 1) * g]
         all_rewards = torch.cat(rewards_seen)
         n = len(lengths)
-        return kept[:cfg.prompts_per_step], {
+        return [group for group in kept if group is not None], {
             "reward_mean": float(all_rewards.mean()),
             "reward_std": float(all_rewards.std()) if n > 1 else 0.0,
             "accuracy": sum(correct) / n,
@@ -225,7 +259,30 @@ class Trainer:
             "draws": draws,
             "rollout_seconds": seconds,
             "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "kept_groups": len(kept),
         }
+
+    def _draw(self, step: int, draw: int) -> tuple[list[int], Any, list[_Draw]]:
+        """Sample and score this rank's share of one draw of B prompts; returns its problem
+        indices, its rollouts, and every rank's `_Draw` (in rank order)."""
+        cfg, g = self.cfg, self.cfg.group_size
+        indices = self.data.take(cfg.prompts_per_step)  # all ranks take the whole draw: same data state
+        mine = [indices[i] for i in self.share]
+        seed = step_seed(cfg.seed, step, _SAMPLING if draw == 0 else draw + 1)
+        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed)
+        t0 = time.perf_counter()
+        # Global sequence ids: the sampling noise of a sequence is then the one-process noise.
+        out = self.engine.generate([self.prompts[i] for i in mine], n=g, sampling=params,
+                                   first_sequence_id=self.share.start * g)
+        seconds = time.perf_counter() - t0
+        texts = self.tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
+        scored = score(texts, [self.problems[i] for i in mine for _ in range(g)], self.reward_spec)
+        rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+        if cfg.overlong.soft_penalty:
+            rewards += soft_overlong_penalty(torch.tensor(out.lengths), cfg.max_new_tokens, self.overlong_buffer)
+        part = _Draw(rewards, scored.correct, out.lengths, out.finish_reasons, out.generated_tokens, seconds)
+        return mine, out, self.dist.all_gather(part)
 
     def _logprobs(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         return sequence_logprobs(self.model, batch.input_ids, batch.attention_mask, batch.response_mask,
@@ -237,15 +294,23 @@ class Trainer:
         with lora_disabled(self.model) if base else nullcontext():
             return [self._logprobs(mb)[0] for mb in micro]
 
+    def _advantages(self, groups: list[Group]) -> Tensor:
+        if all(grp.advantages is not None for grp in groups):
+            return torch.cat([grp.advantages for grp in groups]) if groups else torch.zeros(0)
+        # Groups made outside _rollouts (tests): advantages over these groups alone.
+        return group_advantages(torch.cat([grp.rewards for grp in groups]), self.cfg.group_size,
+                                self.cfg.scale_rewards)
+
     def _update(self, groups: list[Group]) -> dict[str, Any]:
+        """mu AdamW updates on this rank's groups (possibly none, with several ranks)."""
         cfg = self.cfg
-        rewards = torch.cat([grp.rewards for grp in groups])
-        advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)
-        if cfg.kl_coef == 0 and not bool(advantages.any()):
+        advantages = self._advantages(groups)
+        if cfg.kl_coef == 0 and not self.dist.sum([float(bool(advantages.any()))])[0]:
             return self._zero_signal_update()
-        batch = build_batch(groups, advantages, cfg.overlong.mask, self.device)
-        micro = batch.split(cfg.micro_batch_size)
-        norm = LossNorm.of(batch.loss_mask)  # whole-batch counts for every micro-batch
+        batch = build_batch(groups, advantages, cfg.overlong.mask, self.device) if groups else None
+        micro = batch.split(cfg.micro_batch_size) if batch is not None else []
+        # Whole-batch counts (every rank's) for every micro-batch.
+        norm = global_loss_norm(LossNorm.of(batch.loss_mask) if batch is not None else LossNorm(0, 0), self.dist)
         old = self._fixed_logprobs(micro, base=False) if cfg.mu > 1 else [None] * len(micro)
         ref = self._fixed_logprobs(micro, base=True) if cfg.kl_coef > 0 else [None] * len(micro)
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": 0.0}
@@ -265,14 +330,20 @@ class Trainer:
                 if update == 0:
                     totals["entropy"] += float((entropy * mb.response_mask).sum())
                     response_tokens += int(mb.response_mask.sum())
+            self.dist.sum_gradients(self.params)  # before clipping: every rank clips the same gradient
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
             totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) / cfg.mu
             self.optimizer.step()
+        passes = cfg.mu + (cfg.mu > 1) + (cfg.kl_coef > 0)  # forward passes over the batch
+        train_tokens = int(batch.attention_mask.sum()) * passes if batch is not None else 0
+        # Each rank's loss is its share of the global loss: sums over ranks give the batch's figures.
+        (totals["loss"], totals["clip_fraction"], totals["kl"], counted, totals["entropy"], response_tokens,
+         train_tokens) = self.dist.sum([totals["loss"], totals["clip_fraction"], totals["kl"], counted,
+                                        totals["entropy"], response_tokens, train_tokens])
         for key in ("clip_fraction", "kl"):
             totals[key] /= max(counted, 1)
         totals["entropy"] /= max(response_tokens, 1)
-        passes = cfg.mu + (cfg.mu > 1) + (cfg.kl_coef > 0)  # forward passes over the batch
-        return {**totals, "train_tokens": int(batch.attention_mask.sum()) * passes}
+        return {**totals, "train_tokens": int(train_tokens)}
 
 
     def _zero_signal_update(self) -> dict[str, Any]:
@@ -291,24 +362,39 @@ def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str
     """Run the remaining steps of `trainer` in `run_dir`, resuming from its latest checkpoint.
 
     Checkpoints every `checkpoint_every` steps (0 = only at the end) and after the last step.
-    Returns every step's metrics (those of earlier sessions included).
+    Returns every step's metrics (those of earlier sessions included; other ranks than 0, which
+    write nothing, return this session's). Every rank resumes from the checkpoint rank 0 found.
     """
-    total = trainer.cfg.steps
-    checkpoint = latest_checkpoint(run_dir)
+    total, dist = trainer.cfg.steps, trainer.dist
+    checkpoint = dist.broadcast(latest_checkpoint(run_dir) if dist.is_main else None)
     if checkpoint is not None:
-        trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model, trainer.optimizer, trainer.scheduler))
-        log(f"train: resuming {run_dir} after step {trainer.step_count} of {total}")
-    metrics = MetricsLog(run_dir, trainer.step_count)
+        trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model, trainer.optimizer, trainer.scheduler,
+                                                rank=dist.rank))
+        if dist.is_main:
+            log(f"train: resuming {run_dir} after step {trainer.step_count} of {total}")
+    metrics = MetricsLog(run_dir, trainer.step_count) if dist.is_main else None
+    records: list[dict[str, Any]] = []
     try:
-        with step_progress(total, trainer.step_count) as update:
+        with step_progress(total, trainer.step_count) if dist.is_main else nullcontext(records.append) as update:
             while trainer.step_count < total:
                 record = trainer.step()
-                metrics.append(record)
+                if metrics is not None:
+                    metrics.append(record)
                 update(record)
                 done = trainer.step_count
                 if done == total or (checkpoint_every and done % checkpoint_every == 0):
-                    save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler,
-                                    trainer.state_dict())
+                    _checkpoint(trainer, run_dir, done)
     finally:
-        metrics.close()
-    return metrics.records
+        if metrics is not None:
+            metrics.close()
+    return metrics.records if metrics is not None else records
+
+
+def _checkpoint(trainer: Trainer, run_dir: Path, done: int) -> None:
+    """Rank 0 writes the checkpoint (with every rank's RNG states); the others wait until it is in place."""
+    dist = trainer.dist
+    rng_states = dist.all_gather(rng_state())
+    if dist.is_main:
+        save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, trainer.state_dict(),
+                        rank_rng_states=rng_states if dist.enabled else None)
+    dist.barrier()

@@ -9,6 +9,10 @@ into the store's pending directory, sealed by its manifest; the work directory i
 The artifact: `adapter/` (PEFT), `metrics.jsonl`, `plots/`, `report.json` / `report.md`,
 `eval/before.jsonl` / `eval/after.jsonl` (greedy completions), `checkpoints/step-N/` (the last
 checkpoint, to continue from), `run.json`, `tensorboard/` when it is installed.
+
+Under torchrun (WORLD_SIZE > 1) every rank trains (rl/distributed.py); rank 0 alone resolves the
+engine, holds the store's lock, evaluates and writes the artifact, and tells the other ranks the
+run directory and the result, so they all agree on one run.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
 from qerl_pipe.rl.metrics import PLOTS_DIR, write_plots
+from qerl_pipe.rl.distributed import Dist, init_distributed
 from qerl_pipe.rl.rewards import load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems, render_prompt
 from qerl_pipe.rl.trainer import Trainer, fit
@@ -161,8 +166,13 @@ def _report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]],
 
 
 def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: list[Problem],
-           eval_problems: list[Problem], device: torch.device, run_dir: Path, base_model: str) -> dict[str, Any]:
-    """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary."""
+           eval_problems: list[Problem], device: torch.device, run_dir: Path, base_model: str,
+           dist: Dist = Dist()) -> dict[str, Any]:
+    """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary.
+
+    With several ranks all of them train; rank 0 alone evaluates and writes the files (the
+    others return {} once training is done).
+    """
     started = time.perf_counter()
     model, limits = build_engine_stage.load_engine(engine.path, device)
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
@@ -174,11 +184,11 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
     engine_runner = Engine(model, limits)
     # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
     with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
-        if dense_bytes:
+        if dense_bytes and dist.is_main:
             log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
-        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, section, stops)
+        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, section, stops, dist=dist)
         before = after = None
-        if eval_prompts:
+        if eval_prompts and dist.is_main:
             before_file = run_dir / EVAL_DIR / "before.json"
             if before_file.is_file():  # a resumed run evaluated the fresh adapter already
                 before = json.loads(before_file.read_text())
@@ -189,6 +199,8 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
                 log(f"train: greedy accuracy before training {before['accuracy']:.3f} "
                     f"({before['correct']}/{before['total']} of {section.eval_data})")
         records = fit(trainer, run_dir, section.checkpoint_every)
+        if not dist.is_main:
+            return {}
         if eval_prompts:
             result = greedy_eval(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens, stops)
             _write_eval(run_dir, "after", result)
@@ -205,6 +217,7 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
         "reward_first_tenth": report["reward_first_tenth"],
         "reward_last_tenth": report["reward_last_tenth"],
         "device": str(device),
+        **({"processes": dist.world_size} if dist.enabled else {}),
         "seconds_this_session": round(time.perf_counter() - started, 1),
     }
 
@@ -237,30 +250,57 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
     """Train the recipe's `train` section over `engine` (default: the recipe's engine, found or built).
 
     An interrupted run with the same inputs is resumed from its last checkpoint; `force` starts it
-    over (and redoes a finished one).
+    over (and redoes a finished one). Under torchrun every rank calls this; all return the artifact.
     """
     section = recipe.train
-    device = pick_device(section.device)
+    dist, device_choice = init_distributed(section.device)
+    device = pick_device(device_choice)
     problems, eval_problems = check_train_inputs(recipe)  # before any model work
-    if engine is None:
-        engine = build_engine_stage.run_build_engine(recipe, store)
+    dist.share(section.prompts_per_step)  # B must split evenly over the ranks
+    if engine is None:  # rank 0 finds or builds it; the others load what it found
+        found = build_engine_stage.run_build_engine(recipe, store) if dist.is_main else None
+        path = dist.broadcast(found.path if found is not None else None)
+        engine = found if found is not None else load_artifact(path, verify=False)
     _check_engine(engine, section)
     config = {"train": section.model_dump(), "device": device.type}
+    if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
+        config["processes"] = dist.world_size
+    if not dist.is_main:
+        return _follow_train(recipe, section, engine, problems, eval_problems, device, store, dist)
     with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
                       parents=[engine.id], force=force) as (pending, existing):
         if existing is not None:
+            dist.broadcast((str(existing.path), None))
             log(f"train: up to date, reusing {existing.path}")
             return existing
         run_dir = run_dir_for(store, pending.id)
+        dist.broadcast((None, str(run_dir)))
         if force and run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RUN_FILE).write_text(json.dumps({"id": pending.id, "engine": engine.id, **config}, indent=2) + "\n")
+        dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
         summary = _train(recipe, section, engine, problems, eval_problems, device, run_dir,
-                         _base_model_name(engine, store))
+                         _base_model_name(engine, store), dist)
         _link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
     shutil.rmtree(run_dir)  # sealed: the artifact holds it all
     artifact = load_artifact(store.path_for(STAGE, pending.id), verify=False)
+    dist.broadcast(str(artifact.path))
     log(f"train: {artifact.path}")
     return artifact
+
+
+def _follow_train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: list[Problem],
+                  eval_problems: list[Problem], device: torch.device, store: ArtifactStore, dist: Dist) -> Artifact:
+    """A rank other than 0: train in the run directory rank 0 chose, then return the artifact it sealed.
+
+    Rank 0 raising (say, a locked or damaged store) ends the whole torchrun group, so the
+    broadcasts here never wait for nothing.
+    """
+    existing, run_dir = dist.broadcast(None)
+    if existing is not None:
+        return load_artifact(Path(existing), verify=False)
+    dist.barrier()
+    _train(recipe, section, engine, problems, eval_problems, device, Path(run_dir), "", dist)
+    return load_artifact(Path(dist.broadcast(None)), verify=False)

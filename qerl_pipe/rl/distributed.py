@@ -1,0 +1,183 @@
+"""Data-parallel training over several processes (torchrun), and the single-process no-op.
+
+Every rank holds the whole quantized base and the LoRA. A step's B prompts are cut into N
+contiguous shares, one per rank; each prompt's G samples stay on the rank of the prompt, so a
+group never straddles ranks. What must be global is made global with a few small collectives:
+the rewards of each draw (advantages, dynamic sampling and metrics then see the whole batch, in
+the order one process would), the loss normaliser's counts, and the LoRA gradients (one flat
+all-reduce). `Dist()` (world size 1) turns all of them into plain local code.
+
+NVLink multicast (NVLS) stays off in every process the project starts: `NVLS_OFF` is set before
+the process group exists, so NCCL, PyTorch's symmetric memory and NVSHMEM never try it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+
+from qerl_pipe.errors import QerlError
+from qerl_pipe.rl.losses import LossNorm
+
+NVLS_OFF: dict[str, str] = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+# Rank 0 alone evaluates and seals the artifact while the others wait in a barrier: give that
+# wait room (the default would abort a long evaluation after 10-30 minutes).
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
+
+T = TypeVar("T")
+
+
+def disable_nvls(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the NVLS-off variables in `env` (default: this process's environment); returns it."""
+    target = os.environ if env is None else env
+    target.update(NVLS_OFF)
+    return target  # type: ignore[return-value]
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def shard(count: int, rank: int, world: int) -> range:
+    """The contiguous share [rank * count / world, (rank + 1) * count / world) of `count` prompts.
+
+    Equal shares only: an uneven split would give ranks different rollout and training times,
+    and the slowest would set the pace.
+    """
+    if count % world:
+        raise QerlError(f"train.prompts_per_step={count} does not split evenly over {world} processes; "
+                        f"make it a multiple of {world}")
+    size = count // world
+    return range(rank * size, (rank + 1) * size)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the data-parallel group (defaults: one process, no collectives)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, count: int) -> range:
+        return shard(count, self.rank, self.world_size)
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch.distributed.barrier()
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's `obj` (small, picklable), in rank order."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's `obj` on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks, in float64 (token counts and metric sums stay exact)."""
+        if not self.enabled:
+            return [float(v) for v in values]
+        t = torch.tensor(list(values), dtype=torch.float64, device=self._device())
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        if not self.enabled:
+            return [float(v) for v in values]
+        t = torch.tensor(list(values), dtype=torch.float64, device=self._device())
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t.tolist()
+
+    def sum_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """All-reduce (sum) the gradients of `params` in one flat float32 bucket.
+
+        Each rank's loss is already divided by the global normaliser, so the sum over ranks is
+        the whole batch's gradient: no division after. A rank with no rows has no gradients; it
+        adds zeros. A gradient stays None only where it is None on every rank (as AdamW would
+        then skip the parameter in one process too). Every rank ends with the same gradients,
+        hence takes the same optimizer step.
+        """
+        if not self.enabled:
+            return
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in params] + [present.to(params[0].device)])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for p, seen in zip(params, flat[-len(params):].tolist()):
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype) if seen else None
+            offset += n
+
+    def broadcast_parameters(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Rank 0's values everywhere: the ranks start (and stay) on the same adapter."""
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            for p in params:
+                torch.distributed.broadcast(p.data, src=0)
+
+    def _device(self) -> torch.device:
+        backend = torch.distributed.get_backend()
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def init_distributed(device_choice: str) -> tuple[Dist, str]:
+    """Join the torchrun group when WORLD_SIZE > 1; returns (Dist, the device this rank uses).
+
+    CUDA ranks use cuda:LOCAL_RANK and NCCL; CPU ranks use gloo. One process: (Dist(), choice).
+    """
+    if not launched_by_torchrun():
+        return Dist(), device_choice
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    if cuda and torch.cuda.device_count() <= local:
+        raise QerlError(f"process {rank} needs GPU {local} but {torch.cuda.device_count()} are visible; "
+                        "launch at most one process per GPU")
+    disable_nvls()
+    if not torch.distributed.is_initialized():
+        if cuda:
+            torch.cuda.set_device(local)
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    return Dist(rank, world, local), f"cuda:{local}" if cuda else "cpu"
+
+
+def current_dist() -> Dist:
+    """The group this process already joined (or Dist() when none)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(),
+                    int(os.environ.get("LOCAL_RANK", "0")))
+    return Dist()
+
+
+def global_loss_norm(local: LossNorm, dist: Dist) -> LossNorm:
+    """The whole batch's counts from each rank's: DAPO's token mean, GRPO's and Dr. GRPO's
+    sequence counts then divide by every rank's tokens/sequences, as one process would."""
+    sequences, tokens = dist.sum([local.sequences, local.tokens])
+    return LossNorm(int(sequences), int(tokens))
