@@ -32,7 +32,8 @@ from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.recipe import load_recipe
 from qerl_pipe.stages.build_engine import load_engine, run_build_engine
 from qerl_pipe.stages.quantize import run_quantize
-from tests.conftest import read_json
+from qerl_pipe.stages import export as export_stage
+from tests.conftest import make_tiny_model, read_json
 
 runner = CliRunner()
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -263,6 +264,27 @@ def test_merged_nvfp4_keeps_the_calibrated_input_scales(tiny_llama, store_dir):
     weight_only = last_line(cli("export", "--run", run.path, "--format", "merged-nvfp4", "--set",
                                 "export.calibration=none", "--artifacts", store_dir))
     assert read_json(weight_only / "hf_quant_config.json")["quantization"]["quant_algo"] == "W4A16_NVFP4"
+
+
+def test_sharded_base_streams_into_sharded_exports(store_dir, tmp_path, monkeypatch):
+    """A base in many shards (fused groups split across them) and outputs cut into many shards."""
+    source = make_tiny_model(tmp_path / "sharded", "llama", shard_mb=0.05)
+    assert len(list(source.glob("*.safetensors"))) > 3
+    monkeypatch.setattr(export_stage, "SHARD_BYTES", 60_000)
+    store = ArtifactStore(store_dir)
+    engine = make_engine(source, store, "bf16")
+    run = make_run(store, engine, SPEC_NORMS)
+    merged = last_line(cli("export", "--run", run.path, "--format", "merged-bf16", *F32, "--artifacts", store_dir))
+    quantized = last_line(cli("export", "--run", run.path, "--format", "merged-nvfp4", *F32, "--artifacts", store_dir))
+    for out in (merged, quantized):
+        index = read_json(out / "model.safetensors.index.json")
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) > 1 and files == sorted(p.name for p in out.glob("model-*.safetensors"))
+        assert not list(out.glob(".part-*"))
+    torch.testing.assert_close(logits_of(hf_model(merged)), logits_of(ours(engine, run, SPEC_NORMS)),
+                               atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits_of(load_model(quantized, "nvfp4", torch.float32)),
+                       logits_of(load_model(merged, "nvfp4", torch.float32)))
 
 
 def test_rerun_reuses_the_artifact(tiny_llama, store_dir):

@@ -243,8 +243,8 @@ def _merged_tensors(base: _Base, adapter: _Adapter) -> Iterator[tuple[str, Tenso
 class _ShardWriter:
     """safetensors shards of up to SHARD_BYTES, written as they fill; HF names and index at the end."""
 
-    def __init__(self, out: Path, max_bytes: int = SHARD_BYTES) -> None:
-        self.out, self.max_bytes = out, max_bytes
+    def __init__(self, out: Path, max_bytes: int | None = None) -> None:
+        self.out, self.max_bytes = out, max_bytes or SHARD_BYTES
         self.buffer: dict[str, Tensor] = {}
         self.buffered = 0
         self.files: list[tuple[Path, list[str]]] = []
