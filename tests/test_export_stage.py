@@ -55,7 +55,9 @@ def last_line(result) -> Path:
 
 
 def exports(store: Path) -> list[str]:
-    return sorted(p.name for p in store.iterdir() if p.name.startswith(("export-", ".tmp-export"))) if store.exists() else []
+    if not store.exists():
+        return []
+    return sorted(p.name for p in store.iterdir() if p.name.startswith(("export-", ".tmp-export")))
 
 
 def make_engine(model_dir: Path, store: ArtifactStore, base_format: str):
@@ -145,7 +147,8 @@ def test_merged_bf16_from_the_original_base(tiny_llama, tiny_qwen2, store_dir, a
     assert manifest["summary"]["trained_norms"] == (5 if spec.train_norms else 0)  # 2 per layer + the final one
     config = read_json(out / "config.json")
     assert "quantization_config" not in config
-    assert AutoTokenizer.from_pretrained(str(out)).encode("12 + 30") == AutoTokenizer.from_pretrained(str(source)).encode("12 + 30")
+    tokenizers = [AutoTokenizer.from_pretrained(str(d)) for d in (out, source)]
+    assert tokenizers[0].encode("12 + 30") == tokenizers[1].encode("12 + 30")
     assert (out / "generation_config.json").is_file()
     merged = logits_of(hf_model(out))
     torch.testing.assert_close(merged, logits_of(ours(engine, run, spec)), atol=1e-4, rtol=1e-4)

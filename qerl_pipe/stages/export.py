@@ -89,7 +89,9 @@ def _check_run(run: Artifact) -> Path:
 
 
 def _stored(store: ArtifactStore, stage: str, art_id: str, what: str, run: Artifact) -> Artifact:
-    found = store.find_existing(stage, art_id)  # verifies every file: a damaged base is never merged
+    """A parent of the run by id, its manifest only (files are re-hashed when they are read)."""
+    path = store.path_for(stage, art_id)
+    found = load_artifact(path, verify=False) if path.is_dir() else None
     if found is None:
         raise ArtifactError(f"run {run.path.name} was trained over {what} {stage}-{art_id}, which is not in "
                             f"{store.root}; export from the store that holds the run's chain (--artifacts), or "
@@ -146,6 +148,7 @@ def _find_base(chain: _Chain, store: ArtifactStore) -> _Base:
     if chain.quantized is not None:
         log(f"export: the original 16-bit weights are not available ({why_not}); merging into the dequantized "
             f"NVFP4 checkpoint {chain.quantized.path.name} instead (the base the run was trained over)")
+        load_artifact(chain.quantized.path, verify=True)  # re-hashed: a damaged checkpoint is never merged
         return _Base(chain.quantized.path, True, {"quantized": chain.quantized.id}, [chain.quantized.id],
                      f"dequantized NVFP4 checkpoint {chain.quantized.path.name} ({why_not})")
     raise QerlError(f"run {chain.run.path.name}: the base of its {chain.base_format} engine cannot be found "
@@ -453,7 +456,7 @@ def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = N
         if section.format == "merged-nvfp4":
             config.update({"exclude": sorted({"lm_head", *section.exclude}), "calibration": section.calibration})
             if section.calibration == "auto" and chain.quantized is not None:
-                input_scales = _input_scales(chain.quantized)
+                input_scales = _input_scales(load_artifact(chain.quantized.path, verify=True))
                 if input_scales and chain.quantized.id not in parents:
                     parents.append(chain.quantized.id)
     with store.create(stage=STAGE, stage_version=VERSION, kind=KINDS[section.format], config=config,
@@ -469,6 +472,6 @@ def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = N
         summary["seconds"] = round(time.perf_counter() - started, 2)
         summary["size_mb"] = sum(p.stat().st_size for p in pending.dir.rglob("*") if p.is_file()) / 2**20
         pending.summary.update(summary)
-        log(f"export: {section.format} of {run.path.name}" + (f" over the {summary['base']}" if "base" in summary else "")
-            + f", {summary['size_mb']:.1f} MB in {summary['seconds']} s")
+        over = f" over the {summary['base']}" if "base" in summary else ""
+        log(f"export: {section.format} of {run.path.name}{over}, {summary['size_mb']:.1f} MB in {summary['seconds']} s")
     return load_artifact(store.path_for(STAGE, pending.id), verify=False)
