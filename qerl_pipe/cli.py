@@ -139,6 +139,23 @@ def _train_args(recipe: Path | None, set_: list[str] | None, model: str | None, 
 
 @app.command()
 @_user_errors
+def export(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
+           run: Annotated[Optional[str], typer.Option("--run", help="Run artifact (path or id) to export; without it, the recipe's run is reused or trained first.")] = None,
+           format_: Annotated[Optional[str], typer.Option("--format", help="peft, merged-bf16 or merged-nvfp4 (sets export.format; default peft).")] = None,
+           artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+    """Export a run's LoRA adapter: a PEFT adapter, or merged into the base as a bf16 or NVFP4 model."""
+    from qerl_pipe.stages.export import run_export
+
+    store = _store(artifacts)
+    overrides = list(set_ or []) + ([f"export.format={json.dumps(format_)}"] if format_ is not None else [])
+    parsed = _recipe(recipe, overrides, model)
+    parent = store.resolve(run) if run else None
+    artifact = run_export(parsed, store, run=parent, force=force)
+    print(artifact.path)
+
+
+@app.command()
+@_user_errors
 def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_: SetOpt = None,
         artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
     """Run the recipe's stages in order, reusing up-to-date artifacts."""

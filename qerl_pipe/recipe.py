@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qerl_pipe.errors import RecipeError
 
-STAGE_ORDER = ("calibrate", "quantize", "build-engine", "train")
+STAGE_ORDER = ("calibrate", "quantize", "build-engine", "train", "export")
 
 
 class _Section(BaseModel):
@@ -218,6 +218,29 @@ class TrainSection(_Section):
         return self
 
 
+class ExportSection(_Section):
+    """`export`: a run's adapter as a PEFT adapter, or merged into the base (bf16 or NVFP4)."""
+
+    format: Literal["peft", "merged-bf16", "merged-nvfp4"] = Field(
+        "peft", description="peft: adapter_model.safetensors + adapter_config.json; merged-bf16: an HF model "
+        "directory with the LoRA merged into the 16-bit base; merged-nvfp4: that merged model quantized to "
+        "modelopt's NVFP4 layout (vLLM, TensorRT-LLM).",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Dtype of the merged weights (merged-bf16) and of the tensors that stay unquantized "
+        "(merged-nvfp4); auto keeps a float16 model's dtype, else bfloat16. The merge itself is in float32.",
+    )
+    exclude: list[str] = Field(
+        default_factory=lambda: ["lm_head"],
+        description="merged-nvfp4: module names (fnmatch patterns) kept in `dtype`; lm_head is always kept.",
+    )
+    calibration: Literal["auto", "none"] = Field(
+        "auto", description="merged-nvfp4: auto reuses the activation statistics of the calibration the run's "
+        "quantize stage used (quant_algo NVFP4, with input_scale), when it had one; none, or no calibration, "
+        "writes weight-only W4A16_NVFP4.",
+    )
+
+
 class Recipe(_Section):
     """The whole recipe. `stages` lists what `qerl-pipe run` executes, in pipeline order."""
 
@@ -227,6 +250,7 @@ class Recipe(_Section):
     quantize: QuantizeSection = Field(default_factory=QuantizeSection)
     engine: EngineSection = Field(default_factory=EngineSection)  # the build-engine stage
     train: TrainSection = Field(default_factory=TrainSection)
+    export: ExportSection = Field(default_factory=ExportSection)
 
     @field_validator("stages")
     @classmethod

@@ -16,7 +16,8 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_without_a_file():
     recipe = load_recipe(None)
-    assert recipe.stages == ["calibrate", "quantize", "build-engine", "train"]
+    assert recipe.stages == ["calibrate", "quantize", "build-engine", "train", "export"]
+    assert recipe.export.format == "peft" and recipe.export.exclude == ["lm_head"]
     assert recipe.model.source == "smollm2-135m-instruct"
     assert recipe.quantize.exclude == ["lm_head"]
     assert recipe.engine.base_format == "nvfp4" and recipe.engine.kv_budget_gib is None
@@ -53,7 +54,9 @@ def test_shipped_quickstart_recipe_is_valid():
     ("", ["quantize.format=int8"], "'quantize.format'"),
     ("", ["calibrate.device=tpu"], "'calibrate.device'"),
     ("stages: [quantize, calibrate]\n", [], "pipeline order"),
-    ("stages: [export]\n", [], "unknown stage"),
+    ("stages: [deploy]\n", [], "unknown stage"),
+    ("stages: [export, train]\n", [], "pipeline order"),
+    ("", ["export.format=gguf"], "'export.format'"),
     ("stages: [build-engine, quantize]\n", [], "pipeline order"),
     ("engine:\n  max_batch: 0\n", [], "'engine.max_batch'"),
     ("engine:\n  bogus: 1\n", [], "unknown key 'engine.bogus'"),

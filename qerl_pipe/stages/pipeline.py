@@ -6,6 +6,7 @@ from qerl_pipe.artifacts import Artifact, ArtifactStore
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.stages.build_engine import run_build_engine
 from qerl_pipe.stages.calibrate import run_calibrate
+from qerl_pipe.stages.export import run_export
 from qerl_pipe.stages.quantize import run_quantize
 from qerl_pipe.stages.train import check_train_inputs, run_train
 
@@ -25,4 +26,6 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
         results["build-engine"] = run_build_engine(recipe, store, quantized=quantized, force=force)
     if "train" in recipe.stages:
         results["train"] = run_train(recipe, store, engine=results.get("build-engine"), force=force)
+    if "export" in recipe.stages:
+        results["export"] = run_export(recipe, store, run=results.get("train"), force=force)
     return results
