@@ -89,7 +89,7 @@ def load_adapter_weights(model: nn.Module, path: Path) -> None:
 # PEFT names of the LoRA tensors our decoder can hold: one A/B pair per projection per layer.
 _LORA_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])\.weight$")
 # Trainable RMSNorm weights (modules_to_save), as `save_adapter` names them.
-_NORM_KEY = re.compile(r"^base_model\.model\.model\.(?:layers\.\d+\.\w+|norm)\.weight$")
+_NORM_KEY = re.compile(r"^base_model\.model\.model\.[\w.]*norm\.weight$")
 # adapter_config.json keys that change what the adapter computes in ways our LoRA does not
 # implement; loading such an adapter as plain LoRA would evaluate another model.
 _UNSUPPORTED = {
