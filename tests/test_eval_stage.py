@@ -273,3 +273,14 @@ def test_run_checks_the_eval_data_before_the_first_stage(pipeline, tmp_path):
                  "--set", f"eval.data={tmp_path / 'nope.jsonl'}", ok=False)
     assert result.exit_code == 1 and "does not exist" in result.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_problems_too_long_for_the_engine_are_skipped_and_reported(pipeline):
+    art = last_line(cli("eval", "--model", pipeline["engine"], "--data", "gsm8k:test", "--limit", "3", "--greedy",
+                        "--set", "eval.max_new_tokens=16", "--set", "eval.device=cpu", "--artifacts", pipeline["store"]))
+    report = read_json(art / "report.json")
+    kept = {r["problem_id"] for r in samples(art)}
+    assert report["problems"] + report["skipped_problems"] == 3 and report["skipped_problems"] > 0
+    assert kept.isdisjoint(report["skipped_ids"]) and len(kept) == report["problems"]
+    assert report["pass@1_all_problems"] == pytest.approx(report["pass@1"] * report["problems"] / 3)
+    assert "were skipped" in (art / "report.md").read_text()

@@ -225,15 +225,20 @@ def summarize(section: EvalSection, graded: Graded, skipped: list[Problem]) -> d
     """The figures of report.json (pass rates, lengths, truncation, counts)."""
     k = 1 if section.greedy else section.k
     n = max(1, len(graded.texts))
+    rates = pass_rates(graded.correct, k)
+    problems = len(graded.texts) // k
     return {
         "data": section.data,
-        "problems": len(graded.texts) // k,
+        "problems": problems,
         "skipped_problems": len(skipped),
         "skipped_ids": [p.id for p in skipped],
         "samples_per_problem": k,
         "samples": len(graded.texts),
         "correct_samples": sum(graded.correct),
-        **pass_rates(graded.correct, k),
+        **rates,
+        # Skipped problems (prompt too long for the engine) counted wrong: comparable with evaluations
+        # that ran every problem of the set.
+        "pass@1_all_problems": rates["pass@1"] * problems / (problems + len(skipped)),
         "no_answer_rate": sum(x is None for x in graded.extracted) / n,
         "response_tokens_mean": sum(graded.lengths) / n,
         "truncation_rate": graded.finish_reasons.count("length") / n,
@@ -281,7 +286,8 @@ def _markdown(report: dict[str, Any]) -> str:
     ]
     if report["skipped_problems"]:
         lines += [f"{report['skipped_problems']} problem(s) were skipped: their prompts do not leave "
-                  f"{s['max_new_tokens']} tokens in the engine's max_seq_len (ids in report.json).", ""]
+                  f"{s['max_new_tokens']} tokens in the engine's max_seq_len (ids in report.json). Counting "
+                  f"them wrong, pass@1 is {report['pass@1_all_problems']:.4f}.", ""]
     lines += [f"{report['seconds']} s on {report['device']}.", ""]
     return "\n".join(lines)
 
