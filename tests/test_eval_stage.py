@@ -284,3 +284,21 @@ def test_problems_too_long_for_the_engine_are_skipped_and_reported(pipeline):
     assert kept.isdisjoint(report["skipped_ids"]) and len(kept) == report["problems"]
     assert report["pass@1_all_problems"] == pytest.approx(report["pass@1"] * report["problems"] / 3)
     assert "were skipped" in (art / "report.md").read_text()
+
+
+def test_adapter_directories_are_read_from_their_files(random_adapter, tmp_path):
+    import math
+    import shutil
+
+    from qerl_pipe.formats.peft_adapter import read_adapter
+
+    found = read_adapter(random_adapter)
+    assert (found.spec.rank, found.spec.alpha, found.spec.targets, found.spec.train_norms) == (2, 4, ("q", "v", "down"),
+                                                                                             False)
+    # Another stage's layout: the adapter in the only subdirectory that holds one.
+    shutil.copytree(random_adapter, tmp_path / "export" / "peft")
+    assert read_adapter(tmp_path / "export").dir == tmp_path / "export" / "peft"
+    # rsLoRA scales by alpha / sqrt(r): the same update as plain LoRA with alpha * sqrt(r).
+    config = read_json(random_adapter / "adapter_config.json")
+    (tmp_path / "export" / "peft" / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": True}))
+    assert read_adapter(tmp_path / "export").spec.alpha == pytest.approx(4 * math.sqrt(2))

@@ -112,11 +112,16 @@ class AdapterFiles:
 
 
 def find_adapter_dir(path: Path) -> Path | None:
-    """`path` itself or its `adapter/` (a train run) when it holds both adapter files."""
+    """The directory holding both adapter files: `path` itself, its `adapter/` (a train run), or
+    its only subdirectory that has them (another stage's layout, e.g. an exported adapter)."""
+    def holds(d: Path) -> bool:
+        return (d / ADAPTER_WEIGHTS).is_file() and (d / ADAPTER_CONFIG).is_file()
+
     for candidate in (path, path / "adapter"):
-        if (candidate / ADAPTER_WEIGHTS).is_file() and (candidate / ADAPTER_CONFIG).is_file():
+        if holds(candidate):
             return candidate
-    return None
+    found = [d for d in sorted(path.iterdir()) if d.is_dir() and holds(d)] if path.is_dir() else []
+    return found[0] if len(found) == 1 else None
 
 
 def _adapter_config(path: Path) -> dict[str, Any]:
