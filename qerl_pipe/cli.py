@@ -154,6 +154,29 @@ def export(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None
     print(artifact.path)
 
 
+@app.command("eval")
+@_user_errors
+def eval_(recipe: RecipeOpt = None, set_: SetOpt = None,
+          model: Annotated[Optional[str], typer.Option("--model", "-m", help="Engine artifact (path or id); or a quantize artifact or model source, whose engine the recipe builds or reuses. Default: the recipe's engine.")] = None,
+          adapter: Annotated[Optional[str], typer.Option(help="LoRA adapter to apply: a train run (path or id), or a directory with adapter_model.safetensors + adapter_config.json. Default: none (the base model).")] = None,
+          data: Annotated[Optional[str], typer.Option(help="Problems (sets eval.data): gsm8k:test, math500:test, arithmetic[:N] or FILE.jsonl.")] = None,
+          k: Annotated[Optional[int], typer.Option("--k", help="Samples per problem (sets eval.k); pass@1 is averaged over them.")] = None,
+          greedy: Annotated[bool, typer.Option("--greedy", help="Greedy decoding, one sample (sets eval.greedy).")] = False,
+          limit: Annotated[Optional[int], typer.Option(help="Evaluate the first N problems (sets eval.limit).")] = None,
+          artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+    """Accuracy (average pass@1 over k samples, or greedy) of a model with or without a LoRA adapter."""
+    from qerl_pipe.stages.evaluate import run_eval
+
+    overrides = list(set_ or [])
+    if greedy and k is None:
+        k = 1  # greedy gives one response per problem, whatever k the recipe samples
+    for key, value in (("data", data), ("k", k), ("limit", limit), ("greedy", True if greedy else None)):
+        if value is not None:
+            overrides.append(f"eval.{key}={json.dumps(value)}")
+    artifact = run_eval(_recipe(recipe, overrides), _store(artifacts), engine=model, adapter=adapter, force=force)
+    print(artifact.path)
+
+
 @app.command()
 @_user_errors
 def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_: SetOpt = None,

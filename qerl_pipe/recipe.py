@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qerl_pipe.errors import RecipeError
 
-STAGE_ORDER = ("calibrate", "quantize", "build-engine", "train", "export")
+STAGE_ORDER = ("calibrate", "quantize", "build-engine", "train", "export", "eval")
 
 
 class _Section(BaseModel):
@@ -241,6 +241,35 @@ class ExportSection(_Section):
     )
 
 
+class EvalSection(_Section):
+    """`eval`: accuracy of the engine's model, with or without an adapter, on a problem set."""
+
+    data: str = Field("gsm8k:test", description="Problems: 'gsm8k:test', 'math500:test', 'gsm8k:train', "
+                      "'arithmetic[:N]' (seeded) or a .jsonl file.")
+    limit: int | None = Field(None, ge=1, description="Evaluate the first N problems; null = all.")
+    question_field: str | None = Field(None, description="JSONL field of the question (default: 'question').")
+    answer_field: str | None = Field(None, description="JSONL field of the gold answer (default: 'answer').")
+    instruction: str | None = Field(None, description="Instruction added to each question (default: the task's).")
+    k: int = Field(1, ge=1, description="Samples per problem; pass@1 is averaged over them.")
+    greedy: bool = Field(False, description="Greedy decoding (one deterministic sample; needs k = 1) instead of "
+                         "sampling.")
+    temperature: float = Field(0.6, gt=0, description="Sampling temperature (QeRL's evaluation: 0.6).")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling (QeRL's evaluation: 0.95); 1 = off.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    max_new_tokens: int = Field(512, ge=1, description="Longest response in tokens (cut responses count as "
+                                "truncated and are graded as they are).")
+    seed: int = Field(0, description="Seeds the sampling (and the problems of 'arithmetic').")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to evaluate (the engine's model is "
+                                                   "loaded there).")
+
+    @model_validator(mode="after")
+    def _greedy_is_one_sample(self) -> "EvalSection":
+        if self.greedy and self.k > 1:
+            raise ValueError(f"greedy decoding gives the same response {self.k} times; set k=1 with greedy, "
+                             "or sample (greedy=false)")
+        return self
+
+
 class Recipe(_Section):
     """The whole recipe. `stages` lists what `qerl-pipe run` executes, in pipeline order."""
 
@@ -251,6 +280,7 @@ class Recipe(_Section):
     engine: EngineSection = Field(default_factory=EngineSection)  # the build-engine stage
     train: TrainSection = Field(default_factory=TrainSection)
     export: ExportSection = Field(default_factory=ExportSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
 
     @field_validator("stages")
     @classmethod

@@ -22,7 +22,7 @@ from qerl_pipe.engine.sampling import gumbel_noise, hash32, sample, sequence_key
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model
-from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled
+from qerl_pipe.model.lora import LoraSpec, lora_disabled
 from qerl_pipe.model.norm import RMSNorm
 
 # Prompts of different lengths (ids below the tiny vocab of 320).

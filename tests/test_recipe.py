@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from qerl_pipe.errors import RecipeError
-from qerl_pipe.recipe import load_recipe
+from qerl_pipe.recipe import STAGE_ORDER, load_recipe
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -16,7 +16,10 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_without_a_file():
     recipe = load_recipe(None)
-    assert recipe.stages == ["calibrate", "quantize", "build-engine", "train", "export"]
+    assert recipe.stages == list(STAGE_ORDER) and STAGE_ORDER[:4] == ("calibrate", "quantize", "build-engine", "train")
+    assert STAGE_ORDER[-1] == "eval"  # eval reads what every other stage makes
+    assert (recipe.eval.data, recipe.eval.k, recipe.eval.greedy) == ("gsm8k:test", 1, False)
+    assert (recipe.eval.temperature, recipe.eval.top_p) == (0.6, 0.95)  # QeRL's evaluation
     assert recipe.export.format == "peft" and recipe.export.exclude == ["lm_head"]
     assert recipe.model.source == "smollm2-135m-instruct"
     assert recipe.quantize.exclude == ["lm_head"]
@@ -58,6 +61,10 @@ def test_shipped_quickstart_recipe_is_valid():
     ("stages: [export, train]\n", [], "pipeline order"),
     ("", ["export.format=gguf"], "'export.format'"),
     ("stages: [build-engine, quantize]\n", [], "pipeline order"),
+    ("stages: [eval, train]\n", [], "pipeline order"),
+    ("", ["eval.k=0"], "'eval.k'"),
+    ("", ["eval.greedy=true", "eval.k=4"], "greedy decoding gives the same response 4 times"),
+    ("", ["eval.top_p=1.5"], "'eval.top_p'"),
     ("engine:\n  max_batch: 0\n", [], "'engine.max_batch'"),
     ("engine:\n  bogus: 1\n", [], "unknown key 'engine.bogus'"),
     ("", ["engine.base_format=int8"], "'engine.base_format'"),

@@ -9,15 +9,20 @@ onto the Hugging Face model of the same base.
 from __future__ import annotations
 
 import json
+import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qerl_pipe.artifacts.manifest import sha256_file
 from qerl_pipe.errors import ArtifactError
-from qerl_pipe.model.lora import LoraSpec, lora_state_dict
+from qerl_pipe.model.lora import LORA_TARGETS, LoraSpec, lora_state_dict
 from qerl_pipe.model.norm import RMSNorm
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -68,5 +73,143 @@ def load_adapter_weights(model: nn.Module, path: Path) -> None:
         missing, extra = sorted(ours.keys() - stored.keys()), sorted(stored.keys() - ours.keys())
         raise ArtifactError(f"{path}: the adapter does not fit this model (missing {missing[:2]}, "
                             f"unexpected {extra[:2]}); was it trained with other lora settings?")
+    # copy_ would broadcast a [1, in] tensor into [r, in] silently: compare shapes first.
+    wrong = [f"{n} {tuple(stored[n].shape)} (model: {tuple(t.shape)})" for n, t in ours.items()
+             if stored[n].shape != t.shape]
+    if wrong:
+        raise ArtifactError(f"{path}: the adapter's shapes do not fit this model ({wrong[0]}"
+                            f"{f' and {len(wrong) - 1} more' if len(wrong) > 1 else ''}); it was trained on "
+                            "another base model")
     for name, tensor in ours.items():
         tensor.copy_(stored[name])
+
+
+# --- reading an adapter written by anyone (us, PEFT, another trainer) --------------------------
+
+# PEFT names of the LoRA tensors our decoder can hold: one A/B pair per projection per layer.
+_LORA_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])\.weight$")
+# Trainable RMSNorm weights (modules_to_save), as `save_adapter` names them.
+_NORM_KEY = re.compile(r"^base_model\.model\.model\.[\w.]*norm\.weight$")
+# adapter_config.json keys that change what the adapter computes in ways our LoRA does not
+# implement; loading such an adapter as plain LoRA would evaluate another model.
+_UNSUPPORTED = {
+    "use_dora": "DoRA", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
+    "layers_to_transform": "a subset of layers", "fan_in_fan_out": "Conv1D (fan_in_fan_out) weights",
+}
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """A PEFT LoRA directory, checked and described: what `apply_lora` needs to rebuild it."""
+
+    dir: Path
+    spec: LoraSpec
+    shapes: dict[str, tuple[int, ...]]  # tensor name -> shape, read from the safetensors header
+    config: dict[str, Any]
+
+    def sha256(self) -> dict[str, str]:
+        return {name: sha256_file(self.dir / name) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)}
+
+
+def find_adapter_dir(path: Path) -> Path | None:
+    """The directory holding both adapter files: `path` itself, its `adapter/` (a train run), or
+    its only subdirectory that has them (another stage's layout, e.g. an exported adapter)."""
+    def holds(d: Path) -> bool:
+        return (d / ADAPTER_WEIGHTS).is_file() and (d / ADAPTER_CONFIG).is_file()
+
+    for candidate in (path, path / "adapter"):
+        if holds(candidate):
+            return candidate
+    found = [d for d in sorted(path.iterdir()) if d.is_dir() and holds(d)] if path.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def _adapter_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: not readable JSON ({exc}); it should be PEFT's adapter_config.json") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        peft_type = config.get("peft_type") if isinstance(config, dict) else None
+        raise ArtifactError(f"{path}: peft_type {peft_type!r}; only LoRA adapters (peft_type LORA) can be loaded")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise ArtifactError(f"{path}: {key} is set ({what}), which this LoRA implementation does not compute; "
+                                "export the adapter as plain LoRA")
+    if config.get("bias", "none") != "none":
+        raise ArtifactError(f"{path}: bias={config['bias']!r} (LoRA bias terms) is not supported; use bias 'none'")
+    if not isinstance(config.get("r"), int) or not isinstance(config.get("lora_alpha"), (int, float)):
+        raise ArtifactError(f"{path}: 'r' and 'lora_alpha' must be numbers")
+    return config
+
+
+def read_adapter(path: Path) -> AdapterFiles:
+    """Check a PEFT LoRA directory without loading its tensors; the spec rebuilds it on our model.
+
+    The targets come from the tensor names (what is really there), the rank from the A shapes,
+    alpha from the config; rsLoRA's alpha/sqrt(r) scaling becomes the equivalent plain alpha.
+    """
+    adapter_dir = find_adapter_dir(path)
+    if adapter_dir is None:
+        raise ArtifactError(f"{path} holds no {ADAPTER_WEIGHTS} + {ADAPTER_CONFIG}; pass a train run or a PEFT "
+                            "LoRA adapter directory")
+    config = _adapter_config(adapter_dir / ADAPTER_CONFIG)
+    try:
+        with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as fh:
+            shapes = {name: tuple(fh.get_slice(name).get_shape()) for name in fh.keys()}
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise ArtifactError(f"{adapter_dir / ADAPTER_WEIGHTS}: not a readable safetensors file ({exc})") from None
+    targets, ranks, norms, unknown = set(), set(), False, []
+    for name, shape in shapes.items():
+        if m := _LORA_KEY.match(name):
+            targets.add(m.group(2))
+            ranks.add(shape[0] if m.group(3) == "A" else shape[-1])
+        elif _NORM_KEY.match(name):
+            norms = True
+        else:
+            unknown.append(name)
+    bad_targets = sorted(targets - set(LORA_TARGETS))
+    if unknown or bad_targets or not targets:
+        what = unknown[:2] or [f"{t}_proj" for t in bad_targets] or ["no LoRA tensors"]
+        raise ArtifactError(f"{adapter_dir / ADAPTER_WEIGHTS}: {what} cannot be applied to our decoder, which "
+                            "takes LoRA on q/k/v/o/gate/up/down_proj (and norm weights) only")
+    if ranks != {config["r"]}:
+        raise ArtifactError(f"{adapter_dir}: tensor ranks {sorted(ranks)} differ from r={config['r']} in "
+                            f"{ADAPTER_CONFIG}")
+    alpha = float(config["lora_alpha"])
+    if config.get("use_rslora"):
+        alpha *= math.sqrt(config["r"])  # rsLoRA scales by alpha/sqrt(r) = (alpha*sqrt(r))/r
+    spec = LoraSpec(config["r"], alpha, tuple(t for t in LORA_TARGETS if t in targets), norms)
+    return AdapterFiles(adapter_dir, spec, shapes, config)
+
+
+def expected_lora_shapes(hf_config: dict[str, Any], spec: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """The LoRA tensors (PEFT names, shapes) `spec` gives a model of this config.json."""
+    from qerl_pipe.model.config import DecoderConfig
+
+    cfg = DecoderConfig.from_hf(hf_config)
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    in_out = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter), "up": (h, inter),
+              "down": (inter, h)}
+    shapes = {}
+    for layer in range(cfg.num_layers):
+        for t in spec.targets:
+            block = "self_attn" if t in ("q", "k", "v", "o") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{t}_proj"
+            n_in, n_out = in_out[t]
+            shapes[f"{prefix}.lora_A.weight"] = (spec.rank, n_in)
+            shapes[f"{prefix}.lora_B.weight"] = (n_out, spec.rank)
+    return shapes
+
+
+def check_adapter_fits(adapter: AdapterFiles, hf_config: dict[str, Any], model_name: str) -> None:
+    """Refuse, before any weight is read, an adapter made for another model (layers or shapes)."""
+    want = expected_lora_shapes(hf_config, adapter.spec)
+    have = {n: s for n, s in adapter.shapes.items() if _LORA_KEY.match(n)}
+    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    wrong = [f"{n} {have[n]} (model: {want[n]})" for n in sorted(want.keys() & have.keys()) if have[n] != want[n]]
+    if missing or extra or wrong:
+        detail = (wrong[:1] and f"shape {wrong[0]}") or (extra[:1] and f"unexpected {extra[0]}") or \
+            f"missing {missing[0]}"
+        raise ArtifactError(f"the adapter in {adapter.dir} does not fit {model_name} ({detail}); pass the model "
+                            "it was trained on, or an adapter trained on this one")

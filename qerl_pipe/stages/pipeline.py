@@ -7,6 +7,7 @@ from qerl_pipe.recipe import Recipe
 from qerl_pipe.stages.build_engine import run_build_engine
 from qerl_pipe.stages.calibrate import run_calibrate
 from qerl_pipe.stages.export import run_export
+from qerl_pipe.stages.evaluate import check_eval_inputs, run_eval
 from qerl_pipe.stages.quantize import run_quantize
 from qerl_pipe.stages.train import check_train_inputs, run_train
 
@@ -16,6 +17,8 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
     results: dict[str, Artifact] = {}
     if "train" in recipe.stages:
         check_train_inputs(recipe)  # a bad data file or reward name fails before the first stage
+    if "eval" in recipe.stages:
+        check_eval_inputs(recipe)
     if "calibrate" in recipe.stages:
         results["calibrate"] = run_calibrate(recipe, store, force=force)
     if "quantize" in recipe.stages:
@@ -28,4 +31,8 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
         results["train"] = run_train(recipe, store, engine=results.get("build-engine"), force=force)
     if "export" in recipe.stages:
         results["export"] = run_export(recipe, store, run=results.get("train"), force=force)
+    if "eval" in recipe.stages:
+        # The trained adapter on the engine it was trained over (without train: the base model).
+        results["eval"] = run_eval(recipe, store, engine=results.get("build-engine"), adapter=results.get("train"),
+                                   force=force)
     return results

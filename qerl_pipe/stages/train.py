@@ -39,10 +39,10 @@ from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
 from qerl_pipe.rl.metrics import PLOTS_DIR, write_plots
 from qerl_pipe.rl.distributed import Dist, init_distributed
 from qerl_pipe.rl.rewards import load_custom_rewards
-from qerl_pipe.rl.tasks import Problem, load_problems, render_prompt
+from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
 from qerl_pipe.stages import build_engine as build_engine_stage
-from qerl_pipe.stages.common import load_tokenizer, pick_device
+from qerl_pipe.stages.common import engine_model_name, fit_prompts, load_tokenizer, pick_device, stop_token_ids
 
 STAGE = "train"
 VERSION = 1
@@ -78,47 +78,6 @@ def _check_engine(engine: Artifact, section: TrainSection) -> None:
         raise QerlError(f"train.max_new_tokens={section.max_new_tokens} leaves no room for a prompt in the engine's "
                         f"max_seq_len={max_seq_len}; lower train.max_new_tokens or build the engine with a larger "
                         "engine.max_seq_len")
-
-
-def _base_model_name(engine: Artifact, store: ArtifactStore) -> str:
-    """The model the engine was made from, as the recipe named it (for adapter_config.json)."""
-    base = engine.manifest.get("config", {}).get("base", {})
-    model_key = base.get("model")
-    if model_key is None and "quantized" in base:
-        try:
-            model_key = store.resolve(base["quantized"], verify=False).manifest["config"]["model"]
-        except (ArtifactError, KeyError):
-            model_key = None
-    try:
-        return str(model_key["source"]["source"])
-    except (TypeError, KeyError):
-        return str(engine.path)
-
-
-def _stop_token_ids(tokenizer, engine_dir: Path) -> tuple[int, ...]:
-    """The tokenizer's EOS and the generation config's eos_token_id(s)."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    config = engine_dir / "generation_config.json"
-    if config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if not ids:
-        raise QerlError(f"{engine_dir}: the tokenizer has no EOS token, so responses could never stop")
-    return tuple(dict.fromkeys(int(i) for i in ids))
-
-
-def _prompts(tokenizer, problems: list[Problem], section: TrainSection, max_seq_len: int,
-             what: str) -> tuple[list[Problem], list[list[int]]]:
-    """Rendered prompts, without those too long for the engine (with a log line)."""
-    room = max_seq_len - section.max_new_tokens
-    kept = [(p, ids) for p in problems if len(ids := render_prompt(tokenizer, p, section.instruction)) <= room]
-    if len(kept) < len(problems):
-        log(f"train: {len(problems) - len(kept)} of {len(problems)} {what} problems have prompts longer than "
-            f"{room} tokens (engine max_seq_len - max_new_tokens) and are skipped")
-    if not kept and problems:
-        raise QerlError(f"no {what} prompt fits in {room} tokens; lower train.max_new_tokens or build the engine "
-                        "with a larger engine.max_seq_len")
-    return [p for p, _ in kept], [ids for _, ids in kept]
 
 
 def _write_eval(run_dir: Path, name: str, result: EvalResult) -> None:
@@ -178,9 +137,11 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
     apply_lora(model, spec, seed=section.seed)
     tokenizer = load_tokenizer(engine.path, recipe.model.trust_remote_code)
-    stops = _stop_token_ids(tokenizer, engine.path)
-    problems, prompts = _prompts(tokenizer, problems, section, limits.max_seq_len, "training")
-    eval_problems, eval_prompts = _prompts(tokenizer, eval_problems, section, limits.max_seq_len, "evaluation")
+    stops = stop_token_ids(tokenizer, engine.path)
+    problems, prompts, _ = fit_prompts(tokenizer, problems, section.instruction, limits.max_seq_len,
+                                       section.max_new_tokens, "training", STAGE)
+    eval_problems, eval_prompts, _ = fit_prompts(tokenizer, eval_problems, section.instruction, limits.max_seq_len,
+                                                 section.max_new_tokens, "evaluation", STAGE)
     engine_runner = Engine(model, limits)
     # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
     with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
@@ -281,7 +242,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         (run_dir / RUN_FILE).write_text(json.dumps({"id": pending.id, "engine": engine.id, **config}, indent=2) + "\n")
         dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
         summary = _train(recipe, section, engine, problems, eval_problems, device, run_dir,
-                         _base_model_name(engine, store), dist)
+                         engine_model_name(engine, store), dist)
         _link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
     shutil.rmtree(run_dir)  # sealed: the artifact holds it all
