@@ -143,3 +143,10 @@ def test_cli_subcommand():
     assert "--micro-batch" in runner.invoke(app, ["bench", "train-step", "--help"]).output
     bad = runner.invoke(app, ["bench", "train-step", "--shape", "qwen2.5-7b,tiny", "--quant", "nvfp4"])
     assert bad.exit_code == 1 and "unknown ['tiny']" in bad.output
+
+
+def test_repeated_values_run_once():
+    # every shape runs with every base format: a repeated value would rerun whole configurations
+    from qerl_pipe.bench.train_step import split_values
+
+    assert split_values(["qwen2.5-72b", "bf16,nvfp4", "nvfp4", "bf16 "]) == ["qwen2.5-72b", "bf16", "nvfp4"]

@@ -367,13 +367,14 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
 
 
 def split_values(values: Sequence[str]) -> list[str]:
-    """`a b`, `a,b` and repeated flags alike."""
-    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+    """`a b`, `a,b` and repeated flags alike, each value once, in first-seen order: every shape runs
+    with every base format, so a repeated value would rerun whole configurations."""
+    return list(dict.fromkeys(v.strip() for item in values for v in item.split(",") if v.strip()))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", nargs="+", action="extend", help=f"one or more of {sorted(QWEN25_SHAPES)}")
+    ap.add_argument("--shape", nargs="+", action="extend", help=f"one or more of {sorted(QWEN25_SHAPES)}; each runs with every --quant")
     ap.add_argument("--quant", nargs="+", action="extend", help=f"one or more of {list(QUANTS)}")
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default per shape)")
     ap.add_argument("--kv-slots", type=int, default=None, help="engine slots (default: all 64 sequences at once)")

@@ -1,0 +1,164 @@
+"""Side-by-side learning dynamics of training arms (bf16 LoRA, QLoRA, NVFP4, NVFP4 + AQN, ...).
+
+Reads the run directories the arms wrote (finished `run` artifacts or interrupted
+`<store>/.runs/train-<id>` work directories, both hold `metrics.jsonl`), and writes one results
+JSON (command, commit, gpu, per-arm summaries, a `targets` block holding the QeRL paper's claims
+checked on these runs) plus one PNG per metric with every arm on the same axes.
+
+    python3 -m qerl_pipe.bench.arms --arm qerl=RUN_DIR --arm bf16=RUN_DIR ... --out-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from qerl_pipe.bench.results import results_file, target
+
+PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
+           ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))
+SMOOTH = 5  # steps in the plotted moving average; the raw curve is drawn faintly under it
+
+
+def read_arm(run_dir: Path) -> dict[str, Any]:
+    """One arm's per-step records and, when the run finished, its settings and greedy evaluation."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise SystemExit(f"{run_dir} has no metrics.jsonl; pass a train run artifact or its .runs work directory")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    evals = {name: json.loads((run_dir / "eval" / f"{name}.json").read_text())
+             for name in ("before", "after") if (run_dir / "eval" / f"{name}.json").is_file()}
+    return {"records": records, "run": run, "eval": evals}
+
+
+def first_step_reaching(records: list[dict[str, Any]], key: str, level: float) -> int | None:
+    """The first step whose `SMOOTH`-step trailing mean of `key` reaches `level`."""
+    for i in range(len(records)):
+        if _mean(records[max(0, i - SMOOTH + 1):i + 1], key) >= level:
+            return records[i]["step"]
+    return None
+
+
+def _mean(records: list[dict[str, Any]], key: str) -> float:
+    # A step with no trainable group (every group's rewards equal) has no entropy: None, skipped.
+    values = [r[key] for r in records if r.get(key) is not None]
+    return sum(values) / max(1, len(values))
+
+
+def summarize(name: str, arm: dict[str, Any]) -> dict[str, Any]:
+    records = arm["records"]
+    tenth = max(1, len(records) // 10)
+    train = arm["run"].get("train", {})
+    return {
+        "arm": name,
+        "steps": len(records),
+        "finished": "after" in arm["eval"],
+        "lr": train.get("lr"),
+        "aqn": train.get("aqn", {}).get("schedule"),
+        "greedy_accuracy_before": arm["eval"].get("before", {}).get("accuracy"),
+        "greedy_accuracy_after": arm["eval"].get("after", {}).get("accuracy"),
+        "eval_problems": arm["eval"].get("after", arm["eval"].get("before", {})).get("total"),
+        "reward_first_tenth": _mean(records[:tenth], "reward_mean"),
+        "reward_last_tenth": _mean(records[-tenth:], "reward_mean"),
+        "entropy_first_tenth": _mean(records[:tenth], "entropy"),
+        "entropy_last_tenth": _mean(records[-tenth:], "entropy"),
+        "step_reward_0.5": first_step_reaching(records, "reward_mean", 0.5),
+        "step_reward_0.8": first_step_reaching(records, "reward_mean", 0.8),
+        "step_seconds_median": sorted(r["step_seconds"] for r in records)[len(records) // 2],
+        "peak_gpu_memory_gib": max(r.get("peak_gpu_memory_gib", 0.0) for r in records),
+    }
+
+
+def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: str, aqn: str,
+                 no_aqn: str) -> list[dict[str, Any]]:
+    """QeRL's findings as checkable statements on these runs (early entropy, reward growth, AQN)."""
+    claims = []
+    if full in rows:
+        for q in quantized:
+            if q in rows:
+                claims.append(target(f"early entropy: {q} > {full}", "higher under quantization",
+                                     rows[q]["entropy_first_tenth"] - rows[full]["entropy_first_tenth"],
+                                     "nats/token difference",
+                                     rows[q]["entropy_first_tenth"] > rows[full]["entropy_first_tenth"]))
+                a, b = rows[q]["step_reward_0.5"], rows[full]["step_reward_0.5"]
+                if a is not None and b is not None:
+                    claims.append(target(f"reward 0.5 sooner: {q} vs {full}", "fewer steps under quantization",
+                                         a - b, "steps difference", a < b))
+    if aqn in rows and no_aqn in rows:
+        a, b = rows[aqn]["step_reward_0.5"], rows[no_aqn]["step_reward_0.5"]
+        if a is not None and b is not None:
+            claims.append(target(f"AQN helps: {aqn} vs {no_aqn} (reward 0.5)", "fewer steps with AQN", a - b,
+                                 "steps difference", a < b))
+        after_a, after_b = rows[aqn]["greedy_accuracy_after"], rows[no_aqn]["greedy_accuracy_after"]
+        if after_a is not None and after_b is not None:
+            claims.append(target(f"AQN helps: {aqn} vs {no_aqn} (greedy accuracy after)", "higher with AQN",
+                                 after_a - after_b, "accuracy difference", after_a > after_b))
+    return claims
+
+
+def _smoothed(values: list[float]) -> list[float]:
+    return [sum(values[max(0, i - SMOOTH + 1):i + 1]) / len(values[max(0, i - SMOOTH + 1):i + 1])
+            for i in range(len(values))]
+
+
+def write_plots(arms: dict[str, dict[str, Any]], out_dir: Path, title: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, label in PLOTTED:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, arm in arms.items():
+            kept = [r for r in arm["records"] if r.get(key) is not None]
+            steps = [r["step"] for r in kept]
+            values = [r[key] for r in kept]
+            (line,) = ax.plot(steps, _smoothed(values), label=name, linewidth=1.6)
+            ax.plot(steps, values, color=line.get_color(), alpha=0.2, linewidth=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.set_title(f"{title}: {label} ({SMOOTH}-step mean; raw faint)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path.name)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arm", action="append", required=True, help="NAME=RUN_DIR (repeat; order = legend order)")
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--title", default="arms")
+    ap.add_argument("--full", default="bf16", help="the unquantized LoRA arm")
+    ap.add_argument("--quantized", default="nvfp4,nf4", help="quantized arms without AQN, comma-separated")
+    ap.add_argument("--aqn", default="qerl", help="the NVFP4 + AQN arm")
+    ap.add_argument("--no-aqn", default="nvfp4", help="the same arm without AQN")
+    ap.add_argument("--note", default="", help="stored in the results file (how the arms were run)")
+    ap.add_argument("--gpu", default=None, help="the GPU the arms ran on, when summarised elsewhere")
+    args = ap.parse_args(argv)
+    arms = {}
+    for spec in args.arm:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"--arm {spec!r}: expected NAME=RUN_DIR")
+        arms[name] = read_arm(Path(path))
+    rows = {name: summarize(name, arm) for name, arm in arms.items()}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(arms, args.out_dir, args.title)
+    claims = paper_claims(rows, [q for q in args.quantized.split(",") if q], args.full, args.aqn, args.no_aqn)
+    extra = {"gpu": args.gpu} if args.gpu else {}
+    out = results_file(list(rows.values()), claims, note=args.note, plots=plots, **extra)
+    (args.out_dir / "arms.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
