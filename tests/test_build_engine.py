@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from qerl_pipe.cli import app
 from qerl_pipe.engine.limits import EngineLimits, kv_bytes_per_token
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.model.config import DecoderConfig
@@ -18,32 +16,17 @@ from qerl_pipe.model.load import init_random_model, load_model
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
 from qerl_pipe.stages.build_engine import load_engine
 from tests.conftest import read_json
+from tests.stage_cli import cli, last_line, named
 
-runner = CliRunner()
 # Weight-only quantize (no calibration pass), no perplexity report, a small CPU engine.
 FAST = ["--set", "stages=[quantize, build-engine]", "--set", "quantize.quality.perplexity=never",
         "--set", "engine.max_seq_len=256", "--set", "engine.max_batch=8", "--set", "engine.device=cpu"]
 IDS = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(0))
 
 
-def cli(*args, ok: bool = True):
-    result = runner.invoke(app, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, result.stderr + str(result.exception)
-    return result
-
-
-def last_line(result) -> Path:
-    return Path(result.stdout.strip().splitlines()[-1])
-
-
 def logits(model) -> torch.Tensor:
     with torch.no_grad():
         return model.logits(IDS)
-
-
-def named(store: Path, prefix: str) -> list[str]:
-    return sorted(p.name for p in store.iterdir() if p.name.startswith(prefix)) if store.exists() else []
 
 
 def test_build_from_the_quantize_artifact_and_reuse(tiny_llama, store_dir):

@@ -12,15 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
-from typer.testing import CliRunner
 
-from qerl_pipe.cli import app
 from qerl_pipe.engine import Rollouts
 from qerl_pipe.rl.answers import extract_answer, is_correct
 from qerl_pipe.rl.tasks import load_problems, render_prompt
 from tests.conftest import read_json
+from tests.stage_cli import cli, last_line, named
 
-runner = CliRunner()
 ENGINE = ["--set", "quantize.quality.perplexity=never", "--set", "engine.max_seq_len=128",
           "--set", "engine.max_batch=16", "--set", "engine.device=cpu"]
 TRAIN = ["--set", "train.steps=2", "--set", "train.prompts_per_step=4", "--set", "train.group_size=4",
@@ -32,21 +30,6 @@ TRAIN = ["--set", "train.steps=2", "--set", "train.prompts_per_step=4", "--set",
 EVAL_AS_TRAIN = ["--set", "eval.data=arithmetic", "--set", "eval.limit=8", "--set", "eval.seed=1",
                  "--set", "eval.greedy=true", "--set", "eval.max_new_tokens=12", "--set", "eval.device=cpu"]
 EVAL = ["--data", "arithmetic", "--limit", "6", "--set", "eval.max_new_tokens=12", "--set", "eval.device=cpu"]
-
-
-def cli(*args, ok: bool = True):
-    result = runner.invoke(app, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, result.stderr + str(result.exception)
-    return result
-
-
-def last_line(result) -> Path:
-    return Path(result.stdout.strip().splitlines()[-1])
-
-
-def named(store: Path, prefix: str) -> list[str]:
-    return sorted(p.name for p in store.iterdir() if p.name.startswith(prefix)) if store.exists() else []
 
 
 def samples(art: Path) -> list[dict]:

@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from typer.testing import CliRunner
 
 from qerl_pipe.artifacts import ArtifactStore, load_artifact
-from qerl_pipe.cli import app
 from qerl_pipe.formats.modelopt_layout import config_quantization_config
 from qerl_pipe.formats.nvfp4 import global_scale_from_amax, quantize_nvfp4
 from qerl_pipe.formats.peft_adapter import load_adapter_weights, save_adapter
@@ -34,24 +32,13 @@ from qerl_pipe.stages.build_engine import load_engine, run_build_engine
 from qerl_pipe.stages.quantize import run_quantize
 from qerl_pipe.stages import export as export_stage
 from tests.conftest import make_tiny_model, read_json
+from tests.stage_cli import cli, last_line
 
-runner = CliRunner()
 SPEC = LoraSpec(rank=4, alpha=8.0)
 SPEC_NORMS = LoraSpec(rank=4, alpha=8.0, train_norms=True)
 ENGINE = ["quantize.quality.perplexity=never", "engine.max_seq_len=64", "engine.max_batch=4", "engine.device=cpu",
           "engine.dtype=float32"]
 F32 = ["--set", "export.dtype=float32"]
-
-
-def cli(*args, ok: bool = True):
-    result = runner.invoke(app, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, result.stderr + str(result.exception)
-    return result
-
-
-def last_line(result) -> Path:
-    return Path(result.stdout.strip().splitlines()[-1])
 
 
 def exports(store: Path) -> list[str]:

@@ -9,25 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from typer.testing import CliRunner
 
-from qerl_pipe.cli import app
 from tests.conftest import make_tiny_model, read_json
+from tests.stage_cli import cli, last_line
 
-runner = CliRunner()
 FAST = ["--set", "quantize.quality.perplexity=never"]
 CAL = ["--set", "calibrate.num_samples=4", "--set", "calibrate.seq_len=32", "--set", "calibrate.batch_size=2"]
-
-
-def cli(*args: str, ok: bool = True):
-    result = runner.invoke(app, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, result.stderr + str(result.exception)
-    return result
-
-
-def last_line(result) -> Path:
-    return Path(result.stdout.strip().splitlines()[-1])
 
 
 def on_disk(ckpt: Path) -> dict[str, tuple[str, tuple]]:

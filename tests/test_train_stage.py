@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from qerl_pipe.cli import app
 from tests.conftest import read_json
+from tests.stage_cli import cli, last_line, named
 
 ROOT = Path(__file__).parents[1]
-runner = CliRunner()
 ENGINE = ["--set", "stages=[quantize, build-engine, train]", "--set", "quantize.quality.perplexity=never",
           "--set", "engine.max_seq_len=128", "--set", "engine.max_batch=16", "--set", "engine.device=cpu"]
 # A small run with a reward the random model can learn (see tests/test_rl_trainer.py).
@@ -33,21 +31,6 @@ def letter_e(completion: str, problem) -> float:
     if os.environ.get("QERL_TEST_SLOW_REWARD"):
         time.sleep(0.02)  # the killed run: slow enough that the kill lands between checkpoints
     return completion.count("e") / max(1, len(completion))
-
-
-def cli(*args, ok: bool = True):
-    result = runner.invoke(app, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, result.stderr + str(result.exception)
-    return result
-
-
-def last_line(result) -> Path:
-    return Path(result.stdout.strip().splitlines()[-1])
-
-
-def named(store: Path, prefix: str) -> list[str]:
-    return sorted(p.name for p in store.iterdir() if p.name.startswith(prefix)) if store.exists() else []
 
 
 def test_train_writes_a_run_and_reuses_it(tiny_llama, store_dir, tmp_path):

@@ -245,6 +245,19 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
     return load_artifact(store.path_for(STAGE, pending.id), verify=False)
 
 
+def check_engine_for(engine: Artifact, stage: str, max_new_tokens: int, option: str) -> None:
+    """Refuse a non-engine artifact, or an engine whose sequences cannot hold `max_new_tokens` after
+    a prompt; `stage` names the recipe section ('train', 'eval'), `option` the CLI flag that took it."""
+    if engine.kind != KIND:
+        raise ArtifactError(f"{engine.path} is a '{engine.kind}' artifact, not an engine; pass a build-engine "
+                            f"artifact to {option}")
+    max_seq_len = engine.summary.get("max_seq_len")
+    if max_seq_len is not None and max_new_tokens >= max_seq_len:
+        raise QerlError(f"{stage}.max_new_tokens={max_new_tokens} leaves no room for a prompt in the engine's "
+                        f"max_seq_len={max_seq_len}; lower {stage}.max_new_tokens or build the engine with a larger "
+                        "engine.max_seq_len")
+
+
 def _read_engine_json(path: Path) -> dict[str, Any]:
     try:
         engine = json.loads((path / ENGINE_FILE).read_text())

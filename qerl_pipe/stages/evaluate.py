@@ -27,7 +27,7 @@ import torch
 from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.artifacts.manifest import MANIFEST_NAME, sha256_file
 from qerl_pipe.engine import Engine, SamplingParams
-from qerl_pipe.errors import ArtifactError, QerlError
+from qerl_pipe.errors import ArtifactError
 from qerl_pipe.formats.peft_adapter import (
     ADAPTER_WEIGHTS,
     AdapterFiles,
@@ -165,17 +165,6 @@ def build_target_engine(target: ModelTarget, store: ArtifactStore) -> Artifact:
     if target.engine is not None:
         return target.engine
     return build_engine_stage.run_build_engine(target.recipe, store, quantized=target.quantized)
-
-
-def _check_engine(engine: Artifact, section: EvalSection) -> None:
-    if engine.kind != build_engine_stage.KIND:
-        raise ArtifactError(f"{engine.path} is a '{engine.kind}' artifact, not an engine; pass a build-engine "
-                            "artifact to --model")
-    max_seq_len = engine.summary.get("max_seq_len")
-    if max_seq_len is not None and section.max_new_tokens >= max_seq_len:
-        raise QerlError(f"eval.max_new_tokens={section.max_new_tokens} leaves no room for a prompt in the engine's "
-                        f"max_seq_len={max_seq_len}; lower eval.max_new_tokens or build the engine with a larger "
-                        "engine.max_seq_len")
 
 
 # ---------------------------------------------------------------------------- the work
@@ -352,7 +341,7 @@ def run_eval(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | str | N
     if adapter_in is not None:  # before an engine is built or a weight read
         check_adapter_fits(adapter_in.files, target.hf_config, target.name)
     engine_art = build_target_engine(target, store)
-    _check_engine(engine_art, section)
+    build_engine_stage.check_engine_for(engine_art, "eval", section.max_new_tokens, "--model")
     if adapter_in is not None and adapter_in.artifact is not None and adapter_in.artifact.kind == train_stage.KIND:
         trained_on = adapter_in.artifact.manifest.get("parents", [])
         if engine_art.id not in trained_on:

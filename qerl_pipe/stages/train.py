@@ -29,7 +29,6 @@ import torch
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.engine import Engine
-from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.peft_adapter import save_adapter
 from qerl_pipe.log import log
 from qerl_pipe.model.dense_copy import dense_base_copy
@@ -67,17 +66,6 @@ def _load_data(section: TrainSection) -> tuple[list[Problem], list[Problem]]:
         evaluation = load_problems(section.eval_data, limit=section.eval_limit, seed=section.seed + 1,
                                    **fields(section.eval_data))
     return train, evaluation
-
-
-def _check_engine(engine: Artifact, section: TrainSection) -> None:
-    if engine.kind != build_engine_stage.KIND:
-        raise ArtifactError(f"{engine.path} is a '{engine.kind}' artifact, not an engine; pass a build-engine "
-                            "artifact to --engine")
-    max_seq_len = engine.summary.get("max_seq_len")
-    if max_seq_len is not None and section.max_new_tokens >= max_seq_len:
-        raise QerlError(f"train.max_new_tokens={section.max_new_tokens} leaves no room for a prompt in the engine's "
-                        f"max_seq_len={max_seq_len}; lower train.max_new_tokens or build the engine with a larger "
-                        "engine.max_seq_len")
 
 
 def _write_eval(run_dir: Path, name: str, result: EvalResult) -> None:
@@ -222,7 +210,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         found = build_engine_stage.run_build_engine(recipe, store) if dist.is_main else None
         path = dist.broadcast(found.path if found is not None else None)
         engine = found if found is not None else load_artifact(path, verify=False)
-    _check_engine(engine, section)
+    build_engine_stage.check_engine_for(engine, "train", section.max_new_tokens, "--engine")
     config = {"train": section.model_dump(), "device": device.type}
     if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
         config["processes"] = dist.world_size
