@@ -238,7 +238,7 @@ def test_row_chunked_quantization_gives_the_same_bytes(monkeypatch):
     scale = global_scale_from_amax(weight.abs().amax().float() * 1.5)  # as if shared with a larger member
     whole = quantize_nvfp4(weight, scale)
     monkeypatch.setattr(stage, "_CHUNK_ELEMENTS", 5 * 64)  # 5 rows a chunk, the last one short
-    chunked, err = stage._quantize_in_row_chunks(weight, scale, "w")
+    chunked, err = stage.quantize_in_row_chunks(weight, scale, "w")
     assert torch.equal(chunked.packed, whole.packed)
     assert torch.equal(chunked.block_scales.view(torch.uint8), whole.block_scales.view(torch.uint8))
     expected = (dequantize_nvfp4(whole) - weight.float()).norm() / weight.float().norm()

@@ -151,7 +151,7 @@ def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
 
 def _copy_tokenizer(source: Path, out: Path) -> None:
     # The same files the quantize stage carries along (tokenizer, chat template, generation config).
-    for pattern in quantize_stage._COPY_PATTERNS:
+    for pattern in quantize_stage.COPY_PATTERNS:
         for path in source.glob(pattern):
             if path.is_file():
                 shutil.copy2(path, out / path.name)

@@ -287,7 +287,7 @@ def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _copy_model_files(source: Path, out: Path) -> None:
     """Tokenizer, chat template and generation config: the directory loads standalone."""
-    for pattern in quantize_stage._COPY_PATTERNS:
+    for pattern in quantize_stage.COPY_PATTERNS:
         for path in source.glob(pattern):
             if path.is_file():
                 shutil.copy2(path, out / path.name)
@@ -316,9 +316,9 @@ class _NVFP4Sink:
     excluded: set[str] = field(default_factory=set)
 
     def add(self, name: str, tensor: Tensor) -> None:
-        match = quantize_stage._LINEAR.match(name)
+        match = quantize_stage.LINEAR.match(name)
         module = match.group(1) if match else None
-        if module is None or quantize_stage._is_excluded(module, self.exclude):
+        if module is None or quantize_stage.is_excluded(module, self.exclude):
             if module is not None:
                 self.excluded.add(module)
             self.writer.add(name, _cast(tensor, self.dtype))
@@ -331,7 +331,7 @@ class _NVFP4Sink:
         members[module] = tensor
         parent, projections = group.rpartition(".")[0], FUSED_GROUPS[group.rpartition(".")[2]]
         expected = [f"{parent}.{p}" for p in projections
-                    if not quantize_stage._is_excluded(f"{parent}.{p}", self.exclude)]
+                    if not quantize_stage.is_excluded(f"{parent}.{p}", self.exclude)]
         if set(members) == set(expected):
             del self.pending[group]
             self._write([(m, members[m]) for m in expected])
@@ -350,7 +350,7 @@ class _NVFP4Sink:
             input_scale = self.input_scales[key]
         for module, weight in modules:
             # Own copies of the shared scales: safetensors refuses tensors that share memory.
-            packed, self.errors[module] = quantize_stage._quantize_in_row_chunks(weight, scale.clone(),
+            packed, self.errors[module] = quantize_stage.quantize_in_row_chunks(weight, scale.clone(),
                                                                                   f"{module}.weight")
             own_input_scale = None if input_scale is None else input_scale.clone()
             for n, t in nvfp4_tensors(module, packed, own_input_scale).items():
@@ -381,8 +381,8 @@ def _input_scales(quantized: Artifact) -> dict[str, Tensor]:
 
 # --- the stage ---------------------------------------------------------------------------------
 
-def _out_dtype(section: ExportSection, base: _Base) -> torch.dtype:
-    return quantize_stage._out_dtype(section.dtype, json.loads((base.dir / "config.json").read_text()))
+def out_dtype(section: ExportSection, base: _Base) -> torch.dtype:
+    return quantize_stage.out_dtype(section.dtype, json.loads((base.dir / "config.json").read_text()))
 
 
 def _export_peft(adapter_dir: Path, chain: _Chain | None, out: Path) -> dict[str, Any]:
@@ -398,7 +398,7 @@ def _export_peft(adapter_dir: Path, chain: _Chain | None, out: Path) -> dict[str
 
 def _export_merged(section: ExportSection, chain: _Chain, base: _Base, adapter: _Adapter,
                    input_scales: dict[str, Tensor], out: Path) -> dict[str, Any]:
-    dtype = _out_dtype(section, base)
+    dtype = out_dtype(section, base)
     writer = _ShardWriter(out)
     nvfp4 = section.format == "merged-nvfp4"
     sink = _NVFP4Sink(writer, sorted({"lm_head", *section.exclude}), dtype, input_scales) if nvfp4 else None
@@ -420,7 +420,7 @@ def _export_merged(section: ExportSection, chain: _Chain, base: _Base, adapter: 
         return summary
     sink.finish()
     quant_algo = "NVFP4" if input_scales else "W4A16_NVFP4"
-    quantize_stage._write_configs(base.dir, out, quant_algo, sorted({"lm_head", *sink.excluded}), dtype)
+    quantize_stage.write_configs(base.dir, out, quant_algo, sorted({"lm_head", *sink.excluded}), dtype)
     errors = sink.errors
     summary.update({"quant_algo": quant_algo, "quantized_linears": len(errors),
                     "mean_relative_error": sum(errors.values()) / max(1, len(errors)),

@@ -46,9 +46,9 @@ STAGE = "quantize"
 VERSION = 1
 KIND = "nvfp4-checkpoint"
 # The linears of a Llama-family decoder layer; embeddings, norms and lm_head stay 16-bit.
-_LINEAR = re.compile(r"^(.*\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj)\.weight$")
+LINEAR = re.compile(r"^(.*\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj)\.weight$")
 # Tokenizer and generation files copied so the artifact loads as a model directory.
-_COPY_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+COPY_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                   "*.model", "generation_config.json", "chat_template.*")
 _PERPLEXITY_AUTO_MAX_PARAMS = 1_000_000_000
 # Rows are quantized in chunks of about this many elements: NVFP4 rows are independent once the
@@ -69,7 +69,7 @@ class _Plan:
         return fused_group_key(module) or module
 
 
-def _is_excluded(module: str, patterns: list[str]) -> bool:
+def is_excluded(module: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
@@ -78,11 +78,11 @@ def _plan(shards: list[Path], exclude: list[str]) -> _Plan:
     for shard in progress(shards, "check weights", len(shards)):
         with open_shard(shard) as fh:
             for name in fh.keys():
-                match = _LINEAR.match(name)
+                match = LINEAR.match(name)
                 if not match:
                     continue
                 module = match.group(1)
-                if _is_excluded(module, exclude):
+                if is_excluded(module, exclude):
                     plan.excluded.add(module)
                     continue
                 weight = fh.get_tensor(name)
@@ -115,7 +115,7 @@ def _input_scales(plan: _Plan, input_amax: dict[str, float] | None) -> dict[str,
     return {m: global_scale_from_amax(torch.tensor(group[plan.scale_key(m)])) for m in plan.quantized.values()}
 
 
-def _out_dtype(choice: str, config: dict) -> torch.dtype:
+def out_dtype(choice: str, config: dict) -> torch.dtype:
     if choice != "auto":
         return getattr(torch, choice)
     declared = config.get("torch_dtype") or config.get("dtype")
@@ -139,7 +139,7 @@ def _write_shards(shards: list[Path], out: Path, plan: _Plan, input_scales: dict
                 if module is None:
                     tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
                     continue
-                w, errors[module] = _quantize_in_row_chunks(tensor, plan_global_scale(plan, module), name)
+                w, errors[module] = quantize_in_row_chunks(tensor, plan_global_scale(plan, module), name)
                 tensors.update(nvfp4_tensors(module, w, input_scales.get(module)))
                 del tensor
         save_file(tensors, str(out / out_name), metadata={"format": "pt"})
@@ -153,7 +153,7 @@ def _write_shards(shards: list[Path], out: Path, plan: _Plan, input_scales: dict
     return errors
 
 
-def _quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, name: str) -> tuple[NVFP4Weight, float]:
+def quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, name: str) -> tuple[NVFP4Weight, float]:
     """NVFP4 of `weight` and its relative error ‖W − deq(Q(W))‖ / ‖W‖, a bounded block of rows at a time."""
     sums = [0.0, 0.0]  # squared error, squared reference
 
@@ -171,7 +171,7 @@ def plan_global_scale(plan: _Plan, module: str) -> torch.Tensor:
     return global_scale_from_amax(plan.group_amax[plan.scale_key(module)])
 
 
-def _write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: list[str], dtype: torch.dtype) -> None:
+def write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: list[str], dtype: torch.dtype) -> None:
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = config_quantization_config(quant_algo, exclude_modules, qerl_pipe.__version__)
     if "torch_dtype" in config or "dtype" not in config:
@@ -181,7 +181,7 @@ def _write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: li
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     hf_quant = hf_quant_config(quant_algo, exclude_modules, qerl_pipe.__version__)
     (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
-    for pattern in _COPY_PATTERNS:
+    for pattern in COPY_PATTERNS:
         for path in source.glob(pattern):
             if path.is_file():
                 shutil.copy2(path, out / path.name)
@@ -270,7 +270,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
             started = time.perf_counter()
             shards = list_shards(resolved.dir)
             exclude = sorted({"lm_head", *section.exclude})
-            dtype = _out_dtype(section.dtype, resolved.config)
+            dtype = out_dtype(section.dtype, resolved.config)
             return_freed_tensors_to_os()
             with PeakRSS() as memory:
                 plan = _plan(shards, exclude)
@@ -280,7 +280,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
                 errors = _write_shards(shards, pending.dir, plan, input_scales, dtype)
             quant_algo = "NVFP4" if calibration else "W4A16_NVFP4"
             exclude_modules = sorted({"lm_head", *plan.excluded})
-            _write_configs(resolved.dir, pending.dir, quant_algo, exclude_modules, dtype)
+            write_configs(resolved.dir, pending.dir, quant_algo, exclude_modules, dtype)
             (pending.dir / "quality.json").write_text(json.dumps({"relative_error": errors}, indent=2) + "\n")
             ppl = _perplexity_report(resolved, pending.dir, section, recipe.model.trust_remote_code)
             size_in = sum(p.stat().st_size for p in shards)
