@@ -54,14 +54,11 @@ def input_words(stage: str, artifact_of: Callable[[str], str]) -> list[str]:
     return [word for option, parent in STAGE_INPUTS[stage] for word in (option, artifact_of(parent))]
 
 
-def stage_words(stage: str, artifact_of: Callable[[str], str], *, cli: Sequence[str] = ("qerl-pipe",),
-                recipe: str | None = None, artifacts: str | None = None, model: str | None = None,
-                sets: Sequence[str] = ()) -> list[str]:
-    """One stage command as words: the CLI, the stage, the shared options, then its artifact inputs.
-
-    `model` is dropped for eval, whose --model is the engine: the engine and adapter name the model.
-    """
-    words = [*cli, stage]
+def option_words(stage: str, *, recipe: str | None = None, artifacts: str | None = None,
+                 model: str | None = None, sets: Sequence[str] = ()) -> list[str]:
+    """The options every stage command shares. `model` is dropped for eval, whose --model is the
+    engine: there the engine and the adapter name the model."""
+    words: list[str] = []
     if recipe is not None:
         words += ["--recipe", recipe]
     if artifacts is not None:
@@ -70,7 +67,14 @@ def stage_words(stage: str, artifact_of: Callable[[str], str], *, cli: Sequence[
         words += ["--model", model]
     for item in sets:
         words += ["--set", item]
-    return words + input_words(stage, artifact_of)
+    return words
+
+
+def stage_words(stage: str, artifact_of: Callable[[str], str], *, cli: Sequence[str] = ("qerl-pipe",),
+                **options) -> list[str]:
+    """One stage command as words: the CLI, the stage, the shared options (`option_words`), then
+    its artifact inputs (`input_words`)."""
+    return [*cli, stage, *option_words(stage, **options), *input_words(stage, artifact_of)]
 
 
 def stage_command(stage: str, artifact_of: Callable[[str], str], **options) -> str:
@@ -115,9 +119,8 @@ def airflow_command(stage: str, cli: Sequence[str] = ("qerl-pipe",)) -> str:
     The optional params are Jinja loops and conditions, so a trigger's params can add or drop
     them without a new DAG; this is `stage_command` with the params as they are at run time.
     """
-    words = stage_words(stage, xcom_artifact, cli=cli, recipe=Raw("{{ params.recipe | shquote }}"),
-                        artifacts=Raw("{{ params.artifacts | shquote }}"))
-    words = words[:len(words) - len(input_words(stage, xcom_artifact))]
+    words = [*cli, stage, *option_words(stage, recipe=Raw("{{ params.recipe | shquote }}"),
+                                        artifacts=Raw("{{ params.artifacts | shquote }}"))]
     if stage in TAKES_MODEL_SOURCE:
         words.append(Raw("{% if params.model %}--model {{ params.model | shquote }}{% endif %}"))
     words.append(Raw("{% for item in params.set %}--set {{ item | shquote }} {% endfor %}"))
