@@ -114,15 +114,20 @@ def train(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
         from qerl_pipe.launch import relaunch
 
         raise typer.Exit(relaunch(nproc, _train_args(recipe, set_, model, engine, artifacts, force)))
-    from qerl_pipe.rl.distributed import current_dist
+    from qerl_pipe.rl.distributed import current_dist, leave_group
     from qerl_pipe.stages.train import run_train
 
     store = _store(artifacts)
     parsed = _recipe(recipe, set_, model)
     parent = store.resolve(engine) if engine else None
-    artifact = run_train(parsed, store, engine=parent, force=force)
+    try:
+        artifact = run_train(parsed, store, engine=parent, force=force)
+    except BaseException:
+        leave_group(wait=False)
+        raise
     if current_dist().is_main:  # one artifact line on stdout, however many ranks
         print(artifact.path)
+    leave_group()
 
 
 def _train_args(recipe: Path | None, set_: list[str] | None, model: str | None, engine: str | None,

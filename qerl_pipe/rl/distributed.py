@@ -168,6 +168,18 @@ def init_distributed(device_choice: str) -> tuple[Dist, str]:
     return Dist(rank, world, local), f"cuda:{local}" if cuda else "cpu"
 
 
+def leave_group(*, wait: bool = True) -> None:
+    """Destroy this process's group, if it joined one: gloo's and NCCL's threads must be joined
+    before the interpreter exits, or the C++ runtime aborts the process (SIGABRT) after a run
+    that succeeded. `wait` first lets every rank reach this point (not after an error, where a
+    peer may never come)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if wait:
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def current_dist() -> Dist:
     """The group this process already joined (or Dist() when none)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
