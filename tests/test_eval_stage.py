@@ -285,3 +285,22 @@ def test_adapter_directories_are_read_from_their_files(random_adapter, tmp_path)
     config = read_json(random_adapter / "adapter_config.json")
     (tmp_path / "export" / "peft" / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": True}))
     assert read_adapter(tmp_path / "export").spec.alpha == pytest.approx(4 * math.sqrt(2))
+
+
+def test_a_run_evaluated_over_another_engine_of_its_base_is_not_flagged(pipeline, tiny_llama):
+    from qerl_pipe.artifacts import ArtifactStore, load_artifact
+    from qerl_pipe.stages.evaluate import base_mismatch
+
+    store = pipeline["store"]
+    run = load_artifact(pipeline["run"])
+    assert base_mismatch(run, load_artifact(pipeline["engine"]), ArtifactStore(store)) is None
+    # Other limits, the same quantize artifact: the same frozen weights.
+    wider = last_line(cli("build-engine", "--quantized", pipeline["quantize"], *ENGINE, "--set",
+                          "engine.max_batch=8", "--artifacts", store))
+    assert wider != pipeline["engine"]
+    assert base_mismatch(run, load_artifact(wider), ArtifactStore(store)) is None
+    # A bf16 engine of the original model: another base, said so.
+    bf16 = last_line(cli("build-engine", "--model", tiny_llama, *ENGINE, "--set", "engine.base_format=bf16",
+                         "--artifacts", store))
+    note = base_mismatch(run, load_artifact(bf16), ArtifactStore(store))
+    assert note is not None and "another base" in note and "bf16" in note and "nvfp4" in note

@@ -327,6 +327,32 @@ def _evaluate(recipe: Recipe, engine: Artifact, adapter: AdapterInput | None, pr
             "device": str(device)}
 
 
+def base_mismatch(run: Artifact, engine: Artifact, store: ArtifactStore) -> str | None:
+    """None when the train run's engine and `engine` hold the same frozen base (the same engine, or
+    engines built from the same base with other limits); else a note saying how they differ."""
+    trained_on = run.manifest.get("parents", [])
+    if engine.id in trained_on:
+        return None
+    theirs = None
+    for ref in trained_on[:1]:
+        try:
+            theirs = store.resolve(ref, verify=False)
+        except ArtifactError:
+            pass
+    if theirs is None:
+        return (f"the adapter was trained over engine {trained_on[:1]}, which is not in this store; evaluated "
+                f"over {engine.id} (same shapes; the base weights may differ)")
+
+    def base_of(art: Artifact) -> tuple[Any, Any]:
+        config = art.manifest.get("config", {})
+        return config.get("base"), config.get("engine", {}).get("base_format")
+
+    if base_of(theirs) == base_of(engine):
+        return None
+    return (f"the adapter was trained over engine {theirs.id} ({base_of(theirs)[1]} base {base_of(theirs)[0]}), "
+            f"evaluated over {engine.id} ({base_of(engine)[1]} base {base_of(engine)[0]}): another base")
+
+
 def run_eval(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | str | None = None,
              adapter: Path | Artifact | str | None = None, force: bool = False) -> Artifact:
     """Evaluate the recipe's `eval` section on `engine` (an engine artifact, a reference to one, a
@@ -343,10 +369,9 @@ def run_eval(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | str | N
     engine_art = build_target_engine(target, store)
     build_engine_stage.check_engine_for(engine_art, "eval", section.max_new_tokens, "--model")
     if adapter_in is not None and adapter_in.artifact is not None and adapter_in.artifact.kind == train_stage.KIND:
-        trained_on = adapter_in.artifact.manifest.get("parents", [])
-        if engine_art.id not in trained_on:
-            log(f"eval: the adapter was trained over engine {trained_on[:1]}, evaluated over {engine_art.id} "
-                "(same shapes; the base weights may differ)")
+        note = base_mismatch(adapter_in.artifact, engine_art, store)
+        if note:
+            log(f"eval: {note}")
     config: dict[str, Any] = {"eval": _sampling_key(section), "device": device.type,
                               "adapter": adapter_in.identity() if adapter_in is not None else None}
     if section.data.endswith(".jsonl"):
