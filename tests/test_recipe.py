@@ -45,9 +45,12 @@ def test_engine_switches_accept_yaml_on_and_off(tmp_path):
 
 def test_shipped_quickstart_recipe_is_valid():
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
-    assert recipe.stages == ["calibrate", "quantize", "build-engine", "train"]
+    assert recipe.stages == ["calibrate", "quantize", "build-engine", "train", "export", "eval"]
     assert (recipe.engine.max_seq_len, recipe.engine.max_batch) == (256, 32)
     assert recipe.train.data == "arithmetic" and recipe.train.loss == "dapo"
+    assert recipe.export.format == "peft"
+    # Held-out problems (train draws with seed 0), sampled as the QeRL paper evaluates.
+    assert recipe.eval.data == "arithmetic" and recipe.eval.seed != recipe.train.seed and not recipe.eval.greedy
 
 
 @pytest.mark.parametrize("text, overrides, needle", [

@@ -18,20 +18,29 @@ from qerl_pipe.textdata import load_texts, pack_sequences
 
 def test_default_smollm2_quickstart_end_to_end(tmp_path):
     """The README's main job, smaller: import the packaged GGUF, calibrate, quantize, report, build the
-    engine, and one training step with a greedy evaluation before and after."""
+    engine, one training step with a greedy evaluation before and after, the PEFT export, and the
+    eval stage with that adapter applied."""
     pytest.importorskip("gguf")
     recipe = Path(__file__).parents[1] / "recipes" / "quickstart.yaml"
     args = ["run", str(recipe), "--artifacts", str(tmp_path),
             "--set", "calibrate.num_samples=4", "--set", "calibrate.seq_len=64",
             "--set", "quantize.quality.num_samples=4", "--set", "quantize.quality.seq_len=128",
             "--set", "train.steps=1", "--set", "train.prompts_per_step=2", "--set", "train.group_size=2",
-            "--set", "train.max_new_tokens=8", "--set", "train.overlong.buffer=4", "--set", "train.eval_limit=2"]
+            "--set", "train.max_new_tokens=8", "--set", "train.overlong.buffer=4", "--set", "train.eval_limit=2",
+            "--set", "eval.limit=2", "--set", "eval.k=2", "--set", "eval.max_new_tokens=8"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.stderr + str(result.exception)
-    run = Path(result.stdout.strip().splitlines()[-1])
-    assert run.name.startswith("train-")
+    evaluated = Path(result.stdout.strip().splitlines()[-1])
+    assert evaluated.name.startswith("eval-")
+    (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("train-")]
     report = json.loads((run / "report.json").read_text())
     assert report["steps"] == 1 and report["eval_before"]["total"] == report["eval_after"]["total"] == 2
+    (export,) = [p for p in tmp_path.iterdir() if p.name.startswith("export-")]
+    assert (export / "adapter_model.safetensors").is_file() and (export / "adapter_config.json").is_file()
+    eval_report = json.loads((evaluated / "report.json").read_text())
+    run_id = json.loads((run / "manifest.json").read_text())["id"]
+    assert eval_report["problems"] == 2 and eval_report["adapter"]["artifact"] == run_id
+    assert eval_report["adapter"]["applied"]
     (engine,) = [p for p in tmp_path.iterdir() if p.name.startswith("build-engine-")]
     engine_json = json.loads((engine / "engine.json").read_text())
     assert engine_json["limits"]["max_batch"] == 32 and engine_json["limits"]["max_seq_len"] == 256
