@@ -87,7 +87,10 @@ def test_targets_block():
             {"shape": "qwen2.5-32b", "quant": "nvfp4", **ok, "peak_reserved_gib": 45.0},
             {"shape": "qwen2.5-72b", "quant": "nvfp4", **ok, "status": "oom"}]
     got = {t["name"].split(" ")[0] + " " + t["unit"]: (t["measured"], t["met"]) for t in targets(rows)}
-    assert got == {"qwen2.5-32b GiB": (45.0, False), "qwen2.5-72b GiB": (50.0, False), "qwen2.5-7b x": (2.0, True)}
+    # GiB in the rows, GB (10^9 bytes) in the targets: 45 GiB = 48.32 GB, 50 GiB = 53.69 GB.
+    assert got == {"qwen2.5-32b GB": (48.32, False), "qwen2.5-72b GB": (53.69, False), "qwen2.5-7b x": (2.0, True)}
+    rows[2]["peak_reserved_gib"] = 37.0  # 39.73 GB: under 40 GB
+    assert [t["met"] for t in targets(rows) if t["name"].startswith("qwen2.5-32b")] == [True]
     for t in targets(rows):
         assert set(t) == {"name", "target", "measured", "unit", "met"}
 
