@@ -287,20 +287,27 @@ def test_adapter_directories_are_read_from_their_files(random_adapter, tmp_path)
     assert read_adapter(tmp_path / "export").spec.alpha == pytest.approx(4 * math.sqrt(2))
 
 
-def test_a_run_evaluated_over_another_engine_of_its_base_is_not_flagged(pipeline, tiny_llama):
-    from qerl_pipe.artifacts import ArtifactStore, load_artifact
+def test_a_run_evaluated_over_another_engine_of_its_base_is_not_flagged(pipeline, tiny_llama, tmp_path):
+    from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
     from qerl_pipe.stages.evaluate import base_mismatch
 
-    store = pipeline["store"]
+    store = ArtifactStore(pipeline["store"])  # holds the run and the engine it was trained over
     run = load_artifact(pipeline["run"])
-    assert base_mismatch(run, load_artifact(pipeline["engine"]), ArtifactStore(store)) is None
+    assert base_mismatch(run, load_artifact(pipeline["engine"]), store) is None
+    # Other engines go to a store of their own, so the module's store keeps one NVFP4 and one bf16 engine.
+    other = tmp_path / "other"
     # Other limits, the same quantize artifact: the same frozen weights.
     wider = last_line(cli("build-engine", "--quantized", pipeline["quantize"], *ENGINE, "--set",
-                          "engine.max_batch=8", "--artifacts", store))
-    assert wider != pipeline["engine"]
-    assert base_mismatch(run, load_artifact(wider), ArtifactStore(store)) is None
+                          "engine.max_batch=8", "--artifacts", other))
+    assert wider.name != pipeline["engine"].name
+    assert base_mismatch(run, load_artifact(wider), store) is None
     # A bf16 engine of the original model: another base, said so.
     bf16 = last_line(cli("build-engine", "--model", tiny_llama, *ENGINE, "--set", "engine.base_format=bf16",
-                         "--artifacts", store))
-    note = base_mismatch(run, load_artifact(bf16), ArtifactStore(store))
-    assert note is not None and "another base" in note and "bf16" in note and "nvfp4" in note
+                         "--artifacts", other))
+    note = base_mismatch(run, load_artifact(bf16), store)
+    assert note is not None and "another base" in note and "bf16 base" in note and "nvfp4 base" in note
+    # A manifest that does not say which base it holds is not taken for the same one.
+    silent = load_artifact(wider)
+    silent = Artifact(path=silent.path, manifest={**silent.manifest, "config": {}})
+    note = base_mismatch(run, silent, store)
+    assert note is not None and "do not say" in note

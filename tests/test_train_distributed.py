@@ -79,6 +79,15 @@ def test_launches_keep_nvlink_multicast_off():
                            "train", "--force"]
 
 
+def test_run_under_torchrun_is_refused_before_any_stage(tmp_path, monkeypatch):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages: [calibrate]\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = cli("run", recipe, "--artifacts", tmp_path / "store", ok=False)
+    assert result.exit_code == 1 and "train --nproc N" in result.stderr
+    assert not (tmp_path / "store").exists()
+
+
 # ---------------------------------------------------------------------- 2 gloo processes vs 1
 
 # B = 4 prompts x G = 4; dynamic sampling (flat groups dropped, more drawn: the ranks must agree),

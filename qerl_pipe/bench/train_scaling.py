@@ -154,10 +154,14 @@ def main() -> None:
     if a.worker:
         from qerl_pipe.rl.distributed import leave_group
 
-        row = measure(a.shape, a.device, **sizes)
-        if row:
-            a.out.write_text(json.dumps(row) + "\n")
-        leave_group()
+        ok = False
+        try:
+            row = measure(a.shape, a.device, **sizes)
+            if row:
+                a.out.write_text(json.dumps(row) + "\n")
+            ok = True
+        finally:
+            leave_group(ok=ok)
         return
     result = run_train_scaling_bench(a.shape, [int(n) for n in a.nproc.split(",")], a.device, **sizes)
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -168,15 +168,20 @@ def init_distributed(device_choice: str) -> tuple[Dist, str]:
     return Dist(rank, world, local), f"cuda:{local}" if cuda else "cpu"
 
 
-def leave_group(*, wait: bool = True) -> None:
-    """Destroy this process's group, if it joined one: gloo's and NCCL's threads must be joined
-    before the interpreter exits, or the C++ runtime aborts the process (SIGABRT) after a run
-    that succeeded. `wait` first lets every rank reach this point (not after an error, where a
-    peer may never come)."""
+def leave_group(*, ok: bool = True) -> None:
+    """Destroy this process's group, if it joined one: gloo's threads must be joined before the
+    interpreter exits, or the C++ runtime aborts the process (SIGABRT) after a run that succeeded.
+
+    `ok`: every rank got here; wait for all, then destroy. After an error a peer may never come:
+    gloo's group is destroyed at once (that never waits on peers); an NCCL group is left to the
+    exiting process, since destroying it could wait for collectives the peers will not finish.
+    """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    if wait:
+    if ok:
         torch.distributed.barrier()
+    elif torch.distributed.get_backend() != "gloo":
+        return
     torch.distributed.destroy_process_group()
 
 
