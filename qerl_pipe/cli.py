@@ -114,20 +114,16 @@ def train(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
         from qerl_pipe.launch import relaunch
 
         raise typer.Exit(relaunch(nproc, _train_args(recipe, set_, model, engine, artifacts, force)))
-    from qerl_pipe.rl.distributed import current_dist, leave_group
+    from qerl_pipe.rl.distributed import current_dist, group_lifetime
     from qerl_pipe.stages.train import run_train
 
     store = _store(artifacts)
     parsed = _recipe(recipe, set_, model)
     parent = store.resolve(engine) if engine else None
-    ok = False
-    try:
+    with group_lifetime():
         artifact = run_train(parsed, store, engine=parent, force=force)
         if current_dist().is_main:  # one artifact line on stdout, however many ranks
             print(artifact.path)
-        ok = True
-    finally:
-        leave_group(ok=ok)
 
 
 def _train_args(recipe: Path | None, set_: list[str] | None, model: str | None, engine: str | None,
@@ -187,12 +183,7 @@ def eval_(recipe: RecipeOpt = None, set_: SetOpt = None,
 def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_: SetOpt = None,
         artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
     """Run the recipe's stages in order, reusing up-to-date artifacts."""
-    from qerl_pipe.rl.distributed import launched_by_torchrun
     from qerl_pipe.stages.pipeline import run_pipeline
-
-    if launched_by_torchrun():  # every rank would run every stage against one store
-        raise QerlError("`run` is one process; for several GPUs run the stages before train once, then "
-                        "`qerl-pipe train --nproc N` (or torchrun ... -m qerl_pipe train), then export and eval")
 
     results = run_pipeline(_recipe(recipe, set_), _store(artifacts), force=force)
     for stage, artifact in results.items():

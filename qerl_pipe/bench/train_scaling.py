@@ -152,16 +152,12 @@ def main() -> None:
                  new_tokens=a.new_tokens, steps=a.steps, warmup=a.warmup, lora_rank=a.lora_rank,
                  micro_batch_size=a.micro_batch_size)
     if a.worker:
-        from qerl_pipe.rl.distributed import leave_group
+        from qerl_pipe.rl.distributed import group_lifetime
 
-        ok = False
-        try:
+        with group_lifetime():
             row = measure(a.shape, a.device, **sizes)
             if row:
                 a.out.write_text(json.dumps(row) + "\n")
-            ok = True
-        finally:
-            leave_group(ok=ok)
         return
     result = run_train_scaling_bench(a.shape, [int(n) for n in a.nproc.split(",")], a.device, **sizes)
     a.out.parent.mkdir(parents=True, exist_ok=True)

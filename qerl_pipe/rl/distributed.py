@@ -14,7 +14,8 @@ the process group exists, so NCCL, PyTorch's symmetric memory and NVSHMEM never 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -168,26 +169,34 @@ def init_distributed(device_choice: str) -> tuple[Dist, str]:
     return Dist(rank, world, local), f"cuda:{local}" if cuda else "cpu"
 
 
-def leave_group(*, ok: bool = True) -> None:
-    """Destroy this process's group, if it joined one: gloo's threads must be joined before the
-    interpreter exits, or the C++ runtime aborts the process (SIGABRT) after a run that succeeded.
+@contextmanager
+def group_lifetime() -> Iterator[None]:
+    """Around a process's distributed work: on the way out, destroy the group it joined, if any.
 
-    `ok`: every rank got here; wait for all, then destroy. After an error a peer may never come:
-    gloo's group is destroyed at once (that never waits on peers); an NCCL group is left to the
-    exiting process, since destroying it could wait for collectives the peers will not finish.
+    gloo's threads must be joined before the interpreter exits, or the C++ runtime aborts the
+    process (SIGABRT) after a run that succeeded. When the work succeeded every rank gets here:
+    wait for all, then destroy. After an error a peer may never come: gloo's group is destroyed
+    at once (that never waits on peers); an NCCL group is left to the exiting process, since
+    destroying it could wait for collectives the peers will not finish.
     """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    if ok:
+    try:
+        yield
+    except BaseException:
+        if _joined() and torch.distributed.get_backend() == "gloo":
+            torch.distributed.destroy_process_group()
+        raise
+    if _joined():
         torch.distributed.barrier()
-    elif torch.distributed.get_backend() != "gloo":
-        return
-    torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group()
+
+
+def _joined() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def current_dist() -> Dist:
     """The group this process already joined (or Dist() when none)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _joined():
         return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(),
                     int(os.environ.get("LOCAL_RANK", "0")))
     return Dist()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore
+from qerl_pipe.errors import QerlError
 from qerl_pipe.recipe import Recipe
+from qerl_pipe.rl.distributed import launched_by_torchrun
 from qerl_pipe.stages.build_engine import run_build_engine
 from qerl_pipe.stages.calibrate import run_calibrate
 from qerl_pipe.stages.export import run_export
@@ -14,6 +16,9 @@ from qerl_pipe.stages.train import check_train_inputs, run_train
 
 def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> dict[str, Artifact]:
     """Run `recipe.stages`; `force` redoes every stage. Returns each stage's artifact."""
+    if launched_by_torchrun():  # every rank would run every stage against one store
+        raise QerlError("`run` is one process; for several GPUs run the stages before train once, then "
+                        "`qerl-pipe train --nproc N` (or torchrun ... -m qerl_pipe train), then export and eval")
     results: dict[str, Artifact] = {}
     if "train" in recipe.stages:
         check_train_inputs(recipe)  # a bad data file or reward name fails before the first stage
