@@ -1,32 +1,60 @@
 """Side-by-side learning dynamics of training arms (bf16 LoRA, QLoRA, NVFP4, NVFP4 + AQN, ...).
 
 Reads the run directories the arms wrote (finished `run` artifacts or interrupted
-`<store>/.runs/train-<id>` work directories, both hold `metrics.jsonl`), and writes one results
+`<store>/.runs/train-<id>` work directories, both hold `metrics.jsonl`), or, where only a run's
+log came back, the log (its per-step lines and greedy accuracies; no entropy, settings or memory
+there), and writes one results
 JSON (command, commit, gpu, per-arm summaries, a `targets` block holding the QeRL paper's claims
 checked on these runs) plus one PNG per metric with every arm on the same axes.
 
-    python3 -m qerl_pipe.bench.arms --arm qerl=RUN_DIR --arm bf16=RUN_DIR ... --out-dir DIR
+    python3 -m qerl_pipe.bench.arms --arm qerl=RUN_DIR --arm bf16=RUN.log ... --out-dir DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.rl.metrics import parse_step_line
 
 PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
            ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))
 SMOOTH = 5  # steps in the plotted moving average; the raw curve is drawn faintly under it
 
 
+# The train stage's greedy-accuracy log lines (stages/train.py).
+_GREEDY_LINE = re.compile(r"train: greedy accuracy (before|after) training (\S+) \((\d+)/(\d+)")
+
+
+def read_log(log: Path) -> dict[str, Any]:
+    """An arm from its run's log: the per-step lines (a resumed run's repeated steps: the last
+    printing wins, as in metrics.jsonl) and the greedy accuracies before and after."""
+    steps: dict[int, dict[str, Any]] = {}
+    evals: dict[str, dict[str, Any]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        record = parse_step_line(line)
+        if record is not None:
+            steps[record["step"]] = record
+        elif (m := _GREEDY_LINE.search(line)) is not None:
+            evals[m.group(1)] = {"accuracy": float(m.group(2)), "correct": int(m.group(3)), "total": int(m.group(4))}
+    if not steps:
+        raise SystemExit(f"{log} has no 'train: step' lines; pass the log of a train or run command")
+    return {"records": [steps[k] for k in sorted(steps)], "run": {}, "eval": evals}
+
+
 def read_arm(run_dir: Path) -> dict[str, Any]:
-    """One arm's per-step records and, when the run finished, its settings and greedy evaluation."""
+    """One arm's per-step records and, when the run finished, its settings and greedy evaluation;
+    a log file instead of a run directory reads `read_log`."""
+    if run_dir.is_file():
+        return read_log(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        raise SystemExit(f"{run_dir} has no metrics.jsonl; pass a train run artifact or its .runs work directory")
+        raise SystemExit(f"{run_dir} has no metrics.jsonl; pass a train run artifact, its .runs work directory "
+                         "or its log")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     evals = {name: json.loads((run_dir / "eval" / f"{name}.json").read_text())
@@ -37,15 +65,16 @@ def read_arm(run_dir: Path) -> dict[str, Any]:
 def first_step_reaching(records: list[dict[str, Any]], key: str, level: float) -> int | None:
     """The first step whose `SMOOTH`-step trailing mean of `key` reaches `level`."""
     for i in range(len(records)):
-        if _mean(records[max(0, i - SMOOTH + 1):i + 1], key) >= level:
+        if (_mean(records[max(0, i - SMOOTH + 1):i + 1], key) or 0.0) >= level:
             return records[i]["step"]
     return None
 
 
-def _mean(records: list[dict[str, Any]], key: str) -> float:
-    # A step with no trainable group (every group's rewards equal) has no entropy: None, skipped.
+def _mean(records: list[dict[str, Any]], key: str) -> float | None:
+    # A step with no trainable group (every group's rewards equal) has no entropy: None, skipped;
+    # a log-read arm has none at all: None.
     values = [r[key] for r in records if r.get(key) is not None]
-    return sum(values) / max(1, len(values))
+    return sum(values) / len(values) if values else None
 
 
 def summarize(name: str, arm: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +97,8 @@ def summarize(name: str, arm: dict[str, Any]) -> dict[str, Any]:
         "step_reward_0.5": first_step_reaching(records, "reward_mean", 0.5),
         "step_reward_0.8": first_step_reaching(records, "reward_mean", 0.8),
         "step_seconds_median": sorted(r["step_seconds"] for r in records)[len(records) // 2],
-        "peak_gpu_memory_gib": max(r.get("peak_gpu_memory_gib", 0.0) for r in records),
+        "peak_gpu_memory_gib": max((r["peak_gpu_memory_gib"] for r in records if "peak_gpu_memory_gib" in r),
+                                   default=None),
     }
 
 
@@ -78,15 +108,16 @@ def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: st
     claims = []
     if full in rows:
         for q in quantized:
-            if q in rows:
-                claims.append(target(f"early entropy: {q} > {full}", "higher under quantization",
-                                     rows[q]["entropy_first_tenth"] - rows[full]["entropy_first_tenth"],
-                                     "nats/token difference",
-                                     rows[q]["entropy_first_tenth"] > rows[full]["entropy_first_tenth"]))
-                a, b = rows[q]["step_reward_0.5"], rows[full]["step_reward_0.5"]
-                if a is not None and b is not None:
-                    claims.append(target(f"reward 0.5 sooner: {q} vs {full}", "fewer steps under quantization",
-                                         a - b, "steps difference", a < b))
+            if q not in rows:
+                continue
+            e_q, e_full = rows[q]["entropy_first_tenth"], rows[full]["entropy_first_tenth"]
+            if e_q is not None and e_full is not None:
+                claims.append(target(f"early entropy: {q} > {full}", "higher under quantization", e_q - e_full,
+                                     "nats/token difference", e_q > e_full))
+            a, b = rows[q]["step_reward_0.5"], rows[full]["step_reward_0.5"]
+            if a is not None and b is not None:
+                claims.append(target(f"reward 0.5 sooner: {q} vs {full}", "fewer steps under quantization",
+                                     a - b, "steps difference", a < b))
     if aqn in rows and no_aqn in rows:
         a, b = rows[aqn]["step_reward_0.5"], rows[no_aqn]["step_reward_0.5"]
         if a is not None and b is not None:
@@ -112,9 +143,13 @@ def write_plots(arms: dict[str, dict[str, Any]], out_dir: Path, title: str) -> l
 
     written = []
     for key, label in PLOTTED:
+        if not any(r.get(key) is not None for arm in arms.values() for r in arm["records"]):
+            continue  # e.g. entropy when every arm was read from its log
         fig, ax = plt.subplots(figsize=(7, 4))
         for name, arm in arms.items():
             kept = [r for r in arm["records"] if r.get(key) is not None]
+            if not kept:
+                continue
             steps = [r["step"] for r in kept]
             values = [r[key] for r in kept]
             (line,) = ax.plot(steps, _smoothed(values), label=name, linewidth=1.6)

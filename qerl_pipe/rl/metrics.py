@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,11 +77,30 @@ def step_progress(total: int, done: int) -> Iterator[Callable[[dict[str, Any]], 
         def update(r: dict[str, Any]) -> None:
             bar.update(task, advance=1, reward=f"{r['reward_mean']:.3f}")
             if not console.is_terminal:
-                log(f"train: step {r['step']}/{total} reward {r['reward_mean']:.3f} accuracy {r['accuracy']:.3f} "
-                    f"length {r['response_length_mean']:.1f} sigma {r['sigma']:.2g} lr {r['lr']:.2g} "
-                    f"{r['step_seconds']:.1f} s")
+                log(step_line(r, total))
 
         yield update
+
+
+def step_line(r: dict[str, Any], total: int) -> str:
+    """The one log line per step a run prints when stderr is not a terminal."""
+    return (f"train: step {r['step']}/{total} reward {r['reward_mean']:.3f} accuracy {r['accuracy']:.3f} "
+            f"length {r['response_length_mean']:.1f} sigma {r['sigma']:.2g} lr {r['lr']:.2g} "
+            f"{r['step_seconds']:.1f} s")
+
+
+_STEP_LINE = re.compile(r"train: step (\d+)/\d+ reward (\S+) accuracy (\S+) length (\S+) sigma (\S+) "
+                        r"lr (\S+) (\S+) s")
+
+
+def parse_step_line(line: str) -> dict[str, Any] | None:
+    """`step_line`'s fields back (rounded as printed), or None for any other line: a run's log is
+    its record where its metrics.jsonl was lost."""
+    m = _STEP_LINE.search(line)
+    if m is None:
+        return None
+    keys = ("reward_mean", "accuracy", "response_length_mean", "sigma", "lr", "step_seconds")
+    return {"step": int(m.group(1)), **{k: float(v) for k, v in zip(keys, m.groups()[1:])}}
 
 
 def write_plots(records: list[dict[str, Any]], out_dir: Path) -> list[str]:

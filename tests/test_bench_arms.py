@@ -1,0 +1,85 @@
+"""The arms summary read from run directories and from run logs (where only a log came back)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qerl_pipe.bench import arms
+from qerl_pipe.rl.metrics import parse_step_line, step_line
+
+
+def _record(step: int, reward: float, **extra) -> dict:
+    return {"step": step, "reward_mean": reward, "accuracy": reward, "response_length_mean": 12.34,
+            "sigma": 0.00073, "lr": 3.1e-6, "step_seconds": 2.94, **extra}
+
+
+def test_step_line_parses_back_as_printed():
+    line = step_line(_record(7, 0.12345), total=120)
+    assert parse_step_line(f"[12:00:00] {line}") == {
+        "step": 7, "reward_mean": 0.123, "accuracy": 0.123, "response_length_mean": 12.3, "sigma": 0.00073,
+        "lr": 3.1e-6, "step_seconds": 2.9}
+    assert parse_step_line("train: greedy accuracy before training 0.051 (13/256 of arithmetic)") is None
+
+
+def _log(tmp_path, rewards_first: list[float], resumed_from: int, rewards_resumed: list[float], after: bool):
+    lines = ["import: reusing artifacts/import-1 (bf16 copy of smol.gguf)",
+             "train: greedy accuracy before training 0.031 (8/256 of arithmetic)"]
+    lines += [step_line(_record(i + 1, r), 120) for i, r in enumerate(rewards_first)]
+    lines += [step_line(_record(resumed_from + i, r), 120) for i, r in enumerate(rewards_resumed)]
+    if after:
+        lines.append("train: greedy accuracy after training 0.844 (216/256); before 0.031")
+    path = tmp_path / "arm.log"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_log_read_arm_keeps_each_steps_last_printing_and_its_greedy_accuracies(tmp_path):
+    # killed after step 6, resumed from the step-4 checkpoint: steps 5 and 6 printed twice
+    log = _log(tmp_path, [0.1, 0.2, 0.3, 0.4, 0.9, 0.9], 5, [0.5, 0.6, 0.9], after=True)
+    arm = arms.read_arm(log)
+    assert [r["step"] for r in arm["records"]] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["reward_mean"] for r in arm["records"]] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.9]
+    assert arm["eval"] == {"before": {"accuracy": 0.031, "correct": 8, "total": 256},
+                           "after": {"accuracy": 0.844, "correct": 216, "total": 256}}
+    row = arms.summarize("nvfp4", arm)
+    assert row["finished"] and row["greedy_accuracy_after"] == 0.844 and row["eval_problems"] == 256
+    assert row["entropy_first_tenth"] is None and row["peak_gpu_memory_gib"] is None
+    assert row["step_reward_0.5"] == 7  # trailing 5-step means: 0.4 at step 6, 0.54 at step 7
+
+
+def test_claims_skip_what_a_log_cannot_tell(tmp_path):
+    full = arms.summarize("bf16", {"records": [_record(1, 0.6, entropy=0.7)], "run": {}, "eval": {}})
+    from_log = arms.summarize("nvfp4", arms.read_arm(_log(tmp_path, [0.2, 0.8, 0.8], 4, [], after=False)))
+    assert not from_log["finished"]
+    claims = arms.paper_claims({"bf16": full, "nvfp4": from_log}, ["nvfp4"], "bf16", "qerl", "nvfp4")
+    assert [c["name"] for c in claims] == ["reward 0.5 sooner: nvfp4 vs bf16"]  # no entropy claim
+    assert claims[0]["measured"] == 1 and claims[0]["met"] is False
+
+
+def test_plots_leave_out_a_metric_no_arm_has(tmp_path):
+    pytest.importorskip("matplotlib")
+    arm = arms.read_arm(_log(tmp_path, [0.1, 0.5], 3, [], after=False))
+    written = arms.write_plots({"nvfp4": arm}, tmp_path, "t")
+    assert "entropy.png" not in written and "reward_mean.png" in written
+    assert all((tmp_path / name).stat().st_size > 0 for name in written)
+
+
+def test_a_log_without_step_lines_is_refused_with_what_to_pass(tmp_path):
+    log = tmp_path / "empty.log"
+    log.write_text("calibrate: up to date\n")
+    with pytest.raises(SystemExit, match="no 'train: step' lines"):
+        arms.read_arm(log)
+
+
+def test_run_directory_arms_read_as_before(tmp_path):
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(_record(i, 0.1 * i, entropy=0.5, peak_gpu_memory_gib=2.0))
+                                                 for i in range(1, 11)) + "\n")
+    (run / "run.json").write_text(json.dumps({"train": {"lr": 1e-4, "aqn": {"schedule": "exponential"}}}))
+    (run / "eval" / "after.json").write_text(json.dumps({"accuracy": 0.5, "total": 8}))
+    row = arms.summarize("qerl", arms.read_arm(run))
+    assert (row["lr"], row["aqn"], row["finished"], row["entropy_first_tenth"], row["peak_gpu_memory_gib"]) == (
+        1e-4, "exponential", True, 0.5, 2.0)
