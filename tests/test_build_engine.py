@@ -123,6 +123,23 @@ def test_nf4_and_bf16_engines_read_the_original_model(tiny_qwen2, store_dir, fmt
     assert torch.equal(logits(model), logits(reference))
 
 
+def test_a_chain_may_hand_an_nf4_or_bf16_build_the_quantize_artifact_of_its_own_model(tiny_llama, tiny_qwen2,
+                                                                                     store_dir):
+    # The Makefile and the DAG pass --quantized whatever the base: the same engine as without it.
+    def build(model: Path, *extra: str, ok: bool = True):
+        return cli("build-engine", "--model", model, "--artifacts", store_dir, *FAST,
+                   "--set", "engine.base_format=bf16", *extra, ok=ok)
+
+    ckpt = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    # A quantize artifact of another model contradicts model.source: refused, nothing written.
+    _assert_clean_failure(build(tiny_qwen2, "--quantized", ckpt, ok=False), "quantized from another model",
+                          store_dir)
+    alone = last_line(build(tiny_llama))
+    chained = build(tiny_llama, "--quantized", ckpt)
+    assert last_line(chained) == alone and "is not used" in chained.stderr
+    assert read_json(alone / "manifest.json")["parents"] == []
+
+
 # A model built without a config.json (random init) round-trips too: the config is rebuilt from
 # DecoderConfig. Small shards force several files.
 ROUND_TRIP = {
@@ -185,8 +202,6 @@ def test_bad_inputs_fail_cleanly(tiny_llama, store_dir):
     _assert_clean_failure(build("--quantized", "nope"), "no artifact 'nope'", store_dir)
 
     ckpt = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
-    _assert_clean_failure(build("--quantized", ckpt, "--set", "engine.base_format=bf16"), "drop --quantized",
-                          store_dir)
     from_ckpt = cli("build-engine", "--model", ckpt, "--artifacts", store_dir, *FAST,
                     "--set", "engine.base_format=nf4", ok=False)
     _assert_clean_failure(from_ckpt, "NVFP4 checkpoint", store_dir)

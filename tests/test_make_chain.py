@@ -62,8 +62,8 @@ def stage_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith(f"{sys.executable} -m qerl_pipe ")]
 
 
-def pointers(stamps: Path) -> dict[str, Path]:
-    return {stage: Path((stamps / stage).read_text().strip()) for stage in STAGE_ORDER}
+def pointers(stamps: Path, stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, Path]:
+    return {stage: Path((stamps / stage).read_text().strip()) for stage in stages}
 
 
 def test_make_runs_every_stage_once_and_a_second_make_runs_nothing(tiny_llama, tmp_path):
@@ -105,6 +105,18 @@ def test_make_runs_every_stage_once_and_a_second_make_runs_nothing(tiny_llama, t
     make("clean-stamps", *variables)
     assert not any((store / ".make" / s).exists() for s in STAGE_ORDER)
     assert all((art / "manifest.json").is_file() for art in arts.values())
+
+
+def test_make_chains_an_nf4_recipe_through_the_same_stages(tiny_qwen2, tmp_path):
+    # The chain always hands build-engine the quantize artifact; an nf4 (QLoRA) engine leaves it
+    # unused and reads the model, as `qerl-pipe run` does.
+    recipe, store = tmp_path / "nf4.yaml", tmp_path / "artifacts"
+    recipe.write_text(TINY_RECIPE.format(model=tiny_qwen2))
+    built = make(f"RECIPE={recipe}", f"ARTIFACTS={store}", "SET=engine.base_format=nf4", "build-engine")
+    assert "is not used" in built.stderr
+    engine = read_json(pointers(store / ".make", ("build-engine",))["build-engine"] / "manifest.json")
+    assert engine["parents"] == [] and "model" in engine["config"]["base"]
+    assert engine["config"]["engine"]["base_format"] == "nf4"
 
 
 def test_make_prints_the_commands_orchestration_builds(tmp_path):

@@ -118,6 +118,20 @@ def _check_quantized(artifact: Artifact) -> None:
                             f"('{quantize_stage.KIND}')")
 
 
+def _unused_quantized(artifact: Artifact, model_key: dict[str, Any], recipe: Recipe, base_format: str) -> None:
+    """An nf4 or bf16 engine reads the original model, not a quantize artifact. A chain of stage
+    commands (the Makefile, the Airflow DAG) hands build-engine the quantize artifact whatever the
+    base, so one quantized from this very model is accepted and left unused; one of another model
+    is refused, as the two inputs then disagree about the base."""
+    _check_quantized(artifact)
+    if artifact.manifest["config"].get("model") != model_key:
+        raise QerlError(f"{artifact.path} was quantized from another model than model.source "
+                        f"({recipe.model.source}); an engine.base_format={base_format} engine reads model.source "
+                        "itself: drop --quantized, or pass the quantize artifact of that model")
+    log(f"build-engine: engine.base_format={base_format} reads the original model; {artifact.path.name} "
+        "(quantized from it) is not used")
+
+
 def _find_or_make_quantized(recipe: Recipe, store: ArtifactStore) -> Artifact:
     """The quantize artifact this recipe describes, made if missing: calibrated when the recipe
     runs calibrate (as `qerl-pipe run` would make it), weight-only otherwise."""
@@ -223,10 +237,9 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
         _check_quantized(quantized)
         base = _quantized_base(quantized)
     else:
-        if quantized is not None:
-            raise QerlError(f"a quantize artifact is the base of an nvfp4 engine only; engine.base_format="
-                            f"{section.base_format} reads the original model (drop --quantized)")
         resolved = resolve_model(recipe.model, store)
+        if quantized is not None:
+            _unused_quantized(quantized, model_config_key(resolved, recipe.model), recipe, section.base_format)
         quant = detect_quant_format(resolved.config)
         if quant is not None and section.base_format == "nf4":
             raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
