@@ -238,14 +238,14 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
         base = _quantized_base(quantized)
     else:
         resolved = resolve_model(recipe.model, store)
+        model_key = model_config_key(resolved, recipe.model)
         if quantized is not None:
-            _unused_quantized(quantized, model_config_key(resolved, recipe.model), recipe, section.base_format)
+            _unused_quantized(quantized, model_key, recipe, section.base_format)
         quant = detect_quant_format(resolved.config)
         if quant is not None and section.base_format == "nf4":
             raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
-        base = _Base(resolved.dir, resolved.config, {"model": model_config_key(resolved, recipe.model)},
-                     resolved.parents)
+        base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
     plan = _plan(section, base.hf_config, device)
     config = {"base": base.identity, "engine": section.model_dump(), "device": _device_kind(device)}
     with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
