@@ -182,6 +182,12 @@ def test_grpo_raises_a_verifiable_reward(tiny):
     assert last > first + 0.08 and last > 4 * first, [round(r["reward_mean"], 3) for r in records]
     assert all(math.isfinite(r["loss"]) and r["entropy"] > 0 for r in records)
     assert records[-1]["entropy"] < records[0]["entropy"]
+    # Each step keeps its first rollout as generated, with the reward it was given.
+    questions = {p.question for p in trainer.problems}
+    for r in records:
+        assert r["sample"]["question"] in questions
+        assert r["sample"]["reward"] == pytest.approx(letter_e(r["sample"]["completion"], None))
+    assert len({r["sample"]["completion"] for r in records}) > 1
 
 
 def test_kl_to_the_base_and_mu_updates(tiny):

@@ -58,6 +58,7 @@ def test_train_writes_a_run_and_reuses_it(tiny_llama, store_dir, tmp_path):
                 "clip_fraction", "kl", "sigma", "lr", "rollout_tokens_per_s", "train_tokens_per_s", "step_seconds",
                 "peak_gpu_memory_gib"):
         assert key in records[0], key
+    assert {"question", "completion", "reward"} == records[0]["sample"].keys()
     report = read_json(run / "report.json")
     assert report["eval_before"]["total"] == 8 and 0 <= report["eval_after"]["accuracy"] <= 1
     assert "| before |" in (run / "report.md").read_text()

@@ -81,6 +81,7 @@ class _Draw:
     finish_reasons: list[str]
     tokens: int
     seconds: float
+    sample: tuple[str, str]  # (question, completion) of its first rollout: kept in metrics.jsonl
 
 
 @dataclass
@@ -218,6 +219,7 @@ class Trainer:
         kept_rewards: list[Tensor] = []
         rewards_seen, correct, lengths, finishes = [], [], [], []
         seconds, tokens, draws = 0.0, 0, 0
+        sample: dict[str, Any] = {}
         for draw in range(cfg.dynamic_sampling.max_draws if dynamic else 1):
             draws += 1
             mine, out, parts = self._draw(step, draw)
@@ -225,6 +227,9 @@ class Trainer:
             seconds += max(part.seconds for part in parts)
             tokens += sum(part.tokens for part in parts)
             rewards_seen.append(rewards)
+            if draw == 0:  # one rollout as it was generated, so a run's answers can be read later
+                question, completion = parts[0].sample
+                sample = {"question": question, "completion": completion, "reward": float(rewards[0])}
             for part in parts:
                 correct += part.correct
                 lengths += part.lengths
@@ -260,6 +265,7 @@ class Trainer:
             "rollout_seconds": seconds,
             "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "kept_groups": len(kept),
+            "sample": sample,
         }
 
     def _draw(self, step: int, draw: int) -> tuple[list[int], Any, list[_Draw]]:
@@ -281,7 +287,8 @@ class Trainer:
         rewards = torch.tensor(scored.rewards, dtype=torch.float32)
         if cfg.overlong.soft_penalty:
             rewards += soft_overlong_penalty(torch.tensor(out.lengths), cfg.max_new_tokens, self.overlong_buffer)
-        part = _Draw(rewards, scored.correct, out.lengths, out.finish_reasons, out.generated_tokens, seconds)
+        part = _Draw(rewards, scored.correct, out.lengths, out.finish_reasons, out.generated_tokens, seconds,
+                     (self.problems[mine[0]].question, texts[0]))
         return mine, out, self.dist.all_gather(part)
 
     def _logprobs(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
