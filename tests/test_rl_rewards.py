@@ -57,6 +57,16 @@ def test_extract_answer(completion, kind, expected):
     ("", "42", "gsm8k", False),
     ("\\frac{", "\\frac{1}{2}", "math", False),  # unparsable: wrong, no exception
     ("1" * 2000, "1", "math", False),  # degenerate length
+    # Against a numeric gold, an expression is not the value (math-verify would evaluate it).
+    ("(27 + 82)", "109", "arithmetic", False),
+    ("(27) - (82)", "-55", "arithmetic", False),
+    ("2^{10}", "1024", "math", False),
+    ("3 \\times 4", "12", "gsm8k", False),
+    ("27 + 82 = 109", "109", "arithmetic", True),  # the value after the last '='
+    ("x = 18", "18", "math", True),
+    ("\\frac{36}{2}", "18", "gsm8k", True),  # a fraction states a value
+    ("30^\\circ", "30", "math", True),
+    ("x^2+1", "1+x^2", "math", True),  # a non-numeric gold: expressions are answers
 ])
 def test_is_correct(extracted, gold, kind, expected):
     assert is_correct(extracted, gold, kind) is expected
@@ -70,6 +80,14 @@ def test_is_correct_off_the_main_thread():
     t.start()
     t.join()
     assert results == [(True, False)]
+
+
+def test_copying_the_question_into_the_box_scores_nothing():
+    # What a QLoRA policy learned on two-digit addition under a grader that evaluated expressions.
+    completion = "\\boxed{(27 + 82)} 27 + 82 27 + 82 27 + 82"
+    problem = Problem("arithmetic:1:0", "What is 27 + 82?", "109", "arithmetic")
+    assert score([completion], [problem], RewardSpec()).rewards == [0.0]
+    assert score(["\\boxed{109}"], [problem], RewardSpec()).rewards == [1.0]
 
 
 def _problems(n=1):

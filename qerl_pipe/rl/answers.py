@@ -4,6 +4,8 @@ Extraction: the last complete \\boxed{...} (balanced braces); else, for gsm8k / 
 the last number in the text; else None. Grading: an exact numeric comparison when both sides are
 plain numbers, else math-verify (https://github.com/huggingface/Math-Verify) on both sides, which
 knows that \\frac{1}{2} = 0.5, that (3, \\pi/2) = \\left( 3, \\frac{\\pi}{2} \\right), and so on.
+Against a numeric gold answer, an arithmetic expression (27 + 82, 2^{10}) is wrong: math-verify
+would evaluate it, and a policy learns to copy the question into the box (seen in training).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
 # Decorations around a number that do not change it: "\$18", "$-5$", "\!", and LaTeX thousands
 # separators "1{,}000", "1\,000" (plain "1,000" is handled by _THOUSANDS, so "3,4" stays a pair).
 _NUMBER_NOISE = re.compile(r"\\\$|\$|\\!|\\,|\{,\}")
+# Two numbers joined by an arithmetic operator: "27 + 82", "(27) - (82)", "2^{10}", "3 \\times 4".
+# Fractions (a/b, \\frac{a}{b}) are a way to state a value and are not matched.
+_ARITHMETIC = re.compile(r"\d[\s)}\]]*(?:[-+*^×÷−]|\\times|\\cdot|\\div|\\ast)[\s({\[]*\d")
 
 
 def last_boxed(text: str) -> str | None:
@@ -98,14 +103,22 @@ def _math_verify(extracted: str, gold: str) -> bool:
         return False
 
 
+def _is_arithmetic(answer: str) -> bool:
+    """Whether the answer's final value (after its last '=') is an arithmetic expression of
+    numbers rather than a number: "(27 + 82)" and "2^{10}" are, "27 + 82 = 109" and "30^\\circ" are not."""
+    return _ARITHMETIC.search(answer.rsplit("=", 1)[-1]) is not None
+
+
 def is_correct(extracted: str | None, gold: str, kind: str) -> bool:
     """Whether the extracted answer equals the gold one; never raises (what math-verify cannot
     handle, or a timeout, counts as wrong). `kind` is there for kind-specific rules; all kinds are
     graded alike today: an exact decimal comparison when both are plain numbers (72 == 72.0,
-    "1,234" == 1234), else math-verify."""
+    "1,234" == 1234); against a numeric gold, an arithmetic expression is wrong; else math-verify."""
     if extracted is None or not extracted.strip() or len(extracted) > MAX_ANSWER_CHARS:
         return False
     pred_num, gold_num = _as_number(extracted), _as_number(gold)
     if pred_num is not None and gold_num is not None:
         return pred_num == gold_num
+    if gold_num is not None and _is_arithmetic(extracted):
+        return False
     return _math_verify(extracted, gold)

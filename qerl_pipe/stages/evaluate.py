@@ -48,7 +48,7 @@ from qerl_pipe.stages import train as train_stage
 from qerl_pipe.stages.common import engine_model_name, fit_prompts, load_tokenizer, pick_device, stop_token_ids
 
 STAGE = "eval"
-VERSION = 1
+VERSION = 2  # 2: an arithmetic expression no longer grades as a numeric answer (accuracies made before are not reused)
 KIND = "eval"
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"

@@ -44,7 +44,7 @@ from qerl_pipe.stages import build_engine as build_engine_stage
 from qerl_pipe.stages.common import engine_model_name, fit_prompts, load_tokenizer, pick_device, stop_token_ids
 
 STAGE = "train"
-VERSION = 1
+VERSION = 2  # 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused)
 KIND = "run"
 RUNS_DIR = ".runs"  # in-progress runs, by artifact id: what a second `train` resumes
 RUN_FILE = "run.json"
