@@ -83,3 +83,27 @@ def test_run_directory_arms_read_as_before(tmp_path):
     row = arms.summarize("qerl", arms.read_arm(run))
     assert (row["lr"], row["aqn"], row["finished"], row["entropy_first_tenth"], row["peak_gpu_memory_gib"]) == (
         1e-4, "exponential", True, 0.5, 2.0)
+    assert (row["greedy_accuracy_after"], row["greedy_accuracy_after_graded_in_run"]) == (0.5, None)
+
+
+def test_kept_greedy_answers_are_graded_again_by_todays_grader(tmp_path):
+    # A run graded under the grader that evaluated expressions: it reported 3/3, today's grader says 1/3.
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps(_record(1, 0.9)) + "\n")
+    (run / "eval" / "after.json").write_text(json.dumps({"accuracy": 1.0, "correct": 3, "total": 3}))
+    answers = [("arithmetic:1:0", "(27 + 82)", "109"), ("arithmetic:1:1", "60", "60"),
+               ("gsm8k:test:4", "3 \\times 4", "12")]
+    (run / "eval" / "after.jsonl").write_text("".join(
+        json.dumps({"id": i, "extracted": x, "answer": a, "correct": True}) + "\n" for i, x, a in answers))
+    row = arms.summarize("nf4", arms.read_arm(run))
+    assert row["greedy_accuracy_after"] == pytest.approx(1 / 3)
+    assert row["greedy_accuracy_after_graded_in_run"] == 1.0
+
+
+@pytest.mark.parametrize("problem_id, kind", [
+    ("arithmetic:3:17", "arithmetic"), ("gsm8k:test:4", "gsm8k"), ("math500:test:0", "math"),
+    ("mine.jsonl:2", "jsonl")])
+def test_a_problem_id_names_its_kind(problem_id, kind):
+    from qerl_pipe.rl.tasks import kind_of
+    assert kind_of(problem_id) == kind

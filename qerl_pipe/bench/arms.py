@@ -5,7 +5,8 @@ Reads the run directories the arms wrote (finished `run` artifacts or interrupte
 log came back, the log (its per-step lines and greedy accuracies; no entropy, settings or memory
 there), and writes one results
 JSON (command, commit, gpu, per-arm summaries, a `targets` block holding the QeRL paper's claims
-checked on these runs) plus one PNG per metric with every arm on the same axes.
+checked on these runs) plus one PNG per metric with every arm on the same axes. Greedy answers a
+run kept are graded again with today's grader (`read_greedy`).
 
     python3 -m qerl_pipe.bench.arms --arm qerl=RUN_DIR --arm bf16=RUN.log ... --out-dir DIR
 """
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.rl.answers import is_correct
 from qerl_pipe.rl.metrics import parse_step_line
+from qerl_pipe.rl.tasks import kind_of
 
 PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
            ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))
@@ -57,9 +60,25 @@ def read_arm(run_dir: Path) -> dict[str, Any]:
                          "or its log")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
-    evals = {name: json.loads((run_dir / "eval" / f"{name}.json").read_text())
-             for name in ("before", "after") if (run_dir / "eval" / f"{name}.json").is_file()}
+    evals = {name: result for name in ("before", "after") if (result := read_greedy(run_dir, name)) is not None}
     return {"records": records, "run": run, "eval": evals}
+
+
+def read_greedy(run_dir: Path, name: str) -> dict[str, Any] | None:
+    """A run's greedy evaluation `name` ('before' / 'after'). Where the run kept its answers
+    (`eval/<name>.jsonl`), they are graded again by today's grader, so runs made under an older one
+    compare fairly; `graded_in_run` keeps the accuracy the run itself reported."""
+    summary = run_dir / "eval" / f"{name}.json"
+    if not summary.is_file():
+        return None
+    result = json.loads(summary.read_text())
+    answers = run_dir / "eval" / f"{name}.jsonl"
+    if answers.is_file():
+        rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()]
+        correct = sum(is_correct(r["extracted"], r["answer"], kind_of(r["id"])) for r in rows)
+        result = {**result, "graded_in_run": result["accuracy"], "accuracy": correct / len(rows),
+                  "correct": correct, "total": len(rows)}
+    return result
 
 
 def first_step_reaching(records: list[dict[str, Any]], key: str, level: float) -> int | None:
@@ -89,6 +108,7 @@ def summarize(name: str, arm: dict[str, Any]) -> dict[str, Any]:
         "aqn": train.get("aqn", {}).get("schedule"),
         "greedy_accuracy_before": arm["eval"].get("before", {}).get("accuracy"),
         "greedy_accuracy_after": arm["eval"].get("after", {}).get("accuracy"),
+        "greedy_accuracy_after_graded_in_run": arm["eval"].get("after", {}).get("graded_in_run"),
         "eval_problems": arm["eval"].get("after", arm["eval"].get("before", {})).get("total"),
         "reward_first_tenth": _mean(records[:tenth], "reward_mean"),
         "reward_last_tenth": _mean(records[-tenth:], "reward_mean"),
