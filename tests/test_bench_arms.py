@@ -107,3 +107,32 @@ def test_kept_greedy_answers_are_graded_again_by_todays_grader(tmp_path):
 def test_a_problem_id_names_its_kind(problem_id, kind):
     from qerl_pipe.rl.tasks import kind_of
     assert kind_of(problem_id) == kind
+
+
+def test_seeds_give_each_figures_spread_and_how_often_a_claim_held(tmp_path):
+    from qerl_pipe.bench import seeds
+
+    def arms_file(after: dict, met: bool) -> dict:
+        return {"results": [{"arm": a, "greedy_accuracy_after": v} for a, v in after.items()],
+                "targets": [{"name": "AQN helps", "target": "higher with AQN", "measured": 0.0, "unit": "",
+                             "met": met}]}
+
+    files = [arms_file({"bf16": 0.8, "qerl": 0.7}, True), arms_file({"bf16": 0.9}, False),
+             arms_file({"bf16": 1.0, "qerl": 0.5}, True)]
+    results, targets = seeds.across_seeds(files)
+    bf16, qerl = results
+    assert (bf16["arm"], bf16["seeds"], qerl["seeds"]) == ("bf16", 3, 2)
+    after = bf16["greedy_accuracy_after"]
+    assert after["values"] == [0.8, 0.9, 1.0] and after["mean"] == pytest.approx(0.9)
+    assert after["std"] == pytest.approx(0.1) and (after["min"], after["max"]) == (0.8, 1.0)
+    assert qerl["greedy_accuracy_after"]["values"] == [0.7, None, 0.5]
+    assert bf16["step_reward_0.5"] == {"values": [None, None, None], "n": 0}
+    assert [(t["measured"], t["unit"], t["met"]) for t in targets] == [(2, "of 3 seeds held", False)]
+
+
+def test_seeds_refuses_a_missing_arms_file(tmp_path):
+    from qerl_pipe.bench import seeds
+
+    with pytest.raises(SystemExit, match="no such arms file"):
+        seeds.main([str(tmp_path / "nope.json"), "--out", str(tmp_path / "s.json")])
+    assert not (tmp_path / "s.json").exists()
