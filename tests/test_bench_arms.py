@@ -53,7 +53,7 @@ def test_claims_skip_what_a_log_cannot_tell(tmp_path):
     full = arms.summarize("bf16", {"records": [_record(1, 0.6, entropy=0.7)], "run": {}, "eval": {}})
     from_log = arms.summarize("nvfp4", arms.read_arm(_log(tmp_path, [0.2, 0.8, 0.8], 4, [], after=False)))
     assert not from_log["finished"]
-    claims = arms.paper_claims({"bf16": full, "nvfp4": from_log}, ["nvfp4"], "bf16", "qerl", "nvfp4")
+    claims = arms.paper_claims({"bf16": full, "nvfp4": from_log}, ["nvfp4"], "bf16", [("qerl", "nvfp4")])
     assert [c["name"] for c in claims] == ["reward 0.5 sooner: nvfp4 vs bf16"]  # no entropy claim
     assert claims[0]["measured"] == 1 and claims[0]["met"] is False
 
@@ -136,3 +136,15 @@ def test_seeds_refuses_a_missing_arms_file(tmp_path):
     with pytest.raises(SystemExit, match="no such arms file"):
         seeds.main([str(tmp_path / "nope.json"), "--out", str(tmp_path / "s.json")])
     assert not (tmp_path / "s.json").exists()
+
+
+def test_aqn_is_checked_for_every_pair_given():
+    def row(name: str, step: int, after: float) -> dict:
+        return {"arm": name, "entropy_first_tenth": None, "step_reward_0.5": step, "greedy_accuracy_after": after}
+
+    rows = {r["arm"]: r for r in (row("qerl", 30, 0.84), row("nvfp4", 29, 0.85), row("bf16-aqn", 19, 0.90),
+                                  row("bf16", 16, 0.88))}
+    claims = arms.paper_claims(rows, [], "bf16", [("qerl", "nvfp4"), ("bf16-aqn", "bf16"), ("x", "bf16")])
+    assert [(c["name"].split(": ", 1)[1], c["measured"], c["met"]) for c in claims] == [
+        ("qerl vs nvfp4 (reward 0.5)", 1, False), ("qerl vs nvfp4 (greedy accuracy after)", pytest.approx(-0.01), False),
+        ("bf16-aqn vs bf16 (reward 0.5)", 3, False), ("bf16-aqn vs bf16 (greedy accuracy after)", pytest.approx(0.02), True)]

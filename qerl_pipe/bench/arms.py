@@ -122,9 +122,10 @@ def summarize(name: str, arm: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: str, aqn: str,
-                 no_aqn: str) -> list[dict[str, Any]]:
-    """QeRL's findings as checkable statements on these runs (early entropy, reward growth, AQN)."""
+def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: str,
+                 aqn_pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """QeRL's findings as checkable statements on these runs: early entropy and reward growth of
+    each quantized arm against the full-precision one, and AQN for each (with, without) pair."""
     claims = []
     if full in rows:
         for q in quantized:
@@ -138,7 +139,9 @@ def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: st
             if a is not None and b is not None:
                 claims.append(target(f"reward 0.5 sooner: {q} vs {full}", "fewer steps under quantization",
                                      a - b, "steps difference", a < b))
-    if aqn in rows and no_aqn in rows:
+    for aqn, no_aqn in aqn_pairs:
+        if aqn not in rows or no_aqn not in rows:
+            continue
         a, b = rows[aqn]["step_reward_0.5"], rows[no_aqn]["step_reward_0.5"]
         if a is not None and b is not None:
             claims.append(target(f"AQN helps: {aqn} vs {no_aqn} (reward 0.5)", "fewer steps with AQN", a - b,
@@ -194,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--title", default="arms")
     ap.add_argument("--full", default="bf16", help="the unquantized LoRA arm")
     ap.add_argument("--quantized", default="nvfp4,nf4", help="quantized arms without AQN, comma-separated")
-    ap.add_argument("--aqn", default="qerl", help="the NVFP4 + AQN arm")
-    ap.add_argument("--no-aqn", default="nvfp4", help="the same arm without AQN")
+    ap.add_argument("--aqn-pairs", default="qerl:nvfp4,bf16-aqn:bf16",
+                    help="WITH:WITHOUT arms that differ only in AQN, comma-separated")
     ap.add_argument("--note", default="", help="stored in the results file (how the arms were run)")
     ap.add_argument("--gpu", default=None, help="the GPU the arms ran on, when summarised elsewhere")
     args = ap.parse_args(argv)
@@ -208,7 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = {name: summarize(name, arm) for name, arm in arms.items()}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(arms, args.out_dir, args.title)
-    claims = paper_claims(rows, [q for q in args.quantized.split(",") if q], args.full, args.aqn, args.no_aqn)
+    pairs = [tuple(pair.split(":", 1)) for pair in args.aqn_pairs.split(",") if pair]
+    if any(len(pair) != 2 for pair in pairs):
+        raise SystemExit(f"--aqn-pairs {args.aqn_pairs!r}: expected WITH:WITHOUT pairs, e.g. qerl:nvfp4")
+    claims = paper_claims(rows, [q for q in args.quantized.split(",") if q], args.full, pairs)
     extra = {"gpu": args.gpu} if args.gpu else {}
     out = results_file(list(rows.values()), claims, note=args.note, plots=plots, **extra)
     (args.out_dir / "arms.json").write_text(json.dumps(out, indent=2) + "\n")
