@@ -7,7 +7,7 @@ import json
 import pytest
 
 from qerl_pipe.bench import arms
-from qerl_pipe.rl.metrics import parse_step_line, step_line
+from qerl_pipe.rl.metrics import greedy_line, parse_greedy_line, parse_step_line, step_line
 
 
 def _record(step: int, reward: float, **extra) -> dict:
@@ -21,6 +21,14 @@ def test_step_line_parses_back_as_printed():
         "step": 7, "reward_mean": 0.123, "accuracy": 0.123, "response_length_mean": 12.3, "sigma": 0.00073,
         "lr": 3.1e-6, "step_seconds": 2.9}
     assert parse_step_line("train: greedy accuracy before training 0.051 (13/256 of arithmetic)") is None
+
+
+def test_greedy_line_parses_back_as_printed():
+    line = greedy_line("after", {"accuracy": 0.8359375, "correct": 214, "total": 256}, "arithmetic")
+    assert parse_greedy_line(f"{line}; before 0.051") == ("after", {"accuracy": 0.836, "correct": 214, "total": 256})
+    # the form printed before the line had its data name after training
+    assert parse_greedy_line("train: greedy accuracy after training 0.844 (216/256); before 0.168")[0] == "after"
+    assert parse_greedy_line(line.replace("greedy", "sampled")) is None
 
 
 def _log(tmp_path, rewards_first: list[float], resumed_from: int, rewards_resumed: list[float], after: bool):

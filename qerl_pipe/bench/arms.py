@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.rl.answers import is_correct
-from qerl_pipe.rl.metrics import parse_step_line
+from qerl_pipe.rl.metrics import parse_greedy_line, parse_step_line
 from qerl_pipe.rl.tasks import kind_of
 
 PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
            ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))
 SMOOTH = 5  # steps in the plotted moving average; the raw curve is drawn faintly under it
 
-
-# The train stage's greedy-accuracy log lines (stages/train.py).
-_GREEDY_LINE = re.compile(r"train: greedy accuracy (before|after) training (\S+) \((\d+)/(\d+)")
 
 
 def read_log(log: Path) -> dict[str, Any]:
@@ -42,8 +38,8 @@ def read_log(log: Path) -> dict[str, Any]:
         record = parse_step_line(line)
         if record is not None:
             steps[record["step"]] = record
-        elif (m := _GREEDY_LINE.search(line)) is not None:
-            evals[m.group(1)] = {"accuracy": float(m.group(2)), "correct": int(m.group(3)), "total": int(m.group(4))}
+        elif (greedy := parse_greedy_line(line)) is not None:
+            evals[greedy[0]] = greedy[1]
     if not steps:
         raise SystemExit(f"{log} has no 'train: step' lines; pass the log of a train or run command")
     return {"records": [steps[k] for k in sorted(steps)], "run": {}, "eval": evals}

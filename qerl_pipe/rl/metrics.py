@@ -103,6 +103,23 @@ def parse_step_line(line: str) -> dict[str, Any] | None:
     return {"step": int(m.group(1)), **{k: float(v) for k, v in zip(keys, m.groups()[1:])}}
 
 
+def greedy_line(when: str, result: dict[str, Any], data: str) -> str:
+    """The log line of the greedy evaluation `when` ('before' / 'after') training."""
+    return (f"train: greedy accuracy {when} training {result['accuracy']:.3f} "
+            f"({result['correct']}/{result['total']} of {data})")
+
+
+_GREEDY_LINE = re.compile(r"train: greedy accuracy (before|after) training (\S+) \((\d+)/(\d+)")
+
+
+def parse_greedy_line(line: str) -> tuple[str, dict[str, Any]] | None:
+    """`greedy_line`'s when and result back (accuracy rounded as printed), or None for any other line."""
+    m = _GREEDY_LINE.search(line)
+    if m is None:
+        return None
+    return m.group(1), {"accuracy": float(m.group(2)), "correct": int(m.group(3)), "total": int(m.group(4))}
+
+
 def write_plots(records: list[dict[str, Any]], out_dir: Path) -> list[str]:
     """One PNG per PLOTTED metric against the step; returns the file names ([] and a log line
     when matplotlib is not installed)."""

@@ -35,7 +35,7 @@ from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
-from qerl_pipe.rl.metrics import PLOTS_DIR, write_plots
+from qerl_pipe.rl.metrics import PLOTS_DIR, greedy_line, write_plots
 from qerl_pipe.rl.distributed import Dist, init_distributed
 from qerl_pipe.rl.rewards import load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
@@ -145,8 +145,7 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
                 result = greedy_eval(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens, stops)
                 _write_eval(run_dir, "before", result)
                 before = result.summary()
-                log(f"train: greedy accuracy before training {before['accuracy']:.3f} "
-                    f"({before['correct']}/{before['total']} of {section.eval_data})")
+                log(greedy_line("before", before, section.eval_data))
         records = fit(trainer, run_dir, section.checkpoint_every)
         if not dist.is_main:
             return {}
@@ -154,8 +153,7 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
             result = greedy_eval(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens, stops)
             _write_eval(run_dir, "after", result)
             after = result.summary()
-            log(f"train: greedy accuracy after training {after['accuracy']:.3f} "
-                f"({after['correct']}/{after['total']}); before {before['accuracy']:.3f}")
+            log(f"{greedy_line('after', after, section.eval_data)}; before {before['accuracy']:.3f}")
     save_adapter(model, spec, run_dir / ADAPTER_DIR, base_model)
     write_plots(records, run_dir / PLOTS_DIR)
     report = _report(run_dir, section, records, before, after, time.perf_counter() - started, str(device))
