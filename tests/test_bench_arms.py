@@ -25,7 +25,7 @@ def test_step_line_parses_back_as_printed():
 
 def test_greedy_line_parses_back_as_printed():
     line = greedy_line("after", {"accuracy": 0.8359375, "correct": 214, "total": 256}, "arithmetic")
-    assert parse_greedy_line(f"{line}; before 0.051") == ("after", {"accuracy": 0.836, "correct": 214, "total": 256})
+    assert parse_greedy_line(f"{line}; before 0.051") == ("after", {"accuracy": 214 / 256, "correct": 214, "total": 256})
     # the form printed before the line had its data name after training
     assert parse_greedy_line("train: greedy accuracy after training 0.844 (216/256); before 0.168")[0] == "after"
     assert parse_greedy_line(line.replace("greedy", "sampled")) is None
@@ -49,10 +49,10 @@ def test_a_log_read_arm_keeps_each_steps_last_printing_and_its_greedy_accuracies
     arm = arms.read_arm(log)
     assert [r["step"] for r in arm["records"]] == [1, 2, 3, 4, 5, 6, 7]
     assert [r["reward_mean"] for r in arm["records"]] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.9]
-    assert arm["eval"] == {"before": {"accuracy": 0.031, "correct": 8, "total": 256},
-                           "after": {"accuracy": 0.844, "correct": 216, "total": 256}}
+    assert arm["eval"] == {"before": {"accuracy": 8 / 256, "correct": 8, "total": 256},
+                           "after": {"accuracy": 216 / 256, "correct": 216, "total": 256}}
     row = arms.summarize("nvfp4", arm)
-    assert row["finished"] and row["greedy_accuracy_after"] == 0.844 and row["eval_problems"] == 256
+    assert row["finished"] and row["greedy_accuracy_after"] == 216 / 256 and row["eval_problems"] == 256
     assert row["entropy_first_tenth"] is None and row["peak_gpu_memory_gib"] is None
     assert row["step_reward_0.5"] == 7  # trailing 5-step means: 0.4 at step 6, 0.54 at step 7
 
@@ -100,13 +100,17 @@ def test_kept_greedy_answers_are_graded_again_by_todays_grader(tmp_path):
     (run / "eval").mkdir(parents=True)
     (run / "metrics.jsonl").write_text(json.dumps(_record(1, 0.9)) + "\n")
     (run / "eval" / "after.json").write_text(json.dumps({"accuracy": 1.0, "correct": 3, "total": 3}))
-    answers = [("arithmetic:1:0", "(27 + 82)", "109"), ("arithmetic:1:1", "60", "60"),
-               ("gsm8k:test:4", "3 \\times 4", "12")]
+    # Extraction is redone too: math has no last-number fallback ("So 5." has no answer there).
+    answers = [("arithmetic:1:0", "\\boxed{(27 + 82)} 27 + 82", "109"), ("arithmetic:1:1", "It is 60.", "60"),
+               ("math500:test:4", "So 5.", "5")]
     (run / "eval" / "after.jsonl").write_text("".join(
-        json.dumps({"id": i, "extracted": x, "answer": a, "correct": True}) + "\n" for i, x, a in answers))
+        json.dumps({"id": i, "completion": c, "extracted": "stale", "answer": a, "correct": True}) + "\n"
+        for i, c, a in answers))
     row = arms.summarize("nf4", arms.read_arm(run))
     assert row["greedy_accuracy_after"] == pytest.approx(1 / 3)
     assert row["greedy_accuracy_after_graded_in_run"] == 1.0
+    (run / "eval" / "after.jsonl").write_text("")  # no answers kept: the run's own figure stands
+    assert arms.summarize("nf4", arms.read_arm(run))["greedy_accuracy_after"] == 1.0
 
 
 @pytest.mark.parametrize("problem_id, kind", [
@@ -156,3 +160,13 @@ def test_aqn_is_checked_for_every_pair_given():
     assert [(c["name"].split(": ", 1)[1], c["measured"], c["met"]) for c in claims] == [
         ("qerl vs nvfp4 (reward 0.5)", 1, False), ("qerl vs nvfp4 (greedy accuracy after)", pytest.approx(-0.01), False),
         ("bf16-aqn vs bf16 (reward 0.5)", 3, False), ("bf16-aqn vs bf16 (greedy accuracy after)", pytest.approx(0.02), True)]
+
+
+@pytest.mark.parametrize("pairs", ["qerl:", "qerl", ":nvfp4"])
+def test_a_malformed_aqn_pair_is_refused(tmp_path, pairs):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps(_record(1, 0.5)) + "\n")
+    with pytest.raises(SystemExit, match="expected WITH:WITHOUT pairs"):
+        arms.main(["--arm", f"qerl={run}", "--aqn-pairs", pairs, "--out-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "arms.json").exists()

@@ -57,16 +57,39 @@ def test_extract_answer(completion, kind, expected):
     ("", "42", "gsm8k", False),
     ("\\frac{", "\\frac{1}{2}", "math", False),  # unparsable: wrong, no exception
     ("1" * 2000, "1", "math", False),  # degenerate length
-    # Against a numeric gold, an expression is not the value (math-verify would evaluate it).
+    # A gold that states a number needs an answer that states one; an expression is not it, though
+    # math-verify would evaluate it (a policy learned to box the question: "(27 + 82)").
     ("(27 + 82)", "109", "arithmetic", False),
-    ("(27) - (82)", "-55", "arithmetic", False),
+    ("\\left(27\\right)+\\left(82\\right)", "109", "arithmetic", False),
+    ("27\\,+\\,82", "109", "arithmetic", False),
+    ("27+\\text{ }82", "109", "arithmetic", False),
+    ("x = 27 + 82", "109", "arithmetic", False),
+    ("0 = 27 + 82", "109", "arithmetic", False),
     ("2^{10}", "1024", "math", False),
     ("3 \\times 4", "12", "gsm8k", False),
-    ("27 + 82 = 109", "109", "arithmetic", True),  # the value after the last '='
-    ("x = 18", "18", "math", True),
-    ("\\frac{36}{2}", "18", "gsm8k", True),  # a fraction states a value
-    ("30^\\circ", "30", "math", True),
-    ("x^2+1", "1+x^2", "math", True),  # a non-numeric gold: expressions are answers
+    ("\\sqrt{144}", "12", "math", False),
+    ("5!", "120", "math", False),
+    ("\\frac{1}{2}+\\frac{1}{2}", "1", "math", False),
+    ("(9+9)", "18 \\text{ dollars}", "gsm8k", False),
+    ("2+3", "5^\\circ", "math", False),
+    ("\\frac14+\\frac14", "\\frac{1}{2}", "math", False),
+    # ... and states it in any of the usual ways
+    ("27 + 82 = 109", "109", "arithmetic", True),
+    ("27+82 \\approx 109", "109", "arithmetic", True),
+    ("x = -5", "-5", "math", True),
+    ("-\\frac{1}{2}", "-0.5", "math", True),
+    ("\\frac{36}{2}", "18", "gsm8k", True),
+    ("1.5 \\times 10^{3}", "1500", "math", True),
+    ("5 \\times 10^{-3}", "0.005", "math", True),
+    ("30^{\\circ}", "30", "math", True),
+    ("10 \\text{ cm}^2", "10", "math", True),
+    ("\\$1{,}000", "1000", "gsm8k", True),
+    ("1\\,000", "1000", "gsm8k", True),
+    ("\\$32,\\!348", "32,348", "math", True),
+    ("−5", "-5", "arithmetic", True),
+    # symbolic golds are math-verify's: "2k" and "5x - 7y + 11z + 4 = 0" state no number
+    ("2", "2k", "math", False),
+    ("0", "5x - 7y + 11z + 4 = 0", "math", False),
 ])
 def test_is_correct(extracted, gold, kind, expected):
     assert is_correct(extracted, gold, kind) is expected
@@ -80,6 +103,16 @@ def test_is_correct_off_the_main_thread():
     t.start()
     t.join()
     assert results == [(True, False)]
+
+
+@pytest.mark.parametrize("spec", ["math500:test", "gsm8k:test"])
+def test_every_packaged_gold_answer_grades_correct_against_itself(spec):
+    from qerl_pipe.rl.tasks import load_problems
+
+    forms = ["So the answer is \\boxed{{{}}}."] + (["The answer is {}."] if spec.startswith("gsm8k") else [])
+    wrong = [(form, p.answer) for p in load_problems(spec) for form in forms
+             if not is_correct(extract_answer(form.format(p.answer), p.kind), p.answer, p.kind)]
+    assert wrong == []
 
 
 def test_copying_the_question_into_the_box_scores_nothing():

@@ -182,12 +182,23 @@ def test_grpo_raises_a_verifiable_reward(tiny):
     assert last > first + 0.08 and last > 4 * first, [round(r["reward_mean"], 3) for r in records]
     assert all(math.isfinite(r["loss"]) and r["entropy"] > 0 for r in records)
     assert records[-1]["entropy"] < records[0]["entropy"]
-    # Each step keeps its first rollout as generated, with the reward it was given.
-    questions = {p.question for p in trainer.problems}
-    for r in records:
-        assert r["sample"]["question"] in questions
-        assert r["sample"]["reward"] == pytest.approx(letter_e(r["sample"]["completion"], None))
-    assert len({r["sample"]["completion"] for r in records}) > 1
+
+
+def test_each_step_keeps_its_first_rollout_with_its_question_and_reward(tiny):
+    trainer = make_trainer(tiny, steps=3, aqn={"schedule": "none"},
+                           rewards={"accuracy": 0.0, "custom": ["tests.test_rl_trainer:e_on_odd_answers"]})
+    draws = []
+    generate = trainer.engine.generate
+    trainer.engine.generate = lambda prompts, **kw: draws.append((prompts[0], out := generate(prompts, **kw))) or out
+    for _ in range(3):
+        first_draw = len(draws)
+        sample = trainer.step()["sample"]
+        prompt, out = draws[first_draw]
+        assert sample["completion"] == trainer.tokenizer.batch_decode(out.tokens[:1], skip_special_tokens=True)[0]
+        problem = next(p for p in trainer.problems if p.question == sample["question"])
+        assert trainer.prompts[trainer.problems.index(problem)] == list(prompt)
+        # the parity reward depends on the problem: a question paired with another's completion shows
+        assert sample["reward"] == pytest.approx(e_on_odd_answers(sample["completion"], problem))
 
 
 def test_kl_to_the_base_and_mu_updates(tiny):

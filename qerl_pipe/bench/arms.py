@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.rl.answers import is_correct
+from qerl_pipe.rl.answers import extract_answer, is_correct
 from qerl_pipe.rl.metrics import parse_greedy_line, parse_step_line
 from qerl_pipe.rl.tasks import kind_of
 
@@ -62,16 +62,17 @@ def read_arm(run_dir: Path) -> dict[str, Any]:
 
 def read_greedy(run_dir: Path, name: str) -> dict[str, Any] | None:
     """A run's greedy evaluation `name` ('before' / 'after'). Where the run kept its answers
-    (`eval/<name>.jsonl`), they are graded again by today's grader, so runs made under an older one
-    compare fairly; `graded_in_run` keeps the accuracy the run itself reported."""
+    (`eval/<name>.jsonl`), they are extracted and graded again by today's grader, so runs made under
+    an older one compare fairly; `graded_in_run` keeps the accuracy the run itself reported."""
     summary = run_dir / "eval" / f"{name}.json"
     if not summary.is_file():
         return None
     result = json.loads(summary.read_text())
     answers = run_dir / "eval" / f"{name}.jsonl"
-    if answers.is_file():
-        rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()]
-        correct = sum(is_correct(r["extracted"], r["answer"], kind_of(r["id"])) for r in rows)
+    rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()] if answers.is_file() else []
+    if rows:
+        correct = sum(is_correct(extract_answer(r["completion"], kind_of(r["id"])), r["answer"], kind_of(r["id"]))
+                      for r in rows)
         result = {**result, "graded_in_run": result["accuracy"], "accuracy": correct / len(rows),
                   "correct": correct, "total": len(rows)}
     return result
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--note", default="", help="stored in the results file (how the arms were run)")
     ap.add_argument("--gpu", default=None, help="the GPU the arms ran on, when summarised elsewhere")
     args = ap.parse_args(argv)
+    pairs = [tuple(pair.split(":", 1)) for pair in args.aqn_pairs.split(",") if pair]
+    if any(len(pair) != 2 or not all(pair) for pair in pairs):
+        raise SystemExit(f"--aqn-pairs {args.aqn_pairs!r}: expected WITH:WITHOUT pairs, e.g. qerl:nvfp4")
     arms = {}
     for spec in args.arm:
         name, sep, path = spec.partition("=")
@@ -207,9 +211,6 @@ def main(argv: list[str] | None = None) -> None:
     rows = {name: summarize(name, arm) for name, arm in arms.items()}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(arms, args.out_dir, args.title)
-    pairs = [tuple(pair.split(":", 1)) for pair in args.aqn_pairs.split(",") if pair]
-    if any(len(pair) != 2 for pair in pairs):
-        raise SystemExit(f"--aqn-pairs {args.aqn_pairs!r}: expected WITH:WITHOUT pairs, e.g. qerl:nvfp4")
     claims = paper_claims(rows, [q for q in args.quantized.split(",") if q], args.full, pairs)
     extra = {"gpu": args.gpu} if args.gpu else {}
     out = results_file(list(rows.values()), claims, note=args.note, plots=plots, **extra)

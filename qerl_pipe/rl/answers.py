@@ -1,11 +1,12 @@
 """Final answers: pulling one out of a completion, and grading it against the gold answer.
 
 Extraction: the last complete \\boxed{...} (balanced braces); else, for gsm8k / arithmetic / jsonl,
-the last number in the text; else None. Grading: an exact numeric comparison when both sides are
-plain numbers, else math-verify (https://github.com/huggingface/Math-Verify) on both sides, which
-knows that \\frac{1}{2} = 0.5, that (3, \\pi/2) = \\left( 3, \\frac{\\pi}{2} \\right), and so on.
-Against a numeric gold answer, an arithmetic expression (27 + 82, 2^{10}) is wrong: math-verify
-would evaluate it, and a policy learns to copy the question into the box (seen in training).
+the last number in the text; else None. Grading: where the gold states a number (42, -\\frac{1}{2},
+30^\\circ, 18 \\text{ dollars}), the answer must state one too, compared exactly as decimals, or by
+math-verify (https://github.com/huggingface/Math-Verify) for fractions and the scientific form. An
+expression (27 + 82, 2^{10}, \\sqrt{144}) is wrong there, though math-verify would evaluate it: a
+policy learned to copy the question into the box. Other golds (\\sqrt{2}, tuples, intervals) go to
+math-verify whole, which knows that (3, \\pi/2) = \\left( 3, \\frac{\\pi}{2} \\right), and so on.
 """
 
 from __future__ import annotations
@@ -27,12 +28,25 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _TEXT_NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
-# Decorations around a number that do not change it: "\$18", "$-5$", "\!", and LaTeX thousands
-# separators "1{,}000", "1\,000" (plain "1,000" is handled by _THOUSANDS, so "3,4" stays a pair).
-_NUMBER_NOISE = re.compile(r"\\\$|\$|\\!|\\,|\{,\}")
-# Two numbers joined by an arithmetic operator: "27 + 82", "(27) - (82)", "2^{10}", "3 \\times 4".
-# Fractions (a/b, \\frac{a}{b}) are a way to state a value and are not matched.
-_ARITHMETIC = re.compile(r"\d[\s)}\]]*(?:[-+*^×÷−]|\\times|\\cdot|\\div|\\ast)[\s({\[]*\d")
+# LaTeX thousands separators, made plain commas: "1{,}000", "1\\,000", "32,\\!348".
+_LATEX_THOUSANDS = re.compile(r"\{,\}|(?<=\d)\\,(?=\d{3}(?!\d))|\\!")
+# What may surround a stated number without changing it: LaTeX spacing, \\left / \\right, dollar
+# signs, degree and percent signs.
+_DECORATION = re.compile(r"\\left|\\right|\\[,;: ]|\\q?quad|~|\\\$|\$|\^\s*\{?\s*\\circ\s*\}?|°|\\?%")
+# Text wrappers, replaced by their content after a space: "\\text{cm}" -> " cm", "\\mathbf{5}" -> " 5".
+_WRAPPER = re.compile(r"\\(?:text|textrm|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_NUM = r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
+# One number: plain, a fraction, or scientific; in parentheses or not; then unit words, each after a
+# space ("5 cm^2", "5 m/s"; "2k" and "5r^5" are products, not units).
+_STATED = re.compile(
+    rf"\(?\s*(?P<value>[-+]?\s*(?:\\[dt]?frac\s*(?:\{{\s*-?{_NUM}\s*\}}|\d)\s*(?:\{{\s*{_NUM}\s*\}}|\d)"
+    rf"|{_NUM}\s*/\s*{_NUM}"
+    rf"|{_NUM}\s*(?:\\times|\\cdot|×)\s*10\s*\^\s*(?:\{{\s*-?\d+\s*\}}|\d)"
+    rf"|{_NUM}))\s*\)?"
+    r"(?:\s+[A-Za-z]+(?:\^\{?\d\}?)?(?:/[A-Za-z]+(?:\^\{?\d\}?)?)?)*\s*\.?")
+_RELATION = re.compile(r"=|\\approx|≈|\\equiv")
+_NAME = re.compile(r"[A-Za-z]\w*")  # "x" in "x = 5"
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 
 
 def last_boxed(text: str) -> str | None:
@@ -69,9 +83,8 @@ def extract_answer(completion: str, kind: str) -> str | None:
 
 
 def _as_number(text: str) -> Decimal | None:
-    cleaned = _NUMBER_NOISE.sub("", text).strip().rstrip(".")
-    if _THOUSANDS.fullmatch(cleaned):
-        cleaned = cleaned.replace(",", "")
+    """A plain decimal number ("-5", "72.0", "1,234"; thousands commas in groups of three), else None."""
+    cleaned = text.replace(",", "") if _THOUSANDS.fullmatch(text) else text
     if not _PLAIN_NUMBER.fullmatch(cleaned):
         return None
     try:
@@ -103,22 +116,47 @@ def _math_verify(extracted: str, gold: str) -> bool:
         return False
 
 
-def _is_arithmetic(answer: str) -> bool:
-    """Whether the answer's final value (after its last '=') is an arithmetic expression of
-    numbers rather than a number: "(27 + 82)" and "2^{10}" are, "27 + 82 = 109" and "30^\\circ" are not."""
-    return _ARITHMETIC.search(answer.rsplit("=", 1)[-1]) is not None
+def _undecorated(text: str) -> str:
+    """The text without what may surround a number: wrappers kept as their content, LaTeX thousands
+    separators as commas, spacing, \\left/\\right, dollar, degree and percent signs."""
+    while (unwrapped := _WRAPPER.sub(r" \1", text)) != text:
+        text = unwrapped
+    text = _LATEX_THOUSANDS.sub(lambda m: "" if m.group() == "\\!" else ",", text)
+    return _DECORATION.sub(" ", text).strip()
+
+
+def stated_number(answer: str) -> str | None:
+    """The number an answer states, without its decorations: "18" from "\\$18", "18 \\text{ dollars}"
+    or "x = 18"; "-\\frac{1}{2}"; "1.5 \\times 10^{3}". In a relation, the last side that states one,
+    when each other side is a name ("x") or has no letters ("27 + 82 = 109"). None for anything else:
+    an expression ("(27 + 82)", "2^{10}", "\\sqrt{144}", "5!", "2k"), an equation, no number."""
+    sides = [_undecorated(side) for side in _RELATION.split(answer.replace("−", "-"))]
+    for i in reversed(range(len(sides))):
+        m = _STATED.fullmatch(sides[i])
+        if m is None:
+            continue
+        others = sides[:i] + sides[i + 1:]
+        if all(_NAME.fullmatch(o) or not re.search("[A-Za-z]", _LATEX_COMMAND.sub("", o)) for o in others):
+            return re.sub(r"^([-+])\s+", r"\1", m.group("value").strip())
+        return None
+    return None
 
 
 def is_correct(extracted: str | None, gold: str, kind: str) -> bool:
     """Whether the extracted answer equals the gold one; never raises (what math-verify cannot
     handle, or a timeout, counts as wrong). `kind` is there for kind-specific rules; all kinds are
-    graded alike today: an exact decimal comparison when both are plain numbers (72 == 72.0,
-    "1,234" == 1234); against a numeric gold, an arithmetic expression is wrong; else math-verify."""
+    graded alike today. A gold that states a number (`stated_number`) needs an answer that states
+    one: compared exactly as decimals when both are plain numbers (72 == 72.0, "1,234" == 1234),
+    else (fractions, scientific form) by math-verify. Any other gold goes to math-verify whole."""
     if extracted is None or not extracted.strip() or len(extracted) > MAX_ANSWER_CHARS:
         return False
-    pred_num, gold_num = _as_number(extracted), _as_number(gold)
+    gold_value = stated_number(gold)
+    if gold_value is None:  # a symbolic gold: \\sqrt{2}, a tuple, an interval, a name
+        return _math_verify(extracted, gold)
+    value = stated_number(extracted)
+    if value is None:  # an expression math-verify would evaluate, or no number: not the answer asked for
+        return False
+    pred_num, gold_num = _as_number(value), _as_number(gold_value)
     if pred_num is not None and gold_num is not None:
         return pred_num == gold_num
-    if gold_num is not None and _is_arithmetic(extracted):
-        return False
-    return _math_verify(extracted, gold)
+    return _math_verify(value, gold_value)

@@ -113,11 +113,13 @@ _GREEDY_LINE = re.compile(r"train: greedy accuracy (before|after) training (\S+)
 
 
 def parse_greedy_line(line: str) -> tuple[str, dict[str, Any]] | None:
-    """`greedy_line`'s when and result back (accuracy rounded as printed), or None for any other line."""
+    """`greedy_line`'s when and result back (the accuracy from the counts, not as rounded in print),
+    or None for any other line."""
     m = _GREEDY_LINE.search(line)
     if m is None:
         return None
-    return m.group(1), {"accuracy": float(m.group(2)), "correct": int(m.group(3)), "total": int(m.group(4))}
+    correct, total = int(m.group(3)), int(m.group(4))
+    return m.group(1), {"accuracy": correct / total, "correct": correct, "total": total}
 
 
 def write_plots(records: list[dict[str, Any]], out_dir: Path) -> list[str]:
