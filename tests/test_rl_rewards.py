@@ -87,6 +87,16 @@ def test_extract_answer(completion, kind, expected):
     ("1\\,000", "1000", "gsm8k", True),
     ("\\$32,\\!348", "32,348", "math", True),
     ("−5", "-5", "arithmetic", True),
+    ("1.09 \\times 10^{2}", "109", "math", True),  # exact: no float rounding of the mantissa
+    ("f(3) = 12", "12", "math", True),  # an answer's other sides may be labels
+    ("\\text{Total cost} = \\$12", "12", "gsm8k", True),
+    ("{12}", "12", "math", True),
+    ("\\textit{12},", "12", "math", True),
+    ("\\cfrac{1}{2}", "0.5", "math", True),
+    ("11,111,111,100", "11,\\! 111,\\! 111,\\! 100", "math", True),
+    ("11111111000 + 100", "11,\\! 111,\\! 111,\\! 100", "math", False),
+    ("1 \\times 10^{99999999999}", "109", "math", False),  # no such power is computed
+    ("1/0", "5", "math", False),
     # symbolic golds are math-verify's: "2k" and "5x - 7y + 11z + 4 = 0" state no number
     ("2", "2k", "math", False),
     ("0", "5x - 7y + 11z + 4 = 0", "math", False),

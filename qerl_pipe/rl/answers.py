@@ -2,11 +2,11 @@
 
 Extraction: the last complete \\boxed{...} (balanced braces); else, for gsm8k / arithmetic / jsonl,
 the last number in the text; else None. Grading: where the gold states a number (42, -\\frac{1}{2},
-30^\\circ, 18 \\text{ dollars}), the answer must state one too, compared exactly as decimals, or by
-math-verify (https://github.com/huggingface/Math-Verify) for fractions and the scientific form. An
-expression (27 + 82, 2^{10}, \\sqrt{144}) is wrong there, though math-verify would evaluate it: a
-policy learned to copy the question into the box. Other golds (\\sqrt{2}, tuples, intervals) go to
-math-verify whole, which knows that (3, \\pi/2) = \\left( 3, \\frac{\\pi}{2} \\right), and so on.
+30^\\circ, 18 \\text{ dollars}), the answer must state the same number, compared exactly as
+rationals. An expression (27 + 82, 2^{10}, \\sqrt{144}) is wrong there, though math-verify would
+evaluate it: a policy learned to copy the question into the box. Other golds (\\sqrt{2}, tuples,
+intervals) go to math-verify (https://github.com/huggingface/Math-Verify) with the whole answer,
+which knows that (3, \\pi/2) = \\left( 3, \\frac{\\pi}{2} \\right), and so on.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 log = logging.getLogger(__name__)
 
@@ -26,24 +26,24 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A minus sign only where it cannot be a binary minus ("3-5" gives 5, "= -5" gives -5); thousands
 # commas only in groups of three, so "3, 4" is two numbers.
 _TEXT_NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
-_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
-_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
-# LaTeX thousands separators, made plain commas: "1{,}000", "1\\,000", "32,\\!348".
-_LATEX_THOUSANDS = re.compile(r"\{,\}|(?<=\d)\\,(?=\d{3}(?!\d))|\\!")
-# What may surround a stated number without changing it: LaTeX spacing, \\left / \\right, dollar
-# signs, degree and percent signs.
-_DECORATION = re.compile(r"\\left|\\right|\\[,;: ]|\\q?quad|~|\\\$|\$|\^\s*\{?\s*\\circ\s*\}?|°|\\?%")
-# Text wrappers, replaced by their content after a space: "\\text{cm}" -> " cm", "\\mathbf{5}" -> " 5".
-_WRAPPER = re.compile(r"\\(?:text|textrm|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+# LaTeX thousands separators, made plain commas: "1{,}000", "1\\,000", "32,\\!348", "11,\\! 111".
+_LATEX_THOUSANDS = re.compile(r"\{,\}|(?<=\d)\\,(?=\d{3}(?!\d))|\s*\\!\s*")
+# What may surround a stated number without changing it: LaTeX spacing and sizing, \\left / \\right,
+# dollar, degree and percent signs.
+_DECORATION = re.compile(r"\\left|\\right|\\displaystyle|\\[,;: ]|\\q?quad|~|\\\$|\$|\^\s*\{?\s*\\circ\s*\}?|°|\\?%")
+# Text and font wrappers, replaced by their content after a space: "\\text{cm}" -> " cm".
+_WRAPPER = re.compile(r"\\(?:text|textrm|textbf|textit|textsf|mathrm|mathbf|mathit|mathsf|mbox)\s*\{([^{}]*)\}")
 _NUM = r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
-# One number: plain, a fraction, or scientific; in parentheses or not; then unit words, each after a
-# space ("5 cm^2", "5 m/s"; "2k" and "5r^5" are products, not units).
+# One number: plain, a fraction, or scientific; in parentheses or braces or not; then unit words,
+# each after a space ("5 cm^2", "5 m/s"; "2k" and "5r^5" are products, not units).
 _STATED = re.compile(
-    rf"\(?\s*(?P<value>[-+]?\s*(?:\\[dt]?frac\s*(?:\{{\s*-?{_NUM}\s*\}}|\d)\s*(?:\{{\s*{_NUM}\s*\}}|\d)"
-    rf"|{_NUM}\s*/\s*{_NUM}"
-    rf"|{_NUM}\s*(?:\\times|\\cdot|×)\s*10\s*\^\s*(?:\{{\s*-?\d+\s*\}}|\d)"
-    rf"|{_NUM}))\s*\)?"
-    r"(?:\s+[A-Za-z]+(?:\^\{?\d\}?)?(?:/[A-Za-z]+(?:\^\{?\d\}?)?)?)*\s*\.?")
+    rf"[({{]?\s*(?P<sign>[-+]?)\s*(?:"
+    rf"\\[dtc]?frac\s*(?:\{{\s*(?P<fn>-?{_NUM})\s*\}}|(?P<fn1>\d))\s*(?:\{{\s*(?P<fd>{_NUM})\s*\}}|(?P<fd1>\d))"
+    rf"|(?P<sn>{_NUM})\s*/\s*(?P<sd>{_NUM})"
+    rf"|(?P<mant>{_NUM})\s*(?:\\times|\\cdot|×)\s*10\s*\^\s*(?:\{{\s*(?P<exp>-?\d+)\s*\}}|(?P<exp1>\d))"
+    rf"|(?P<num>{_NUM}))\s*[)}}]?"
+    r"(?:\s+[A-Za-z]+(?:\^\{?\d\}?)?(?:/[A-Za-z]+(?:\^\{?\d\}?)?)?)*\s*[.,]?")
+MAX_EXPONENT = 400  # "1 \times 10^{99999999999}" states no number we compare (it would take forever)
 _RELATION = re.compile(r"=|\\approx|≈|\\equiv")
 _NAME = re.compile(r"[A-Za-z]\w*")  # "x" in "x = 5"
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
@@ -82,17 +82,6 @@ def extract_answer(completion: str, kind: str) -> str | None:
     return None
 
 
-def _as_number(text: str) -> Decimal | None:
-    """A plain decimal number ("-5", "72.0", "1,234"; thousands commas in groups of three), else None."""
-    cleaned = text.replace(",", "") if _THOUSANDS.fullmatch(text) else text
-    if not _PLAIN_NUMBER.fullmatch(cleaned):
-        return None
-    try:
-        return Decimal(cleaned)
-    except InvalidOperation:
-        return None
-
-
 def _timeout_s() -> int | None:
     # math-verify times out with signal.alarm, which only works in the main thread and raises
     # ValueError elsewhere; off the main thread we pass None (no timeout) so grading works from any
@@ -121,23 +110,50 @@ def _undecorated(text: str) -> str:
     separators as commas, spacing, \\left/\\right, dollar, degree and percent signs."""
     while (unwrapped := _WRAPPER.sub(r" \1", text)) != text:
         text = unwrapped
-    text = _LATEX_THOUSANDS.sub(lambda m: "" if m.group() == "\\!" else ",", text)
+    text = _LATEX_THOUSANDS.sub(lambda m: "" if m.group().strip() == "\\!" else ",", text)
     return _DECORATION.sub(" ", text).strip()
 
 
-def stated_number(answer: str) -> str | None:
-    """The number an answer states, without its decorations: "18" from "\\$18", "18 \\text{ dollars}"
-    or "x = 18"; "-\\frac{1}{2}"; "1.5 \\times 10^{3}". In a relation, the last side that states one,
-    when each other side is a name ("x") or has no letters ("27 + 82 = 109"). None for anything else:
-    an expression ("(27 + 82)", "2^{10}", "\\sqrt{144}", "5!", "2k"), an equation, no number."""
-    sides = [_undecorated(side) for side in _RELATION.split(answer.replace("−", "-"))]
+def _number(text: str) -> Fraction:
+    return Fraction(text.replace(",", ""))
+
+
+def _value(m: re.Match[str]) -> Fraction | None:
+    """The exact value of a `_STATED` match (None for a zero denominator or a huge exponent)."""
+    g = m.groupdict()
+    if g["num"] is not None:
+        value = _number(g["num"])
+    elif g["mant"] is not None:
+        exponent = int(g["exp"] or g["exp1"])
+        if abs(exponent) > MAX_EXPONENT:
+            return None
+        value = _number(g["mant"]) * Fraction(10) ** exponent
+    else:
+        numerator, denominator = (g["fn"] or g["fn1"] or g["sn"]), (g["fd"] or g["fd1"] or g["sd"])
+        if _number(denominator) == 0:
+            return None
+        value = _number(numerator) / _number(denominator)
+    return -value if g["sign"] == "-" else value
+
+
+def stated_value(answer: str, *, any_other_sides: bool = False) -> Fraction | None:
+    """The number an answer states, exactly: 18 from "18", "\\$18", "18 \\text{ dollars}" or "x = 18";
+    -1/2 from "-\\frac{1}{2}"; 1500 from "1.5 \\times 10^{3}". None for anything else: an expression
+    ("(27 + 82)", "2^{10}", "\\sqrt{144}", "5!", "2k"), an equation, no number.
+
+    In a relation ("=", "\\approx"), the last side that states a number counts, when each other side
+    is a name ("x = 5") or has no letters ("27 + 82 = 109"); with `any_other_sides` (an answer, not
+    a gold) the other sides may be anything ("f(3) = 12"). A gold "5x - 7y + 11z + 4 = 0" is an
+    equation, not the number 0."""
+    sides = [_undecorated(side) for side in _RELATION.split(answer.replace("−", "-").replace("–", "-"))]
     for i in reversed(range(len(sides))):
         m = _STATED.fullmatch(sides[i])
         if m is None:
             continue
         others = sides[:i] + sides[i + 1:]
-        if all(_NAME.fullmatch(o) or not re.search("[A-Za-z]", _LATEX_COMMAND.sub("", o)) for o in others):
-            return re.sub(r"^([-+])\s+", r"\1", m.group("value").strip())
+        if any_other_sides or all(_NAME.fullmatch(o) or not re.search("[A-Za-z]", _LATEX_COMMAND.sub("", o))
+                                  for o in others):
+            return _value(m)
         return None
     return None
 
@@ -145,18 +161,13 @@ def stated_number(answer: str) -> str | None:
 def is_correct(extracted: str | None, gold: str, kind: str) -> bool:
     """Whether the extracted answer equals the gold one; never raises (what math-verify cannot
     handle, or a timeout, counts as wrong). `kind` is there for kind-specific rules; all kinds are
-    graded alike today. A gold that states a number (`stated_number`) needs an answer that states
-    one: compared exactly as decimals when both are plain numbers (72 == 72.0, "1,234" == 1234),
-    else (fractions, scientific form) by math-verify. Any other gold goes to math-verify whole."""
+    graded alike today. A gold that states a number (`stated_value`) needs an answer that states the
+    same number, compared exactly as rationals (72 == 72.0, "1,234" == 1234, 0.5 == \\frac{1}{2});
+    any other gold goes to math-verify with the whole answer."""
     if extracted is None or not extracted.strip() or len(extracted) > MAX_ANSWER_CHARS:
         return False
-    gold_value = stated_number(gold)
+    gold_value = stated_value(gold)
     if gold_value is None:  # a symbolic gold: \\sqrt{2}, a tuple, an interval, a name
         return _math_verify(extracted, gold)
-    value = stated_number(extracted)
-    if value is None:  # an expression math-verify would evaluate, or no number: not the answer asked for
-        return False
-    pred_num, gold_num = _as_number(value), _as_number(gold_value)
-    if pred_num is not None and gold_num is not None:
-        return pred_num == gold_num
-    return _math_verify(value, gold_value)
+    # An expression math-verify would evaluate, or no number, is not the answer asked for: None.
+    return stated_value(extracted, any_other_sides=True) == gold_value
