@@ -104,7 +104,8 @@ def test_kept_greedy_answers_are_graded_again_by_todays_grader(tmp_path):
     answers = [("arithmetic:1:0", "\\boxed{(27 + 82)} 27 + 82", "109"), ("arithmetic:1:1", "It is 60.", "60"),
                ("math500:test:4", "So 5.", "5")]
     (run / "eval" / "after.jsonl").write_text("".join(
-        json.dumps({"id": i, "completion": c, "extracted": "stale", "answer": a, "correct": True}) + "\n"
+        json.dumps({"id": i, "question": "?", "completion": c, "extracted": "stale", "answer": a, "correct": True})
+        + "\n"
         for i, c, a in answers))
     row = arms.summarize("nf4", arms.read_arm(run))
     assert row["greedy_accuracy_after"] == pytest.approx(1 / 3)

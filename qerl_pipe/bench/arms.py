@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.rl.answers import extract_answer, is_correct
 from qerl_pipe.rl.metrics import parse_greedy_line, parse_step_line
-from qerl_pipe.rl.tasks import kind_of
+from qerl_pipe.rl.rewards import RewardSpec, score
+from qerl_pipe.rl.tasks import Problem, kind_of
 
 PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
            ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))
 SMOOTH = 5  # steps in the plotted moving average; the raw curve is drawn faintly under it
-
 
 
 def read_log(log: Path) -> dict[str, Any]:
@@ -70,9 +69,9 @@ def read_greedy(run_dir: Path, name: str) -> dict[str, Any] | None:
     result = json.loads(summary.read_text())
     answers = run_dir / "eval" / f"{name}.jsonl"
     rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()] if answers.is_file() else []
-    if rows:
-        correct = sum(is_correct(extract_answer(r["completion"], kind_of(r["id"])), r["answer"], kind_of(r["id"]))
-                      for r in rows)
+    if rows:  # graded as the eval stage grades: rewards.score, accuracy only
+        problems = [Problem(r["id"], r["question"], r["answer"], kind_of(r["id"])) for r in rows]
+        correct = sum(score([r["completion"] for r in rows], problems, RewardSpec()).correct)
         result = {**result, "graded_in_run": result["accuracy"], "accuracy": correct / len(rows),
                   "correct": correct, "total": len(rows)}
     return result

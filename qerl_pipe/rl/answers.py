@@ -26,8 +26,10 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A minus sign only where it cannot be a binary minus ("3-5" gives 5, "= -5" gives -5); thousands
 # commas only in groups of three, so "3, 4" is two numbers.
 _TEXT_NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
-# LaTeX thousands separators, made plain commas: "1{,}000", "1\\,000", "32,\\!348", "11,\\! 111".
-_LATEX_THOUSANDS = re.compile(r"\{,\}|(?<=\d)\\,(?=\d{3}(?!\d))|\s*\\!\s*")
+# LaTeX thousands separators, made plain commas: "1{,}000", "1\\,000"; a negative space "\\!" (with
+# the spaces around it, as in "32,\\! 348") is dropped.
+_LATEX_THOUSANDS = re.compile(r"\{,\}|(?<=\d)\\,(?=\d{3}(?!\d))")
+_NEGATIVE_SPACE = re.compile(r"\s*\\!\s*")
 # What may surround a stated number without changing it: LaTeX spacing and sizing, \\left / \\right,
 # dollar, degree and percent signs.
 _DECORATION = re.compile(r"\\left|\\right|\\displaystyle|\\[,;: ]|\\q?quad|~|\\\$|\$|\^\s*\{?\s*\\circ\s*\}?|°|\\?%")
@@ -110,7 +112,7 @@ def _undecorated(text: str) -> str:
     separators as commas, spacing, \\left/\\right, dollar, degree and percent signs."""
     while (unwrapped := _WRAPPER.sub(r" \1", text)) != text:
         text = unwrapped
-    text = _LATEX_THOUSANDS.sub(lambda m: "" if m.group().strip() == "\\!" else ",", text)
+    text = _LATEX_THOUSANDS.sub(",", _NEGATIVE_SPACE.sub("", text))
     return _DECORATION.sub(" ", text).strip()
 
 
