@@ -163,11 +163,24 @@ def test_aqn_is_checked_for_every_pair_given():
         ("bf16-aqn vs bf16 (reward 0.5)", 3, False), ("bf16-aqn vs bf16 (greedy accuracy after)", pytest.approx(0.02), True)]
 
 
-@pytest.mark.parametrize("pairs", ["qerl:", "qerl", ":nvfp4"])
-def test_a_malformed_aqn_pair_is_refused(tmp_path, pairs):
+def test_each_arm_is_checked_against_qlora():
+    def row(name: str, step: int | None, after: float | None) -> dict:
+        return {"arm": name, "entropy_first_tenth": None, "step_reward_0.5": step, "greedy_accuracy_after": after}
+
+    rows = {r["arm"]: r for r in (row("qerl", 30, 0.84), row("nvfp4", 20, None), row("nf4", 22, 0.87))}
+    claims = arms.paper_claims(rows, [], "bf16", [], [("qerl", "nf4"), ("nvfp4", "nf4"), ("mxfp4", "nf4")])
+    assert [(c["name"], c["target"], c["measured"], c["met"]) for c in claims] == [
+        ("beats QLoRA: qerl vs nf4 (reward 0.5)", "fewer steps than QLoRA", 8, False),
+        ("beats QLoRA: qerl vs nf4 (greedy accuracy after)", "higher than QLoRA", pytest.approx(-0.03), False),
+        ("beats QLoRA: nvfp4 vs nf4 (reward 0.5)", "fewer steps than QLoRA", -2, True)]
+
+
+@pytest.mark.parametrize(("option", "form"), [("--aqn-pairs", "WITH:WITHOUT"), ("--qlora-pairs", "ARM:QLORA")])
+@pytest.mark.parametrize("pairs", ["qerl:", "qerl", ":nvfp4", "qerl:nvfp4,nf4"])
+def test_a_malformed_pair_is_refused(tmp_path, option, form, pairs):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps(_record(1, 0.5)) + "\n")
-    with pytest.raises(SystemExit, match="expected WITH:WITHOUT pairs"):
-        arms.main(["--arm", f"qerl={run}", "--aqn-pairs", pairs, "--out-dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=f"{option} .*expected {form} pairs"):
+        arms.main(["--arm", f"qerl={run}", option, pairs, "--out-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out" / "arms.json").exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,10 +119,31 @@ def summarize(name: str, arm: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _pair_claims(rows: dict[str, dict[str, Any]], pairs: Sequence[tuple[str, str]], claim: str,
+                 edge: str) -> list[dict[str, Any]]:
+    """For each (arm, other) pair present: does `arm` reach reward 0.5 in fewer steps, and end
+    with a higher greedy accuracy? `claim` names the finding, `edge` what `arm` has over `other`."""
+    claims = []
+    for arm, other in pairs:
+        if arm not in rows or other not in rows:
+            continue
+        a, b = rows[arm]["step_reward_0.5"], rows[other]["step_reward_0.5"]
+        if a is not None and b is not None:
+            claims.append(target(f"{claim}: {arm} vs {other} (reward 0.5)", f"fewer steps {edge}", a - b,
+                                 "steps difference", a < b))
+        after_a, after_b = rows[arm]["greedy_accuracy_after"], rows[other]["greedy_accuracy_after"]
+        if after_a is not None and after_b is not None:
+            claims.append(target(f"{claim}: {arm} vs {other} (greedy accuracy after)", f"higher {edge}",
+                                 after_a - after_b, "accuracy difference", after_a > after_b))
+    return claims
+
+
 def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: str,
-                 aqn_pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+                 aqn_pairs: Sequence[tuple[str, str]],
+                 qlora_pairs: Sequence[tuple[str, str]] = ()) -> list[dict[str, Any]]:
     """QeRL's findings as checkable statements on these runs: early entropy and reward growth of
-    each quantized arm against the full-precision one, and AQN for each (with, without) pair."""
+    each quantized arm against the full-precision one, AQN for each (with, without) pair, and
+    QeRL's edge over QLoRA for each (arm, QLoRA arm) pair."""
     claims = []
     if full in rows:
         for q in quantized:
@@ -135,18 +157,20 @@ def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: st
             if a is not None and b is not None:
                 claims.append(target(f"reward 0.5 sooner: {q} vs {full}", "fewer steps under quantization",
                                      a - b, "steps difference", a < b))
-    for aqn, no_aqn in aqn_pairs:
-        if aqn not in rows or no_aqn not in rows:
-            continue
-        a, b = rows[aqn]["step_reward_0.5"], rows[no_aqn]["step_reward_0.5"]
-        if a is not None and b is not None:
-            claims.append(target(f"AQN helps: {aqn} vs {no_aqn} (reward 0.5)", "fewer steps with AQN", a - b,
-                                 "steps difference", a < b))
-        after_a, after_b = rows[aqn]["greedy_accuracy_after"], rows[no_aqn]["greedy_accuracy_after"]
-        if after_a is not None and after_b is not None:
-            claims.append(target(f"AQN helps: {aqn} vs {no_aqn} (greedy accuracy after)", "higher with AQN",
-                                 after_a - after_b, "accuracy difference", after_a > after_b))
+    claims += _pair_claims(rows, aqn_pairs, "AQN helps", "with AQN")
+    claims += _pair_claims(rows, qlora_pairs, "beats QLoRA", "than QLoRA")
     return claims
+
+
+def _pairs(option: str, value: str, form: str, example: str) -> list[tuple[str, str]]:
+    """`a:b,c:d` as [(a, b), (c, d)]; anything else exits naming the option and its form."""
+    pairs = []
+    for item in filter(None, value.split(",")):
+        a, sep, b = item.partition(":")
+        if not (sep and a and b):
+            raise SystemExit(f"{option} {value!r}: expected {form} pairs, e.g. {example}")
+        pairs.append((a, b))
+    return pairs
 
 
 def _smoothed(values: list[float]) -> list[float]:
@@ -195,12 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantized", default="nvfp4,nf4", help="quantized arms without AQN, comma-separated")
     ap.add_argument("--aqn-pairs", default="qerl:nvfp4,bf16-aqn:bf16",
                     help="WITH:WITHOUT arms that differ only in AQN, comma-separated")
+    ap.add_argument("--qlora-pairs", default="qerl:nf4,nvfp4:nf4",
+                    help="ARM:QLORA pairs, each arm checked against the QLoRA (NF4) arm, comma-separated")
     ap.add_argument("--note", default="", help="stored in the results file (how the arms were run)")
     ap.add_argument("--gpu", default=None, help="the GPU the arms ran on, when summarised elsewhere")
     args = ap.parse_args(argv)
-    pairs = [tuple(pair.split(":", 1)) for pair in args.aqn_pairs.split(",") if pair]
-    if any(len(pair) != 2 or not all(pair) for pair in pairs):
-        raise SystemExit(f"--aqn-pairs {args.aqn_pairs!r}: expected WITH:WITHOUT pairs, e.g. qerl:nvfp4")
+    pairs = _pairs("--aqn-pairs", args.aqn_pairs, "WITH:WITHOUT", "qerl:nvfp4")
+    qlora_pairs = _pairs("--qlora-pairs", args.qlora_pairs, "ARM:QLORA", "qerl:nf4")
     arms = {}
     for spec in args.arm:
         name, sep, path = spec.partition("=")
@@ -210,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = {name: summarize(name, arm) for name, arm in arms.items()}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(arms, args.out_dir, args.title)
-    claims = paper_claims(rows, [q for q in args.quantized.split(",") if q], args.full, pairs)
+    claims = paper_claims(rows, [q for q in args.quantized.split(",") if q], args.full, pairs, qlora_pairs)
     extra = {"gpu": args.gpu} if args.gpu else {}
     out = results_file(list(rows.values()), claims, note=args.note, plots=plots, **extra)
     (args.out_dir / "arms.json").write_text(json.dumps(out, indent=2) + "\n")
