@@ -1,7 +1,7 @@
 """Engine weights: the model stored exactly as the kernels consume it, and loaded without work.
 
-A checkpoint keeps the standard NVFP4 bytes; the kernels need int32 words of 8 codes
-(`kernels.packing`), and NF4 / bf16 bases are made from the bf16 model. The engine stores the
+A checkpoint keeps the standard NVFP4 bytes; the kernels read NVFP4 in the chunk layout of
+`kernels.tiled` (NF4 in `kernels.packing`'s int32 words), and NF4 / bf16 bases are made from the bf16 model. The engine stores the
 result of all that once: every fused QuantLinear's buffers under the module names of our
 `Decoder` (`layers.0.self_attn.qkv_proj.qweight`, ...), biases, norms, the embedding and an untied
 lm_head, in safetensors shards of ~`SHARD_BYTES`, plus the HF `config.json`. Loading builds a
@@ -23,24 +23,28 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from qerl_pipe.errors import ArtifactError
-from qerl_pipe.kernels.packing import PackedNF4, PackedNVFP4
+from qerl_pipe.kernels.packing import PackedNF4
+from qerl_pipe.kernels.tiled import TENSOR_FIELDS, TiledNVFP4
 from qerl_pipe.model.config import SUPPORTED, DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import BASE_FORMATS, QuantLinear
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 
-WEIGHTS_FORMAT_VERSION = 1
+# 2: NVFP4 bases in the tiled chunk layout of the CUDA kernels (1 held `kernels.packing` words).
+WEIGHTS_FORMAT_VERSION = 2
 INDEX_NAME = "engine.safetensors.index.json"
 CONFIG_NAME = "config.json"
 # Big enough to keep the file count low, small enough that one shard's host copy is cheap.
 SHARD_BYTES = 2 * 2**30
 # Kernel containers by base format; their field names are the QuantLinear buffer names.
-_CONTAINERS: dict[str, type] = {"nvfp4": PackedNVFP4, "nf4": PackedNF4}
+_CONTAINERS: dict[str, type] = {"nvfp4": TiledNVFP4, "nf4": PackedNF4}
 
 
 def _base_fields(base_format: str) -> tuple[str, ...]:
     if base_format == "bf16":
         return ("weight",)
+    if base_format == "nvfp4":
+        return TENSOR_FIELDS
     return tuple(f.name for f in dataclasses.fields(_CONTAINERS[base_format]))
 
 
@@ -224,6 +228,8 @@ def _place(model: Decoder, name: str, t: Tensor, target: Tensor, fields: tuple[s
         if len(parts) == len(fields):
             del pending[module_name]
             fmt = module.base_format
+            if fmt == "nvfp4":
+                parts.update(out_features=module.out_features, in_features=module.in_features)
             module.set_base(parts["weight"] if fmt == "bf16" else _CONTAINERS[fmt](**parts))
         return
     target.copy_(t)  # embedding, norms, biases, lm_head: allocated by the Decoder on `device`

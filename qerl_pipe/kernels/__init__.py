@@ -1,7 +1,8 @@
-"""4-bit weight-only matmuls (NVFP4, NF4) for Hopper: Triton on CUDA, plain torch elsewhere.
+"""4-bit weight-only matmuls (NVFP4, NF4) for Hopper: CUDA and Triton on GPUs, plain torch elsewhere.
 
 - `nvfp4_linear(x, w)` = x @ W^T, `nvfp4_linear_dx(dy, w)` = dy @ W; same pair for NF4.
-  `w` is the checkpoint container or its `prepare_*` kernel layout (cached per weight).
+  `w` is the checkpoint container or a kernel layout: `tile_nvfp4` (the CUDA kernels' chunk
+  layout, what models hold) or `prepare_*` (the Triton words, cached per weight).
 - Launch configs come from a table keyed by (op, format, M bucket[, N, K]); see `configs`.
 - docs/kernels.md has the design, the roofline and the measured H200 numbers.
 """
@@ -24,6 +25,7 @@ from qerl_pipe.kernels.packing import (
     prepared_nf4,
     prepared_nvfp4,
 )
+from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4, untile_nvfp4
 
 __all__ = [
     "ConfigTable",
@@ -43,4 +45,7 @@ __all__ = [
     "prepared_nvfp4",
     "save_table",
     "set_table",
+    "TiledNVFP4",
+    "tile_nvfp4",
+    "untile_nvfp4",
 ]

@@ -1,7 +1,16 @@
-"""Public 4-bit linear ops: Triton kernels on CUDA, the plain-torch references elsewhere."""
+"""Public 4-bit linear ops: CUDA or Triton kernels on a GPU, the plain-torch references elsewhere.
+
+An NVFP4 weight in the tiled layout (`TiledNVFP4`, what models hold) runs the CUDA kernels on
+Hopper: the decode GEMM up to `CUDA_GEMM_MAX_M` rows, else one dequantize pass into bf16 and
+cuBLAS (the backward's dX always takes that path). On other GPUs it runs the Triton kernels on a
+repacked copy, made once per weight.
+"""
 
 from __future__ import annotations
 
+from typing import Union
+
+import torch
 from torch import Tensor
 
 from qerl_pipe.formats.nf4 import NF4Weight
@@ -11,11 +20,18 @@ from qerl_pipe.kernels.configs import get_config
 from qerl_pipe.kernels.packing import (
     PackedNF4,
     PackedNVFP4,
+    cached_per_tensor,
+    prepare_nvfp4,
     prepared_nf4,
     prepared_nvfp4,
     unprepare_nf4,
     unprepare_nvfp4,
 )
+from qerl_pipe.kernels.tiled import TiledNVFP4, untile_nvfp4
+
+# Up to this many rows the decode GEMM beats dequantize + cuBLAS on the H200
+# (bench/results/kernels-cuda-h200.json).
+CUDA_GEMM_MAX_M = 64
 
 
 def _rows(t: Tensor, width: int, what: str) -> Tensor:
@@ -39,18 +55,52 @@ def _run(op: str, fmt: str, a: Tensor, packed: PackedNVFP4 | PackedNF4) -> Tenso
     return out.reshape(*a.shape[:-1], k)
 
 
-def nvfp4_linear(x: Tensor, w: NVFP4Weight | PackedNVFP4) -> Tensor:
+NVFP4Any = Union[NVFP4Weight, PackedNVFP4, TiledNVFP4]
+
+
+def _checkpoint_form(w: NVFP4Any) -> NVFP4Weight:
+    if isinstance(w, TiledNVFP4):
+        return untile_nvfp4(w)
+    return w if isinstance(w, NVFP4Weight) else unprepare_nvfp4(w)
+
+
+def _triton_layout(w: NVFP4Weight | PackedNVFP4 | TiledNVFP4) -> PackedNVFP4:
+    if isinstance(w, TiledNVFP4):
+        return cached_per_tensor(w.qweight, lambda: prepare_nvfp4(untile_nvfp4(w)))
+    return prepared_nvfp4(w)
+
+
+def _cuda_kernels(t: Tensor, w: NVFP4Any) -> bool:
+    from qerl_pipe.kernels import cuda_ext
+
+    return isinstance(w, TiledNVFP4) and t.dtype == torch.bfloat16 and cuda_ext.available(t.device)
+
+
+def nvfp4_linear(x: Tensor, w: NVFP4Any) -> Tensor:
     """`x @ W^T`: `x [..., K]` (bf16) -> `[..., N]` in x's dtype."""
-    if x.is_cuda:
-        return _run("fwd", "nvfp4", x, prepared_nvfp4(w))
-    return reference.nvfp4_linear_ref(x, w if isinstance(w, NVFP4Weight) else unprepare_nvfp4(w))
+    if not x.is_cuda:
+        return reference.nvfp4_linear_ref(x, _checkpoint_form(w))
+    if _cuda_kernels(x, w):
+        from qerl_pipe.kernels import cuda_ext
+
+        x2 = _rows(x, w.in_features, "x")
+        if x2.shape[0] <= CUDA_GEMM_MAX_M and x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0:
+            out = cuda_ext.gemm(x2, w)
+        else:
+            out = x2 @ cuda_ext.dequantize(w).T
+        return out.reshape(*x.shape[:-1], w.out_features)
+    return _run("fwd", "nvfp4", x, _triton_layout(w))
 
 
-def nvfp4_linear_dx(dy: Tensor, w: NVFP4Weight | PackedNVFP4) -> Tensor:
+def nvfp4_linear_dx(dy: Tensor, w: NVFP4Any) -> Tensor:
     """`dy @ W` (the backward pass's dX): `dy [..., N]` -> `[..., K]` in dy's dtype."""
-    if dy.is_cuda:
-        return _run("dx", "nvfp4", dy, prepared_nvfp4(w))
-    return reference.nvfp4_linear_dx_ref(dy, w if isinstance(w, NVFP4Weight) else unprepare_nvfp4(w))
+    if not dy.is_cuda:
+        return reference.nvfp4_linear_dx_ref(dy, _checkpoint_form(w))
+    if _cuda_kernels(dy, w):
+        from qerl_pipe.kernels import cuda_ext
+
+        return dy @ cuda_ext.dequantize(w)
+    return _run("dx", "nvfp4", dy, _triton_layout(w))
 
 
 def nf4_linear(x: Tensor, w: NF4Weight | PackedNF4) -> Tensor:

@@ -146,6 +146,11 @@ def _cached(w: _W, prepare: Callable[[_W], _P]) -> _P:
     return hit  # type: ignore[return-value]
 
 
+def cached_per_tensor(t: Tensor, make: Callable[[], _P]) -> _P:
+    """`make()`, computed once while tensor `t` lives (for layouts derived from a weight buffer)."""
+    return _cached(t, lambda _: make())
+
+
 def prepared_nvfp4(w: NVFP4Weight | PackedNVFP4) -> PackedNVFP4:
     """Kernel layout of `w`, repacked on first use and cached for the weight's lifetime."""
     return w if isinstance(w, PackedNVFP4) else _cached(w, prepare_nvfp4)

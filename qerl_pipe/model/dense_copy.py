@@ -4,8 +4,8 @@ On CPU the 4-bit matmul is the plain-torch reference, `x @ dequantize(W, x.dtype
 rebuilds every weight at every call: for SmolLM2-135M that is 0.7 s per forward pass against
 0.07 s of matmuls at decode batch sizes. Inside `dense_base_copy(model)` each 4-bit QuantLinear
 keeps `dequantize(W, model.dtype)` instead (4 bytes per weight in float32, so this is for small
-models), and the results are the same numbers the reference computes. GPUs run the Triton
-kernels and never use this.
+models), and the results are the same numbers the reference computes. GPUs run the CUDA or
+Triton kernels and never use this.
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from qerl_pipe.formats.nf4 import dequantize_nf4
+from qerl_pipe.formats.nf4 import dequantize_nf4, NF4Weight
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4
-from qerl_pipe.kernels.packing import unprepare_nf4, unprepare_nvfp4
 from qerl_pipe.model.linear import QuantLinear
 
 
 def _dequantized(module: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
-    if module.base_format == "nvfp4":
-        return dequantize_nvfp4(unprepare_nvfp4(module.kernel_weight), dtype)
-    return dequantize_nf4(unprepare_nf4(module.kernel_weight), dtype)
+    base = module.base_weight()
+    return dequantize_nf4(base, dtype) if isinstance(base, NF4Weight) else dequantize_nvfp4(base, dtype)
 
 
 @contextmanager

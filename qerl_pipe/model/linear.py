@@ -4,9 +4,10 @@ One QuantLinear may hold several projections fused along the output dimension (q
 one base matmul reads the input once. LoRA stays per projection (its own A and B), so q, k and v
 are separate LoRA targets and the adapter exports to PEFT as is.
 
-4-bit bases are stored only in the kernels' layout (`kernels.packing`: int32 words of 8 codes),
-converted once when the base is set: keeping the checkpoint bytes too would double the weight
-memory, and converting per call would cost a repack every forward.
+4-bit bases are stored only in the kernels' layout (NVFP4: the chunk layout of `kernels.tiled`
+that the CUDA kernels read; NF4: `kernels.packing`'s int32 words), converted once when the base
+is set: keeping the checkpoint bytes too would double the weight memory, and converting per call
+would cost a repack every forward.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from qerl_pipe.kernels import (
     nvfp4_linear,
     nvfp4_linear_dx,
     prepare_nf4,
-    prepare_nvfp4,
 )
 from qerl_pipe.kernels.packing import unprepare_nf4, unprepare_nvfp4
+from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4, tiled_shapes, untile_nvfp4
 
 BaseFormat = Literal["bf16", "nvfp4", "nf4"]
 BASE_FORMATS: tuple[str, ...] = ("bf16", "nvfp4", "nf4")
 BaseWeight = Union[Tensor, NVFP4Weight, NF4Weight]
-KernelWeight = Union[PackedNVFP4, PackedNF4]
+KernelWeight = Union[TiledNVFP4, PackedNF4]
 
 _KERNELS: dict[str, tuple[Callable, Callable]] = {
     "nvfp4": (nvfp4_linear, nvfp4_linear_dx),
@@ -76,9 +77,12 @@ def _empty_base(fmt: str, n: int, k: int, dtype: torch.dtype) -> dict[str, Tenso
     if fmt == "bf16":
         return {"weight": torch.empty(n, k, dtype=dtype, device=meta)}
     if fmt == "nvfp4":
+        if k % BLOCK_SIZE:
+            raise ValueError(f"NVFP4 needs in_features divisible by {BLOCK_SIZE}, got {k}")
+        words, scales = tiled_shapes(n, k)
         return {
-            "qweight": torch.empty(n, k // 8, dtype=torch.int32, device=meta),
-            "scales": torch.empty(n, k // BLOCK_SIZE, dtype=torch.uint8, device=meta),
+            "qweight": torch.empty(words, dtype=torch.int32, device=meta),
+            "scales": torch.empty(scales, dtype=torch.uint8, device=meta),
             "global_scale": torch.empty(1, dtype=torch.float32, device=meta),
         }
     if fmt == "nf4":
@@ -140,14 +144,14 @@ class QuantLinear(nn.Module):
         if self.base_format == "bf16":
             return self.weight
         if self.base_format == "nvfp4":
-            return PackedNVFP4(self.qweight, self.scales, self.global_scale)
+            return TiledNVFP4(self.qweight, self.scales, self.global_scale, self.out_features, self.in_features)
         return PackedNF4(self.qweight, self.absmax, self.code)
 
     def base_weight(self) -> BaseWeight:
         """The base in checkpoint form (dense, NVFP4Weight or NF4Weight); unpacks, so not per step."""
         w = self.kernel_weight
-        if isinstance(w, PackedNVFP4):
-            return unprepare_nvfp4(w)
+        if isinstance(w, TiledNVFP4):
+            return untile_nvfp4(w)
         return unprepare_nf4(w) if isinstance(w, PackedNF4) else w
 
     def set_base(self, base: BaseWeight | KernelWeight) -> None:
@@ -155,11 +159,13 @@ class QuantLinear(nn.Module):
 
         4-bit weights are repacked to the kernel layout here, once, on their own device.
         """
+        if isinstance(base, PackedNVFP4) and self.base_format == "nvfp4":
+            base = unprepare_nvfp4(base)
         if isinstance(base, NVFP4Weight) and self.base_format == "nvfp4":
-            base = prepare_nvfp4(base)
+            base = tile_nvfp4(base)
         elif isinstance(base, NF4Weight) and self.base_format == "nf4":
             base = prepare_nf4(base)
-        expected = {"bf16": Tensor, "nvfp4": PackedNVFP4, "nf4": PackedNF4}[self.base_format]
+        expected = {"bf16": Tensor, "nvfp4": TiledNVFP4, "nf4": PackedNF4}[self.base_format]
         if not isinstance(base, expected):
             raise ValueError(
                 f"{'/'.join(self.names)}: a {self.base_format} base cannot be set from {type(base).__name__}"

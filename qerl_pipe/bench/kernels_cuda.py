@@ -1,0 +1,213 @@
+"""CUDA W4A16 kernel benchmark: the decode GEMM and dequantize + cuBLAS vs cuBLAS bf16.
+
+`python3 -m qerl_pipe.bench.kernels_cuda --out FILE.json` (needs only torch on a Hopper GPU with
+nvcc). For every Qwen2.5-7B/32B layer (q/k/v and gate/up fused, as the model runs them) and M:
+- the decode GEMM (`cuda_ext.gemm`): the default config and its neighbours (other compiled
+  variants with the same tokens per pass, half and double the K splits), each checked against
+  `x @ dequantized W` in fp32 before it is timed; the fastest is reported with its config;
+- dequantize + cuBLAS: our decode pass into bf16, then `torch.matmul` (the M >= 1024 and dX path);
+- cuBLAS bf16 on a bf16 copy of the same weight, forward and dX.
+Protocol, the same for every column: R distinct weight copies (codes and scales, or bf16) with
+R x bytes > 4 x the 60 MB L2, one CUDA graph of R calls, median of 50 replays, divided by R. The
+copy ceiling (device-to-device copy of 2 GiB, read + write bytes) is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from qerl_pipe.bench.kernels import LAYER_SHAPES
+from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chunks
+from qerl_pipe.kernels import cuda_ext
+from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4
+from qerl_pipe.kernels.tuning import rel_err, time_graph, weight_copies
+
+REPS = 50
+GEMM_MS = (1, 8, 16, 32, 64, 128, 256)
+DEQUANT_MS = (64, 256, 1024, 4096)
+
+
+def copy_ceiling_tbps() -> float:
+    """Device-to-device copy rate of 2 GiB (bytes read + written), the bandwidth ceiling."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    t = time_graph([lambda: dst.copy_(src)], REPS)
+    del src, dst
+    return 2 * 2 * 2**30 / t / 1e12
+
+
+def candidates(m: int, n: int, k: int, sms: int) -> list[cuda_ext.GemmConfig]:
+    """The default config, the other compiled variants with its tokens per pass, and K splits
+    halved, doubled and off."""
+    base = cuda_ext.default_config(m, n, k, sms)
+    out = [base]
+    for mt, nb, warps, depth in cuda_ext.COMPILED:
+        if nb == base.nb and (mt, warps, depth) != (base.mt, base.warps, base.depth):
+            out.append(replace(base, mt=mt, warps=warps, depth=depth))
+    for s in (1, base.splits // 2, base.splits * 2):
+        if s >= 1:
+            out.append(replace(base, splits=s))
+    return list(dict.fromkeys(out))
+
+
+def _copies(q: TiledNVFP4, r: int) -> list[TiledNVFP4]:
+    return [q] + [TiledNVFP4(q.qweight.clone(), q.scales.clone(), q.global_scale.clone(), q.out_features,
+                             q.in_features) for _ in range(r - 1)]
+
+
+def bench_layer(model: str, layer: str, n: int, k: int, sms: int) -> list[dict]:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n * 31 + k)
+    w = torch.randn(n, k, device=dev, generator=gen) * 0.02
+    wb = w.to(torch.bfloat16)
+    q = quantize_nvfp4_in_row_chunks(w, name=f"{model} {layer}")
+    del w
+    dense = dequantize_nvfp4(q, torch.float32)
+    tq = tile_nvfp4(q)
+    r_q = weight_copies(tq.qweight.numel() * 4 + tq.scales.numel())
+    r_b = weight_copies(wb.numel() * 2)
+    tqs = _copies(tq, r_q)
+    wbs = [wb] + [wb.clone() for _ in range(r_b - 1)]
+    rows = []
+    for m in sorted(set(GEMM_MS) | set(DEQUANT_MS)):
+        x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+        ref = x.float() @ dense.T
+        row: dict = {"model": model, "layer": layer, "N": n, "K": k, "M": m}
+        row["bf16_us"] = time_graph([lambda i=i: torch.matmul(x, wbs[i].T) for i in range(r_b)], REPS) * 1e6
+        row["dequant_matmul_rel_err"] = rel_err(x @ cuda_ext.dequantize(tq).T, ref)
+        row["dequant_matmul_us"] = time_graph(
+            [lambda i=i: torch.matmul(x, cuda_ext.dequantize(tqs[i]).T) for i in range(r_q)], REPS) * 1e6
+        if m in GEMM_MS:
+            row.update(_tune_gemm(x, tqs, ref, m, n, k, sms))
+        if m in DEQUANT_MS:
+            dy = torch.randn(m, n, device=dev, generator=gen).to(torch.bfloat16)
+            row["dx_rel_err"] = rel_err(dy @ cuda_ext.dequantize(tq), dy.float() @ dense)
+            row["dx_bf16_us"] = time_graph([lambda i=i: torch.matmul(dy, wbs[i]) for i in range(r_b)], REPS) * 1e6
+            row["dx_nvfp4_us"] = time_graph(
+                [lambda i=i: torch.matmul(dy, cuda_ext.dequantize(tqs[i])) for i in range(r_q)], REPS) * 1e6
+        _derive(row)
+        rows.append(row)
+        print(_fmt(row), flush=True)
+    decode_us = time_graph([lambda i=i: cuda_ext.dequantize(tqs[i]) for i in range(r_q)], REPS) * 1e6
+    for row in rows:
+        row["decode_pass_us"] = decode_us
+        row["decode_pass_tbps"] = n * k * (0.5 + 1 / 16 + 2) / decode_us / 1e6
+    return rows
+
+
+def _tune_gemm(x, tqs, ref, m: int, n: int, k: int, sms: int) -> dict:
+    log, best = [], None
+    for cfg in candidates(m, n, k, sms):
+        try:
+            err = rel_err(cuda_ext.gemm(x, tqs[0], config=cfg), ref)
+            if err >= 1e-2:
+                log.append({"config": asdict(cfg), "rel_err": err, "error": "wrong result"})
+                continue
+            t = time_graph([lambda i=i: cuda_ext.gemm(x, tqs[i], config=cfg) for i in range(len(tqs))], REPS)
+        except RuntimeError as exc:
+            log.append({"config": asdict(cfg), "error": str(exc)[:300]})
+            continue
+        log.append({"config": asdict(cfg), "rel_err": err, "us": t * 1e6})
+        if best is None or t < best[1]:
+            best = (cfg, t, err)
+    out: dict = {"gemm_tuning": log, "gemm_default_us": log[0].get("us")}
+    if best:
+        out.update(gemm_us=best[1] * 1e6, gemm_config=asdict(best[0]), gemm_rel_err=best[2])
+    return out
+
+
+def _derive(row: dict) -> None:
+    m, n, k = row["M"], row["N"], row["K"]
+    act = 2 * (m * k + m * n)
+    nvfp4_bytes = n * k * (0.5 + 1 / 16) + act
+    if "gemm_us" in row:
+        row["gemm_tbps"] = nvfp4_bytes / row["gemm_us"] / 1e6
+        row["speedup_gemm"] = row["bf16_us"] / row["gemm_us"]
+        if row.get("gemm_default_us"):
+            row["speedup_gemm_default"] = row["bf16_us"] / row["gemm_default_us"]
+    row["bf16_tbps"] = (2 * n * k + act) / row["bf16_us"] / 1e6
+    row["speedup_dequant_matmul"] = row["bf16_us"] / row["dequant_matmul_us"]
+    row["speedup_best"] = max(row["speedup_dequant_matmul"], row.get("speedup_gemm", 0.0))
+    if "dx_nvfp4_us" in row:
+        row["speedup_dx"] = row["dx_bf16_us"] / row["dx_nvfp4_us"]
+
+
+def _fmt(r: dict) -> str:
+    g = (f"gemm {r['gemm_us']:8.1f}us {r['speedup_gemm']:.2f}x {r['gemm_tbps']:.2f}TB/s "
+         f"{r['gemm_config']} err {r['gemm_rel_err']:.1e} | " if "gemm_us" in r else "")
+    d = f" dX {r['speedup_dx']:.2f}x" if "speedup_dx" in r else ""
+    return (f"{r['model']:>11} {r['layer']:>7} M={r['M']:<5} bf16 {r['bf16_us']:8.1f}us | {g}"
+            f"deq+mm {r['dequant_matmul_us']:8.1f}us {r['speedup_dequant_matmul']:.2f}x{d}")
+
+
+def _weighted(rows: list[dict], model: str, pred: Callable[[dict], bool], key: str = "speedup_best") -> float:
+    """Speed-up over the layers of `model`, weighted by bytes: sum of bf16 times / sum of ours."""
+    sel = [r for r in rows if r["model"] == model and pred(r) and key in r]
+    if not sel:
+        return float("nan")
+    return sum(r["bf16_us"] for r in sel) / sum(r["bf16_us"] / r[key] for r in sel)
+
+
+def _targets(rows: list[dict], ceiling: float) -> list[dict]:
+    def worst(pred: Callable[[dict], bool], key: str = "speedup_best") -> float:
+        vals = [r[key] for r in rows if pred(r) and key in r]
+        return min(vals) if vals else float("nan")
+
+    out = []
+    for lo, hi, goal in ((1, 16, 2.0), (64, 64, 1.3), (256, 256, 1.0)):
+        v = worst(lambda r: lo <= r["M"] <= hi)
+        out.append(target(f"NVFP4 vs bf16, every layer, M {lo}-{hi}", f">= {goal}", v, "x (min)", v >= goal))
+    for model, goal in (("qwen2.5-7b", 2.8), ("qwen2.5-32b", 3.1)):
+        v = min(_weighted(rows, model, lambda r, m=m: r["M"] == m) for m in (1, 8, 16))
+        out.append(target(f"NVFP4 vs bf16, {model} layer-weighted, M 1-16", f">= {goal}", v, "x (min over M)", v >= goal))
+    for model in ("qwen2.5-7b", "qwen2.5-32b"):
+        v = _weighted(rows, model, lambda r: r["M"] == 64)
+        out.append(target(f"NVFP4 vs bf16, {model} layer-weighted, M 64", ">= 1.8", v, "x", v >= 1.8))
+    v = worst(lambda r: r["M"] <= 16 and r["layer"] in ("gate_up", "down"), "gemm_tbps") / ceiling
+    out.append(target("decode GEMM bandwidth, gate_up and down, M 1-16", ">= 0.8", v, "of the copy ceiling (min)", v >= 0.8))
+    for m, goal in ((1024, 0.85), (4096, 0.92)):
+        v = worst(lambda r, m=m: r["M"] == m, "speedup_dequant_matmul")
+        out.append(target(f"NVFP4 vs bf16 forward, M {m}", f">= {goal}", v, "x (min)", v >= goal))
+        v = worst(lambda r, m=m: r["M"] == m, "speedup_dx")
+        out.append(target(f"NVFP4 vs bf16 dX, M {m}", f">= {goal}", v, "x (min)", v >= goal))
+    return out
+
+
+def run(shapes: list[str], out: Path | None) -> dict:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ceiling = copy_ceiling_tbps()
+    print(f"copy ceiling {ceiling:.2f} TB/s, {sms} SMs", flush=True)
+    rows: list[dict] = []
+    result: dict = {}
+    for model in shapes:
+        for layer, (n, k) in LAYER_SHAPES[model].items():
+            rows += bench_layer(model, layer, n, k, sms)
+            result = results_file(rows, _targets(rows, ceiling), torch=torch.__version__,
+                                  copy_ceiling_tbps=ceiling, sms=sms)
+            if out:
+                out.write_text(json.dumps(result, indent=1) + "\n")
+            torch.cuda.empty_cache()
+    for t in result["targets"]:
+        print(f"target {t['name']:58} {t['target']:<7} measured {t['measured']:.2f} {'MET' if t['met'] else 'MISSED'}")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="results JSON path")
+    ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-32b", help="comma-separated models")
+    args = ap.parse_args()
+    if not cuda_ext.available("cuda"):
+        raise SystemExit("the CUDA W4A16 kernels are not available here (see the log line above)")
+    run(args.shapes.split(","), args.out)
+
+
+if __name__ == "__main__":
+    main()

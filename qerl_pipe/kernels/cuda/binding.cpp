@@ -1,0 +1,99 @@
+// Torch glue for w4a16.cu: argument checks, output allocation and the current stream.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "w4a16.cuh"
+
+namespace {
+
+void check_weight(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& global_scale,
+                  int64_t n, int64_t k) {
+  TORCH_CHECK(qweight.is_cuda() && qweight.scalar_type() == at::kInt && qweight.is_contiguous() &&
+                  qweight.dim() == 3 && qweight.size(2) == qerl_w4a16::kWords,
+              "qweight must be a contiguous CUDA int32 [N/64, K/32, 256] tensor");
+  TORCH_CHECK(scales.is_cuda() && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == qweight.size(0) && scales.size(1) == qweight.size(1) &&
+                  scales.size(2) == qerl_w4a16::kScaleBytes,
+              "scales must be a contiguous CUDA uint8 [N/64, K/32, 128] tensor");
+  TORCH_CHECK(global_scale.is_cuda() && global_scale.scalar_type() == at::kFloat && global_scale.numel() == 1,
+              "global_scale must be a 1-element CUDA float32 tensor");
+  TORCH_CHECK(qweight.size(0) * qerl_w4a16::kRows >= n && qweight.size(0) * qerl_w4a16::kRows < n + qerl_w4a16::kRows &&
+                  qweight.size(1) * qerl_w4a16::kCols >= k && qweight.size(1) * qerl_w4a16::kCols < k + qerl_w4a16::kCols &&
+                  k % 16 == 0,
+              "N, K do not match the tiled weight");
+}
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                const at::Tensor& global_scale, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
+                int64_t mt, int64_t nb, int64_t warps, int64_t depth, int64_t splits, const at::Tensor& counters) {
+  check_weight(qweight, scales, global_scale, n, k);
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
+                  x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "x must be a CUDA bf16 [M, K] tensor with 16-byte aligned rows");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t m = x.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const int64_t n_pad = qweight.size(0) * qerl_w4a16::kRows;
+  const int64_t kc = qweight.size(1);
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kc));
+  const int64_t per_split = (kc + splits - 1) / splits;
+  splits = (kc + per_split - 1) / per_split;  // no empty split
+  at::Tensor partials;
+  if (splits > 1) {
+    partials = at::empty({splits, m, n_pad}, x.options().dtype(at::kFloat));
+    const int64_t cta_rows = warps * 16 * mt;
+    const int64_t ctas = ((n + cta_rows - 1) / cta_rows) * ((m + 8 * nb - 1) / (8 * nb));
+    TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.numel() >= ctas,
+                "the split-K counter buffer is too small: ", counters.numel(), " < ", ctas);
+  }
+  const __nv_bfloat16* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_cuda() && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n,
+                "bias must be a contiguous CUDA bf16 [N] tensor");
+    bias_ptr = reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr());
+  }
+  qerl_w4a16::GemmParams p{};
+  p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  p.ldx = x.stride(0);
+  p.qweight = reinterpret_cast<const uint4*>(qweight.data_ptr());
+  p.scales = scales.data_ptr<uint8_t>();
+  p.global_scale = global_scale.data_ptr<float>();
+  p.bias = bias_ptr;
+  p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  p.ldo = n;
+  p.partials = splits > 1 ? partials.data_ptr<float>() : nullptr;
+  p.counters = counters.data_ptr<int>();
+  p.M = static_cast<int>(m);
+  p.N = static_cast<int>(n);
+  p.K = static_cast<int>(k);
+  p.KC = static_cast<int>(kc);
+  p.chunks_per_split = static_cast<int>(per_split);
+  const qerl_w4a16::GemmConfig c{static_cast<int>(mt), static_cast<int>(nb), static_cast<int>(warps),
+                                 static_cast<int>(depth), static_cast<int>(splits)};
+  const cudaError_t err = qerl_w4a16::launch_gemm(p, c, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "w4a16 gemm launch (mt=", mt, " nb=", nb, " warps=", warps, " depth=", depth,
+              "): ", cudaGetErrorString(err));
+  return out;
+}
+
+at::Tensor dequant(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& global_scale, int64_t n,
+                   int64_t k) {
+  check_weight(qweight, scales, global_scale, n, k);
+  const c10::cuda::CUDAGuard guard(qweight.device());
+  at::Tensor out = at::empty({n, k}, qweight.options().dtype(at::kBFloat16));
+  const cudaError_t err = qerl_w4a16::launch_dequant(
+      reinterpret_cast<const uint4*>(qweight.data_ptr()), scales.data_ptr<uint8_t>(), global_scale.data_ptr<float>(),
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), k, static_cast<int>(n), static_cast<int>(k),
+      static_cast<int>(qweight.size(1)), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "w4a16 dequant launch: ", cudaGetErrorString(err));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm", &gemm, "x @ W^T for a tiled NVFP4 W (M <= 64 per pass)");
+  m.def("dequant", &dequant, "W as bf16 [N, K] from a tiled NVFP4 W");
+}

@@ -1,0 +1,306 @@
+// NVFP4 W4A16 decode GEMM (M <= 64 per pass) and the full-bandwidth dequantize pass.
+//
+// GEMM: out[M, N] = x[M, K] @ W^T with W in the chunk layout (tiled.py). Each warp owns 16 * MT
+// output rows and walks the chunks of one K split: per chunk it loads 16 * MT / 2 bytes of codes
+// and 4 * MT / 2 bytes of scales per lane (the 1152-byte chunk stream of its rows), decodes them
+// in registers straight into mma.m16n8k16 A fragments (weights = A, tokens = B: a token count of
+// 1-8 wastes no MMA rows of weights), and keeps DEPTH chunks of loads in flight in a register
+// ring. K splits are summed in a fixed order by the last CTA of each column slice to arrive (an
+// atomic ticket, no atomics on the output), so a given config gives bit-identical results.
+#include "w4a16.cuh"
+
+namespace qerl_w4a16 {
+namespace {
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p, uint64_t policy) {
+  // Weights are read once: keep them out of L1 (the activations live there) and first in line
+  // for eviction from L2.
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
+
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  // code * scale is exact in bf16 (at most 5 significant bits), so the rounding mode is moot.
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t low_pair(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
+__device__ __forceinline__ uint32_t high_pair(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Scale word [s(T, g), s(T+1, g), s(T, g+8), s(T+1, g+8)] -> bf16 pairs {s(T, g), s(T, g+8)}
+// and {s(T+1, g), s(T+1, g+8)}.
+__device__ __forceinline__ void decode_scales(uint32_t w, uint32_t& first, uint32_t& second) {
+  first = ((w << 4) & kScaleAnd) | kScaleOr;
+  second = ((w >> 4) & kScaleAnd) | kScaleOr;
+}
+
+// The 4 A registers of word `q`, times the tile's scales: registers 0 and 2 are row g, 1 and 3
+// row g + 8.
+__device__ __forceinline__ void scaled_fragment(uint32_t q, uint32_t scale_pair, uint32_t (&a)[4]) {
+  decode_word(q, a);
+  const uint32_t lo = low_pair(scale_pair), hi = high_pair(scale_pair);
+  a[0] = bf16x2_mul(a[0], lo);
+  a[1] = bf16x2_mul(a[1], hi);
+  a[2] = bf16x2_mul(a[2], lo);
+  a[3] = bf16x2_mul(a[3], hi);
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <int MT, int NB>
+struct Stage {
+  uint4 codes[MT / 2];
+  uint32_t scales[MT / 2];
+  uint4 x[NB];
+};
+
+__device__ __forceinline__ float finish(float acc, float gs, const __nv_bfloat16* bias, int row) {
+  float v = acc * gs;
+  if (bias != nullptr) v += __bfloat162float(bias[row]);
+  return v;
+}
+
+template <int MT, int NB, int WARPS, int DEPTH>
+__global__ void __launch_bounds__(WARPS * 32) gemm_kernel(const GemmParams p) {
+  constexpr int kWarpRows = 16 * MT;
+  constexpr int kWarpTilesPerBlock = kRows / kWarpRows;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int warp_tile = blockIdx.x * WARPS + warp;
+  const int nblock = warp_tile / kWarpTilesPerBlock;
+  const int pair0 = MT == 4 ? 0 : warp_tile % kWarpTilesPerBlock;
+  const int n_blocks = (p.N + kRows - 1) / kRows;
+  const int kc0 = blockIdx.y * p.chunks_per_split;
+  const int kc1 = min(kc0 + p.chunks_per_split, p.KC);
+  const int m0 = blockIdx.z * 8 * NB;
+
+  float acc[MT][NB][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][b][e] = 0.f;
+
+  if (nblock < n_blocks) {
+    const uint64_t policy = evict_first_policy();
+    const uint4* wbase = p.qweight + (size_t)nblock * p.KC * (kWords / 4) + pair0 * 32 + lane;
+    const uint8_t* sbase = p.scales + (size_t)nblock * p.KC * kScaleBytes + (g * 2 + (t >> 1)) * 8 +
+                           (MT == 2 ? 4 * pair0 : 0);
+    const __nv_bfloat16* xrow[NB];
+    bool xvalid[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const int token = m0 + b * 8 + g;
+      xvalid[b] = token < p.M;
+      xrow[b] = p.x + (size_t)(xvalid[b] ? token : 0) * p.ldx + t * 8;
+    }
+    auto load = [&](Stage<MT, NB>& st, int kc) {
+#pragma unroll
+      for (int q = 0; q < MT / 2; ++q)
+        st.codes[q] = load_stream(wbase + (size_t)kc * (kWords / 4) + q * 32, policy);
+      if (MT == 4) {
+        const uint2 s = __ldg(reinterpret_cast<const uint2*>(sbase + (size_t)kc * kScaleBytes));
+        st.scales[0] = s.x;
+        st.scales[MT / 2 - 1] = s.y;
+      } else {
+        st.scales[0] = __ldg(reinterpret_cast<const uint32_t*>(sbase + (size_t)kc * kScaleBytes));
+      }
+      const bool kvalid = kc * kCols + t * 8 < p.K;
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+        st.x[b] = (xvalid[b] && kvalid) ? __ldg(reinterpret_cast<const uint4*>(xrow[b] + kc * kCols))
+                                        : make_uint4(0, 0, 0, 0);
+    };
+    auto compute = [&](const Stage<MT, NB>& st) {
+#pragma unroll
+      for (int q = 0; q < MT / 2; ++q) {
+        uint32_t sp[2];
+        decode_scales(st.scales[q], sp[0], sp[1]);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            uint32_t a[4];
+            scaled_fragment(word_of(st.codes[q], i * 2 + j), sp[i], a);
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+              mma_bf16(acc[2 * q + i][b], a, word_of(st.x[b], 2 * j), word_of(st.x[b], 2 * j + 1));
+          }
+      }
+    };
+    Stage<MT, NB> ring[DEPTH];
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u)
+      if (kc0 + u < kc1) load(ring[u], kc0 + u);
+    for (int kc = kc0; kc < kc1; kc += DEPTH) {
+#pragma unroll
+      for (int u = 0; u < DEPTH; ++u) {
+        if (kc + u < kc1) {
+          compute(ring[u]);
+          if (kc + u + DEPTH < kc1) load(ring[u], kc + u + DEPTH);
+        }
+      }
+    }
+  }
+
+  const float gs = *p.global_scale * kProductScale;
+  const int row_base = nblock * kRows + pair0 * 32;
+  if (gridDim.y == 1) {
+    if (nblock >= n_blocks) return;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = row_base + i * 16 + g + (e >> 1) * 8;
+          const int token = m0 + b * 8 + 2 * t + (e & 1);
+          if (row < p.N && token < p.M)
+            p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(acc[i][b][e], gs, p.bias, row));
+        }
+    return;
+  }
+
+  // Split K: park this split's sums, and let the last CTA of the column slice add them up in
+  // split order.
+  const int n_pad = n_blocks * kRows;
+  if (nblock < n_blocks) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = row_base + i * 16 + g + (e >> 1) * 8;
+          const int token = m0 + b * 8 + 2 * t + (e & 1);
+          if (token < p.M) __stcg(p.partials + ((size_t)blockIdx.y * p.M + token) * n_pad + row, acc[i][b][e]);
+        }
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  int* counter = p.counters + blockIdx.z * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.y - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  constexpr int kCtaRows = WARPS * kWarpRows;
+  const int row0 = blockIdx.x * kCtaRows;
+  const int tokens = min(8 * NB, p.M - m0);
+  for (int idx = threadIdx.x; idx < tokens * kCtaRows; idx += blockDim.x) {
+    const int token = m0 + idx / kCtaRows, row = row0 + idx % kCtaRows;
+    if (row >= p.N) continue;
+    float sum = 0.f;
+    for (int s = 0; s < (int)gridDim.y; ++s) sum += __ldcg(p.partials + ((size_t)s * p.M + token) * n_pad + row);
+    p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(sum, gs, p.bias, row));
+  }
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (and CUDA-graph replay)
+}
+
+template <int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    dequant_kernel(const uint4* qweight, const uint8_t* scales, const float* global_scale,
+                   __nv_bfloat16* out, int64_t ldo, int N, int K, int KC, int chunks) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunk = blockIdx.x * WARPS + warp;
+  if (chunk >= chunks) return;
+  const int nblock = chunk / KC, kc = chunk % KC;
+  const uint64_t policy = evict_first_policy();
+  const uint4* w = qweight + (size_t)chunk * (kWords / 4) + lane;
+  const uint4 codes[2] = {load_stream(w, policy), load_stream(w + 32, policy)};
+  const uint2 s = __ldg(reinterpret_cast<const uint2*>(scales + (size_t)chunk * kScaleBytes + (g * 2 + (t >> 1)) * 8));
+  const uint32_t sw[2] = {s.x, s.y};
+  const float gs = *global_scale * kProductScale;
+  const int col = kc * kCols + t * 8;
+  if (col >= K) return;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    uint32_t sp[2];
+    decode_scales(sw[q], sp[0], sp[1]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      // rows[h][c]: row g + 8h, columns 8t + c, as bf16 pairs.
+      uint32_t rows[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t a[4];
+        scaled_fragment(word_of(codes[q], i * 2 + j), sp[i], a);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&a[r]);
+          const __nv_bfloat162 o = __floats2bfloat162_rn(__low2float(v) * gs, __high2float(v) * gs);
+          // register r: row half r % 2, column pair 2 * j + r / 2
+          rows[r & 1][2 * j + (r >> 1)] = *reinterpret_cast<const uint32_t*>(&o);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = nblock * kRows + (2 * q + i) * 16 + g + 8 * h;
+        if (row < N)
+          *reinterpret_cast<uint4*>(out + (size_t)row * ldo + col) =
+              make_uint4(rows[h][0], rows[h][1], rows[h][2], rows[h][3]);
+      }
+    }
+  }
+}
+
+template <int MT, int NB, int WARPS, int DEPTH>
+cudaError_t launch(const GemmParams& p, int splits, cudaStream_t stream) {
+  constexpr int kCtaRows = WARPS * 16 * MT;
+  const dim3 grid((p.N + kCtaRows - 1) / kCtaRows, splits, (p.M + 8 * NB - 1) / (8 * NB));
+  gemm_kernel<MT, NB, WARPS, DEPTH><<<grid, WARPS * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+// The compiled configs: (rows per warp / 16, tokens per pass / 8, warps, depth).
+#define QERL_W4A16_CONFIGS(X) \
+  X(4, 1, 4, 4) X(4, 1, 8, 4) X(4, 1, 4, 8) X(4, 2, 4, 4) X(4, 2, 8, 4) X(4, 4, 4, 2) \
+  X(4, 4, 8, 2) X(2, 1, 8, 4) X(2, 2, 8, 4) X(2, 4, 8, 2) X(2, 8, 4, 2) X(2, 8, 8, 2)
+
+cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream) {
+  if (p.M <= 0) return cudaSuccess;
+#define QERL_W4A16_DISPATCH(MT, NB, W, D)                                          \
+  if (c.mt == MT && c.nb == NB && c.warps == W && c.depth == D) return launch<MT, NB, W, D>(p, c.splits, stream);
+  QERL_W4A16_CONFIGS(QERL_W4A16_DISPATCH)
+#undef QERL_W4A16_DISPATCH
+  return cudaErrorInvalidConfiguration;
+}
+
+cudaError_t launch_dequant(const uint4* qweight, const uint8_t* scales, const float* global_scale,
+                           __nv_bfloat16* out, int64_t ldo, int N, int K, int KC,
+                           cudaStream_t stream) {
+  constexpr int kWarps = 8;
+  const int chunks = ((N + kRows - 1) / kRows) * KC;
+  const int blocks = (chunks + kWarps - 1) / kWarps;
+  dequant_kernel<kWarps><<<blocks, kWarps * 32, 0, stream>>>(qweight, scales, global_scale, out, ldo,
+                                                             N, K, KC, chunks);
+  return cudaGetLastError();
+}
+
+}  // namespace qerl_w4a16

@@ -1,0 +1,42 @@
+// NVFP4 x bf16 (W4A16) kernels for Hopper over the chunk layout of qerl_pipe/kernels/tiled.py.
+// Torch-free: the launchers take raw pointers and a stream, so CI compiles this file with nvcc
+// alone (binding.cpp is the torch glue). The layout constants and the code decode come from the
+// generated header w4a16_layout.h, rendered from the Python spec.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include "w4a16_layout.h"
+
+namespace qerl_w4a16 {
+
+struct GemmParams {
+  const __nv_bfloat16* x;  // [M, K], rows ldx elements apart
+  int64_t ldx;
+  const uint4* qweight;    // [NB, KC, kWords / 4]
+  const uint8_t* scales;   // [NB, KC, kScaleBytes]
+  const float* global_scale;  // [1]
+  const __nv_bfloat16* bias;  // [N] or null
+  __nv_bfloat16* out;      // [M, N], rows ldo elements apart
+  int64_t ldo;
+  float* partials;         // [splits, M, NB * kRows] when splits > 1
+  int* counters;           // one per CTA of a (x, z) grid slice, zero between launches
+  int M, N, K, KC, chunks_per_split;
+};
+
+// Launch config of the decode GEMM: rows per warp = 16 * mt (2 or 4 m16 tiles), tokens per pass
+// = 8 * nb (1, 2, 4 or 8 n8 blocks), warps per CTA, chunks in flight per warp, K splits.
+struct GemmConfig {
+  int mt, nb, warps, depth, splits;
+};
+
+// Returns cudaErrorInvalidConfiguration for a config with no compiled kernel.
+cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream);
+
+// W as bf16 [N, K] (rows ldo elements apart): code * scale * global_scale, rounded once.
+cudaError_t launch_dequant(const uint4* qweight, const uint8_t* scales, const float* global_scale,
+                           __nv_bfloat16* out, int64_t ldo, int N, int K, int KC,
+                           cudaStream_t stream);
+
+}  // namespace qerl_w4a16

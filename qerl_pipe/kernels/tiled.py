@@ -1,0 +1,304 @@
+"""The tile-major NVFP4 layout the CUDA W4A16 kernels read: one spec for repack, kernel and tests.
+
+The checkpoint keeps the standard bytes (uint8 `[N, K/2]` codes, E4M3 `[N, K/16]` scales); this
+module turns them into the layout of `kernels/cuda/w4a16.cu` and back. Everything the kernel
+assumes about the layout is defined here: the constants header it includes is rendered from this
+module (`constants_header`), and the CPU tests replay the kernel's loads and bit operations on
+what `tile_nvfp4` writes.
+
+**Chunks.** The weight is cut into chunks of 64 output rows x 32 input columns, stored
+chunk-major `[N/64, K/32]`, so a warp that walks K over one 64-row block reads one contiguous
+1152-byte stream: 1024 bytes of codes (`qweight`, 256 int32 words) and 128 bytes of block scales
+(`scales`). N is padded to 64 and K to 32 with zero codes.
+
+**Codes follow the tensor-core fragment.** The kernel multiplies with `mma.m16n8k16` (bf16, fp32
+accumulate) with the *weights as the A operand* (16 output rows) and the tokens as B (8 per MMA),
+so one decoded register is an A-fragment register with no shuffle. A 64-row block is 4 m16 tiles;
+lane `l` (g = l // 4, t = l % 4) holds rows `g` and `g + 8` of each tile. Within a chunk the MMA's
+k order is permuted (A and B alike, so the sum is unchanged): lane t takes the 8 consecutive
+columns `8t..8t+7`, the first 4 in MMA step 0, the last 4 in step 1; its activations are then one
+16-byte load. Word `(pair p, lane l, tile i, step j)` (tile T = 2p + i) holds the lane's 8 codes of
+tile T in step j, at word index `p*128 + l*4 + i*2 + j`: a lane's 4 words of a pair are one 16-byte
+load, and a warp that takes only 32 rows reads one 512-byte half.
+
+**Decoding a word takes 9 integer operations for 8 weights.** An A register is a bf16 pair; an
+E2M1 code becomes the bf16 `e2m1 * 2**-126` when its sign lands on bit 15 and its 3 magnitude bits
+on bits 6-8 (E2M1's subnormal 0.5 lands on a bf16 subnormal: exact). The bits of a word are
+placed so that register 0 is `q & MASK`, registers 1 and 2 are a rotation and a mask, and
+register 3 is two rotations and two masks (`DECODE`; no rotation set lets all four be one mask,
+the masks' positions cannot tile 32 bits). `SOURCE_BITS` is derived from `DECODE` by probing, so
+the packing cannot disagree with the decode.
+
+**Scales are re-encoded to decode in two operations.** A scale byte `u` decodes as the bf16 with
+bits `0x7000 | u << 4`, i.e. `2**(97 + u >> 3) * (1 + (u & 7) / 8)`; `u` encodes the E4M3 scale
+times 2**119 exactly (every E4M3 value, subnormals included, is a normal number there). The bf16
+product code x scale is `e2m1 * s * 2**-7`: at most 5 significant bits, so exact, and the kernel
+multiplies the fp32 accumulator by `global_scale * 2**7` before its one rounding to bf16. A zero
+scale zeroes its block's codes; a negative scale flips its block's code signs (the products are
+the same); NaN scales are refused. Lane (g, t) reads the 8 scale bytes at `(2g + t // 2) * 8`:
+for tile pair q, bytes `[s(2q, g), s(2q+1, g), s(2q, g+8), s(2q+1, g+8)]`, which one shift and one
+mask turn into the bf16 pairs `{s(2q, g), s(2q, g+8)}` and `{s(2q+1, g), s(2q+1, g+8)}`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight, pack_fp4, unpack_fp4
+
+ROWS = 64  # output rows per chunk: 4 m16 tiles
+COLS = 32  # input columns per chunk: 2 MMA k16 steps
+WORDS = ROWS * COLS // 8  # int32 words of codes per chunk (256)
+SCALE_BYTES = ROWS * COLS // BLOCK_SIZE  # scale bytes per chunk (128)
+
+# Bits of one decoded bf16 pair that carry a code: sign 15 / 31, magnitude 6-8 / 22-24.
+MASK = 0x81C081C0
+# How each of the 4 registers of a word is cut out of the word q: a list of (rotate-right
+# amount, mask) terms OR-ed together. The CUDA decode is generated from this table.
+DECODE: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((0, MASK),),
+    ((4, MASK),),
+    ((10, MASK),),
+    ((30, 0x80C080C0), (22, 0x01000100)),
+)
+# bf16 scale bits = ((byte << 4) & 0x0FF0) | 0x7000; a scale s is stored as s * 2**SCALE_BIAS.
+SCALE_BIAS = 119
+SCALE_OR = 0x70007000
+SCALE_AND = 0x0FF00FF0
+# The kernel multiplies its fp32 sums by global_scale * 2**PRODUCT_SHIFT (code * scale is
+# e2m1 * s * 2**(SCALE_BIAS - 126)).
+PRODUCT_SHIFT = 126 - SCALE_BIAS
+
+
+def _rotr(q: int, r: int) -> int:
+    return ((q >> r) | (q << (32 - r))) & 0xFFFFFFFF if r else q
+
+
+def decode_word(q: int) -> tuple[int, int, int, int]:
+    """The four bf16-pair registers the kernel makes of word `q` (same operations)."""
+    out = []
+    for terms in DECODE:
+        v = 0
+        for rot, mask in terms:
+            v |= _rotr(q, rot) & mask
+        out.append(v)
+    return tuple(out)  # type: ignore[return-value]
+
+
+# Code bit b (0 = mantissa, 1-2 = exponent, 3 = sign) -> its bit in a bf16 half.
+_TARGET_OF_CODE_BIT = (6, 7, 8, 15)
+
+
+@lru_cache(maxsize=1)
+def source_bits() -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """`[register][half][code bit]` -> the bit of the word that the decode routes there.
+
+    Found by decoding each single-bit word; also checks that the routing is a bijection onto
+    the code bits of the 8 halves and puts nothing anywhere else.
+    """
+    dest: dict[tuple[int, int], int] = {}
+    for b in range(32):
+        regs = decode_word(1 << b)
+        hits = [(r, pos) for r, v in enumerate(regs) for pos in range(32) if v >> pos & 1]
+        if len(hits) != 1:
+            raise AssertionError(f"word bit {b} decodes to {hits}; the decode must route each bit once")
+        dest[hits[0]] = b
+    table = tuple(
+        tuple(tuple(dest[(r, 16 * h + tgt)] for tgt in _TARGET_OF_CODE_BIT) for h in range(2))
+        for r in range(4)
+    )
+    return table
+
+
+# The tensors of a TiledNVFP4, by field name (what a model stores as buffers).
+TENSOR_FIELDS = ("qweight", "scales", "global_scale")
+
+
+@dataclass(frozen=True)
+class TiledNVFP4:
+    """An NVFP4 weight in the CUDA kernels' chunk layout (see the module docstring)."""
+
+    qweight: Tensor  # int32 [ceil(N/64), ceil(K/32), 256]
+    scales: Tensor  # uint8 [ceil(N/64), ceil(K/32), 128], re-encoded block scales
+    global_scale: Tensor  # float32 [1]
+    out_features: int
+    in_features: int
+
+
+def tiled_shapes(n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Shapes of `qweight` and `scales` for an `[n, k]` weight."""
+    nb, kc = -(-n // ROWS), -(-k // COLS)
+    return (nb, kc, WORDS), (nb, kc, SCALE_BYTES)
+
+
+@lru_cache(maxsize=None)
+def _scale_tables() -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """E4M3 magnitude byte (0..126) -> re-encoded byte, and re-encoded byte -> value / 2**119."""
+    encode = [0] * 128
+    for mag in range(1, 127):
+        s = float(torch.tensor(mag, dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+        frac, exp = math.frexp(s)  # s = frac * 2**exp, frac in [0.5, 1)
+        encode[mag] = ((exp - 1 + SCALE_BIAS - 97) << 3) | int((2 * frac - 1) * 8)
+    decode = [0.0] * 256
+    for u in range(1, 256):
+        decode[u] = 2.0 ** (97 + (u >> 3) - SCALE_BIAS) * (1 + (u & 7) / 8)
+    return tuple(encode), tuple(decode)
+
+
+def _encode_scales(scale_bytes: Tensor) -> tuple[Tensor, Tensor]:
+    """Block-scale bytes -> (re-encoded bytes, per-block code fix: 0 keep, 8 flip sign, -1 zero)."""
+    b = scale_bytes.to(torch.int64)
+    mag = b & 0x7F
+    if bool((mag == 0x7F).any()):
+        raise ValueError("the weight has NaN block scales; re-quantize the checkpoint")
+    enc_table, _ = _scale_tables()
+    enc = torch.tensor(enc_table, dtype=torch.int64, device=b.device)[mag]
+    fix = torch.where(b >= 0x80, 8, 0)
+    fix = torch.where(mag == 0, -1, fix)
+    return enc, fix
+
+
+def _pad(t: Tensor, rows: int, cols: int) -> Tensor:
+    if t.shape == (rows, cols):
+        return t
+    out = torch.zeros(rows, cols, dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+# Rows are repacked in slices of about this many elements: the int64 temporaries cost ~40 B per
+# element, which for a whole 32B gate_up (283 M elements) would be ~11 GB of transient memory.
+_SLICE_ELEMENTS = 1 << 22
+
+
+def tile_nvfp4(w: NVFP4Weight) -> TiledNVFP4:
+    """Repack a checkpoint NVFP4 weight into the kernel layout (on the weight's device)."""
+    n, k = w.out_features, w.in_features
+    words_shape, scales_shape = tiled_shapes(n, k)
+    nb, kc = words_shape[:2]
+    dev = w.packed.device
+    qweight = torch.empty(words_shape, dtype=torch.int32, device=dev)
+    scales = torch.empty(scales_shape, dtype=torch.uint8, device=dev)
+    blocks = max(1, _SLICE_ELEMENTS // (ROWS * kc * COLS))
+    scale_bytes = w.block_scales.contiguous().view(torch.uint8)
+    for b0 in range(0, nb, blocks):
+        b1 = min(nb, b0 + blocks)
+        r0, r1 = b0 * ROWS, min(n, b1 * ROWS)
+        enc, fix = _encode_scales(scale_bytes[r0:r1])
+        codes = unpack_fp4(w.packed[r0:r1]).to(torch.int64).view(r1 - r0, k // BLOCK_SIZE, BLOCK_SIZE)
+        codes = torch.where(fix[..., None] < 0, 0, codes ^ fix.clamp(min=0)[..., None]).view(r1 - r0, k)
+        rows = (b1 - b0) * ROWS
+        qweight[b0:b1] = _words(_pad(codes, rows, kc * COLS), b1 - b0, kc)
+        scales[b0:b1] = _scale_chunks(_pad(enc, rows, kc * COLS // BLOCK_SIZE), b1 - b0, kc).to(torch.uint8)
+    return TiledNVFP4(
+        qweight=qweight,
+        scales=scales,
+        global_scale=w.global_scale.to(torch.float32).reshape(1).contiguous(),
+        out_features=n,
+        in_features=k,
+    )
+
+
+# A code tensor [N, K] viewed as [nb, p, i, hr, g, kc, t, j, pair, h]:
+# row = 64 nb + 32 p + 16 i + 8 hr + g, column = 32 kc + 8 t + 4 j + 2 pair + h.
+_CODE_VIEW = (2, 2, 2, 8)
+# Register r of a word holds rows hr = r % 2 and the column pair r // 2 (A-fragment order a0..a3).
+
+
+def _words(codes: Tensor, nb: int, kc: int) -> Tensor:
+    c = codes.view(nb, *_CODE_VIEW, kc, 4, 2, 2, 2)
+    # -> [nb, kc, p, g, t, i, j, pair, hr, h]
+    c = c.permute(0, 5, 1, 4, 6, 2, 7, 8, 3, 9)
+    src = source_bits()
+    word = torch.zeros(c.shape[:7], dtype=torch.int64, device=codes.device)
+    for pair in range(2):
+        for hr in range(2):
+            reg = 2 * pair + hr
+            for h in range(2):
+                code = c[..., pair, hr, h]
+                for bit in range(4):
+                    word |= ((code >> bit) & 1) << src[reg][h][bit]
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return word.reshape(nb, kc, WORDS)
+
+
+def _scale_chunks(enc: Tensor, nb: int, kc: int) -> Tensor:
+    # enc [N, K/16] viewed as [nb, q, i, hr, g, kc, hb]; bytes ordered [g, hb, q, hr, i].
+    e = enc.view(nb, 2, 2, 2, 8, kc, 2).permute(0, 5, 4, 6, 1, 3, 2)
+    return e.reshape(nb, kc, SCALE_BYTES)
+
+
+def untile_nvfp4(t: TiledNVFP4) -> NVFP4Weight:
+    """Back to checkpoint form. Exact up to what the repack normalizes: a zero scale's codes are
+    0, a negative scale is stored positive with its codes' signs flipped (the values are equal)."""
+    n, k = t.out_features, t.in_features
+    nb, kc = t.qweight.shape[:2]
+    codes = _codes_of_words(t.qweight.to(torch.int64) & 0xFFFFFFFF, nb, kc)[:n, :k]
+    enc = t.scales.to(torch.int64).view(nb, kc, 8, 2, 2, 2, 2).permute(0, 4, 6, 5, 2, 1, 3)
+    enc = enc.reshape(nb * ROWS, kc * 2)[:n, : k // BLOCK_SIZE]
+    return NVFP4Weight(
+        pack_fp4(codes.to(torch.uint8)).contiguous(), _decode_scale_bytes(enc), t.global_scale.reshape(())
+    )
+
+
+def _codes_of_words(word: Tensor, nb: int, kc: int) -> Tensor:
+    w = word.view(nb, kc, 2, 8, 4, 2, 2)  # [nb, kc, p, g, t, i, j]
+    src = source_bits()
+    regs = []
+    for reg in range(4):
+        halves = []
+        for h in range(2):
+            code = torch.zeros_like(w)
+            for bit in range(4):
+                code |= ((w >> src[reg][h][bit]) & 1) << bit
+            halves.append(code)
+        regs.append(torch.stack(halves, -1))
+    c = torch.stack(regs, -2).view(*w.shape, 2, 2, 2)  # [..., pair, hr, h]
+    # -> [nb, p, i, hr, g, kc, t, j, pair, h]
+    c = c.permute(0, 2, 5, 8, 3, 1, 4, 6, 7, 9)
+    return c.reshape(nb * ROWS, kc * COLS)
+
+
+def _decode_scale_bytes(enc: Tensor) -> Tensor:
+    """Re-encoded scale bytes -> float8_e4m3fn block scales (0 stays 0)."""
+    _, decode = _scale_tables()
+    values = torch.tensor(decode, dtype=torch.float32, device=enc.device)[enc]
+    return values.to(torch.float8_e4m3fn)
+
+
+def dequantize_tiled(t: TiledNVFP4, dtype: torch.dtype = torch.float32) -> Tensor:
+    """`W` as `dtype`, `[N, K]`: the same values as `dequantize_nvfp4` of the source weight."""
+    from qerl_pipe.formats.nvfp4 import dequantize_nvfp4
+
+    return dequantize_nvfp4(untile_nvfp4(t), dtype)
+
+
+def constants_header() -> str:
+    """The C++ header of layout constants that `kernels/cuda/w4a16.cu` includes."""
+    lines = [
+        "// Generated by qerl_pipe.kernels.tiled.constants_header(); do not edit.",
+        "#pragma once",
+        "#include <cstdint>",
+        "namespace qerl_w4a16 {",
+        f"constexpr int kRows = {ROWS};",
+        f"constexpr int kCols = {COLS};",
+        f"constexpr int kWords = {WORDS};",
+        f"constexpr int kScaleBytes = {SCALE_BYTES};",
+        f"constexpr uint32_t kScaleAnd = 0x{SCALE_AND:08X}u;",
+        f"constexpr uint32_t kScaleOr = 0x{SCALE_OR:08X}u;",
+        f"constexpr float kProductScale = {float(2 ** PRODUCT_SHIFT)!r}f;",
+        "#ifdef __CUDACC__  // the decode is device code; the torch binding needs only the constants",
+        "__device__ __forceinline__ uint32_t rotr32(uint32_t q, int r) { return __funnelshift_r(q, q, r); }",
+        "// The four bf16-pair A registers of a code word.",
+        "__device__ __forceinline__ void decode_word(uint32_t q, uint32_t (&r)[4]) {",
+    ]
+    for i, terms in enumerate(DECODE):
+        parts = [f"(rotr32(q, {rot}) & 0x{mask:08X}u)" if rot else f"(q & 0x{mask:08X}u)" for rot, mask in terms]
+        lines.append(f"  r[{i}] = {' | '.join(parts)};")
+    lines += ["}", "#endif", "}  // namespace qerl_w4a16", ""]
+    return "\n".join(lines)
