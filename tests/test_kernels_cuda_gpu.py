@@ -124,4 +124,4 @@ def test_scales_of_every_byte_and_sign() -> None:
     tq = tile_nvfp4(q.to("cuda"))
     assert _one_rounding(cuda_ext.dequantize(tq), dense)
     x = torch.randn(5, k, device="cuda").to(torch.bfloat16)
-    assert _rel(cuda_ext.gemm(x, tq), x.double() @ dense.T) < 1e-3
+    assert _rel(cuda_ext.gemm(x, tq), x.double() @ dense.T) < 5e-3

@@ -35,7 +35,7 @@ DEQUANT_MS = (64, 256, 1024, 4096)
 
 
 def copy_ceiling_tbps() -> float:
-    """Device-to-device copy rate of 2 GiB (bytes read + written), the bandwidth ceiling."""
+    """Device-to-device copy rate of 2 GiB (bytes read + written)."""
     src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     t = time_graph([lambda: dst.copy_(src)], REPS)
@@ -51,7 +51,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[cuda_ext.GemmConfig]:
     for mt, nb, warps, depth in cuda_ext.COMPILED:
         if nb == base.nb and (mt, warps, depth) != (base.mt, base.warps, base.depth):
             out.append(replace(base, mt=mt, warps=warps, depth=depth))
-    for s in (1, base.splits // 2, base.splits * 2):
+    for s in (1, base.splits // 4, base.splits // 2, base.splits * 2):
         if s >= 1:
             out.append(replace(base, splits=s))
     return list(dict.fromkeys(out))

@@ -153,13 +153,13 @@ def counters(device: torch.device) -> Tensor:
 
 def default_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """The launch config for an `[m, k] x [n, k]^T` product: tokens per pass from m, then enough
-    K splits that about 8 warps per SM stream weights (bytes in flight, Little's law)."""
+    K splits that about 16 warps per SM stream weights (bytes in flight, Little's law)."""
     tokens = min(m, MAX_PASS_TOKENS)
     nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
     mt, warps, depth = {1: (4, 4, 4), 2: (4, 4, 4), 4: (4, 4, 2), 8: (2, 8, 2)}[nb]
     warp_tiles = -(-n // (16 * mt))
     chunks = -(-k // tiled.COLS)
-    splits = max(1, min(round(8 * sms / warp_tiles), chunks // 4))
+    splits = max(1, min(round(16 * sms / warp_tiles), chunks // 4))
     return GemmConfig(mt, nb, warps, depth, splits)
 
 

@@ -16,7 +16,7 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p, uint64_t policy) {
   // Weights are read once: keep them out of L1 (the activations live there) and first in line
   // for eviction from L2.
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p), "l"(policy));
   return v;
@@ -40,8 +40,9 @@ __device__ __forceinline__ uint32_t high_pair(uint32_t v) { return __byte_perm(v
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+  // Not volatile: the compiler may then schedule the MMAs among the decodes (a volatile asm
+  // keeps program order, which serialized decode -> MMA -> decode on one set of registers).
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -135,6 +136,8 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_kernel(const GemmParams p) {
                                         : make_uint4(0, 0, 0, 0);
     };
     auto compute = [&](const Stage<MT, NB>& st) {
+      // Decode the whole chunk first, so that the MMAs have independent operands to overlap.
+      uint32_t a[MT][2][4];
 #pragma unroll
       for (int q = 0; q < MT / 2; ++q) {
         uint32_t sp[2];
@@ -142,28 +145,33 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_kernel(const GemmParams p) {
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            uint32_t a[4];
-            scaled_fragment(word_of(st.codes[q], i * 2 + j), sp[i], a);
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-              mma_bf16(acc[2 * q + i][b], a, word_of(st.x[b], 2 * j), word_of(st.x[b], 2 * j + 1));
-          }
+          for (int j = 0; j < 2; ++j) scaled_fragment(word_of(st.codes[q], i * 2 + j), sp[i], a[2 * q + i][j]);
       }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int tile = 0; tile < MT; ++tile)
+#pragma unroll
+          for (int b = 0; b < NB; ++b)
+            mma_bf16(acc[tile][b], a[tile][j], word_of(st.x[b], 2 * j), word_of(st.x[b], 2 * j + 1));
     };
     Stage<MT, NB> ring[DEPTH];
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u)
       if (kc0 + u < kc1) load(ring[u], kc0 + u);
-    for (int kc = kc0; kc < kc1; kc += DEPTH) {
+    // Whole groups of DEPTH chunks without a branch around the MMAs (a branch there costs a
+    // warp re-convergence per chunk); only the refill loads are predicated.
+    int kc = kc0;
+    for (; kc + DEPTH <= kc1; kc += DEPTH) {
 #pragma unroll
       for (int u = 0; u < DEPTH; ++u) {
-        if (kc + u < kc1) {
-          compute(ring[u]);
-          if (kc + u + DEPTH < kc1) load(ring[u], kc + u + DEPTH);
-        }
+        compute(ring[u]);
+        if (kc + u + DEPTH < kc1) load(ring[u], kc + u + DEPTH);
       }
     }
+#pragma unroll
+    for (int u = 0; u < DEPTH - 1; ++u)
+      if (kc + u < kc1) compute(ring[u]);
   }
 
   const float gs = *p.global_scale * kProductScale;
