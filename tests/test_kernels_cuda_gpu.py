@@ -72,8 +72,7 @@ def test_gemm_and_dequant_match_the_reference(n: int, k: int) -> None:
             assert _rel(nvfp4_linear(x, tq), ref) < 5e-3, (m, n, k)
 
 
-@pytest.mark.parametrize("cfg", [cuda_ext.GemmConfig(*c, splits=s) for c in cuda_ext.COMPILED for s in (1, 3)],
-                         ids=str)
+@pytest.mark.parametrize("cfg", cuda_ext.compiled_configs(1) + cuda_ext.compiled_configs(3), ids=str)
 def test_every_compiled_config(cfg: cuda_ext.GemmConfig) -> None:
     tq, dense = _weight(1000, 1088, 7)
     bias = torch.randn(1000, device="cuda").to(torch.bfloat16)

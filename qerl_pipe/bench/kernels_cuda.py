@@ -44,14 +44,14 @@ def copy_ceiling_tbps() -> float:
 
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[cuda_ext.GemmConfig]:
-    """The default config, the other compiled variants with its tokens per pass, and K splits
-    halved, doubled and off."""
+    """The default config, the other compiled variants with its tokens per pass (each with its
+    own `choose_splits`), and the default's K splits halved, doubled and off."""
     base = cuda_ext.default_config(m, n, k, sms)
     out = [base]
-    for mt, nb, warps, depth in cuda_ext.COMPILED:
-        if nb == base.nb and (mt, warps, depth) != (base.mt, base.warps, base.depth):
-            out.append(replace(base, mt=mt, warps=warps, depth=depth))
-    for s in (1, base.splits // 4, base.splits // 2, base.splits * 2):
+    for c in cuda_ext.compiled_configs():
+        if c.nb == base.nb and replace(c, splits=base.splits) != base:
+            out.append(replace(c, splits=cuda_ext.choose_splits(m, n, k, c, sms, cuda_ext.blocks_per_sm(c))))
+    for s in (1, base.splits // 2, base.splits * 2):
         if s >= 1:
             out.append(replace(base, splits=s))
     return list(dict.fromkeys(out))

@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -46,16 +46,25 @@ class GemmConfig:
 
     mt: int  # m16 tiles of weight rows per warp (2 or 4)
     nb: int  # n8 blocks of tokens per pass (1, 2, 4 or 8)
-    warps: int
+    warps: int  # per CTA
+    wk: int  # warps that share a warp tile, splitting its K chunks (summed in shared memory)
     depth: int  # chunks of loads in flight per warp
-    splits: int
+    splits: int  # K splits across CTAs (summed in a workspace by the last CTA)
 
 
-# Must match QERL_W4A16_CONFIGS in w4a16.cu (a CPU test checks it).
-COMPILED: tuple[tuple[int, int, int, int], ...] = (
-    (4, 1, 4, 4), (4, 1, 8, 4), (4, 1, 4, 8), (4, 2, 4, 4), (4, 2, 8, 4), (4, 4, 4, 2),
-    (4, 4, 8, 2), (2, 1, 8, 4), (2, 2, 8, 4), (2, 4, 8, 2), (2, 8, 4, 2), (2, 8, 8, 2),
+# (mt, nb, warps along N, warps along K, depth): must match QERL_W4A16_CONFIGS in w4a16.cu (a
+# CPU test checks it).
+COMPILED: tuple[tuple[int, int, int, int, int], ...] = (
+    (4, 1, 4, 1, 4), (4, 1, 1, 4, 4), (4, 1, 2, 2, 4), (2, 1, 8, 1, 4), (4, 2, 4, 1, 4),
+    (4, 2, 1, 4, 4), (4, 2, 2, 2, 4), (2, 2, 8, 1, 4), (4, 4, 4, 1, 2), (4, 4, 1, 4, 2),
+    (4, 4, 2, 2, 2), (2, 4, 8, 1, 2), (2, 8, 4, 1, 2), (2, 8, 8, 1, 2), (2, 8, 1, 4, 2),
+    (2, 8, 2, 2, 2),
 )
+
+
+def compiled_configs(splits: int = 1) -> list[GemmConfig]:
+    """Every compiled variant as a GemmConfig with `splits`."""
+    return [GemmConfig(mt, nb, wn * wk, wk, depth, splits) for mt, nb, wn, wk, depth in COMPILED]
 
 
 def source_hash() -> str:
@@ -151,27 +160,73 @@ def counters(device: torch.device) -> Tensor:
     return _counters(torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device()))
 
 
-def default_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
-    """The launch config for an `[m, k] x [n, k]^T` product: tokens per pass from m, then enough
-    K splits that about 16 warps per SM stream weights (bytes in flight, Little's law)."""
+@lru_cache(maxsize=None)
+def blocks_per_sm(config: GemmConfig) -> int:
+    """CTAs of a compiled GEMM variant that one SM holds at once (its registers decide)."""
+    c = config
+    return int(_module().blocks_per_sm(c.mt, c.nb, c.warps, c.wk, c.depth))
+
+
+# A model of a launch, for choosing K splits (fitted by eye to the H200 sweeps in
+# bench/results/kernels-cuda-h200.json; the benchmark also times the neighbours of its pick):
+# HBM streams BYTES_PER_US once WARPS_FOR_BANDWIDTH warps per SM have loads in flight (fewer warps
+# get a proportional share); a warp takes CHUNK_US per chunk plus FIXED_CHUNKS chunks of start-up
+# and epilogue; the last CTA of a split column re-reads every split's sums at REDUCE_BYTES_PER_US.
+BYTES_PER_US = 3.5e6
+WARPS_FOR_BANDWIDTH = 16
+CHUNK_US = 0.25
+FIXED_CHUNKS = 2
+REDUCE_BYTES_PER_US = 5e4
+
+
+def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: int) -> int:
+    """K splits across CTAs that should finish soonest under the model above: more splits give
+    more warps in flight and shorter CTAs, and cost M x N x 8 bytes each (fp32 sums written and
+    read back) plus a longer final reduction, which is why the pick shrinks as M grows."""
+    cta_rows = 16 * config.mt * config.warps // config.wk
+    columns = -(-n // cta_rows)
+    chunks = -(-k // tiled.COLS)
+    passes = -(-m // (8 * config.nb))
+    tokens = min(m, 8 * config.nb)
+    slots = sms * max(1, per_sm)
+
+    def cost(s: int) -> float:
+        ctas = columns * s * passes
+        resident_warps = min(ctas, slots) * config.warps
+        bandwidth = BYTES_PER_US * min(1.0, resident_warps / (WARPS_FOR_BANDWIDTH * sms))
+        traffic = n * k * (0.5 + 1 / 16) * passes + (2 * s * m * n * 4 if s > 1 else 0)
+        waves = -(-ctas // slots)
+        compute = waves * (-(-chunks // (s * config.wk)) + FIXED_CHUNKS) * CHUNK_US
+        tail = s * tokens * cta_rows * 4 / REDUCE_BYTES_PER_US if s > 1 else 0.0
+        return max(traffic / bandwidth, compute) + tail
+
+    return min(range(1, max(1, chunks // 4) + 1), key=lambda s: (cost(s), s))
+
+
+# The variant for each tokens-per-pass count (n8 blocks): (mt, warps, wk, depth).
+_VARIANT = {1: (4, 4, 1, 4), 2: (4, 4, 1, 4), 4: (4, 4, 1, 2), 8: (2, 8, 1, 2)}
+
+
+def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) -> GemmConfig:
+    """The launch config for an `[m, k] x [n, k]^T` product: tokens per pass from m, the variant
+    measured best for that token count, and the K splits of `choose_splits`."""
     tokens = min(m, MAX_PASS_TOKENS)
     nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
-    mt, warps, depth = {1: (4, 4, 4), 2: (4, 4, 4), 4: (4, 4, 2), 8: (2, 8, 2)}[nb]
-    warp_tiles = -(-n // (16 * mt))
-    chunks = -(-k // tiled.COLS)
-    splits = max(1, min(round(16 * sms / warp_tiles), chunks // 4))
-    return GemmConfig(mt, nb, warps, depth, splits)
+    mt, warps, wk, depth = _VARIANT[nb]
+    config = GemmConfig(mt, nb, warps, wk, depth, 1)
+    per_sm = per_sm if per_sm is not None else blocks_per_sm(config)
+    return replace(config, splits=choose_splits(m, n, k, config, sms, per_sm))
 
 
 @torch.library.custom_op("qerl::w4a16_gemm", mutates_args=())
 def _gemm_op(x: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, bias: Optional[Tensor],
-             n: int, k: int, mt: int, nb: int, warps: int, depth: int, splits: int) -> Tensor:
-    return _module().gemm(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, depth, splits,
+             n: int, k: int, mt: int, nb: int, warps: int, wk: int, depth: int, splits: int) -> Tensor:
+    return _module().gemm(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits,
                           counters(x.device))
 
 
 @_gemm_op.register_fake
-def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, depth, splits):
+def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits):
     return x.new_empty(x.shape[0], n)
 
 
@@ -192,7 +247,7 @@ def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: Gem
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         config = default_config(m, w.out_features, w.in_features, sms)
     return _gemm_op(x, w.qweight, w.scales, w.global_scale, bias, w.out_features, w.in_features,
-                    config.mt, config.nb, config.warps, config.depth, config.splits)
+                    config.mt, config.nb, config.warps, config.wk, config.depth, config.splits)
 
 
 def dequantize(w: tiled.TiledNVFP4) -> Tensor:

@@ -26,7 +26,8 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& scales, const at:
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const at::Tensor& global_scale, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
-                int64_t mt, int64_t nb, int64_t warps, int64_t depth, int64_t splits, const at::Tensor& counters) {
+                int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t splits,
+                const at::Tensor& counters) {
   check_weight(qweight, scales, global_scale, n, k);
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
                   x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
@@ -43,7 +44,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   at::Tensor partials;
   if (splits > 1) {
     partials = at::empty({splits, m, n_pad}, x.options().dtype(at::kFloat));
-    const int64_t cta_rows = warps * 16 * mt;
+    const int64_t cta_rows = warps / wk * 16 * mt;
     const int64_t ctas = ((n + cta_rows - 1) / cta_rows) * ((m + 8 * nb - 1) / (8 * nb));
     TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.numel() >= ctas,
                 "the split-K counter buffer is too small: ", counters.numel(), " < ", ctas);
@@ -70,10 +71,10 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   p.K = static_cast<int>(k);
   p.KC = static_cast<int>(kc);
   p.chunks_per_split = static_cast<int>(per_split);
-  const qerl_w4a16::GemmConfig c{static_cast<int>(mt), static_cast<int>(nb), static_cast<int>(warps),
-                                 static_cast<int>(depth), static_cast<int>(splits)};
+  const qerl_w4a16::GemmConfig c{static_cast<int>(mt),    static_cast<int>(nb),    static_cast<int>(warps),
+                                 static_cast<int>(wk),    static_cast<int>(depth), static_cast<int>(splits)};
   const cudaError_t err = qerl_w4a16::launch_gemm(p, c, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "w4a16 gemm launch (mt=", mt, " nb=", nb, " warps=", warps, " depth=", depth,
+  TORCH_CHECK(err == cudaSuccess, "w4a16 gemm launch (mt=", mt, " nb=", nb, " warps=", warps, " wk=", wk, " depth=", depth,
               "): ", cudaGetErrorString(err));
   return out;
 }
@@ -91,9 +92,15 @@ at::Tensor dequant(const at::Tensor& qweight, const at::Tensor& scales, const at
   return out;
 }
 
+int64_t blocks_per_sm(int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth) {
+  return qerl_w4a16::gemm_blocks_per_sm({static_cast<int>(mt), static_cast<int>(nb), static_cast<int>(warps),
+                                         static_cast<int>(wk), static_cast<int>(depth), 1});
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &gemm, "x @ W^T for a tiled NVFP4 W (M <= 64 per pass)");
+  m.def("blocks_per_sm", &blocks_per_sm, "CTAs of a GEMM config resident per SM");
   m.def("dequant", &dequant, "W as bf16 [N, K] from a tiled NVFP4 W");
 }

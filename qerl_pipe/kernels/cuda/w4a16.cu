@@ -83,19 +83,27 @@ __device__ __forceinline__ float finish(float acc, float gs, const __nv_bfloat16
   return v;
 }
 
-template <int MT, int NB, int WARPS, int DEPTH>
-__global__ void __launch_bounds__(WARPS * 32) gemm_kernel(const GemmParams p) {
+// One CTA: WN x WK warps. The WN warps of a K-warp group own consecutive 16 * MT-row warp tiles;
+// the WK warps that share a warp tile take every WK-th chunk of the CTA's K split and are summed
+// through shared memory in warp order at the end (more warps streaming one tile without more
+// global split-K traffic, which grows with M).
+template <int MT, int NB, int WN, int WK, int DEPTH>
+__global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) {
   constexpr int kWarpRows = 16 * MT;
   constexpr int kWarpTilesPerBlock = kRows / kWarpRows;
+  constexpr int kAcc4 = MT * NB;  // float4s of accumulators per lane
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wn = warp / WK, wk = warp % WK;
   const int g = lane >> 2, t = lane & 3;
-  const int warp_tile = blockIdx.x * WARPS + warp;
+  const int warp_tile = blockIdx.x * WN + wn;
   const int nblock = warp_tile / kWarpTilesPerBlock;
   const int pair0 = MT == 4 ? 0 : warp_tile % kWarpTilesPerBlock;
   const int n_blocks = (p.N + kRows - 1) / kRows;
   const int kc0 = blockIdx.y * p.chunks_per_split;
   const int kc1 = min(kc0 + p.chunks_per_split, p.KC);
   const int m0 = blockIdx.z * 8 * NB;
+  // This warp's chunks: kc0 + wk + j * WK for j < mine.
+  const int mine = kc1 - kc0 > wk ? (kc1 - kc0 - wk + WK - 1) / WK : 0;
 
   float acc[MT][NB][4];
 #pragma unroll
@@ -107,8 +115,8 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_kernel(const GemmParams p) {
 
   if (nblock < n_blocks) {
     const uint64_t policy = evict_first_policy();
-    const uint4* wbase = p.qweight + (size_t)nblock * p.KC * (kWords / 4) + pair0 * 32 + lane;
-    const uint8_t* sbase = p.scales + (size_t)nblock * p.KC * kScaleBytes + (g * 2 + (t >> 1)) * 8 +
+    const uint4* wbase = p.qweight + ((size_t)nblock * p.KC + kc0 + wk) * (kWords / 4) + pair0 * 32 + lane;
+    const uint8_t* sbase = p.scales + ((size_t)nblock * p.KC + kc0 + wk) * kScaleBytes + (g * 2 + (t >> 1)) * 8 +
                            (MT == 2 ? 4 * pair0 : 0);
     const __nv_bfloat16* xrow[NB];
     bool xvalid[NB];
@@ -116,23 +124,24 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_kernel(const GemmParams p) {
     for (int b = 0; b < NB; ++b) {
       const int token = m0 + b * 8 + g;
       xvalid[b] = token < p.M;
-      xrow[b] = p.x + (size_t)(xvalid[b] ? token : 0) * p.ldx + t * 8;
+      xrow[b] = p.x + (size_t)(xvalid[b] ? token : 0) * p.ldx + (kc0 + wk) * kCols + t * 8;
     }
-    auto load = [&](Stage<MT, NB>& st, int kc) {
+    auto load = [&](Stage<MT, NB>& st, int j) {  // this warp's j-th chunk
+      const size_t step = (size_t)j * WK;
 #pragma unroll
       for (int q = 0; q < MT / 2; ++q)
-        st.codes[q] = load_stream(wbase + (size_t)kc * (kWords / 4) + q * 32, policy);
+        st.codes[q] = load_stream(wbase + step * (kWords / 4) + q * 32, policy);
       if (MT == 4) {
-        const uint2 s = __ldg(reinterpret_cast<const uint2*>(sbase + (size_t)kc * kScaleBytes));
+        const uint2 s = __ldg(reinterpret_cast<const uint2*>(sbase + step * kScaleBytes));
         st.scales[0] = s.x;
         st.scales[MT / 2 - 1] = s.y;
       } else {
-        st.scales[0] = __ldg(reinterpret_cast<const uint32_t*>(sbase + (size_t)kc * kScaleBytes));
+        st.scales[0] = __ldg(reinterpret_cast<const uint32_t*>(sbase + step * kScaleBytes));
       }
-      const bool kvalid = kc * kCols + t * 8 < p.K;
+      const bool kvalid = (kc0 + wk + (int)step) * kCols + t * 8 < p.K;
 #pragma unroll
       for (int b = 0; b < NB; ++b)
-        st.x[b] = (xvalid[b] && kvalid) ? __ldg(reinterpret_cast<const uint4*>(xrow[b] + kc * kCols))
+        st.x[b] = (xvalid[b] && kvalid) ? __ldg(reinterpret_cast<const uint4*>(xrow[b] + step * kCols))
                                         : make_uint4(0, 0, 0, 0);
     };
     auto compute = [&](const Stage<MT, NB>& st) {
@@ -158,26 +167,56 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_kernel(const GemmParams p) {
     Stage<MT, NB> ring[DEPTH];
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u)
-      if (kc0 + u < kc1) load(ring[u], kc0 + u);
+      if (u < mine) load(ring[u], u);
     // Whole groups of DEPTH chunks without a branch around the MMAs (a branch there costs a
     // warp re-convergence per chunk); only the refill loads are predicated.
-    int kc = kc0;
-    for (; kc + DEPTH <= kc1; kc += DEPTH) {
+    int j = 0;
+    for (; j + DEPTH <= mine; j += DEPTH) {
 #pragma unroll
       for (int u = 0; u < DEPTH; ++u) {
         compute(ring[u]);
-        if (kc + u + DEPTH < kc1) load(ring[u], kc + u + DEPTH);
+        if (j + u + DEPTH < mine) load(ring[u], j + u + DEPTH);
       }
     }
 #pragma unroll
     for (int u = 0; u < DEPTH - 1; ++u)
-      if (kc + u < kc1) compute(ring[u]);
+      if (j + u < mine) compute(ring[u]);
   }
+
+  if constexpr (WK > 1) {
+    // Sum the K-warps of each warp tile in warp order: a fixed order, so results repeat exactly.
+    __shared__ float4 red[(WK - 1) * WN * 32 * kAcc4];
+    if (wk > 0) {
+      float4* dst = red + ((wk - 1) * WN + wn) * 32 * kAcc4 + lane;
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+          dst[(i * NB + b) * 32] = make_float4(acc[i][b][0], acc[i][b][1], acc[i][b][2], acc[i][b][3]);
+    }
+    __syncthreads();
+    if (wk == 0) {
+      for (int w = 1; w < WK; ++w) {
+        const float4* src = red + ((w - 1) * WN + wn) * 32 * kAcc4 + lane;
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int b = 0; b < NB; ++b) {
+            const float4 v = src[(i * NB + b) * 32];
+            acc[i][b][0] += v.x;
+            acc[i][b][1] += v.y;
+            acc[i][b][2] += v.z;
+            acc[i][b][3] += v.w;
+          }
+      }
+    }
+  }
+  const bool writer = wk == 0 && nblock < n_blocks;
 
   const float gs = *p.global_scale * kProductScale;
   const int row_base = nblock * kRows + pair0 * 32;
   if (gridDim.y == 1) {
-    if (nblock >= n_blocks) return;
+    if (!writer) return;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -195,7 +234,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_kernel(const GemmParams p) {
   // Split K: park this split's sums, and let the last CTA of the column slice add them up in
   // split order.
   const int n_pad = n_blocks * kRows;
-  if (nblock < n_blocks) {
+  if (writer) {
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -215,7 +254,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemm_kernel(const GemmParams p) {
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  constexpr int kCtaRows = WARPS * kWarpRows;
+  constexpr int kCtaRows = WN * kWarpRows;
   const int row0 = blockIdx.x * kCtaRows;
   const int tokens = min(8 * NB, p.M - m0);
   for (int idx = threadIdx.x; idx < tokens * kCtaRows; idx += blockDim.x) {
@@ -276,25 +315,39 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
-template <int MT, int NB, int WARPS, int DEPTH>
+template <int MT, int NB, int WN, int WK, int DEPTH>
 cudaError_t launch(const GemmParams& p, int splits, cudaStream_t stream) {
-  constexpr int kCtaRows = WARPS * 16 * MT;
+  constexpr int kCtaRows = WN * 16 * MT;
   const dim3 grid((p.N + kCtaRows - 1) / kCtaRows, splits, (p.M + 8 * NB - 1) / (8 * NB));
-  gemm_kernel<MT, NB, WARPS, DEPTH><<<grid, WARPS * 32, 0, stream>>>(p);
+  gemm_kernel<MT, NB, WN, WK, DEPTH><<<grid, WN * WK * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-// The compiled configs: (rows per warp / 16, tokens per pass / 8, warps, depth).
-#define QERL_W4A16_CONFIGS(X) \
-  X(4, 1, 4, 4) X(4, 1, 8, 4) X(4, 1, 4, 8) X(4, 2, 4, 4) X(4, 2, 8, 4) X(4, 4, 4, 2) \
-  X(4, 4, 8, 2) X(2, 1, 8, 4) X(2, 2, 8, 4) X(2, 4, 8, 2) X(2, 8, 4, 2) X(2, 8, 8, 2)
+// The compiled configs: (rows per warp / 16, tokens per pass / 8, warps along N, warps along K,
+// chunks in flight per warp). Keep in step with COMPILED in cuda_ext.py (a CPU test checks).
+#define QERL_W4A16_CONFIGS(X)                                                                       \
+  X(4, 1, 4, 1, 4) X(4, 1, 1, 4, 4) X(4, 1, 2, 2, 4) X(2, 1, 8, 1, 4) X(4, 2, 4, 1, 4)            \
+  X(4, 2, 1, 4, 4) X(4, 2, 2, 2, 4) X(2, 2, 8, 1, 4) X(4, 4, 4, 1, 2) X(4, 4, 1, 4, 2)            \
+  X(4, 4, 2, 2, 2) X(2, 4, 8, 1, 2) X(2, 8, 4, 1, 2) X(2, 8, 8, 1, 2) X(2, 8, 1, 4, 2)            \
+  X(2, 8, 2, 2, 2)
+
+int gemm_blocks_per_sm(const GemmConfig& c) {
+  int blocks = 0;
+#define QERL_W4A16_OCCUPANCY(MT, NB, WN, WK, D)                                                     \
+  if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D)               \
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_kernel<MT, NB, WN, WK, D>, WN * WK * 32, 0);
+  QERL_W4A16_CONFIGS(QERL_W4A16_OCCUPANCY)
+#undef QERL_W4A16_OCCUPANCY
+  return blocks;
+}
 
 cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
-#define QERL_W4A16_DISPATCH(MT, NB, W, D)                                          \
-  if (c.mt == MT && c.nb == NB && c.warps == W && c.depth == D) return launch<MT, NB, W, D>(p, c.splits, stream);
+#define QERL_W4A16_DISPATCH(MT, NB, WN, WK, D)                                                      \
+  if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D)               \
+    return launch<MT, NB, WN, WK, D>(p, c.splits, stream);
   QERL_W4A16_CONFIGS(QERL_W4A16_DISPATCH)
 #undef QERL_W4A16_DISPATCH
   return cudaErrorInvalidConfiguration;

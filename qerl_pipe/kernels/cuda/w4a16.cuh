@@ -26,10 +26,14 @@ struct GemmParams {
 };
 
 // Launch config of the decode GEMM: rows per warp = 16 * mt (2 or 4 m16 tiles), tokens per pass
-// = 8 * nb (1, 2, 4 or 8 n8 blocks), warps per CTA, chunks in flight per warp, K splits.
+// = 8 * nb (1, 2, 4 or 8 n8 blocks), warps per CTA, of which wk share each warp tile along K,
+// chunks in flight per warp, K splits across CTAs.
 struct GemmConfig {
-  int mt, nb, warps, depth, splits;
+  int mt, nb, warps, wk, depth, splits;
 };
+
+// CTAs of config `c` that fit on one SM at once (0 for a config with no compiled kernel).
+int gemm_blocks_per_sm(const GemmConfig& c);
 
 // Returns cudaErrorInvalidConfiguration for a config with no compiled kernel.
 cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream);
