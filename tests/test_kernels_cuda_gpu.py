@@ -124,3 +124,27 @@ def test_scales_of_every_byte_and_sign() -> None:
     assert _one_rounding(cuda_ext.dequantize(tq), dense)
     x = torch.randn(5, k, device="cuda").to(torch.bfloat16)
     assert _rel(cuda_ext.gemm(x, tq), x.double() @ dense.T) < 5e-3
+
+
+def test_chained_launches_overlap_safely() -> None:
+    """Each launch reads the previous one's output: with programmatic dependent launch the
+    next kernel starts early, so its wait before reading x (and before writing) must hold."""
+    layers = [_weight(2048, 2048, 20 + i)[0] for i in range(4)]
+    x = torch.randn(4, 2048, device="cuda").to(torch.bfloat16)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        y = x
+        for tq in layers:
+            cfg = cuda_ext.default_config(4, 2048, 2048, torch.cuda.get_device_properties(0).multi_processor_count)
+            y = cuda_ext.gemm(y, tq, config=cuda_ext.GemmConfig(**{**cfg.__dict__, "pdl": pdl})) * 0.05
+        return y
+
+    eager = chain(False)
+    graph = torch.cuda.CUDAGraph()
+    chain(True)
+    with torch.cuda.graph(graph):
+        captured = chain(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)

@@ -120,6 +120,11 @@ def _tune_gemm(x, tqs, ref, m: int, n: int, k: int, sms: int) -> dict:
     out: dict = {"gemm_tuning": log, "gemm_default_us": log[0].get("us")}
     if best:
         out.update(gemm_us=best[1] * 1e6, gemm_config=asdict(best[0]), gemm_rel_err=best[2])
+        # The same config without programmatic dependent launch: what the overlap of consecutive
+        # launches in the graph is worth.
+        no_pdl = replace(best[0], pdl=False)
+        out["gemm_no_pdl_us"] = time_graph(
+            [lambda i=i: cuda_ext.gemm(x, tqs[i], config=no_pdl) for i in range(len(tqs))], REPS) * 1e6
     return out
 
 
@@ -140,8 +145,8 @@ def _derive(row: dict) -> None:
 
 
 def _fmt(r: dict) -> str:
-    g = (f"gemm {r['gemm_us']:8.1f}us {r['speedup_gemm']:.2f}x {r['gemm_tbps']:.2f}TB/s "
-         f"{r['gemm_config']} err {r['gemm_rel_err']:.1e} | " if "gemm_us" in r else "")
+    g = (f"gemm {r['gemm_us']:7.1f}us {r['speedup_gemm']:.2f}x {r['gemm_tbps']:.2f}TB/s "
+         f"(no PDL {r['gemm_no_pdl_us']:7.1f}us) {tuple(r['gemm_config'].values())} | " if "gemm_us" in r else "")
     d = f" dX {r['speedup_dx']:.2f}x" if "speedup_dx" in r else ""
     return (f"{r['model']:>11} {r['layer']:>7} M={r['M']:<5} bf16 {r['bf16_us']:8.1f}us | {g}"
             f"deq+mm {r['dequant_matmul_us']:8.1f}us {r['speedup_dequant_matmul']:.2f}x{d}")

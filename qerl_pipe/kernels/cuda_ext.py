@@ -50,15 +50,18 @@ class GemmConfig:
     wk: int  # warps that share a warp tile, splitting its K chunks (summed in shared memory)
     depth: int  # chunks of loads in flight per warp
     splits: int  # K splits across CTAs (summed in a workspace by the last CTA)
+    # Programmatic dependent launch: the first weight chunks stream while the previous kernel
+    # finishes (x and every write wait for it).
+    pdl: bool = True
 
 
 # (mt, nb, warps along N, warps along K, depth): must match QERL_W4A16_CONFIGS in w4a16.cu (a
 # CPU test checks it).
 COMPILED: tuple[tuple[int, int, int, int, int], ...] = (
-    (4, 1, 4, 1, 4), (4, 1, 1, 4, 4), (4, 1, 2, 2, 4), (2, 1, 8, 1, 4), (4, 2, 4, 1, 4),
-    (4, 2, 1, 4, 4), (4, 2, 2, 2, 4), (2, 2, 8, 1, 4), (4, 4, 4, 1, 2), (4, 4, 1, 4, 2),
-    (4, 4, 2, 2, 2), (2, 4, 8, 1, 2), (2, 8, 4, 1, 2), (2, 8, 8, 1, 2), (2, 8, 1, 4, 2),
-    (2, 8, 2, 2, 2),
+    (4, 1, 4, 1, 4), (4, 1, 1, 4, 4), (4, 1, 2, 2, 4), (2, 1, 8, 1, 4), (4, 1, 1, 8, 4),
+    (2, 1, 1, 8, 4), (4, 2, 4, 1, 4), (4, 2, 1, 4, 4), (4, 2, 2, 2, 4), (2, 2, 8, 1, 4),
+    (4, 2, 1, 8, 4), (2, 2, 1, 8, 4), (4, 4, 4, 1, 2), (4, 4, 1, 4, 2), (4, 4, 2, 2, 2),
+    (2, 4, 8, 1, 2), (2, 8, 4, 1, 2), (2, 8, 8, 1, 2), (2, 8, 1, 4, 2), (2, 8, 2, 2, 2),
 )
 
 
@@ -204,7 +207,7 @@ def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: 
 
 
 # The variant for each tokens-per-pass count (n8 blocks): (mt, warps, wk, depth).
-_VARIANT = {1: (4, 4, 1, 4), 2: (4, 4, 1, 4), 4: (4, 4, 1, 2), 8: (2, 8, 1, 2)}
+_VARIANT = {1: (4, 4, 4, 4), 2: (4, 4, 4, 4), 4: (4, 4, 4, 2), 8: (2, 4, 4, 2)}
 
 
 def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) -> GemmConfig:
@@ -220,13 +223,14 @@ def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) 
 
 @torch.library.custom_op("qerl::w4a16_gemm", mutates_args=())
 def _gemm_op(x: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, bias: Optional[Tensor],
-             n: int, k: int, mt: int, nb: int, warps: int, wk: int, depth: int, splits: int) -> Tensor:
-    return _module().gemm(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits,
+             n: int, k: int, mt: int, nb: int, warps: int, wk: int, depth: int, splits: int,
+             pdl: bool) -> Tensor:
+    return _module().gemm(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl,
                           counters(x.device))
 
 
 @_gemm_op.register_fake
-def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits):
+def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl):
     return x.new_empty(x.shape[0], n)
 
 
@@ -247,7 +251,7 @@ def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: Gem
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         config = default_config(m, w.out_features, w.in_features, sms)
     return _gemm_op(x, w.qweight, w.scales, w.global_scale, bias, w.out_features, w.in_features,
-                    config.mt, config.nb, config.warps, config.wk, config.depth, config.splits)
+                    config.mt, config.nb, config.warps, config.wk, config.depth, config.splits, config.pdl)
 
 
 def dequantize(w: tiled.TiledNVFP4) -> Tensor:

@@ -26,7 +26,7 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& scales, const at:
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const at::Tensor& global_scale, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
-                int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t splits,
+                int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t splits, bool pdl,
                 const at::Tensor& counters) {
   check_weight(qweight, scales, global_scale, n, k);
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
@@ -72,7 +72,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   p.KC = static_cast<int>(kc);
   p.chunks_per_split = static_cast<int>(per_split);
   const qerl_w4a16::GemmConfig c{static_cast<int>(mt),    static_cast<int>(nb),    static_cast<int>(warps),
-                                 static_cast<int>(wk),    static_cast<int>(depth), static_cast<int>(splits)};
+                                 static_cast<int>(wk),    static_cast<int>(depth), static_cast<int>(splits),
+                                 pdl ? 1 : 0};
   const cudaError_t err = qerl_w4a16::launch_gemm(p, c, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "w4a16 gemm launch (mt=", mt, " nb=", nb, " warps=", warps, " wk=", wk, " depth=", depth,
               "): ", cudaGetErrorString(err));
@@ -94,7 +95,7 @@ at::Tensor dequant(const at::Tensor& qweight, const at::Tensor& scales, const at
 
 int64_t blocks_per_sm(int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth) {
   return qerl_w4a16::gemm_blocks_per_sm({static_cast<int>(mt), static_cast<int>(nb), static_cast<int>(warps),
-                                         static_cast<int>(wk), static_cast<int>(depth), 1});
+                                         static_cast<int>(wk), static_cast<int>(depth), 1, 0});
 }
 
 }  // namespace

@@ -35,6 +35,10 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
+// Programmatic dependent launch (a no-op when the kernel was launched without it).
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 __device__ __forceinline__ uint32_t low_pair(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
 __device__ __forceinline__ uint32_t high_pair(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
 
@@ -126,7 +130,7 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
       xvalid[b] = token < p.M;
       xrow[b] = p.x + (size_t)(xvalid[b] ? token : 0) * p.ldx + (kc0 + wk) * kCols + t * 8;
     }
-    auto load = [&](Stage<MT, NB>& st, int j) {  // this warp's j-th chunk
+    auto load_weights = [&](Stage<MT, NB>& st, int j) {  // this warp's j-th chunk
       const size_t step = (size_t)j * WK;
 #pragma unroll
       for (int q = 0; q < MT / 2; ++q)
@@ -138,11 +142,18 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
       } else {
         st.scales[0] = __ldg(reinterpret_cast<const uint32_t*>(sbase + step * kScaleBytes));
       }
+    };
+    auto load_x = [&](Stage<MT, NB>& st, int j) {
+      const size_t step = (size_t)j * WK;
       const bool kvalid = (kc0 + wk + (int)step) * kCols + t * 8 < p.K;
 #pragma unroll
       for (int b = 0; b < NB; ++b)
         st.x[b] = (xvalid[b] && kvalid) ? __ldg(reinterpret_cast<const uint4*>(xrow[b] + step * kCols))
                                         : make_uint4(0, 0, 0, 0);
+    };
+    auto load = [&](Stage<MT, NB>& st, int j) {
+      load_weights(st, j);
+      load_x(st, j);
     };
     auto compute = [&](const Stage<MT, NB>& st) {
       // Decode the whole chunk first, so that the MMAs have independent operands to overlap.
@@ -165,9 +176,15 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
             mma_bf16(acc[tile][b], a[tile][j], word_of(st.x[b], 2 * j), word_of(st.x[b], 2 * j + 1));
     };
     Stage<MT, NB> ring[DEPTH];
+    // Weights do not depend on the previous kernel: under programmatic dependent launch their
+    // first chunks stream while it finishes; x (its output) is read only after the wait.
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u)
-      if (u < mine) load(ring[u], u);
+      if (u < mine) load_weights(ring[u], u);
+    grid_dependency_wait();
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u)
+      if (u < mine) load_x(ring[u], u);
     // Whole groups of DEPTH chunks without a branch around the MMAs (a branch there costs a
     // warp re-convergence per chunk); only the refill loads are predicated.
     int j = 0;
@@ -181,7 +198,10 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
 #pragma unroll
     for (int u = 0; u < DEPTH - 1; ++u)
       if (j + u < mine) compute(ring[u]);
+  } else {
+    grid_dependency_wait();  // no global write before the previous kernel is done with it
   }
+  launch_dependents();
 
   if constexpr (WK > 1) {
     // Sum the K-warps of each warp tile in warp order: a fixed order, so results repeat exactly.
@@ -316,11 +336,18 @@ __global__ void __launch_bounds__(WARPS * 32)
 }
 
 template <int MT, int NB, int WN, int WK, int DEPTH>
-cudaError_t launch(const GemmParams& p, int splits, cudaStream_t stream) {
+cudaError_t launch(const GemmParams& p, int splits, bool pdl, cudaStream_t stream) {
   constexpr int kCtaRows = WN * 16 * MT;
-  const dim3 grid((p.N + kCtaRows - 1) / kCtaRows, splits, (p.M + 8 * NB - 1) / (8 * NB));
-  gemm_kernel<MT, NB, WN, WK, DEPTH><<<grid, WN * WK * 32, 0, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((p.N + kCtaRows - 1) / kCtaRows, splits, (p.M + 8 * NB - 1) / (8 * NB));
+  cfg.blockDim = dim3(WN * WK * 32);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, gemm_kernel<MT, NB, WN, WK, DEPTH>, p);
 }
 
 }  // namespace
@@ -328,10 +355,10 @@ cudaError_t launch(const GemmParams& p, int splits, cudaStream_t stream) {
 // The compiled configs: (rows per warp / 16, tokens per pass / 8, warps along N, warps along K,
 // chunks in flight per warp). Keep in step with COMPILED in cuda_ext.py (a CPU test checks).
 #define QERL_W4A16_CONFIGS(X)                                                                       \
-  X(4, 1, 4, 1, 4) X(4, 1, 1, 4, 4) X(4, 1, 2, 2, 4) X(2, 1, 8, 1, 4) X(4, 2, 4, 1, 4)            \
-  X(4, 2, 1, 4, 4) X(4, 2, 2, 2, 4) X(2, 2, 8, 1, 4) X(4, 4, 4, 1, 2) X(4, 4, 1, 4, 2)            \
-  X(4, 4, 2, 2, 2) X(2, 4, 8, 1, 2) X(2, 8, 4, 1, 2) X(2, 8, 8, 1, 2) X(2, 8, 1, 4, 2)            \
-  X(2, 8, 2, 2, 2)
+  X(4, 1, 4, 1, 4) X(4, 1, 1, 4, 4) X(4, 1, 2, 2, 4) X(2, 1, 8, 1, 4) X(4, 1, 1, 8, 4)            \
+  X(2, 1, 1, 8, 4) X(4, 2, 4, 1, 4) X(4, 2, 1, 4, 4) X(4, 2, 2, 2, 4) X(2, 2, 8, 1, 4)            \
+  X(4, 2, 1, 8, 4) X(2, 2, 1, 8, 4) X(4, 4, 4, 1, 2) X(4, 4, 1, 4, 2) X(4, 4, 2, 2, 2)            \
+  X(2, 4, 8, 1, 2) X(2, 8, 4, 1, 2) X(2, 8, 8, 1, 2) X(2, 8, 1, 4, 2) X(2, 8, 2, 2, 2)
 
 int gemm_blocks_per_sm(const GemmConfig& c) {
   int blocks = 0;
@@ -347,7 +374,7 @@ cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t s
   if (p.M <= 0) return cudaSuccess;
 #define QERL_W4A16_DISPATCH(MT, NB, WN, WK, D)                                                      \
   if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D)               \
-    return launch<MT, NB, WN, WK, D>(p, c.splits, stream);
+    return launch<MT, NB, WN, WK, D>(p, c.splits, c.pdl != 0, stream);
   QERL_W4A16_CONFIGS(QERL_W4A16_DISPATCH)
 #undef QERL_W4A16_DISPATCH
   return cudaErrorInvalidConfiguration;
