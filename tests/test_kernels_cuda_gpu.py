@@ -136,7 +136,7 @@ def test_chained_launches_overlap_safely() -> None:
         y = x
         for tq in layers:
             cfg = cuda_ext.default_config(4, 2048, 2048, torch.cuda.get_device_properties(0).multi_processor_count)
-            y = cuda_ext.gemm(y, tq, config=cuda_ext.GemmConfig(**{**cfg.__dict__, "pdl": pdl})) * 0.05
+            y = cuda_ext.gemm(y, tq, config=cuda_ext.GemmConfig(**{**cfg.__dict__, "pdl": pdl}))
         return y
 
     eager = chain(False)
