@@ -195,7 +195,7 @@ def run(shapes: list[str], out: Path | None) -> dict:
         for layer, (n, k) in LAYER_SHAPES[model].items():
             rows += bench_layer(model, layer, n, k, sms)
             result = results_file(rows, _targets(rows, ceiling), torch=torch.__version__,
-                                  copy_ceiling_tbps=ceiling, sms=sms)
+                                  copy_ceiling_tbps=ceiling, sms=sms, tuned_table=cuda_ext.tuned_table(rows))
             if out:
                 out.write_text(json.dumps(result, indent=1) + "\n")
             torch.cuda.empty_cache()

@@ -14,6 +14,7 @@ not run concurrently on two streams of one device (the engine and trainer use on
 """
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -206,13 +207,45 @@ def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: 
     return min(range(1, max(1, chunks // 4) + 1), key=lambda s: (cost(s), s))
 
 
-# The variant for each tokens-per-pass count (n8 blocks): (mt, warps, wk, depth).
-_VARIANT = {1: (4, 4, 4, 4), 2: (4, 4, 4, 4), 4: (4, 4, 4, 2), 8: (2, 4, 4, 2)}
+# The variant for each tokens-per-pass count (n8 blocks), for shapes the table below lacks:
+# (mt, warps, wk, depth), the most frequent winner per M in the H200 sweep.
+_VARIANT = {1: (2, 8, 8, 4), 2: (2, 8, 8, 4), 4: (4, 4, 4, 2), 8: (2, 4, 4, 2)}
+# Measured best configs per (M, N, K) on a 132-SM H200 (bench/results/kernels-cuda-h200.json,
+# written there by `tuned_table`); used on GPUs with that many SMs.
+TABLE_FILE = SOURCE_DIR / "configs-h200.json"
+_TABLE_MS = (1, 8, 16, 32, 64)
+
+
+def _table_m(m: int) -> int:
+    """The table row that serves M tokens: the smallest measured M at or above it (per pass)."""
+    m = min(m, MAX_PASS_TOKENS)
+    return next(t for t in _TABLE_MS if t >= m)
+
+
+def table_key(m: int, n: int, k: int) -> str:
+    return f"m{_table_m(m)}:n{n}:k{k}"
+
+
+def tuned_table(rows: list[dict]) -> dict:
+    """The benchmark's fastest config per (M, N, K), keyed by `table_key` (rows of a measured M)."""
+    return {table_key(r["M"], r["N"], r["K"]): r["gemm_config"]
+            for r in rows if "gemm_config" in r and r["M"] in _TABLE_MS}
+
+
+@lru_cache(maxsize=1)
+def _table() -> tuple[int, dict]:
+    data = json.loads(TABLE_FILE.read_text())
+    return int(data["sms"]), data["configs"]
 
 
 def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) -> GemmConfig:
-    """The launch config for an `[m, k] x [n, k]^T` product: tokens per pass from m, the variant
-    measured best for that token count, and the K splits of `choose_splits`."""
+    """The launch config for an `[m, k] x [n, k]^T` product: the measured best for this shape
+    when the GPU matches the table's, else the usual variant for m's tokens per pass with the K
+    splits of `choose_splits`."""
+    table_sms, configs = _table()
+    hit = configs.get(table_key(m, n, k)) if sms == table_sms else None
+    if hit is not None:
+        return GemmConfig(**hit)
     tokens = min(m, MAX_PASS_TOKENS)
     nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
     mt, warps, wk, depth = _VARIANT[nb]
