@@ -173,6 +173,7 @@ def _copy_tokenizer(source: Path, out: Path) -> None:
 
 def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.device, out: Path) -> dict[str, Any]:
     """Write the engine into `out`; returns the manifest summary."""
+    from qerl_pipe.kernels.cuda_ext import available as cuda_kernels_available
     from qerl_pipe.kernels.tuning import tune_kernels
 
     started = time.perf_counter()
@@ -180,7 +181,11 @@ def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.devic
     budget = plan.kv_budget_bytes if plan.kv_budget_bytes is not None else _auto_cuda_budget(device)
     limits = _limits(plan, section, budget)
     table: ConfigTable | None = None
-    if plan.tune:
+    if plan.tune and section.base_format == "nvfp4" and cuda_kernels_available(device):
+        # The table holds Triton configs; on this GPU NVFP4 runs the CUDA kernels instead, whose
+        # configs ship with the package (kernels/cuda/configs-h200.json).
+        log(f"build-engine: NVFP4 runs the CUDA kernels on {_device_kind(device)}; no Triton tuning")
+    elif plan.tune:
         log(f"build-engine: tuning {section.base_format} kernels on {_device_kind(device)}")
         decode_ms = [m for m in TUNING_MS if m <= limits.max_batch]
         table = tune_kernels(_linear_shapes(model), decode_ms + [PREFILL_TUNING_M], section.base_format, device,
