@@ -240,6 +240,21 @@ def bench_kernels(out: Annotated[Optional[Path], typer.Option(help="Write the JS
     _emit(run_kernel_bench(shapes=_csv(shapes, str)), out)
 
 
+@bench_app.command("kernels-cuda")
+@_user_errors
+def bench_kernels_cuda(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,
+                       shapes: Annotated[str, typer.Option(help="Comma-separated model shapes.")] = "qwen2.5-7b,qwen2.5-32b") -> None:
+    """The CUDA W4A16 kernels (decode GEMM, dequantize + cuBLAS) vs cuBLAS bf16 (needs a Hopper GPU and nvcc)."""
+    from qerl_pipe.bench.kernels_cuda import run
+    from qerl_pipe.kernels import cuda_ext
+
+    why = cuda_ext.why_unavailable("cuda")
+    if why is not None:
+        raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); they need a Hopper GPU and nvcc. "
+                        "`qerl-pipe bench kernels` measures the Triton kernels")
+    _emit(run(_csv(shapes, str), None), out)
+
+
 @bench_app.command("rollout")
 @_user_errors
 def bench_rollout(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,

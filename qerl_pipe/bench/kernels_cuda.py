@@ -209,8 +209,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="results JSON path")
     ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-32b", help="comma-separated models")
     args = ap.parse_args()
-    if not cuda_ext.available("cuda"):
-        raise SystemExit("the CUDA W4A16 kernels are not available here (see the log line above)")
+    why = cuda_ext.why_unavailable("cuda")
+    if why is not None:
+        raise SystemExit(f"the CUDA W4A16 kernels do not run here: {why}")
     run(args.shapes.split(","), args.out)
 
 

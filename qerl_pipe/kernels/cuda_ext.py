@@ -117,11 +117,15 @@ def _module() -> ModuleType:
     return module
 
 
-def _why_unavailable(device: torch.device) -> str | None:
+def why_unavailable(device: torch.device | str) -> str | None:
+    """Why the CUDA kernels cannot run on `device` (None when they can; builds them on first call)."""
+    device = torch.device(device)
     if os.environ.get("QERL_CUDA_KERNELS", "1") == "0":
         return "QERL_CUDA_KERNELS=0"
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "not a CUDA device"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU here"
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
     cap = torch.cuda.get_device_capability(device)
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}, the kernels are built for sm_90a (Hopper)"
@@ -138,7 +142,7 @@ def _why_unavailable(device: torch.device) -> str | None:
 
 @lru_cache(maxsize=None)
 def _available(device: torch.device) -> bool:
-    why = _why_unavailable(device)
+    why = why_unavailable(device)
     if why is not None:
         if device.type == "cuda":
             log.warning("CUDA W4A16 kernels off on %s (%s); using the Triton kernels", device, why)
@@ -149,7 +153,9 @@ def _available(device: torch.device) -> bool:
 def available(device: torch.device | str) -> bool:
     """Whether the CUDA kernels run on `device` (built on the first call; logged once if not)."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _available(device)
 
