@@ -81,6 +81,19 @@ struct Stage {
   uint4 x[NB];
 };
 
+// f(row, token, value) for each accumulator of this lane: the mma C fragment holds rows g (c0, c1)
+// and g + 8 (c2, c3) of each m16 tile, tokens 2t and 2t + 1 of each n8 block.
+template <int MT, int NB, class F>
+__device__ __forceinline__ void for_each_output(const float (&acc)[MT][NB][4], int row_base, int m0, int g, int t,
+                                                F&& f) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(row_base + i * 16 + g + (e >> 1) * 8, m0 + b * 8 + 2 * t + (e & 1), acc[i][b][e]);
+}
+
 __device__ __forceinline__ float finish(float acc, float gs, const __nv_bfloat16* bias, int row) {
   float v = acc * gs;
   if (bias != nullptr) v += __bfloat162float(bias[row]);
@@ -237,17 +250,9 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
   const int row_base = nblock * kRows + pair0 * 32;
   if (gridDim.y == 1) {
     if (!writer) return;
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = row_base + i * 16 + g + (e >> 1) * 8;
-          const int token = m0 + b * 8 + 2 * t + (e & 1);
-          if (row < p.N && token < p.M)
-            p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(acc[i][b][e], gs, p.bias, row));
-        }
+    for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
+      if (row < p.N && token < p.M) p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(v, gs, p.bias, row));
+    });
     return;
   }
 
@@ -255,16 +260,9 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
   // split order.
   const int n_pad = n_blocks * kRows;
   if (writer) {
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = row_base + i * 16 + g + (e >> 1) * 8;
-          const int token = m0 + b * 8 + 2 * t + (e & 1);
-          if (token < p.M) __stcg(p.partials + ((size_t)blockIdx.y * p.M + token) * n_pad + row, acc[i][b][e]);
-        }
+    for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
+      if (token < p.M) __stcg(p.partials + ((size_t)blockIdx.y * p.M + token) * n_pad + row, v);
+    });
   }
   __threadfence();
   __syncthreads();
