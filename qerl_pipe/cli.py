@@ -306,6 +306,17 @@ def bench_train_scaling(out: Annotated[Optional[Path], typer.Option(help="Write 
                                   new_tokens=new_tokens, steps=steps), out)
 
 
+@bench_app.command("quantize-methods")
+@_user_errors
+def bench_quantize_methods(model: Annotated[str, typer.Option(help="Model source.")] = "smollm2-135m-instruct",
+                           methods: Annotated[str, typer.Option(help="Comma-separated quantize.method values.")] = "rtn,mse,act-mse",
+                           out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None) -> None:
+    """Perplexity over bf16 for each NVFP4 block-scale method (rtn, mse, act-mse); runs on CPU."""
+    from qerl_pipe.bench.quantize import run_quantize_methods_bench
+
+    _emit(run_quantize_methods_bench(model, _csv(methods, str)), out)
+
+
 def _csv(text: str, kind: type) -> list:
     return [kind(s.strip()) for s in text.split(",") if s.strip()]
 

@@ -61,6 +61,12 @@ class QualitySection(_Section):
 
 class QuantizeSection(_Section):
     format: Literal["nvfp4"] = "nvfp4"
+    method: Literal["rtn", "mse", "act-mse"] = Field(
+        "rtn", description="Block scales: rtn = max calibration, byte-exact with NVIDIA Model Optimizer; "
+        "mse = per block, the E4M3 scale near it with the least squared error; act-mse = the same with each "
+        "input channel's error weighted by its mean squared activation (needs a calibration artifact). "
+        "The file layout is the same for all three.",
+    )
     exclude: list[str] = Field(
         default_factory=lambda: ["lm_head"],
         description="Module names (fnmatch patterns) kept in the model dtype; lm_head is always kept.",

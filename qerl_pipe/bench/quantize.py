@@ -41,9 +41,20 @@ def _largest_tensor_bytes(model_dir: Path) -> int:
     return largest
 
 
-def _quantize_row(source: str, store: Path, overrides: list[str], force: bool = False) -> dict[str, Any]:
+def _stage(stage: str, source: str, store: Path, options: list[str]) -> Path:
+    """Run one stage command in a fresh process; the artifact it printed."""
+    command = [sys.executable, "-m", "qerl_pipe", stage, "--model", source, "--artifacts", str(store), *options]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise QerlError(f"bench quantize: `{stage}` failed on {source}: {done.stderr.strip().splitlines()[-1]}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def _quantize_row(source: str, store: Path, overrides: list[str], force: bool = False,
+                  calibration: Path | None = None) -> dict[str, Any]:
     command = [sys.executable, "-m", "qerl_pipe", "quantize", "--model", source, "--artifacts", str(store)]
     command += ["--force"] if force else []
+    command += ["--calibration", str(calibration)] if calibration else []
     for override in overrides:
         command += ["--set", override]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -52,7 +63,7 @@ def _quantize_row(source: str, store: Path, overrides: list[str], force: bool = 
     artifact = Path(done.stdout.strip().splitlines()[-1])
     s = json.loads((artifact / "manifest.json").read_text())["summary"]
     return {"source": source, **{k: s[k] for k in (
-        "quantized_linears", "mean_relative_error", "max_relative_error", "size_mb", "shards",
+        "method", "quantized_linears", "mean_relative_error", "max_relative_error", "size_mb", "shards",
         "largest_shard_mb", "peak_host_memory_mb", "perplexity", "seconds")}}
 
 
@@ -92,3 +103,27 @@ def run_quantize_bench(source: str, shard_mb: int = 64) -> dict[str, Any]:
         f"< {0.5 * row['size_mb']['in']:.0f} MB", round(row["peak_host_memory_mb"], 1), "MB",
         row["peak_host_memory_mb"] < 0.5 * row["size_mb"]["in"]))
     return results_file(rows, targets)
+
+
+# The calibrated-quantization target: perplexity increase over bf16 on the held-out quality text.
+METHODS_TARGET_PCT = 12.0
+
+
+def run_quantize_methods_bench(source: str, methods: list[str]) -> dict[str, Any]:
+    """Each block-scale method on one model: perplexity vs bf16 (the quality section's held-out
+    text), weight error and time. One calibrate run (default recipe: gsm8k:train) serves the
+    methods that need statistics; each quantize is a fresh process."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp) / "artifacts"
+        calibration = _stage("calibrate", source, store, []) if "act-mse" in methods else None
+        for method in methods:
+            rows.append(_quantize_row(source, store, ["quantize.quality.perplexity=always", f"quantize.method={method}"],
+                                      calibration=calibration if method == "act-mse" else None))
+    targets = []
+    for row in rows:
+        if row["method"] != "rtn":
+            pct = row["perplexity"]["increase_pct"]
+            targets.append(target(f"{row['method']}: perplexity increase over bf16", f"<= +{METHODS_TARGET_PCT}%",
+                                  pct, "%", pct <= METHODS_TARGET_PCT))
+    return results_file(rows, targets, calibration="default calibrate recipe (128 x 256 tokens of gsm8k:train)")

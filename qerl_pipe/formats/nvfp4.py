@@ -39,6 +39,11 @@ _CODE_VALUES = E2M1_GRID + tuple(-v for v in E2M1_GRID)
 # and modelopt's division produces inf/NaN codes.
 _MIN_GLOBAL_SCALE = 2.0**-117
 
+# How block scales are chosen: "rtn" max calibration (modelopt's); "mse" a per-block scale search
+# on the weight's squared error; "act-mse" the same search with each input channel's error
+# weighted by its mean squared activation (what the layer's output error is made of).
+METHODS = ("rtn", "mse", "act-mse")
+
 
 @dataclass(frozen=True)
 class NVFP4Weight:
@@ -118,13 +123,22 @@ def _check_shape(weight: Tensor, name: str) -> None:
 
 
 def quantize_nvfp4(
-    weight: Tensor, global_scale: Tensor | None = None, *, name: str = "tensor"
+    weight: Tensor, global_scale: Tensor | None = None, *, name: str = "tensor", method: str = "rtn",
+    channel_weight: Tensor | None = None,
 ) -> NVFP4Weight:
-    """Quantize a `[N, K]` weight (bf16/fp16/fp32, any device) to NVFP4, byte-exact with modelopt.
+    """Quantize a `[N, K]` weight (bf16/fp16/fp32, any device) to NVFP4.
 
-    `global_scale` (fp32 0-dim) is the scale shared by a fused group (see `shared_global_scale`);
-    without it the tensor's own `amax / 2688` is used. `name` goes into error messages.
+    `method="rtn"` is modelopt's max calibration + round to nearest, byte-exact with modelopt;
+    `"mse"` then searches each block's E4M3 scale (`mse_block_scales`), and `"act-mse"` does so
+    weighting input channel k's error by `channel_weight[k]` (its mean squared activation, from
+    calibration): the same global scale and file layout either way. `global_scale` (fp32 0-dim)
+    is the scale shared by a fused group (see `shared_global_scale`); without it the tensor's
+    own `amax / 2688` is used. `name` goes into error messages.
     """
+    if method not in METHODS:
+        raise ValueError(f"unknown NVFP4 method {method!r}; expected one of {METHODS}")
+    if (method == "act-mse") != (channel_weight is not None):
+        raise ValueError("channel_weight goes with method='act-mse', and only with it")
     _check_shape(weight, name)
     n, k = weight.shape
     blocks = weight.detach().float().contiguous().reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
@@ -164,10 +178,44 @@ def quantize_nvfp4(
     ratio = block_amax / (E2M1_MAX * global_scale)
     ratio[ratio == 0] = 1.0  # all-zero block
     block_scales = ratio.clamp(min=E4M3_MIN_SCALE, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    if method != "rtn":
+        if channel_weight is not None:
+            channel_weight = channel_weight.float().to(weight.device).reshape(1, k // BLOCK_SIZE, BLOCK_SIZE)
+        block_scales = mse_block_scales(blocks, global_scale, block_scales, channel_weight)
     # The scale product is rounded to fp32 first, then divides the weight.
     q = blocks / (block_scales.float() * global_scale).unsqueeze(-1)
     codes = _encode_e2m1(q).reshape(n, k)
     return NVFP4Weight(pack_fp4(codes), block_scales, global_scale)
+
+
+# Scale search: E4M3 steps tried around the max-calibrated scale. Below it (finer codes, the
+# block's largest values clipped at 6) is where the error usually falls; one or two steps above
+# can round the largest value better.
+MSE_SCALE_STEPS = (-8, -7, -6, -5, -4, -3, -2, -1, 1, 2)
+
+
+def mse_block_scales(blocks: Tensor, global_scale: Tensor, block_scales: Tensor,
+                     channel_weight: Tensor | None = None) -> Tensor:
+    """Per block of 16, the E4M3 scale among the max-calibrated one and `MSE_SCALE_STEPS` steps
+    from it whose round-to-nearest codes give the least squared error on the block, each element's
+    error times its input channel's `channel_weight` when given (ties keep the max-calibrated
+    scale). `blocks` is fp32 `[N, K/16, 16]`; scales stay positive and finite."""
+    values = torch.tensor(_CODE_VALUES, dtype=torch.float32, device=blocks.device)
+
+    def error(scales: Tensor) -> Tensor:
+        step = (scales.float() * global_scale).unsqueeze(-1)
+        codes = _encode_e2m1(blocks / step).long()
+        err = (values[codes] * step - blocks).pow(2)
+        return (err if channel_weight is None else err * channel_weight).sum(-1)
+
+    base = block_scales.view(torch.uint8).to(torch.int16)
+    best, best_err = base, error(block_scales)
+    for step in MSE_SCALE_STEPS:
+        candidate = (base + step).clamp(1, 0x7E)  # positive E4M3 bytes; 0x7F is NaN
+        err = error(candidate.to(torch.uint8).view(torch.float8_e4m3fn))
+        better = err < best_err
+        best, best_err = torch.where(better, candidate, best), torch.where(better, err, best_err)
+    return best.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
 def quantize_nvfp4_in_row_chunks(
@@ -177,6 +225,8 @@ def quantize_nvfp4_in_row_chunks(
     name: str = "tensor",
     chunk_elements: int = 1 << 22,
     on_chunk: Callable[[Tensor, NVFP4Weight], None] | None = None,
+    method: str = "rtn",
+    channel_weight: Tensor | None = None,
 ) -> NVFP4Weight:
     """`quantize_nvfp4` a bounded block of rows at a time: the same bytes, bounded temporaries.
 
@@ -194,7 +244,7 @@ def quantize_nvfp4_in_row_chunks(
     rows = max(1, chunk_elements // weight.shape[1])
     parts = []
     for chunk in weight.split(rows):
-        q = quantize_nvfp4(chunk, global_scale, name=name)
+        q = quantize_nvfp4(chunk, global_scale, name=name, method=method, channel_weight=channel_weight)
         if on_chunk is not None:
             on_chunk(chunk, q)
         parts.append(q)

@@ -2,7 +2,8 @@
 
 Calibration text runs through the bf16/fp32 model batch by batch; a pre-forward hook on every
 linear keeps the running max of |input| (what NVFP4's `input_scale` = amax / 2688 needs for W4A4
-deployment). Weight statistics (amax, rms, their ratio) show which layers have outliers.
+deployment) and each input channel's mean square (what `quantize.method: act-mse` weighs the
+weight error by). Weight statistics (amax, rms, their ratio) show which layers have outliers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import time
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore
 from qerl_pipe.log import log, progress
@@ -23,9 +25,10 @@ from qerl_pipe.stages.common import (
 from qerl_pipe.textdata import load_texts, pack_sequences
 
 STAGE = "calibrate"
-VERSION = 1
+VERSION = 2  # 2: per-channel mean squares of each linear's input (CHANNELS_FILE)
 KIND = "calibration"
 STATS_FILE = "calibration.json"
+CHANNELS_FILE = "channel_mean_square.safetensors"
 
 
 def _weight_stats(weight: torch.Tensor) -> dict[str, float]:
@@ -35,15 +38,20 @@ def _weight_stats(weight: torch.Tensor) -> dict[str, float]:
     return {"weight_amax": amax, "weight_rms": rms, "weight_amax_over_rms": amax / rms if rms > 0 else 0.0}
 
 
-def collect_input_amax(model: torch.nn.Module, batches) -> tuple[dict[str, float], int]:
-    """Run the batches and return the max |input| seen by each nn.Linear, and the token count."""
+def collect_input_stats(model: torch.nn.Module, batches) -> tuple[dict[str, float], dict[str, torch.Tensor], int]:
+    """Run the batches; return each nn.Linear's max |input|, its inputs' per-channel mean square
+    (float32 [in_features]), and the token count."""
     amax: dict[str, torch.Tensor] = {}
+    square_sums: dict[str, torch.Tensor] = {}
     handles = []
 
     def hook_for(name: str):
         def hook(_module, args):
-            current = args[0].detach().abs().amax().float()
+            x = args[0].detach()
+            current = x.abs().amax().float()
             amax[name] = torch.maximum(amax[name], current) if name in amax else current
+            squares = x.float().pow(2).reshape(-1, x.shape[-1]).sum(0)
+            square_sums[name] = square_sums[name] + squares if name in square_sums else squares
         return hook
 
     for name, module in model.named_modules():
@@ -60,7 +68,8 @@ def collect_input_amax(model: torch.nn.Module, batches) -> tuple[dict[str, float
     finally:
         for handle in handles:
             handle.remove()
-    return {name: float(value) for name, value in amax.items()}, tokens
+    mean_square = {name: (v / max(tokens, 1)).cpu().contiguous() for name, v in square_sums.items()}
+    return {name: float(value) for name, value in amax.items()}, mean_square, tokens
 
 
 def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> Artifact:
@@ -82,13 +91,14 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) 
         log(f"calibrate: {section.num_samples} x {section.seq_len} tokens of {section.data} on {device} ({dtype})")
         batches = (chunk.to(device) for chunk in ids.split(section.batch_size))
         n_batches = -(-section.num_samples // section.batch_size)
-        input_amax, tokens = collect_input_amax(model, progress(batches, "calibrate", n_batches))
+        input_amax, mean_square, tokens = collect_input_stats(model, progress(batches, "calibrate", n_batches))
         linears = {}
         for name, module in model.named_modules():
             if name in input_amax:
                 linears[name] = {"input_amax": input_amax[name], **_weight_stats(module.weight)}
         stats = {"tokens": tokens, "data": section.data, "device": str(device), "dtype": str(dtype), "linears": linears}
         (pending.dir / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
+        save_file({name: mean_square[name] for name in linears}, str(pending.dir / CHANNELS_FILE))
         worst = max(linears.items(), key=lambda kv: kv[1]["weight_amax_over_rms"])
         pending.summary.update({
             "tokens": tokens,
@@ -105,3 +115,11 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) 
 def read_input_amax(calibration: Artifact) -> dict[str, float]:
     stats = json.loads((calibration.path / STATS_FILE).read_text())
     return {name: v["input_amax"] for name, v in stats["linears"].items()}
+
+
+def read_channel_mean_square(calibration: Artifact) -> dict[str, torch.Tensor]:
+    """Each linear's per-input-channel mean square of its calibration inputs."""
+    path = calibration.path / CHANNELS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{calibration.path} has no {CHANNELS_FILE}; re-run `qerl-pipe calibrate`")
+    return load_file(str(path))

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import qerl_pipe
 from qerl_pipe.artifacts import Artifact, ArtifactStore
-from qerl_pipe.errors import ArtifactError, ModelSourceError, QerlError, QuantizationError
+from qerl_pipe.errors import ArtifactError, ModelSourceError, QerlError, QuantizationError, RecipeError
 from qerl_pipe.formats.checkpoint import list_shards, open_shard
 from qerl_pipe.formats.modelopt_layout import (
     config_quantization_config, fused_group_key, hf_quant_config, nvfp4_tensors,
@@ -36,7 +36,7 @@ from qerl_pipe.quality import load_dequantized_weights, perplexity
 from qerl_pipe.recipe import QuantizeSection, Recipe
 from qerl_pipe.sources import ResolvedModel, resolve_model
 from qerl_pipe.stages.calibrate import KIND as CALIBRATION_KIND
-from qerl_pipe.stages.calibrate import read_input_amax
+from qerl_pipe.stages.calibrate import read_channel_mean_square, read_input_amax
 from qerl_pipe.stages.common import (
     compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, model_config_key, pick_device,
 )
@@ -123,7 +123,7 @@ def out_dtype(choice: str, config: dict) -> torch.dtype:
 
 
 def _write_shards(shards: list[Path], out: Path, plan: _Plan, input_scales: dict[str, torch.Tensor],
-                  dtype: torch.dtype) -> dict[str, float]:
+                  dtype: torch.dtype, method: str, channel_weights: dict[str, torch.Tensor]) -> dict[str, float]:
     """Pass 2: quantize and write one output shard per input shard; returns per-module relative error."""
     errors: dict[str, float] = {}
     weight_map: dict[str, str] = {}
@@ -139,7 +139,8 @@ def _write_shards(shards: list[Path], out: Path, plan: _Plan, input_scales: dict
                 if module is None:
                     tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
                     continue
-                w, errors[module] = quantize_in_row_chunks(tensor, plan_global_scale(plan, module), name)
+                w, errors[module] = quantize_in_row_chunks(tensor, plan_global_scale(plan, module), name, method,
+                                                           channel_weights.get(module))
                 tensors.update(nvfp4_tensors(module, w, input_scales.get(module)))
                 del tensor
         save_file(tensors, str(out / out_name), metadata={"format": "pt"})
@@ -153,7 +154,8 @@ def _write_shards(shards: list[Path], out: Path, plan: _Plan, input_scales: dict
     return errors
 
 
-def quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, name: str) -> tuple[NVFP4Weight, float]:
+def quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, name: str, method: str = "rtn",
+                           channel_weight: torch.Tensor | None = None) -> tuple[NVFP4Weight, float]:
     """NVFP4 of `weight` and its relative error ‖W − deq(Q(W))‖ / ‖W‖, a bounded block of rows at a time."""
     sums = [0.0, 0.0]  # squared error, squared reference
 
@@ -163,7 +165,7 @@ def quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, nam
         sums[1] += float(ref.pow(2).sum())
 
     packed = quantize_nvfp4_in_row_chunks(weight, global_scale, name=name, chunk_elements=_CHUNK_ELEMENTS,
-                                          on_chunk=measure)
+                                          on_chunk=measure, method=method, channel_weight=channel_weight)
     return packed, (sums[0] / sums[1]) ** 0.5 if sums[1] > 0 else 0.0
 
 
@@ -206,6 +208,21 @@ def _perplexity_report(resolved: ResolvedModel, checkpoint: Path, section: Quant
         "bf16": round(reference, 4), "nvfp4_w4a16": round(quantized, 4),
         "increase_pct": round(100 * (quantized / reference - 1), 3),
     }
+
+
+def _channel_weights(method: str, calibration: Artifact | None, plan: _Plan) -> dict[str, torch.Tensor]:
+    """Per quantized module, the input channels' mean squares that act-mse weighs errors by."""
+    if method != "act-mse":
+        return {}
+    assert calibration is not None  # run_quantize refuses act-mse without one
+    try:
+        stats = read_channel_mean_square(calibration)
+    except FileNotFoundError as exc:
+        raise QerlError(f"{exc} (an older calibrate made it): re-run `qerl-pipe calibrate --force`") from None
+    missing = sorted(set(plan.quantized.values()) - set(stats))
+    if missing:
+        raise QerlError(f"calibration {calibration.path} has no statistics for {missing[:3]}; it is of another model")
+    return stats
 
 
 def _check_calibration(calibration: Artifact, model_key: dict) -> None:
@@ -258,8 +275,14 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
     model_key = model_config_key(resolved, recipe.model)
     if calibration is not None:
         _check_calibration(calibration, model_key)
+    elif section.method == "act-mse":
+        raise RecipeError("quantize.method=act-mse weighs errors by calibration statistics: run "
+                          "`qerl-pipe calibrate` and pass --calibration ART, or use `qerl-pipe run`, which chains them")
     _check_output_dir(output)
-    config = {"model": model_key, "quantize": section.model_dump(), "calibrated": calibration is not None}
+    quantize_key = section.model_dump()
+    if quantize_key["method"] == "rtn":
+        del quantize_key["method"]  # the default: artifacts made before the setting existed keep their ids
+    config = {"model": model_key, "quantize": quantize_key, "calibrated": calibration is not None}
     parents = resolved.parents + ([calibration.id] if calibration else [])
     with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
                       parents=parents, force=force) as (pending, existing):
@@ -277,7 +300,8 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
                 if not plan.quantized:
                     raise ModelSourceError(f"{resolved.dir} has no Llama-family linear weights to quantize")
                 input_scales = _input_scales(plan, read_input_amax(calibration) if calibration else None)
-                errors = _write_shards(shards, pending.dir, plan, input_scales, dtype)
+                errors = _write_shards(shards, pending.dir, plan, input_scales, dtype, section.method,
+                                       _channel_weights(section.method, calibration, plan))
             quant_algo = "NVFP4" if calibration else "W4A16_NVFP4"
             exclude_modules = sorted({"lm_head", *plan.excluded})
             write_configs(resolved.dir, pending.dir, quant_algo, exclude_modules, dtype)
@@ -287,6 +311,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
             size_out = sum(p.stat().st_size for p in pending.dir.glob("*.safetensors"))
             pending.summary.update({
                 "quant_algo": quant_algo,
+                "method": section.method,
                 "quantized_linears": len(errors),
                 "mean_relative_error": sum(errors.values()) / len(errors),
                 "max_relative_error": max(errors.values()),
