@@ -84,7 +84,9 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any) -> Tensor:
         from qerl_pipe.kernels import cuda_ext
 
         x2 = _rows(x, w.in_features, "x")
-        if x2.shape[0] <= CUDA_GEMM_MAX_M and x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0:
+        if x2.shape[0] <= CUDA_GEMM_MAX_M:
+            if x2.data_ptr() % 16 or x2.stride(0) % 8:
+                x2 = x2.clone()  # the kernel loads 16-byte pieces of x; a fresh copy is aligned
             out = cuda_ext.gemm(x2, w)
         else:
             out = x2 @ cuda_ext.dequantize(w).T
