@@ -96,7 +96,7 @@ def _import_gguf(gguf: Path, store: ArtifactStore, section: ModelSection, force:
 
 def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
     import torch
-    from safetensors.torch import save_file
+    from qerl_pipe.formats.checkpoint import save_safetensors
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
@@ -115,7 +115,7 @@ def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
         for name, t in model.state_dict().items()
         if not (tied and name == "lm_head.weight")
     }
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["torch_dtype"] = "bfloat16"

@@ -188,3 +188,18 @@ def test_missing_shard_and_incomplete_module(tmp_path):
     write_checkpoint(tmp_path / "b", [parts], None)
     with pytest.raises(ModelSourceError, match="m lacks weight_scale"):
         list(iter_quantized_checkpoint(tmp_path / "b"))
+
+
+def test_written_safetensors_are_readable_by_others(tmp_path):
+    """safetensors creates files 0600; ours get 0666 minus the umask, as ordinary files do."""
+    import os
+    import stat
+
+    from qerl_pipe.formats.checkpoint import save_safetensors
+
+    old = os.umask(0o022)
+    try:
+        save_safetensors({"w": torch.zeros(2)}, tmp_path / "a.safetensors", metadata={"format": "pt"})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.safetensors").stat().st_mode) == 0o644

@@ -57,8 +57,17 @@ def test_row_chunks_give_the_same_bytes() -> None:
 
 
 def test_stage_method_mse(tiny_llama, store_dir) -> None:
+    import os
+    import stat
+
     fast = ["--set", "quantize.quality.perplexity=never"]
-    rtn = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *fast))
+    old_umask = os.umask(0o022)
+    try:
+        rtn = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *fast))
+    finally:
+        os.umask(old_umask)
+    for shard in rtn.glob("*.safetensors"):  # readable by a serving process of another user
+        assert stat.S_IMODE(shard.stat().st_mode) == 0o644
     mse = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *fast,
                         "--set", "quantize.method=mse"))
     assert rtn != mse  # another artifact, not a reuse

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from qerl_pipe.errors import ArtifactError
+from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.kernels.packing import PackedNF4
 from qerl_pipe.kernels.tiled import TENSOR_FIELDS, TiledNVFP4
 from qerl_pipe.model.config import SUPPORTED, DecoderConfig
@@ -129,7 +129,7 @@ def save_engine_model(model: Decoder, out_dir: Path, *, hf_config: Mapping[str, 
     weight_map: dict[str, str] = {}
     for i, names in enumerate(shards):
         file = f"engine-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: _host_copy(tensors[n]) for n in names}, str(out_dir / file), metadata={"format": "pt"})
+        save_safetensors({n: _host_copy(tensors[n]) for n in names}, out_dir / file, metadata={"format": "pt"})
         weight_map.update({n: file for n in names})
     index = {
         "metadata": {

@@ -9,6 +9,7 @@ their companion tensors: `<m>.weight_scale_2` (modelopt) or `<m>.weight_packed`
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -96,6 +97,20 @@ def list_shards(model_dir: Path) -> list[Path]:
     if missing:
         raise ModelSourceError(f"{model_dir} lacks shard {missing[0]} named by {INDEX_FILE}; download it again")
     return paths
+
+
+def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """`safetensors.torch.save_file`, leaving the file readable as an ordinary file would be.
+
+    safetensors creates its file with mode 0600, so a checkpoint or adapter written here could not
+    be read by a serving process of another user; the file gets 0666 minus the umask instead.
+    """
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def open_shard(path: Path) -> Any:

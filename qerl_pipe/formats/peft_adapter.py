@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from qerl_pipe.artifacts.manifest import sha256_file
 from qerl_pipe.errors import ArtifactError
+from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.model.lora import LORA_TARGETS, LoraSpec, lora_state_dict
 from qerl_pipe.model.norm import RMSNorm
 
@@ -59,7 +60,7 @@ def save_adapter(model: nn.Module, spec: LoraSpec, out_dir: Path, base_model: st
     """Write the model's trainable tensors and their PEFT config into `out_dir` (created)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in lora_state_dict(model).items()}
-    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     config = adapter_config(model, spec, base_model)
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 

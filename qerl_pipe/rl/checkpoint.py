@@ -52,7 +52,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     `rank_rng_states`: every data-parallel rank's RNG states, in rank order (their CUDA
     generators differ); each rank restores its own. Without it, this process's states.
     """
-    from safetensors.torch import save_file
+    from qerl_pipe.formats.checkpoint import save_safetensors
 
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     adapter = {k: v.detach().to("cpu").contiguous().clone() for k, v in lora_state_dict(model).items()}
-    save_file(adapter, str(tmp / ADAPTER_WEIGHTS))
+    save_safetensors(adapter, tmp / ADAPTER_WEIGHTS)
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "rng": rank_rng_states[0] if rank_rng_states else rng_state(), "trainer": trainer_state}
     if rank_rng_states:

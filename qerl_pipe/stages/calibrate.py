@@ -12,9 +12,10 @@ import json
 import time
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore
+from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.log import log, progress
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import Recipe
@@ -98,7 +99,7 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) 
                 linears[name] = {"input_amax": input_amax[name], **_weight_stats(module.weight)}
         stats = {"tokens": tokens, "data": section.data, "device": str(device), "dtype": str(dtype), "linears": linears}
         (pending.dir / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
-        save_file({name: mean_square[name] for name in linears}, str(pending.dir / CHANNELS_FILE))
+        save_safetensors({name: mean_square[name] for name in linears}, pending.dir / CHANNELS_FILE)
         worst = max(linears.items(), key=lambda kv: kv[1]["weight_amax_over_rms"])
         pending.summary.update({
             "tokens": tokens,

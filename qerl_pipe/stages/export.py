@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.checkpoint import (
     INDEX_FILE, SINGLE_FILE, detect_quant_format, iter_quantized_checkpoint, list_shards, open_shard,
+    save_safetensors,
 )
 from qerl_pipe.formats.modelopt_layout import FUSED_GROUPS, fused_group_key, nvfp4_tensors
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, global_scale_from_amax
@@ -263,7 +264,7 @@ class _ShardWriter:
 
     def _flush(self) -> None:
         path = self.out / f".part-{len(self.files):05d}.safetensors"  # the shard count is known only at the end
-        save_file(self.buffer, str(path), metadata={"format": "pt"})
+        save_safetensors(self.buffer, path, metadata={"format": "pt"})
         self.files.append((path, list(self.buffer)))
         self.buffer, self.buffered = {}, 0
 

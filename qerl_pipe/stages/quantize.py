@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 import qerl_pipe
 from qerl_pipe.artifacts import Artifact, ArtifactStore
 from qerl_pipe.errors import ArtifactError, ModelSourceError, QerlError, QuantizationError, RecipeError
-from qerl_pipe.formats.checkpoint import list_shards, open_shard
+from qerl_pipe.formats.checkpoint import list_shards, open_shard, save_safetensors
 from qerl_pipe.formats.modelopt_layout import (
     config_quantization_config, fused_group_key, hf_quant_config, nvfp4_tensors,
 )
@@ -143,7 +142,7 @@ def _write_shards(shards: list[Path], out: Path, plan: _Plan, input_scales: dict
                                                            channel_weights.get(module))
                 tensors.update(nvfp4_tensors(module, w, input_scales.get(module)))
                 del tensor
-        save_file(tensors, str(out / out_name), metadata={"format": "pt"})
+        save_safetensors(tensors, out / out_name, metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = out_name
             total_size += t.numel() * t.element_size()
