@@ -243,3 +243,14 @@ def test_row_chunked_quantization_gives_the_same_bytes(monkeypatch):
     assert torch.equal(chunked.block_scales.view(torch.uint8), whole.block_scales.view(torch.uint8))
     expected = (dequantize_nvfp4(whole) - weight.float()).norm() / weight.float().norm()
     assert err == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_calibrate_data_file_edited_is_new_data(tiny_llama, store_dir, tmp_path):
+    data = tmp_path / "calib.txt"
+    data.write_text("\n".join(f"The number {i} is followed by {i + 1}." for i in range(40)) + "\n")
+    opts = ["calibrate", "--model", tiny_llama, "--artifacts", store_dir, *CAL, "--set", f"calibrate.data={data}"]
+    first = last_line(cli(*opts))
+    assert last_line(cli(*opts)) == first  # same bytes: reused
+    assert read_json(first / "manifest.json")["config"]["data_sha256"]
+    data.write_text(data.read_text().replace("followed", "preceded"))
+    assert last_line(cli(*opts)) != first  # the path alone must not name the artifact

@@ -171,3 +171,18 @@ def test_a_killed_run_resumes_bit_identical(tiny_llama, tmp_path):
         for key in ("reward_mean", "loss", "grad_norm", "entropy", "sigma", "lr", "response_length_mean"):
             assert mine[key] == ref[key], (mine["step"], key)
     assert read_json(run / "report.json")["eval_after"] == read_json(reference / "report.json")["eval_after"]
+
+
+def test_an_edited_data_file_is_never_reused(tiny_llama, store_dir, tmp_path):
+    problems = tmp_path / "problems.jsonl"
+    rows = [{"question": f"What is {a} + 1?", "answer": f"#### {a + 1}"} for a in range(12)]
+    problems.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  source: {tiny_llama}\n")
+    opts = ["run", recipe, "--artifacts", store_dir, *ENGINE, *TRAIN, "--set", f"train.data={problems}",
+            "--set", "train.eval_data=null", "--set", "train.steps=2"]
+    first = last_line(cli(*opts))
+    assert last_line(cli(*opts)) == first
+    assert read_json(first / "manifest.json")["config"]["data_sha256"]
+    problems.write_text(problems.read_text().replace("+ 1?", "+ 2?"))
+    assert last_line(cli(*opts)) != first  # neither reused nor resumed: a run of its own

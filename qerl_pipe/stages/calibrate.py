@@ -21,7 +21,8 @@ from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import resolve_model
 from qerl_pipe.stages.common import (
-    compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, model_config_key, pick_device,
+    compute_dtype, count_parameters, data_file_key, load_hf_causal_lm, load_tokenizer, model_config_key,
+    pick_device,
 )
 from qerl_pipe.textdata import load_texts, pack_sequences
 
@@ -78,6 +79,9 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) 
     DecoderConfig.from_hf(resolved.config)
     section = recipe.calibrate
     config = {"model": model_config_key(resolved, recipe.model), "calibrate": section.model_dump()}
+    data_sha256 = data_file_key(section.data)
+    if data_sha256 is not None:
+        config["data_sha256"] = data_sha256  # an edited file is new data
     with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
                       parents=resolved.parents, force=force) as (pending, existing):
         if existing is not None:

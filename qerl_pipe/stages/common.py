@@ -68,6 +68,19 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool):
         raise ModelSourceError(f"cannot load the tokenizer in {model_dir}: {exc}") from None
 
 
+DATA_FILE_SUFFIXES = (".jsonl", ".txt")
+
+
+def data_file_key(spec: str | None) -> str | None:
+    """The sha256 of a data file named by a recipe (None for packaged data and generated tasks):
+    an artifact id keyed by the path alone would reuse results of data edited since."""
+    if spec is None or not spec.endswith(DATA_FILE_SUFFIXES) or not Path(spec).is_file():
+        return None
+    from qerl_pipe.artifacts.manifest import sha256_file
+
+    return sha256_file(Path(spec))
+
+
 def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
     """The part of a stage's config that names the model: recipe values plus the content fingerprint."""
     return {"source": section.model_dump(), "content": resolved.fingerprint}

@@ -41,7 +41,9 @@ from qerl_pipe.rl.rewards import load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
 from qerl_pipe.stages import build_engine as build_engine_stage
-from qerl_pipe.stages.common import engine_model_name, fit_prompts, load_tokenizer, pick_device, stop_token_ids
+from qerl_pipe.stages.common import (
+    data_file_key, engine_model_name, fit_prompts, load_tokenizer, pick_device, stop_token_ids,
+)
 
 STAGE = "train"
 VERSION = 2  # 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused)
@@ -210,6 +212,10 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         engine = found if found is not None else load_artifact(path, verify=False)
     build_engine_stage.check_engine_for(engine, "train", section.max_new_tokens, "--engine")
     config = {"train": section.model_dump(), "device": device.type}
+    for key, spec in (("data_sha256", section.data), ("eval_data_sha256", section.eval_data)):
+        digest = data_file_key(spec)
+        if digest is not None:
+            config[key] = digest  # an edited file is new data: never a reuse, never a resume
     if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
         config["processes"] = dist.world_size
     if not dist.is_main:
