@@ -119,3 +119,16 @@ def test_concurrent_runs_make_one_artifact(tmp_path):
     assert len({path for path, _ in results}) == 1
     assert sum(created for _, created in results) == 1
     assert find_problems(ArtifactStore(tmp_path).resolve(results[0][0])) == []
+
+
+def test_a_killed_run_leftover_is_removed_when_the_artifact_is_made(tmp_path):
+    """SIGKILL skips every cleanup: the temporary directory stays until that artifact is made."""
+    store = ArtifactStore(tmp_path)
+    art_id = artifact_id("demo", 1, {"k": 1}, ["p1"])
+    leftover = tmp_path / f".tmp-{store.path_for('demo', art_id).name}-999999"
+    (leftover / "sub").mkdir(parents=True)
+    (leftover / "sub" / "big.bin").write_bytes(b"x" * 1024)
+    other = tmp_path / ".tmp-demo-someotherid-999999"  # another artifact's: not ours to judge
+    other.mkdir()
+    made, created = make(store, {"k": 1})
+    assert created and not leftover.exists() and other.exists()

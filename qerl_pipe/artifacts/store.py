@@ -149,8 +149,11 @@ class ArtifactStore:
             if existing is not None and not force:
                 yield None, existing
                 return
+            # Under this artifact's lock no live process writes one: any temporary directory of it
+            # is what a killed run left (possibly gigabytes), so it goes.
+            for leftover in self.root.glob(f"{_TMP_PREFIX}{final.name}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
             tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             pending = PendingArtifact(id=art_id, dir=tmp)
             try:
