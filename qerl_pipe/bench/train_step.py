@@ -360,15 +360,17 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
         return results_file(rows, targets(rows), settings=_settings(s), torch=torch.__version__,
                             nvfp4_over_bf16=speedups(rows))
 
+    latest = result()
     for name in shapes:
         for quant in quants:
             rows.append(bench_config(name, shape_configs[name], quant, s, device, memory_limit_bytes))
             print(_summary(rows[-1]), file=sys.stderr, flush=True)
             emit(json.dumps(rows[-1]))
+            latest = result()  # one dict for the file and the caller: its date is taken once
             if out is not None:
                 out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(result(), indent=1) + "\n")
-    return result()
+                out.write_text(json.dumps(latest, indent=1) + "\n")
+    return latest
 
 
 def split_values(values: Sequence[str]) -> list[str]:
