@@ -226,3 +226,24 @@ def test_run_chains_three_stages_and_reuses_them(tiny_llama, store_dir, tmp_path
     assert read_json(engine / "engine.json")["limits"]["max_batch"] == 4
     second = cli("run", recipe, "--artifacts", store_dir)
     assert last_line(second) == engine and second.stderr.count("up to date") == 3
+
+
+def test_nan_weights_are_refused_before_any_artifact(tiny_llama, store_dir, tmp_path):
+    """A damaged model (one NaN weight) gets a one-line error from calibrate and from a bf16
+    build-engine, and no artifact."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_llama, damaged)
+    tensors = load_file(str(damaged / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    for args in (["calibrate", "--set", "calibrate.num_samples=2", "--set", "calibrate.seq_len=16"],
+                 ["build-engine", *FAST, "--set", "engine.base_format=bf16"]):
+        result = cli(args[0], "--model", damaged, "--artifacts", store_dir, *args[1:], ok=False)
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.exit_code == 1 and last.startswith("error:") and "non-finite" in last, result.stderr
+        assert not named(store_dir, args[0] + "-")

@@ -163,6 +163,15 @@ def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
     return list(dict.fromkeys(shapes))
 
 
+def _check_finite(model: torch.nn.Module) -> None:
+    """A bf16 (or NF4) base is built from the source's weights as they are: NaN or inf there would
+    give an engine whose every rollout is empty. (A 4-bit quantize already refuses them.)"""
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise QerlError(f"{name} has non-finite values (NaN or inf); the model's weights are damaged, "
+                            "re-download or re-convert it")
+
+
 def _copy_tokenizer(source: Path, out: Path) -> None:
     # The same files the quantize stage carries along (tokenizer, chat template, generation config).
     for pattern in quantize_stage.COPY_PATTERNS:
@@ -178,6 +187,7 @@ def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.devic
 
     started = time.perf_counter()
     model = load_model(base.dir, section.base_format, plan.dtype, device)
+    _check_finite(model)
     budget = plan.kv_budget_bytes if plan.kv_budget_bytes is not None else _auto_cuda_budget(device)
     limits = _limits(plan, section, budget)
     table: ConfigTable | None = None

@@ -9,12 +9,14 @@ weight error by). Weight statistics (amax, rms, their ratio) show which layers h
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
 from safetensors.torch import load_file
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore
+from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.log import log, progress
 from qerl_pipe.model.config import DecoderConfig
@@ -101,6 +103,7 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) 
         for name, module in model.named_modules():
             if name in input_amax:
                 linears[name] = {"input_amax": input_amax[name], **_weight_stats(module.weight)}
+        _check_finite(linears, mean_square)
         stats = {"tokens": tokens, "data": section.data, "device": str(device), "dtype": str(dtype), "linears": linears}
         (pending.dir / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
         save_safetensors({name: mean_square[name] for name in linears}, pending.dir / CHANNELS_FILE)
@@ -115,6 +118,16 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) 
     artifact = store.find_existing(STAGE, pending.id)
     log(f"calibrate: {tokens} tokens through {len(linears)} linears in {pending.summary['seconds']} s")
     return artifact
+
+
+def _check_finite(linears: dict[str, dict[str, float]], mean_square: dict[str, torch.Tensor]) -> None:
+    """NaN or inf statistics mean a damaged model; writing them would poison every later stage."""
+    for name, stats in linears.items():
+        bad = [key for key, value in stats.items() if not math.isfinite(value)]
+        if bad or not bool(torch.isfinite(mean_square[name]).all()):
+            what = "weight" if any(k.startswith("weight") for k in bad) else "input activation"
+            raise QerlError(f"{name}: non-finite {what} statistics (NaN or inf); the model's weights are damaged, "
+                            "re-download or re-convert it")
 
 
 def read_input_amax(calibration: Artifact) -> dict[str, float]:
