@@ -59,9 +59,8 @@ def load_texts(spec: str, field: str | None = None) -> list[str]:
     return texts
 
 
-def pack_sequences(texts: list[str], tokenizer, num_samples: int, seq_len: int) -> torch.Tensor:
-    """Token ids [num_samples, seq_len] from the texts joined by EOS; errors if there is too little text."""
-    need = num_samples * seq_len
+def _token_stream(texts: list[str], tokenizer, need: int) -> list[int]:
+    """The texts' token ids joined by EOS, stopping once `need` tokens are there."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for text in texts:
@@ -70,9 +69,28 @@ def pack_sequences(texts: list[str], tokenizer, num_samples: int, seq_len: int) 
             ids.append(eos)
         if len(ids) >= need:
             break
+    return ids
+
+
+def pack_sequences(texts: list[str], tokenizer, num_samples: int, seq_len: int) -> torch.Tensor:
+    """Token ids [num_samples, seq_len] from the texts joined by EOS; errors if there is too little text."""
+    need = num_samples * seq_len
+    ids = _token_stream(texts, tokenizer, need)
     if len(ids) < need:
         raise RecipeError(
             f"the text data gives {len(ids)} tokens, fewer than num_samples x seq_len = {need}; "
             "lower num_samples or seq_len, or give more text"
         )
     return torch.tensor(ids[:need], dtype=torch.long).view(num_samples, seq_len)
+
+
+def pack_available(texts: list[str], tokenizer, num_samples: int, seq_len: int) -> torch.Tensor:
+    """Like `pack_sequences`, but with too little text it takes what there is instead of failing:
+    fewer sequences, or one shorter sequence. For reports, which must never fail a stage."""
+    ids = _token_stream(texts, tokenizer, num_samples * seq_len)
+    if len(ids) < 2:
+        raise RecipeError(f"the text data gives {len(ids)} tokens; a perplexity needs at least 2")
+    rows = min(num_samples, len(ids) // seq_len)
+    if rows == 0:
+        return torch.tensor(ids, dtype=torch.long).view(1, -1)
+    return torch.tensor(ids[:rows * seq_len], dtype=torch.long).view(rows, seq_len)

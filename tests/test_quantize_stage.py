@@ -254,3 +254,27 @@ def test_calibrate_data_file_edited_is_new_data(tiny_llama, store_dir, tmp_path)
     assert read_json(first / "manifest.json")["config"]["data_sha256"]
     data.write_text(data.read_text().replace("followed", "preceded"))
     assert last_line(cli(*opts)) != first  # the path alone must not name the artifact
+
+
+def test_a_quality_report_short_of_text_shrinks_and_never_fails_or_renames_the_checkpoint(tiny_llama, store_dir, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("one two three four five six seven eight nine ten\n\neleven twelve thirteen\n")
+    report = ["--set", "quantize.quality.perplexity=always", "--set", f"quantize.quality.data={short}",
+              "--set", "quantize.quality.num_samples=64", "--set", "quantize.quality.seq_len=256"]
+    made = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *report)
+    ckpt = last_line(made)
+    ppl = read_json(ckpt / "manifest.json")["summary"]["perplexity"]
+    assert 2 <= ppl["tokens"] < 64 * 256 and ppl["bf16"] > 1, ppl
+    assert "fewer than quality.num_samples x seq_len" in made.stderr
+    # The report's settings are not the weights': switching it off names the same checkpoint.
+    off = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST)
+    assert last_line(off) == ckpt and "up to date" in off.stderr
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n')
+    failing = ["--set", "quantize.quality.perplexity=always", "--set", f"quantize.quality.data={empty}"]
+    forced = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--force", *failing)
+    assert last_line(forced) == ckpt and "warning: no perplexity report" in forced.stderr
+    assert read_json(ckpt / "manifest.json")["summary"]["perplexity"] == {
+        "skipped": "the text data gives 1 tokens; a perplexity needs at least 2"}
+    cli("verify", ckpt)

@@ -32,14 +32,14 @@ from qerl_pipe.log import console, log, progress
 from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.quality import load_dequantized_weights, perplexity
-from qerl_pipe.recipe import QuantizeSection, Recipe
+from qerl_pipe.recipe import QualitySection, QuantizeSection, Recipe
 from qerl_pipe.sources import ResolvedModel, resolve_model
 from qerl_pipe.stages.calibrate import KIND as CALIBRATION_KIND
 from qerl_pipe.stages.calibrate import read_channel_mean_square, read_input_amax
 from qerl_pipe.stages.common import (
     compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, model_config_key, pick_device,
 )
-from qerl_pipe.textdata import load_texts, pack_sequences
+from qerl_pipe.textdata import load_texts, pack_available
 
 STAGE = "quantize"
 VERSION = 1
@@ -189,21 +189,37 @@ def write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: lis
 
 
 def _perplexity_report(resolved: ResolvedModel, checkpoint: Path, section: QuantizeSection,
-                       trust_remote_code: bool) -> dict[str, float] | None:
+                       trust_remote_code: bool) -> dict | None:
+    """bf16 vs NVFP4 perplexity, or None when switched off. The report is optional: whatever goes
+    wrong in it is a warning and {"skipped": why}, never a failed stage that loses the checkpoint."""
     q = section.quality
     n_params = count_parameters(resolved.config)
     if q.perplexity == "never" or (q.perplexity == "auto" and n_params > _PERPLEXITY_AUTO_MAX_PARAMS):
         return None
+    try:
+        return _measure_perplexity(resolved, checkpoint, q, n_params, trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any failure of an optional report, OOM included
+        reason = str(exc) if isinstance(exc, QerlError) else f"{type(exc).__name__}: {exc}"
+        log(f"quantize: warning: no perplexity report ({reason}); the checkpoint is complete. "
+            "quantize.quality.perplexity=never switches the report off")
+        return {"skipped": reason}
+
+
+def _measure_perplexity(resolved: ResolvedModel, checkpoint: Path, q: QualitySection, n_params: int,
+                        trust_remote_code: bool) -> dict:
     device = pick_device(q.device)
     dtype = compute_dtype("auto", device, n_params)
     tokenizer = load_tokenizer(resolved.dir, trust_remote_code)
-    ids = pack_sequences(load_texts(q.data, q.field), tokenizer, q.num_samples, q.seq_len)
+    ids = pack_available(load_texts(q.data, q.field), tokenizer, q.num_samples, q.seq_len)
+    if ids.numel() < q.num_samples * q.seq_len:
+        log(f"quantize: {q.data} gives {ids.numel()} tokens, fewer than quality.num_samples x seq_len = "
+            f"{q.num_samples * q.seq_len}; the perplexity report uses those {ids.numel()}")
     model = load_hf_causal_lm(resolved.dir, dtype, device, trust_remote_code)
     reference = perplexity(model, ids, batch_size=4, label="16-bit")
     load_dequantized_weights(model, checkpoint)
     quantized = perplexity(model, ids, batch_size=4, label="nvfp4")
     return {
-        "data": q.data, "tokens": q.num_samples * q.seq_len, "compute_dtype": str(dtype).removeprefix("torch."),
+        "data": q.data, "tokens": ids.numel(), "compute_dtype": str(dtype).removeprefix("torch."),
         "bf16": round(reference, 4), "nvfp4_w4a16": round(quantized, 4),
         "increase_pct": round(100 * (quantized / reference - 1), 3),
     }
@@ -261,7 +277,7 @@ def _report(errors: dict[str, float], ppl: dict | None, summary: dict) -> None:
     log(f"quantize: {summary['quantized_linears']} linears, mean relative error {summary['mean_relative_error']:.4f}, "
         f"{summary['size_mb']['in']:.1f} MB -> {summary['size_mb']['out']:.1f} MB, "
         f"peak host memory +{summary['peak_host_memory_mb']:.0f} MB over {summary['seconds']} s")
-    if ppl:
+    if ppl and "skipped" not in ppl:
         log(f"quantize: perplexity on {ppl['tokens']} tokens of {ppl['data']}: bf16 {ppl['bf16']:.3f} -> "
             f"NVFP4 (W4A16) {ppl['nvfp4_w4a16']:.3f} ({ppl['increase_pct']:+.2f}%)")
 
@@ -278,7 +294,9 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
         raise RecipeError("quantize.method=act-mse weighs errors by calibration statistics: run "
                           "`qerl-pipe calibrate` and pass --calibration ART, or use `qerl-pipe run`, which chains them")
     _check_output_dir(output)
-    quantize_key = section.model_dump()
+    # The quality report's settings do not change the weights, so they are not part of the id:
+    # switching the report off or on reuses the same checkpoint.
+    quantize_key = section.model_dump(exclude={"quality"})
     if quantize_key["method"] == "rtn":
         del quantize_key["method"]  # the default: artifacts made before the setting existed keep their ids
     config = {"model": model_key, "quantize": quantize_key, "calibrated": calibration is not None}
