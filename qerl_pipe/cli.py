@@ -33,7 +33,7 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model so
 
 
 def _user_errors(fn: F) -> F:
-    """Report QerlError as one line on stderr and exit 1, instead of a traceback."""
+    """Report QerlError (and OSError: disk full, permissions) as one line on stderr and exit 1, instead of a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -41,6 +41,11 @@ def _user_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except QerlError as exc:
             typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        except OSError as exc:  # a full disk, a read-only or missing path: the machine, not a bug
+            from qerl_pipe.userfiles import describe_os_error
+
+            typer.echo(f"error: {describe_os_error(exc)}", err=True)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]

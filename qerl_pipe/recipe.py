@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qerl_pipe.errors import RecipeError
+from qerl_pipe.userfiles import read_user_text
 
 STAGE_ORDER = ("calibrate", "quantize", "build-engine", "train", "export", "eval")
 
@@ -349,7 +350,7 @@ def load_recipe(path: Path | None, overrides: list[str] = ()) -> Recipe:
         if not path.is_file():
             raise RecipeError(f"recipe file {path} does not exist; pass an existing YAML file to --recipe")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(read_user_text(path, "recipe file", RecipeError))
         except yaml.YAMLError as exc:
             raise RecipeError(f"{path}: not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):

@@ -18,6 +18,7 @@ from qerl_pipe.artifacts import ArtifactStore
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.log import log, quiet_transformers
 from qerl_pipe.recipe import ModelSection
+from qerl_pipe.userfiles import read_user_json
 
 # Built-in names for models that a package ships, so the default needs no hub.
 ALIASES = {
@@ -26,6 +27,9 @@ ALIASES = {
 IMPORT_STAGE = "import"
 IMPORT_VERSION = 1
 _HF_FILES = ("config.json",)
+# What every stage reads from a Llama-family config.json to size the model.
+REQUIRED_CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                        "num_attention_heads", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class ResolvedModel:
 
     @property
     def config(self) -> dict[str, Any]:
-        return json.loads((self.dir / "config.json").read_text())
+        return read_model_config(self.dir)
 
 
 def _dir_fingerprint(path: Path) -> dict[str, Any]:
@@ -50,9 +54,23 @@ def _dir_fingerprint(path: Path) -> dict[str, Any]:
     }
 
 
+def read_model_config(path: Path) -> dict[str, Any]:
+    """The model's config.json as a dict; not JSON, not an object, or without a key every stage
+    needs is one ModelSourceError naming the file, instead of a traceback deep in a stage."""
+    config = read_user_json(path / "config.json", "model config", ModelSourceError)
+    if not isinstance(config, dict):
+        raise ModelSourceError(f"model config {path / 'config.json'} is not a JSON object; restore the model's original config.json")
+    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in config]
+    if missing:
+        raise ModelSourceError(f"model config {path / 'config.json'} has no {', '.join(missing)}: it is incomplete; "
+                               "restore the model's original config.json")
+    return config
+
+
 def _check_hf_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"{path} has no config.json: it is not a Hugging Face model directory")
+    read_model_config(path)
     has_weights = any(path.glob("*.safetensors"))
     if not has_weights:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from qerl_pipe.errors import RecipeError
+from qerl_pipe.userfiles import read_user_text
 
 # name -> (packaged file, default text field)
 PACKAGED = {
@@ -38,11 +39,11 @@ def load_texts(spec: str, field: str | None = None) -> list[str]:
                 f"text data '{spec}' is neither a packaged dataset ({', '.join(PACKAGED)}) nor an existing file"
             )
     if path.suffix == ".txt":
-        texts = [t.strip() for t in path.read_text().split("\n\n") if t.strip()]
+        texts = [t.strip() for t in read_user_text(path, "text data", RecipeError).split("\n\n") if t.strip()]
     elif path.suffix == ".jsonl":
         field = field or "text"
         texts = []
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        for lineno, line in enumerate(read_user_text(path, "text data", RecipeError).splitlines(), 1):
             if not line.strip():
                 continue
             try:

@@ -8,12 +8,13 @@ and reuses it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,8 +139,11 @@ class ArtifactStore:
         """
         art_id = artifact_id(stage, stage_version, config, parents)
         final = self.path_for(stage, art_id)
-        self.root.mkdir(parents=True, exist_ok=True)
-        with self._lock(final.name):
+        with ExitStack() as held:
+            blocked = self._enter_lock(held, final.name)
+            if blocked is not None:
+                yield None, self._reuse_unlocked(stage, art_id, blocked, force)
+                return
             existing = None
             try:
                 existing = self.find_existing(stage, art_id)
@@ -167,6 +171,38 @@ class ArtifactStore:
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
+
+    def _prepare_root(self) -> None:
+        """Create the store directory; a path that cannot be one is an error naming --artifacts."""
+        if self.root.exists() and not self.root.is_dir():
+            raise ArtifactError(f"the artifact store {self.root} is a file, not a directory; "
+                                "pass a directory to --artifacts (or QERL_ARTIFACTS)")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ArtifactError(f"cannot create the artifact store {self.root}: a part of the path is a file; "
+                                "pass a directory to --artifacts (or QERL_ARTIFACTS)") from None
+
+    def _enter_lock(self, held: ExitStack, name: str) -> OSError | None:
+        """Take the artifact's lock in `held`; the OSError of a store we may not write, else None."""
+        try:
+            self._prepare_root()
+            held.enter_context(self._lock(name))
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            return exc
+        return None
+
+    def _reuse_unlocked(self, stage: str, art_id: str, blocked: OSError, force: bool) -> Artifact:
+        """In a store this user may only read, an up-to-date artifact is still reusable: a sealed
+        artifact never changes, so reading it needs no lock. Anything else needs a writable store."""
+        existing = None if force else self.find_existing(stage, art_id)
+        if existing is None:
+            why = "--force re-creates the artifact" if force else f"{stage} has no up-to-date artifact there"
+            raise ArtifactError(f"the artifact store {self.root} is not writable ({blocked.strerror}) and {why}; "
+                                "pass a writable directory to --artifacts (or QERL_ARTIFACTS)")
+        return existing
 
     def _swap_into_place(self, tmp: Path, final: Path) -> None:
         """Rename `tmp` to `final`; an old artifact there (only with --force) is moved aside first."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -99,6 +100,19 @@ def list_shards(model_dir: Path) -> list[Path]:
     return paths
 
 
+# safetensors reports a failed write as SafetensorError("I/O error: No space left on device (os error
+# 28)"): the errno it carries makes it the OSError it is, which the CLI reports as one line with the fix.
+_OS_CODE = re.compile(r"os error (\d+)|Os \{ code: (\d+)")
+
+
+def _as_os_error(exc: SafetensorError, path: Path) -> Exception:
+    match = _OS_CODE.search(str(exc))
+    if match is None:
+        return exc
+    code = int(match.group(1) or match.group(2))
+    return OSError(code, os.strerror(code), str(path))
+
+
 def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """`safetensors.torch.save_file`, leaving the file readable as an ordinary file would be.
 
@@ -107,7 +121,10 @@ def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str,
     """
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        raise _as_os_error(exc, path) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)

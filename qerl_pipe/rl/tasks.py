@@ -15,6 +15,7 @@ from pathlib import Path
 
 from qerl_pipe.errors import QerlError
 from qerl_pipe.textdata import packaged_path
+from qerl_pipe.userfiles import read_user_text
 
 
 class TaskError(QerlError):
@@ -91,27 +92,26 @@ def load_problems(spec: str, *, limit: int | None = None, seed: int = 0,
 
 def _read_jsonl(path: Path, prefix: str, kind: str, q_field: str, a_field: str, limit: int | None) -> list[Problem]:
     problems: list[Problem] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(problems) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise TaskError(f"{path}:{lineno}: not valid JSON (one object per line expected)") from None
-            if not isinstance(row, dict):
-                raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            for field, option in ((q_field, "question_field"), (a_field, "answer_field")):
-                if row.get(field) is None:
-                    raise TaskError(f"{path}:{lineno}: no field '{field}' (fields: {', '.join(row) or 'none'}); "
-                                    f"set {option} to the field that holds it")
-            answer = _gold(str(row[a_field]), kind)
-            if not answer:
-                raise TaskError(f"{path}:{lineno}: empty answer in field '{a_field}'"
-                                + (" (a GSM8K answer must end with '#### <number>')" if kind == "gsm8k" else ""))
-            problems.append(Problem(f"{prefix}:{len(problems)}", str(row[q_field]), answer, kind))
+    for lineno, line in enumerate(read_user_text(path, "problem file", TaskError).splitlines(), 1):
+        if limit is not None and len(problems) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise TaskError(f"{path}:{lineno}: not valid JSON (one object per line expected)") from None
+        if not isinstance(row, dict):
+            raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        for field, option in ((q_field, "question_field"), (a_field, "answer_field")):
+            if row.get(field) is None:
+                raise TaskError(f"{path}:{lineno}: no field '{field}' (fields: {', '.join(row) or 'none'}); "
+                                f"set {option} to the field that holds it")
+        answer = _gold(str(row[a_field]), kind)
+        if not answer:
+            raise TaskError(f"{path}:{lineno}: empty answer in field '{a_field}'"
+                            + (" (a GSM8K answer must end with '#### <number>')" if kind == "gsm8k" else ""))
+        problems.append(Problem(f"{prefix}:{len(problems)}", str(row[q_field]), answer, kind))
     return problems
 
 

@@ -1,0 +1,56 @@
+"""Reading files a user hands us (data, configs, recipes), and saying in one line what is wrong
+with the machine when a read or write fails: a traceback of UnicodeDecodeError or ENOSPC tells a
+user neither which file nor what to do."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+from typing import Any
+
+from qerl_pipe.errors import QerlError
+
+
+def read_user_text(path: Path, what: str, error: type[QerlError] = QerlError) -> str:
+    """`path` as UTF-8 text; a file that is not UTF-8, or cannot be read, is an `error` naming it
+    (the caller's own kind, which its callers may catch)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                        "re-save it as UTF-8") from None
+    except OSError as exc:
+        raise error(f"cannot read {what}: {describe_os_error(exc)}") from None
+
+
+def read_user_json(path: Path, what: str, error: type[QerlError] = QerlError) -> Any:
+    """`path` parsed as JSON; invalid JSON is an `error` with the line and column to look at."""
+    text = read_user_text(path, what, error)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{what} {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                        "fix the file or restore the original") from None
+
+
+# errno -> what the user can do about it; the file and the system's reason come from the error.
+_FIX = {
+    errno.ENOSPC: "free space, or pass --artifacts on a larger disk (nothing of the unfinished artifact was kept)",
+    errno.EDQUOT: "free space, or pass --artifacts on another disk",
+    errno.EACCES: "give this user access to it, or choose another path",
+    errno.EPERM: "give this user access to it, or choose another path",
+    errno.EROFS: "choose a path on a writable file system (--artifacts)",
+    errno.ENOTDIR: "a part of the path is a file, not a directory; choose another path",
+    errno.EISDIR: "a directory is where a file was expected; choose another path",
+    errno.ENOENT: "check the path",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line: the file, the system's reason and the fix."""
+    where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    reason = exc.strerror or str(exc)
+    text = f"{where}: {reason}" if where else reason
+    fix = _FIX.get(exc.errno or 0)
+    return f"{text}; {fix}" if fix else text
