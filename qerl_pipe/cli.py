@@ -199,14 +199,16 @@ def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_:
 @app.command("ls")
 @_user_errors
 def list_artifacts(artifacts: ArtifactsOpt = None) -> None:
-    """List the artifacts in the store, oldest first."""
+    """List the artifacts in the store, oldest first; then damaged ones and unfinished temporary directories."""
     store = _store(artifacts)
-    found = store.list()
-    if not found:
+    found, unfinished = store.list(), store.unfinished()
+    if not found and not unfinished:
         typer.echo(f"no artifacts in {store.root}", err=True)
         return
     for a in found:
         print(f"{a.path.name:32} {a.kind:18} {a.manifest.get('created', ''):26} parents={','.join(a.manifest['parents']) or '-'}")
+    for path, state in unfinished:
+        print(f"{path.name:32} {state}")
 
 
 @app.command()
@@ -224,13 +226,15 @@ def verify(ref: Annotated[str, typer.Argument(help="Artifact path, directory nam
            artifacts: ArtifactsOpt = None) -> None:
     """Re-hash every file of an artifact against its manifest."""
     from qerl_pipe.artifacts import find_problems
+    from qerl_pipe.artifacts.manifest import repair_advice, stage_of
 
     artifact = _store(artifacts).resolve(ref, verify=False)
     problems = find_problems(artifact)
     for problem in problems:
         typer.echo(f"{artifact.path}: {problem}", err=True)
     if problems:
-        raise QerlError(f"{artifact.path} is damaged: {len(problems)} problem(s); re-create it with --force")
+        advice = repair_advice(artifact.path, stage_of(artifact.path, artifact.manifest), problems)
+        raise QerlError(f"{artifact.path} is damaged: {len(problems)} problem(s); {advice}")
     typer.echo(f"ok: {len(artifact.manifest['files'])} files match the manifest", err=True)
     print(artifact.path)
 

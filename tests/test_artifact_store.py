@@ -1,5 +1,6 @@
 """The artifact store: ids from inputs, atomic writes, reuse, --force, damage detection, locking."""
 
+import fcntl
 import json
 import multiprocessing
 from pathlib import Path
@@ -128,7 +129,97 @@ def test_a_killed_run_leftover_is_removed_when_the_artifact_is_made(tmp_path):
     leftover = tmp_path / f".tmp-{store.path_for('demo', art_id).name}-999999"
     (leftover / "sub").mkdir(parents=True)
     (leftover / "sub" / "big.bin").write_bytes(b"x" * 1024)
-    other = tmp_path / ".tmp-demo-someotherid-999999"  # another artifact's: not ours to judge
-    other.mkdir()
     made, created = make(store, {"k": 1})
-    assert created and not leftover.exists() and other.exists()
+    assert created and not leftover.exists()
+
+
+def test_any_run_on_the_store_removes_abandoned_temporaries_and_ls_shows_them(tmp_path):
+    """A writer holds its artifact's lock while its temporary directory exists: one whose lock is
+    free was left by a killed run and goes with the next artifact made anywhere in the store."""
+    store = ArtifactStore(tmp_path)
+    abandoned = tmp_path / ".tmp-demo-aaaaaaaaaaaaaaaa-999999"
+    (abandoned / "sub").mkdir(parents=True)
+    busy = tmp_path / ".tmp-demo-bbbbbbbbbbbbbbbb-999998"
+    busy.mkdir()
+    (tmp_path / ".locks").mkdir()
+    with (tmp_path / ".locks" / "demo-bbbbbbbbbbbbbbbb.lock").open("w") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)  # a live writer of another artifact, in another open file
+        states = dict(store.unfinished())
+        assert states[abandoned].startswith("abandoned") and states[busy] == "in progress"
+        make(store, {"k": 1})
+        assert not abandoned.exists() and busy.exists()
+    make(store, {"k": 2})
+    assert not busy.exists()
+
+
+def _edit_manifest(art, edit) -> None:
+    path = art.path / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest, indent=2))
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m["summary"].update(n=2), "edited after the artifact was made"),
+    (lambda m: m["config"].update(k=7), "does not follow from its stage, config and parents"),
+    (lambda m: m.update(parents=["p2"]), "does not follow from its stage, config and parents"),
+    (lambda m: m.update(id="0" * 16), "does not follow from its stage, config and parents"),
+    (lambda m: m.pop("stage"), "lacks its stage, config or parents"),
+])
+def test_an_edited_manifest_is_damage(tmp_path, edit, needle):
+    store = ArtifactStore(tmp_path)
+    art, _ = make(store, {"k": 1})
+    assert find_problems(art) == []
+    _edit_manifest(art, edit)
+    edited = store.resolve(art.path.name, verify=False)
+    assert any(needle in p for p in find_problems(edited)), find_problems(edited)
+    with pytest.raises(ArtifactError, match=r"re-create it with `qerl-pipe demo --force`"):
+        store.resolve(art.path.name)
+
+
+def test_a_manifest_without_a_digest_still_verifies(tmp_path):
+    """Artifacts made before the digest existed stay usable; their id is still checked."""
+    store = ArtifactStore(tmp_path)
+    art, _ = make(store, {"k": 1})
+    _edit_manifest(art, lambda m: m.pop("digest"))
+    assert find_problems(store.resolve(art.path.name, verify=False)) == []
+
+
+def test_an_added_file_is_fixed_by_removing_it_not_by_re_creating(tmp_path):
+    store = ArtifactStore(tmp_path)
+    art, _ = make(store, {"k": 1})
+    (art.path / "notes.txt").write_text("mine")
+    with pytest.raises(ArtifactError, match=r"remove what its manifest does not list \(.*notes.txt\); "
+                                            r"its own files are intact") as info:
+        make(store, {"k": 1})
+    assert "--force" not in str(info.value)
+    (art.path / "notes.txt").unlink()
+    assert make(store, {"k": 1}) == (store.resolve(art.path.name), False)
+
+
+def test_a_broken_manifest_says_how_to_repair_and_ls_shows_it(tmp_path):
+    store = ArtifactStore(tmp_path)
+    art, _ = make(store, {"k": 1})
+    (art.path / "manifest.json").write_text("{truncated")
+    assert store.list() == []
+    [(path, state)] = store.unfinished()
+    assert path == art.path and state.startswith("damaged:") and "manifest.json is unreadable" in state
+    with pytest.raises(ArtifactError, match=r"manifest.json is unreadable .*`qerl-pipe demo --force`") as info:
+        store.resolve(art.path.name, verify=False)
+    assert "verify" not in str(info.value)  # verify would only read the same broken file
+    repaired, created = make(store, {"k": 1}, force=True)
+    assert created and find_problems(repaired) == []
+
+
+def test_short_unique_prefixes_resolve_and_ambiguous_ones_list_the_candidates(tmp_path):
+    store = ArtifactStore(tmp_path)
+    arts = [make(store, {"k": k})[0] for k in range(40)]
+    by_first = {}
+    for art in arts:
+        by_first.setdefault(art.id[0], []).append(art)
+    unique = next(group[0] for group in by_first.values() if len(group) == 1)
+    shared = next(group for group in by_first.values() if len(group) > 1)
+    assert store.resolve(unique.id[:1]).path == unique.path
+    assert store.resolve(f"demo-{unique.id[:1]}").path == unique.path
+    with pytest.raises(ArtifactError, match="matches several artifacts"):
+        store.resolve(shared[0].id[:1])

@@ -278,3 +278,30 @@ def test_a_quality_report_short_of_text_shrinks_and_never_fails_or_renames_the_c
     assert read_json(ckpt / "manifest.json")["summary"]["perplexity"] == {
         "skipped": "the text data gives 1 tokens; a perplexity needs at least 2"}
     cli("verify", ckpt)
+
+
+def test_a_damaged_parent_names_the_stage_that_re_creates_it(tiny_llama, store_dir):
+    cal = last_line(cli("calibrate", "--model", tiny_llama, "--artifacts", store_dir, *CAL))
+    stats = cal / "calibration.json"
+    stats.write_text(stats.read_text().replace("input_amax", "input_amaX", 1))
+    result = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--calibration", cal, "--force",
+                 *FAST, ok=False)
+    assert result.exit_code == 1 and "`qerl-pipe calibrate --force`" in result.stderr, result.stderr
+    assert "qerl-pipe quantize" not in result.stderr
+
+
+def test_verify_and_ls_with_a_broken_manifest(tiny_llama, store_dir):
+    ckpt = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    (ckpt / "manifest.json").write_text("")
+    listing = cli("ls", "--artifacts", store_dir).stdout
+    assert ckpt.name in listing and "damaged" in listing
+    bad = cli("verify", ckpt, ok=False)
+    assert bad.exit_code == 1 and len(bad.stderr.strip().splitlines()) == 1
+    assert "`qerl-pipe quantize --force`" in bad.stderr and "run `qerl-pipe verify" not in bad.stderr
+    summary = ckpt / "manifest.json"
+    cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--force", *FAST)
+    manifest = read_json(summary)
+    manifest["summary"]["mean_relative_error"] = 0.0001  # a hand-made better figure
+    summary.write_text(json.dumps(manifest))
+    edited = cli("verify", ckpt, ok=False)
+    assert edited.exit_code == 1 and "manifest.json: edited after the artifact was made" in edited.stderr

@@ -1,7 +1,9 @@
 """The manifest: what an artifact is, where it came from, and the hash of every file in it.
 
 `manifest.json` is written last, so its presence marks a complete artifact; the per-file sha256
-lets `verify` catch a truncated or edited file before anything reads it.
+lets `verify` catch a truncated or edited file before anything reads it. The manifest is checked
+too: its id must follow from its stage, config and parents, and its `digest` (the sha256 of the
+rest of it) catches an edited summary, such as a changed accuracy.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def describe_files(root: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest without its digest, as it reads back from JSON (tuples are lists)."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(canonical_json(json.loads(json.dumps(body))).encode()).hexdigest()
+
+
 def build_manifest(
     *,
     art_id: str,
@@ -57,7 +65,7 @@ def build_manifest(
     root: Path,
     summary: dict[str, Any],
 ) -> dict[str, Any]:
-    return {
+    manifest = {
         "schema_version": SCHEMA_VERSION,
         "id": art_id,
         "kind": kind,
@@ -69,6 +77,8 @@ def build_manifest(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "summary": summary,
     }
+    manifest["digest"] = manifest_digest(manifest)
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -95,22 +105,71 @@ class Artifact:
         return self.manifest.get("summary", {})
 
 
-def find_problems(artifact: Artifact, *, full: bool = True) -> list[str]:
-    """Every way the files differ from the manifest; `full=False` checks sizes only (fast)."""
+class Problem(str):
+    """One way an artifact differs from its manifest. `kind` picks the cheapest repair:
+    'extra' (a file it does not list: remove it), 'file' (a listed file missing or changed) or
+    'manifest' (the manifest itself edited): re-create the artifact."""
+
+    kind: str
+
+    def __new__(cls, text: str, kind: str) -> "Problem":
+        problem = super().__new__(cls, text)
+        problem.kind = kind
+        return problem
+
+
+def manifest_problems(manifest: dict[str, Any]) -> list[Problem]:
+    """Edits of the manifest itself: an id that its inputs do not give, or a digest that differs."""
     problems = []
+    try:
+        expected = artifact_id(manifest["stage"]["name"], manifest["stage"]["version"], manifest["config"],
+                               manifest["parents"])
+    except (KeyError, TypeError):
+        return [Problem(f"{MANIFEST_NAME}: lacks its stage, config or parents (edited by hand)", "manifest")]
+    if expected != manifest.get("id"):
+        problems.append(Problem(f"{MANIFEST_NAME}: id {manifest.get('id')} does not follow from its stage, config and "
+                                f"parents ({expected}): edited by hand", "manifest"))
+    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):  # older manifests have none
+        problems.append(Problem(f"{MANIFEST_NAME}: edited after the artifact was made (its digest differs)", "manifest"))
+    return problems
+
+
+def find_problems(artifact: Artifact, *, full: bool = True) -> list[Problem]:
+    """Every way the files differ from the manifest, and the manifest from itself; `full=False`
+    checks file sizes only (fast)."""
+    problems = manifest_problems(artifact.manifest)
     listed = artifact.manifest.get("files", {})
     for rel, meta in listed.items():
         path = artifact.path / rel
         if not path.is_file():
-            problems.append(f"{rel}: missing")
+            problems.append(Problem(f"{rel}: missing", "file"))
             continue
         size = path.stat().st_size
         if size != meta["size"]:
-            problems.append(f"{rel}: size {size} bytes, manifest says {meta['size']} (truncated or replaced)")
+            problems.append(Problem(f"{rel}: size {size} bytes, manifest says {meta['size']} (truncated or replaced)", "file"))
         elif full and sha256_file(path) != meta["sha256"]:
-            problems.append(f"{rel}: sha256 differs from the manifest (the file was edited or damaged)")
-    for path in artifact.path.rglob("*"):
+            problems.append(Problem(f"{rel}: sha256 differs from the manifest (the file was edited or damaged)", "file"))
+    for path in sorted(artifact.path.rglob("*")):
         rel = path.relative_to(artifact.path).as_posix()
         if path.is_file() and path.name != MANIFEST_NAME and rel not in listed:
-            problems.append(f"{rel}: not listed in the manifest (added after the artifact was made)")
+            problems.append(Problem(f"{rel}: not listed in the manifest (added after the artifact was made)", "extra"))
     return problems
+
+
+def stage_of(path: Path, manifest: dict[str, Any] | None = None) -> str:
+    """The stage that made an artifact: its manifest's, else its directory name's `<stage>-<id>`."""
+    try:
+        return str(manifest["stage"]["name"])  # type: ignore[index]
+    except (TypeError, KeyError):
+        return path.name.rsplit("-", 1)[0] if "-" in path.name else "the stage that made it"
+
+
+def repair_advice(path: Path, stage: str, problems: list[Problem] | None = None) -> str:
+    """The cheapest fix: remove files added to an intact artifact, else re-create it with --force
+    on the stage that made it (which may not be the command that found it: a damaged parent)."""
+    if problems and all(p.kind == "extra" for p in problems):
+        added = ", ".join(str(path / p.split(":", 1)[0]) for p in problems[:3])
+        return f"remove what its manifest does not list ({added}{', ...' if len(problems) > 3 else ''}); its own files are intact"
+    if stage == "import":
+        return f"remove {path}; the next command that needs the model imports it again"
+    return f"re-create it with `qerl-pipe {stage} --force` (with the recipe and inputs that made it)"

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qerl_pipe.artifacts.manifest import MANIFEST_NAME, Artifact, artifact_id, build_manifest, find_problems
+from qerl_pipe.artifacts.manifest import (
+    MANIFEST_NAME, Artifact, artifact_id, build_manifest, find_problems, repair_advice, stage_of,
+)
 from qerl_pipe.errors import ArtifactError
 
 ENV_VAR = "QERL_ARTIFACTS"
@@ -41,13 +43,23 @@ class PendingArtifact:
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed manifest; one that cannot be read is the artifact's record lost, so the advice is
+    the repair (verify would only read it again)."""
     try:
         manifest = json.loads((path / MANIFEST_NAME).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ArtifactError(f"{path}: manifest.json is unreadable ({exc}); run `qerl-pipe verify {path}`") from None
-    if not isinstance(manifest, dict) or "id" not in manifest or "files" not in manifest:
-        raise ArtifactError(f"{path}: manifest.json is not a qerl-pipe manifest")
-    return manifest
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        why = f"unreadable ({exc})"
+    else:
+        if isinstance(manifest, dict) and "id" in manifest and isinstance(manifest.get("files"), dict):
+            return manifest
+        why = "not a qerl-pipe manifest (no id or files)"
+    raise ArtifactError(f"{path} is damaged: manifest.json is {why}; {repair_advice(path, stage_of(path))}")
+
+
+def _tmp_owner(path: Path) -> str | None:
+    """The artifact a temporary directory `.tmp-[old-]<stage>-<id>-<pid>` belongs to (its lock name)."""
+    base, _, pid = path.name[len(_TMP_PREFIX):].removeprefix("old-").rpartition("-")
+    return base if base and pid.isdigit() else None
 
 
 def load_artifact(path: Path, *, verify: bool = True) -> Artifact:
@@ -60,7 +72,7 @@ def load_artifact(path: Path, *, verify: bool = True) -> Artifact:
         if problems:
             raise ArtifactError(
                 f"artifact {path} is damaged ({problems[0]}{'; ...' if len(problems) > 1 else ''}); "
-                "re-create it with --force"
+                + repair_advice(path, stage_of(path, artifact.manifest), problems)
             )
     return artifact
 
@@ -83,6 +95,62 @@ class ArtifactStore:
                 except ArtifactError:
                     continue
         return sorted(found, key=lambda a: a.manifest.get("created", ""))
+
+    def unfinished(self) -> list[tuple[Path, str]]:
+        """What `list` leaves out, with its state: artifacts whose manifest is damaged, and temporary
+        directories of artifacts being made ('in progress') or of runs that were killed ('abandoned')."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in sorted(self.root.iterdir()):
+            if not path.is_dir():
+                continue
+            if path.name.startswith(_TMP_PREFIX):
+                owner = _tmp_owner(path)
+                busy = owner is None or self._lock_is_held(owner)
+                found.append((path, "in progress" if busy else "abandoned (the next run on this store removes it)"))
+            elif not path.name.startswith(".") and (path / MANIFEST_NAME).is_file():
+                try:
+                    _read_manifest(path)
+                except ArtifactError as exc:
+                    found.append((path, f"damaged: {exc}"))
+        return found
+
+    def _lock_is_held(self, name: str) -> bool:
+        lock = self.root / ".locks" / f"{name}.lock"
+        try:
+            fh = lock.open("r")
+        except FileNotFoundError:
+            return False
+        with fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return False
+
+    def _sweep_abandoned(self, own: str) -> None:
+        """Remove the temporary directories of killed runs (possibly gigabytes each). A writer holds
+        its artifact's lock for as long as its directory exists, so a directory whose lock is free is
+        abandoned; it is removed under that lock, so no new writer of it can start meanwhile."""
+        for path in self.root.glob(f"{_TMP_PREFIX}*"):
+            owner = _tmp_owner(path)
+            if owner is None or owner == own:  # our own artifact's leftovers: removed by create
+                continue
+            try:
+                fh = (self.root / ".locks" / f"{owner}.lock").open("a")
+            except OSError:
+                continue
+            with fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                try:
+                    shutil.rmtree(path, ignore_errors=True)
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
 
     def resolve(self, ref: str, *, verify: bool = True) -> Artifact:
         """Find an artifact by path, by directory name, or by (a prefix of) its id."""
@@ -154,7 +222,9 @@ class ArtifactStore:
                 yield None, existing
                 return
             # Under this artifact's lock no live process writes one: any temporary directory of it
-            # is what a killed run left (possibly gigabytes), so it goes.
+            # is what a killed run left (possibly gigabytes), so it goes; so do other artifacts' whose
+            # lock is free.
+            self._sweep_abandoned(final.name)
             for leftover in self.root.glob(f"{_TMP_PREFIX}{final.name}-*"):
                 shutil.rmtree(leftover, ignore_errors=True)
             tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
