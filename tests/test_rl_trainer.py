@@ -254,3 +254,28 @@ def trainer_sampling(trainer: Trainer):
     cfg = trainer.cfg
     return SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                           stop_token_ids=trainer.stop_token_ids, seed=123)
+
+
+def test_non_finite_rollouts_stop_the_run_instead_of_training_on_empty_rewards(tiny):
+    """NaN weights give all-zero rewards, flat groups and a 'step' that learns nothing: an error."""
+    from qerl_pipe.errors import QerlError
+
+    trainer = make_trainer(tiny)
+    dict(trainer.model.named_parameters())["layers.1.input_layernorm.weight"].data.fill_(float("nan"))
+    with pytest.raises(QerlError, match=r"train step 0: the rollout's log-probabilities are not finite .*"
+                                        r"build-engine --force"):
+        trainer.step()
+
+
+def test_a_non_finite_loss_stops_the_run(tiny):
+    from qerl_pipe.errors import QerlError
+
+    trainer = make_trainer(tiny, dynamic_sampling={"enabled": True, "max_draws": 4})
+    forward = trainer._logprobs
+
+    def nan_logprobs(batch):
+        logp, entropy = forward(batch)
+        return logp * float("nan"), entropy
+    trainer._logprobs = nan_logprobs
+    with pytest.raises(QerlError, match=r"the loss or its gradient are not finite .*lower train.lr"):
+        trainer.step()

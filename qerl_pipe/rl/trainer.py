@@ -26,6 +26,7 @@ the LoRA gradients are summed before clipping. Rank 0 alone writes metrics and c
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.engine import Engine, SamplingParams
+from qerl_pipe.errors import QerlError
 from qerl_pipe.log import log
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.lora import lora_disabled, lora_parameters
@@ -223,6 +225,7 @@ class Trainer:
         for draw in range(cfg.dynamic_sampling.max_draws if dynamic else 1):
             draws += 1
             mine, out, parts = self._draw(step, draw)
+            self._refuse_non_finite("the rollout's log-probabilities", out.logprobs)
             rewards = torch.cat([part.rewards for part in parts])  # the whole draw, prompt by prompt
             seconds += max(part.seconds for part in parts)
             tokens += sum(part.tokens for part in parts)
@@ -347,11 +350,23 @@ class Trainer:
         (totals["loss"], totals["clip_fraction"], totals["kl"], counted, totals["entropy"], response_tokens,
          train_tokens) = self.dist.sum([totals["loss"], totals["clip_fraction"], totals["kl"], counted,
                                         totals["entropy"], response_tokens, train_tokens])
+        self._refuse_non_finite("the loss or its gradient", [[totals["loss"], totals["grad_norm"]]])
         for key in ("clip_fraction", "kl"):
             totals[key] /= max(counted, 1)
         totals["entropy"] /= max(response_tokens, 1)
         return {**totals, "train_tokens": int(train_tokens)}
 
+
+    def _refuse_non_finite(self, what: str, rows: Sequence[Sequence[float]]) -> None:
+        """Stop on NaN/inf: rewards of garbage are all 0, so training would go on, silently, with
+        nothing to learn (or write NaN into the adapter). Every rank sees the sum, so all stop."""
+        bad = sum(not math.isfinite(v) for row in rows for v in row)
+        if self.dist.sum([bad])[0]:
+            raise QerlError(
+                f"train step {self.step_count}: {what} are not finite (NaN or inf), so the run stops before "
+                "saving anything of this step; at the first step the base weights or the adapter are damaged "
+                "(re-create the engine with `qerl-pipe build-engine --force`), after some steps training "
+                "diverged (lower train.lr); re-running resumes from the last checkpoint")
 
     def _zero_signal_update(self) -> dict[str, Any]:
         """Every advantage is 0 (all groups flat) and there is no KL term: the loss and its gradient
