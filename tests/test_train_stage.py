@@ -171,6 +171,9 @@ def test_a_killed_run_resumes_bit_identical(tiny_llama, tmp_path):
         for key in ("reward_mean", "loss", "grad_norm", "entropy", "sigma", "lr", "response_length_mean"):
             assert mine[key] == ref[key], (mine["step"], key)
     assert read_json(run / "report.json")["eval_after"] == read_json(reference / "report.json")["eval_after"]
+    report = read_json(run / "report.json")
+    assert report["step_seconds_total"] == pytest.approx(sum(r["step_seconds"] for r in lines[0]), abs=0.1)
+    assert report["steps"] == 10 and "10 steps on cpu" in (run / "report.md").read_text()
 
 
 def test_an_edited_data_file_is_never_reused(tiny_llama, store_dir, tmp_path):

@@ -84,8 +84,11 @@ def _report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]],
     def mean(key: str, rows: list[dict[str, Any]]) -> float:
         return sum(r[key] for r in rows) / max(1, len(rows))
 
+    # A resumed run's records hold every step (metrics.jsonl is kept across sessions), so their step
+    # times add up to the whole run's RL time; this session's clock alone would show the last part.
     report = {
-        "steps": len(records), "device": device, "seconds": round(seconds, 1),
+        "steps": len(records), "device": device, "step_seconds_total": round(sum(r["step_seconds"] for r in records), 1),
+        "seconds_this_session": round(seconds, 1),
         "train_data": section.data, "eval_data": section.eval_data if before else None,
         "eval_before": before, "eval_after": after,
         "reward_first_tenth": mean("reward_mean", records[:tenth]),
@@ -96,7 +99,8 @@ def _report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]],
         "step_seconds_mean": mean("step_seconds", records),
     }
     (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = [f"# Training report ({len(records)} steps on {device}, {report['seconds']} s)", "",
+    lines = [f"# Training report ({len(records)} steps on {device}: {report['step_seconds_total']} s of RL steps in "
+             f"all sessions; this session {report['seconds_this_session']} s with loading and evaluation)", "",
              f"Loss {section.loss}, B={section.prompts_per_step} prompts x G={section.group_size}, lr {section.lr}, "
              f"LoRA r={section.lora.rank}, AQN {section.aqn.schedule} {section.aqn.sigma_start:g} -> "
              f"{section.aqn.sigma_end:g}, data {section.data}.", ""]
