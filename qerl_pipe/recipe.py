@@ -265,7 +265,10 @@ class EvalSection(_Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
     max_new_tokens: int = Field(512, ge=1, description="Longest response in tokens (cut responses count as "
                                 "truncated and are graded as they are).")
-    seed: int = Field(0, description="Seeds the sampling (and the problems of 'arithmetic').")
+    # 1, not 0: train draws its arithmetic pool with train.seed (0) and its own evaluation with
+    # train.seed + 1, so the default evaluates the held-out draw, never the training problems.
+    seed: int = Field(1, description="Seeds the sampling and the problems of 'arithmetic' (default 1: the "
+                      "held-out draw that train's own evaluation uses with train.seed 0).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to evaluate (the engine's model is "
                                                    "loaded there).")
 

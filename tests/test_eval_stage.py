@@ -121,7 +121,7 @@ def test_pass_at_1_is_averaged_over_k_samples_and_the_report_adds_up(pipeline):
         by_problem.setdefault(r["problem_id"], []).append(r["correct"])
     assert len(by_problem) == 6 and report["correct_samples"] == sum(r["correct"] for r in rows)
     tokenizer = AutoTokenizer.from_pretrained(str(pipeline["engine"]))
-    problems = load_problems("arithmetic", limit=6, seed=0)
+    problems = load_problems("arithmetic", limit=6, seed=1)  # eval.seed's default: the held-out draw
     assert list(by_problem) == [p.id for p in problems]
     assert [r["prompt"] for r in rows[::3]] == [tokenizer.decode(render_prompt(tokenizer, p)) for p in problems]
     assert report["pass@1"] == pytest.approx(sum(sum(c) / 3 for c in by_problem.values()) / 6)
@@ -311,3 +311,18 @@ def test_a_run_evaluated_over_another_engine_of_its_base_is_not_flagged(pipeline
     silent = Artifact(path=silent.path, manifest={**silent.manifest, "config": {}})
     note = base_mismatch(run, silent, store)
     assert note is not None and "do not say" in note
+
+
+def test_eval_of_arithmetic_alone_draws_the_held_out_problems_not_the_training_pool(capsys):
+    from qerl_pipe.recipe import load_recipe
+    from qerl_pipe.stages.evaluate import check_eval_inputs
+
+    recipe = load_recipe(None, ['eval.data="arithmetic"', "eval.limit=16"])
+    drawn = check_eval_inputs(recipe)
+    train_pool = load_problems(recipe.train.data, seed=recipe.train.seed)
+    held_out = load_problems("arithmetic", limit=16, seed=recipe.train.seed + 1)  # what train evaluates on
+    assert [p.id for p in drawn] == [p.id for p in held_out]
+    assert not {p.id for p in drawn} & {p.id for p in train_pool}
+    assert "training pool" not in capsys.readouterr().err
+    check_eval_inputs(load_recipe(None, ['eval.data="arithmetic"', "eval.seed=0"]))
+    assert "is the training pool (train.seed 0); eval.seed=1 gives" in capsys.readouterr().err

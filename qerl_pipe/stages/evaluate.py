@@ -66,6 +66,10 @@ def check_eval_inputs(recipe: Recipe) -> list[Problem]:
     fields: dict[str, Any] = {}
     if section.data.endswith(".jsonl"):
         fields = {"question_field": section.question_field, "answer_field": section.answer_field}
+    if section.data.startswith("arithmetic") and recipe.train.data.startswith("arithmetic") \
+            and section.seed == recipe.train.seed:
+        log(f"eval: warning: arithmetic drawn with eval.seed {section.seed} is the training pool (train.seed "
+            f"{recipe.train.seed}); eval.seed={recipe.train.seed + 1} gives the problems train held out")
     return load_problems(section.data, limit=section.limit, seed=section.seed, **fields)
 
 
