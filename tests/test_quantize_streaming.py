@@ -29,3 +29,26 @@ def test_peak_host_memory_is_a_fraction_of_the_model(tmp_path):
     # 100 MB model); loading the whole model would exceed the bound.
     print(f"peak {summary['peak_host_memory_mb']:.0f} MB of {summary['size_mb']['in']:.0f} MB")
     assert summary["peak_host_memory_mb"] < 0.5 * summary["size_mb"]["in"], summary
+
+
+_AFTER_AN_EARLIER_STAGE = """
+import torch
+from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
+big = torch.ones(4 << 20)  # 16 MB, mmapped: freeing it raises glibc's mmap threshold to 16 MB
+del big
+blocks = [torch.ones(1 << 20) for _ in range(20)]  # an earlier stage's 4 MB tensors, now on the heap
+keep = torch.ones(1 << 20)  # above them, so the heap's top cannot shrink past them
+del blocks
+return_freed_tensors_to_os()
+with PeakRSS() as memory:
+    again = [torch.ones(1 << 20) for _ in range(20)]  # this stage's 80 MB
+print(memory.peak_increase_bytes / 2**20)
+"""
+
+
+def test_a_stage_after_another_in_one_process_still_measures_its_own_memory():
+    """Inside `run`, quantize reused what calibrate and the import freed and reported '+0 MB'."""
+    result = subprocess.run([sys.executable, "-c", _AFTER_AN_EARLIER_STAGE], capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout) > 0.9 * 80, result.stdout
