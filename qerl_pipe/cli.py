@@ -27,7 +27,9 @@ F = TypeVar("F", bound=Callable)
 
 RecipeOpt = Annotated[Optional[Path], typer.Option("--recipe", "-r", help="Recipe YAML file (defaults apply without one).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe value: section.key=value (repeatable).")]
-ArtifactsOpt = Annotated[Optional[Path], typer.Option("--artifacts", envvar="QERL_ARTIFACTS", help="Artifact store directory [default: ./artifacts].")]
+# Defaults that are not the value itself go in show_default: rich reads "[default: ...]" written in
+# a help text as a markup tag and drops it (--help said "Artifact store directory .").
+ArtifactsOpt = Annotated[Optional[Path], typer.Option("--artifacts", envvar="QERL_ARTIFACTS", help="Artifact store directory.", show_default="./artifacts")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Redo the stage even if an up-to-date artifact exists.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model source (sets model.source): HF directory, hub id, .gguf file or alias.")]
 
@@ -47,6 +49,10 @@ def _user_errors(fn: F) -> F:
 
             typer.echo(f"error: {describe_os_error(exc)}", err=True)
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted: no partial artifact was kept; the same command again reuses the finished "
+                       "stages and resumes a train from its last checkpoint", err=True)
+            raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -284,10 +290,10 @@ def bench_rollout(out: Annotated[Optional[Path], typer.Option(help="Write the JS
 @_user_errors
 def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape", help="Model shape (repeatable or comma-separated): qwen2.5-7b, -14b, -32b, -72b.")] = None,
                      quant: Annotated[Optional[list[str]], typer.Option("--quant", help="Base format (repeatable or comma-separated): bf16, nf4, nvfp4.")] = None,
-                     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward [default: 8 for 7B/14B, 4 for 32B/72B].")] = None,
-                     kv_slots: Annotated[Optional[int], typer.Option(help="Engine slots (KV cache rows) [default: all 64 sequences at once].")] = None,
+                     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward.", show_default="8 for 7B/14B, 4 for 32B/72B")] = None,
+                     kv_slots: Annotated[Optional[int], typer.Option(help="Engine slots (KV cache rows).", show_default="all 64 sequences at once")] = None,
                      response_len: Annotated[int, typer.Option(help="Sampled tokens per response (no early stop).")] = 1024,
-                     memory_limit_gib: Annotated[Optional[float], typer.Option(help="Treat the GPU as having this much free memory [default: what is free].")] = None,
+                     memory_limit_gib: Annotated[Optional[float], typer.Option(help="Treat the GPU as having this much free memory.", show_default="what is free")] = None,
                      out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
     """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format; needs a CUDA GPU."""
     from qerl_pipe.bench.train_step import GIB, StepSettings, run_train_step_bench, split_values

@@ -23,6 +23,7 @@ from qerl_pipe.artifacts.manifest import (
     MANIFEST_NAME, Artifact, artifact_id, build_manifest, find_problems, repair_advice, stage_of,
 )
 from qerl_pipe.errors import ArtifactError
+from qerl_pipe.log import log
 
 ENV_VAR = "QERL_ARTIFACTS"
 DEFAULT_ROOT = Path("artifacts")
@@ -172,7 +173,12 @@ class ArtifactStore:
         lock_dir = self.root / ".locks"
         lock_dir.mkdir(parents=True, exist_ok=True)
         with (lock_dir / f"{name}.lock").open("w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a silent wait of hours (a train) looks like a hang: say who we wait for
+                log(f"waiting for another process that is making {name} in {self.root} to finish "
+                    "(then its artifact is reused)")
+                fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield
             finally:

@@ -1,0 +1,41 @@
+"""What the command line says besides errors: --help defaults, an interrupt, a wait on another process."""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+import time
+
+from qerl_pipe.artifacts import ArtifactStore
+from tests.stage_cli import cli
+
+
+def test_help_shows_the_artifact_store_default():
+    out = cli("quantize", "--help").stdout
+    assert "./artifacts" in " ".join(out.split())  # rich dropped "[default: ./artifacts]" as markup
+
+
+def test_ctrl_c_says_that_running_again_resumes(monkeypatch):
+    import qerl_pipe.stages.pipeline as pipeline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(pipeline, "run_pipeline", interrupted)
+    result = cli("run", "recipes/quickstart.yaml", ok=False)
+    assert result.exit_code == 130
+    assert "interrupted" in result.stderr and "resumes a train from its last checkpoint" in result.stderr
+
+
+def test_a_process_waiting_for_another_ones_lock_says_so(tmp_path, capsys):
+    store = ArtifactStore(tmp_path)
+    (tmp_path / ".locks").mkdir()
+    held = (tmp_path / ".locks" / "demo-1.lock").open("w")
+    fcntl.flock(held, fcntl.LOCK_EX)  # another process making demo-1
+    release = threading.Timer(0.3, lambda: fcntl.flock(held, fcntl.LOCK_UN))
+    release.start()
+    started = time.monotonic()
+    with store._lock("demo-1"):
+        waited = time.monotonic() - started
+    held.close()
+    assert waited >= 0.2
+    assert "waiting for another process that is making demo-1" in capsys.readouterr().err
