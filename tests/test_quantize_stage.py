@@ -171,6 +171,14 @@ def test_output_copy_and_refusal_to_overwrite(tiny_llama, store_dir, tmp_path):
     out = tmp_path / "exported"
     cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--output", out, *FAST)
     assert (out / "hf_quant_config.json").is_file() and (out / "model.safetensors").is_file()
+    again = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--output", out, *FAST)
+    assert "already holds this checkpoint" in again.stderr  # the same command twice is not an error
+    other = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--output", out, *FAST,
+                "--set", "quantize.method=mse", ok=False)
+    assert other.exit_code == 1 and "not empty" in other.stderr  # another checkpoint never replaces it
+    (out / "config.json").write_text("{}")
+    edited = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--output", out, *FAST, ok=False)
+    assert edited.exit_code == 1 and "not empty" in edited.stderr and (out / "config.json").read_text() == "{}"
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "mine.txt").write_text("keep me")

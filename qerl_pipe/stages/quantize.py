@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 import qerl_pipe
-from qerl_pipe.artifacts import Artifact, ArtifactStore
+from qerl_pipe.artifacts import Artifact, ArtifactStore, artifact_id, load_artifact
+from qerl_pipe.artifacts.manifest import MANIFEST_NAME
 from qerl_pipe.errors import ArtifactError, ModelSourceError, QerlError, QuantizationError, RecipeError
 from qerl_pipe.formats.checkpoint import list_shards, open_shard, save_safetensors
 from qerl_pipe.formats.modelopt_layout import (
@@ -248,14 +249,31 @@ def _check_calibration(calibration: Artifact, model_key: dict) -> None:
                         "run `qerl-pipe calibrate` with the same model first")
 
 
-def _check_output_dir(output: Path | None) -> None:
-    if output is not None and output.exists() and (not output.is_dir() or any(output.iterdir())):
+def _holds_copy(output: Path, art_id: str) -> bool:
+    """Whether `output` is an intact copy of artifact `art_id` (the same command run again)."""
+    if not (output / MANIFEST_NAME).is_file():
+        return False
+    try:
+        copy = load_artifact(output, verify=True)
+    except ArtifactError:
+        return False
+    return copy.id == art_id
+
+
+def _check_output_dir(output: Path | None, art_id: str) -> None:
+    if output is None or not output.exists() or _holds_copy(output, art_id):
+        return
+    if not output.is_dir() or any(output.iterdir()):
         raise ArtifactError(f"output directory {output} exists and is not empty; choose a new path (nothing was written)")
 
 
 def _copy_to_output(artifact: Artifact, output: Path) -> None:
-    """Copy the finished checkpoint to a user-chosen directory, atomically (temp sibling, then rename)."""
-    _check_output_dir(output)
+    """Copy the finished checkpoint to a user-chosen directory, atomically (temp sibling, then rename);
+    a directory that already holds this very checkpoint is left as it is."""
+    if _holds_copy(output, artifact.id):
+        log(f"quantize: {output} already holds this checkpoint")
+        return
+    _check_output_dir(output, artifact.id)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".tmp-{output.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -293,7 +311,6 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
     elif section.method == "act-mse":
         raise RecipeError("quantize.method=act-mse weighs errors by calibration statistics: run "
                           "`qerl-pipe calibrate` and pass --calibration ART, or use `qerl-pipe run`, which chains them")
-    _check_output_dir(output)
     # The quality report's settings do not change the weights, so they are not part of the id:
     # switching the report off or on reuses the same checkpoint.
     quantize_key = section.model_dump(exclude={"quality"})
@@ -301,6 +318,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
         del quantize_key["method"]  # the default: artifacts made before the setting existed keep their ids
     config = {"model": model_key, "quantize": quantize_key, "calibrated": calibration is not None}
     parents = resolved.parents + ([calibration.id] if calibration else [])
+    _check_output_dir(output, artifact_id(STAGE, VERSION, config, parents))  # before any work
     with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
                       parents=parents, force=force) as (pending, existing):
         if existing is not None:
@@ -344,5 +362,5 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
         artifact = store.find_existing(STAGE, pending.id)
     if output is not None:
         _copy_to_output(artifact, output)
-        log(f"quantize: copied the checkpoint to {output}")
+        log(f"quantize: the checkpoint is in {output}")
     return artifact
