@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from rich.console import Console
@@ -23,11 +26,54 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+# Off a terminal (a log file, CI, a scheduler) a bar prints nothing: a plain line at most this often
+# shows that the work goes on, without flooding the log.
+PLAIN_EVERY_S = 30.0
+
+
 def progress(items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
-    """Iterate with a progress bar on stderr (plain lines when stderr is not a terminal)."""
+    """Iterate with a progress bar on stderr; when stderr is not a terminal, a plain line
+    `description: done/total` at most every PLAIN_EVERY_S seconds."""
+    if not console.is_terminal:
+        yield from _plain_progress(items, description, total)
+        return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+    with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(description, total=total)
         for item in items:
             yield item
             bar.advance(task)
+
+
+def _plain_progress(items: Iterable[T], description: str, total: int | None) -> Iterator[T]:
+    started = last = time.monotonic()
+    for done, item in enumerate(items, 1):
+        yield item
+        now = time.monotonic()
+        if now - last >= PLAIN_EVERY_S:
+            last = now
+            log(f"{description}: {done}/{total if total is not None else '?'} after {now - started:.0f} s")
+
+
+@contextmanager
+def heartbeat(description: str, every_s: float | None = None) -> Iterator[None]:
+    """For one long call that reports nothing (a whole batch of generation): off a terminal, a line
+    every `every_s` seconds (default PLAIN_EVERY_S) that it is still running."""
+    if console.is_terminal:
+        yield
+        return
+    period = every_s if every_s is not None else PLAIN_EVERY_S
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(period):
+            log(f"{description}: still running after {time.monotonic() - started:.0f} s")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -39,3 +39,17 @@ def test_a_process_waiting_for_another_ones_lock_says_so(tmp_path, capsys):
     held.close()
     assert waited >= 0.2
     assert "waiting for another process that is making demo-1" in capsys.readouterr().err
+
+
+def test_off_a_terminal_long_work_still_prints_a_line_now_and_then(monkeypatch, capsys):
+    import qerl_pipe.log as qlog
+
+    assert not qlog.console.is_terminal  # pytest captures stderr, as a log file or a scheduler would
+    monkeypatch.setattr(qlog, "PLAIN_EVERY_S", 0.05)
+    for _ in qlog.progress(range(4), "quantize", 4):
+        time.sleep(0.06)
+    with qlog.heartbeat("generating 8 responses"):
+        time.sleep(0.13)
+    err = capsys.readouterr().err
+    assert "quantize: 1/4 after 0 s" in err and "quantize: 4/4" in err
+    assert err.count("generating 8 responses: still running after") >= 2

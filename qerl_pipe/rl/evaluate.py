@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qerl_pipe.engine import Engine, SamplingParams
+from qerl_pipe.log import heartbeat
 from qerl_pipe.rl.aqn import clear_noise
 from qerl_pipe.rl.rewards import RewardSpec, score
 from qerl_pipe.rl.tasks import Problem
@@ -36,7 +37,8 @@ def generate_and_grade(engine: Engine, tokenizer, problems: Sequence[Problem], p
                        sampling: SamplingParams, n: int = 1) -> Graded:
     """n completions of each prompt, decoded without special tokens and graded against its problem."""
     clear_noise(engine.model)  # an evaluation measures the policy, not a noisy rollout of it
-    out = engine.generate(prompts, n=n, sampling=sampling)
+    with heartbeat(f"generating {len(prompts) * n} responses to {len(prompts)} problems"):
+        out = engine.generate(prompts, n=n, sampling=sampling)
     texts = tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
     scored = score(texts, [problems[i] for i in out.prompt_index], RewardSpec(accuracy=1.0))
     return Graded(out.prompt_index, out.sample_index, texts, scored.extracted, scored.correct,

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.errors import QerlError
-from qerl_pipe.log import log
+from qerl_pipe.log import heartbeat, log
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.lora import lora_disabled, lora_parameters
 from qerl_pipe.rl.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
@@ -399,7 +399,9 @@ def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str
     try:
         with step_progress(total, trainer.step_count) if dist.is_main else nullcontext(records.append) as update:
             while trainer.step_count < total:
-                record = trainer.step()
+                beat = heartbeat(f"train: step {trainer.step_count + 1}/{total}") if dist.is_main else nullcontext()
+                with beat:  # a step of a large model on a CPU takes minutes: off a terminal, say it goes on
+                    record = trainer.step()
                 if metrics is not None:
                     metrics.append(record)
                 update(record)
