@@ -189,3 +189,19 @@ def test_an_edited_data_file_is_never_reused(tiny_llama, store_dir, tmp_path):
     assert read_json(first / "manifest.json")["config"]["data_sha256"]
     problems.write_text(problems.read_text().replace("+ 1?", "+ 2?"))
     assert last_line(cli(*opts)) != first  # neither reused nor resumed: a run of its own
+
+
+def test_an_edited_custom_reward_is_never_reused(tiny_llama, store_dir, tmp_path, monkeypatch):
+    module = tmp_path / "my_rewards_21.py"
+    module.write_text("def shorter(completion, problem):\n    return -len(completion) / 100\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  source: {tiny_llama}\n")
+    opts = ["run", recipe, "--artifacts", store_dir, *ENGINE, *TRAIN, "--set", "train.eval_data=null",
+            "--set", "train.steps=1", "--set", "train.rewards.custom=[my_rewards_21:shorter]"]
+    first = last_line(cli(*opts))
+    assert last_line(cli(*opts)) == first
+    digests = read_json(first / "manifest.json")["config"]["custom_rewards_sha256"]
+    assert list(digests) == ["my_rewards_21:shorter"] and len(digests["my_rewards_21:shorter"]) == 64
+    module.write_text("def shorter(completion, problem):\n    return -len(completion) / 10\n")
+    assert last_line(cli(*opts)) != first  # the same name, another function: a run of its own

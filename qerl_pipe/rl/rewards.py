@@ -12,7 +12,9 @@ RewardError that names the reward, the problem and the start of the completion.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+from pathlib import Path
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -64,6 +66,21 @@ def load_custom_rewards(names: Iterable[str]) -> list[tuple[str, CustomReward]]:
             raise RewardError(f"custom reward '{name}': module '{module_name}' has no function '{attr}'")
         loaded.append((name, fn))
     return loaded
+
+
+def custom_reward_digests(loaded: Iterable[tuple[str, CustomReward]]) -> dict[str, str]:
+    """name -> sha256 of the source file defining each custom reward: a run keyed by the name alone
+    would be reused (or resumed) after the function was edited, with rewards it never computed."""
+    from qerl_pipe.artifacts.manifest import sha256_file
+
+    digests = {}
+    for name, fn in loaded:
+        try:
+            source = inspect.getsourcefile(fn)
+        except TypeError:  # a builtin or C function: no source, its module's name is what we have
+            source = None
+        digests[name] = sha256_file(Path(source)) if source and Path(source).is_file() else "no-source"
+    return digests
 
 
 def _excerpt(completion: str) -> str:

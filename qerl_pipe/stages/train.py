@@ -37,7 +37,7 @@ from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
 from qerl_pipe.rl.metrics import PLOTS_DIR, greedy_line, write_plots
 from qerl_pipe.rl.distributed import Dist, init_distributed
-from qerl_pipe.rl.rewards import load_custom_rewards
+from qerl_pipe.rl.rewards import custom_reward_digests, load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
 from qerl_pipe.stages import build_engine as build_engine_stage
@@ -220,6 +220,9 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         digest = data_file_key(spec)
         if digest is not None:
             config[key] = digest  # an edited file is new data: never a reuse, never a resume
+    rewards = custom_reward_digests(load_custom_rewards(section.rewards.custom))
+    if rewards:
+        config["custom_rewards_sha256"] = rewards  # an edited reward function is a new run
     if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
         config["processes"] = dist.world_size
     if not dist.is_main:
