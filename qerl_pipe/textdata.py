@@ -6,14 +6,13 @@ token counts and no padding can leak into activation statistics.
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 
 import torch
 
 from qerl_pipe.errors import RecipeError
-from qerl_pipe.userfiles import read_user_text
+from qerl_pipe.userfiles import read_jsonl_objects, read_user_text
 
 # name -> (packaged file, default text field)
 PACKAGED = {
@@ -43,13 +42,7 @@ def load_texts(spec: str, field: str | None = None) -> list[str]:
     elif path.suffix == ".jsonl":
         field = field or "text"
         texts = []
-        for lineno, line in enumerate(read_user_text(path, "text data", RecipeError).splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise RecipeError(f"{path}:{lineno}: not valid JSON") from None
+        for lineno, row in read_jsonl_objects(path, "text data", RecipeError):
             if field not in row:
                 raise RecipeError(f"{path}:{lineno}: no field '{field}' (fields: {', '.join(row)}); set the field option")
             texts.append(str(row[field]))

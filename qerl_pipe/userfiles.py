@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,21 @@ def read_user_json(path: Path, what: str, error: type[QerlError] = QerlError) ->
     except json.JSONDecodeError as exc:
         raise error(f"{what} {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
                         "fix the file or restore the original") from None
+
+
+def read_jsonl_objects(path: Path, what: str, error: type[QerlError] = QerlError) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
+    object is an `error` naming the file and the line."""
+    for lineno, line in enumerate(read_user_text(path, what, error).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise error(f"{path}:{lineno}: not valid JSON (one object per line expected)") from None
+        if not isinstance(row, dict):
+            raise error(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        yield lineno, row
 
 
 # errno -> what the user can do about it; the file and the system's reason come from the error.

@@ -136,3 +136,14 @@ def test_the_store_refuses_a_file_as_its_root(tmp_path):
     with pytest.raises(ArtifactError, match="is a file, not a directory"):
         with ArtifactStore(root).create(stage="demo", stage_version=1, kind="k", config={}, parents=[]):
             pass
+
+
+def test_a_jsonl_line_that_is_not_an_object_names_the_line(tmp_path):
+    data = tmp_path / "calib.jsonl"
+    data.write_text('{"text": "fine"}\n\n5\n')
+    with pytest.raises(Exception, match=r"calib.jsonl:3: expected a JSON object, got int"):
+        load_texts(str(data))  # was a TypeError from `field in 5`
+    problems = tmp_path / "train.jsonl"
+    problems.write_text('{"question": "q", "answer": "1"}\n[1]\n')
+    with pytest.raises(TaskError, match=r"train.jsonl:2: expected a JSON object, got list"):
+        load_problems(str(problems))

@@ -7,7 +7,6 @@ a user .jsonl file. Everything is checked while loading, so a bad spec fails bef
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from qerl_pipe.errors import QerlError
 from qerl_pipe.textdata import packaged_path
-from qerl_pipe.userfiles import read_user_text
+from qerl_pipe.userfiles import read_jsonl_objects
 
 
 class TaskError(QerlError):
@@ -92,17 +91,9 @@ def load_problems(spec: str, *, limit: int | None = None, seed: int = 0,
 
 def _read_jsonl(path: Path, prefix: str, kind: str, q_field: str, a_field: str, limit: int | None) -> list[Problem]:
     problems: list[Problem] = []
-    for lineno, line in enumerate(read_user_text(path, "problem file", TaskError).splitlines(), 1):
+    for lineno, row in read_jsonl_objects(path, "problem file", TaskError):
         if limit is not None and len(problems) >= limit:
             break
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise TaskError(f"{path}:{lineno}: not valid JSON (one object per line expected)") from None
-        if not isinstance(row, dict):
-            raise TaskError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
         for field, option in ((q_field, "question_field"), (a_field, "answer_field")):
             if row.get(field) is None:
                 raise TaskError(f"{path}:{lineno}: no field '{field}' (fields: {', '.join(row) or 'none'}); "
