@@ -152,6 +152,21 @@ def test_any_run_on_the_store_removes_abandoned_temporaries_and_ls_shows_them(tm
     assert not busy.exists()
 
 
+def test_ls_shows_resumable_work_directories_running_or_interrupted(tmp_path):
+    store = ArtifactStore(tmp_path)
+    running, killed = store.work_dir_for("demo", "1" * 16), store.work_dir_for("demo", "2" * 16)
+    running.mkdir(parents=True)
+    killed.mkdir()
+    (tmp_path / ".locks").mkdir()
+    with (tmp_path / ".locks" / f"{running.name}.lock").open("w") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        states = dict(store.unfinished())
+    assert states[running] == "in progress"
+    assert states[killed].startswith("interrupted (the same command resumes it")
+    make(store, {"k": 1})
+    assert killed.exists()  # a work directory is resumed, never swept
+
+
 def _edit_manifest(art, edit) -> None:
     path = art.path / "manifest.json"
     manifest = json.loads(path.read_text())

@@ -28,6 +28,9 @@ from qerl_pipe.log import log
 ENV_VAR = "QERL_ARTIFACTS"
 DEFAULT_ROOT = Path("artifacts")
 _TMP_PREFIX = ".tmp-"
+# Work directories that outlive a process on purpose (a train run resumes from its checkpoints),
+# named like the artifact they become: `<root>/.runs/<stage>-<id>/`.
+WORK_DIR = ".runs"
 
 
 def default_root() -> Path:
@@ -85,6 +88,10 @@ class ArtifactStore:
     def path_for(self, stage: str, art_id: str) -> Path:
         return self.root / f"{stage}-{art_id}"
 
+    def work_dir_for(self, stage: str, art_id: str) -> Path:
+        """Where a resumable stage works on artifact `art_id` until it is sealed (kept when killed)."""
+        return self.root / WORK_DIR / f"{stage}-{art_id}"
+
     def list(self) -> list[Artifact]:
         if not self.root.is_dir():
             return []
@@ -98,8 +105,9 @@ class ArtifactStore:
         return sorted(found, key=lambda a: a.manifest.get("created", ""))
 
     def unfinished(self) -> list[tuple[Path, str]]:
-        """What `list` leaves out, with its state: artifacts whose manifest is damaged, and temporary
-        directories of artifacts being made ('in progress') or of runs that were killed ('abandoned')."""
+        """What `list` leaves out, with its state: artifacts whose manifest is damaged, temporary
+        directories of artifacts being made ('in progress') or of runs that were killed ('abandoned'),
+        and work directories of resumable runs ('in progress' or 'interrupted')."""
         if not self.root.is_dir():
             return []
         found = []
@@ -110,6 +118,10 @@ class ArtifactStore:
                 owner = _tmp_owner(path)
                 busy = owner is None or self._lock_is_held(owner)
                 found.append((path, "in progress" if busy else "abandoned (the next run on this store removes it)"))
+            elif path.name == WORK_DIR:
+                found += [(work, "in progress" if self._lock_is_held(work.name) else
+                           "interrupted (the same command resumes it; --force starts it over)")
+                          for work in sorted(path.iterdir()) if work.is_dir()]
             elif not path.name.startswith(".") and (path / MANIFEST_NAME).is_file():
                 try:
                     _read_manifest(path)

@@ -48,7 +48,6 @@ from qerl_pipe.stages.common import (
 STAGE = "train"
 VERSION = 2  # 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused)
 KIND = "run"
-RUNS_DIR = ".runs"  # in-progress runs, by artifact id: what a second `train` resumes
 RUN_FILE = "run.json"
 EVAL_DIR = "eval"
 ADAPTER_DIR = "adapter"
@@ -188,7 +187,7 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 
 def run_dir_for(store: ArtifactStore, art_id: str) -> Path:
-    return store.root / RUNS_DIR / f"{STAGE}-{art_id}"
+    return store.work_dir_for(STAGE, art_id)
 
 
 def check_train_inputs(recipe: Recipe) -> tuple[list[Problem], list[Problem]]:
