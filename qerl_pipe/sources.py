@@ -28,8 +28,8 @@ IMPORT_STAGE = "import"
 IMPORT_VERSION = 1
 _HF_FILES = ("config.json",)
 # What every stage reads from a Llama-family config.json to size the model.
-REQUIRED_CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                        "num_attention_heads", "vocab_size")
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+REQUIRED_CONFIG_KEYS = ("model_type", *SIZE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,11 @@ def read_model_config(path: Path) -> dict[str, Any]:
     if missing:
         raise ModelSourceError(f"model config {path / 'config.json'} has no {', '.join(missing)}: it is incomplete; "
                                "restore the model's original config.json")
+    # bool is an int to Python, and a size of True is as wrong as "abc"
+    bad = [key for key in SIZE_KEYS if type(config[key]) is not int or config[key] < 1]
+    if bad:
+        raise ModelSourceError(f"model config {path / 'config.json'}: {bad[0]} is {config[bad[0]]!r}, not a positive "
+                               "integer; restore the model's original config.json")
     return config
 
 

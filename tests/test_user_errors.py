@@ -48,6 +48,7 @@ def _drop_hidden_size(text: str) -> str:
     (lambda text: "{not json", ["is not valid JSON (line 1, column 2", "restore the original"]),
     (_drop_hidden_size, ["has no hidden_size", "restore the model's original config.json"]),
     (lambda text: "[1, 2]", ["is not a JSON object"]),
+    (lambda text: text.replace('"hidden_size": 64', '"hidden_size": "64"'), ["hidden_size is '64', not a positive integer"]),
 ])
 def test_a_broken_model_config_is_one_line(tiny_llama, tmp_path, edit, needles):
     model = copy_model(tiny_llama, tmp_path / "model", edit)
@@ -87,6 +88,8 @@ def test_an_artifacts_path_that_cannot_be_a_store(tiny_llama, tmp_path):
                      "is a file, not a directory", "--artifacts")
     one_line_failure(cli("quantize", "--model", tiny_llama, "--artifacts", a_file / "sub", *FAST, ok=False),
                      "a part of the path is a file", "--artifacts")
+    one_line_failure(cli("ls", "--artifacts", a_file, ok=False), "is a file, not a directory")
+    one_line_failure(cli("show", "abc", "--artifacts", a_file, ok=False), "is a file, not a directory")
     assert a_file.read_text() == "not a store"
 
 

@@ -93,6 +93,7 @@ class ArtifactStore:
         return self.root / WORK_DIR / f"{stage}-{art_id}"
 
     def list(self) -> list[Artifact]:
+        self._refuse_a_file_root()  # else `ls` says "no artifacts in FILE" and `show` finds nothing
         if not self.root.is_dir():
             return []
         found = []
@@ -260,11 +261,14 @@ class ArtifactStore:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
 
-    def _prepare_root(self) -> None:
-        """Create the store directory; a path that cannot be one is an error naming --artifacts."""
+    def _refuse_a_file_root(self) -> None:
         if self.root.exists() and not self.root.is_dir():
             raise ArtifactError(f"the artifact store {self.root} is a file, not a directory; "
                                 "pass a directory to --artifacts (or QERL_ARTIFACTS)")
+
+    def _prepare_root(self) -> None:
+        """Create the store directory; a path that cannot be one is an error naming --artifacts."""
+        self._refuse_a_file_root()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
