@@ -150,3 +150,24 @@ def test_a_jsonl_line_that_is_not_an_object_names_the_line(tmp_path):
     problems.write_text('{"question": "q", "answer": "1"}\n[1]\n')
     with pytest.raises(TaskError, match=r"train.jsonl:2: expected a JSON object, got list"):
         load_problems(str(problems))
+
+
+def test_a_checkpoint_on_a_full_disk_is_one_error_that_says_the_run_resumes(tmp_path, monkeypatch):
+    import torch
+
+    from qerl_pipe.errors import QerlError
+    from qerl_pipe.rl.checkpoint import latest_checkpoint, save_checkpoint
+    from tests.test_rl_trainer import _random_lora_model
+
+    model = _random_lora_model("bf16")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(QerlError, match=r"cannot write the checkpoint .*state.pt \(\[enforce fail.* MB free on its "
+                                        r"disk\): free space, then run the same command again, which resumes"):
+        save_checkpoint(tmp_path, 2, model, optimizer, scheduler, {"step": 2})
+    assert latest_checkpoint(tmp_path) is None  # nothing half-written counts as a checkpoint

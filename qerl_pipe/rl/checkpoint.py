@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qerl_pipe.errors import ArtifactError
+from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.peft_adapter import ADAPTER_WEIGHTS, load_adapter_weights
 from qerl_pipe.model.lora import lora_state_dict
 
@@ -65,7 +65,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
              "rng": rank_rng_states[0] if rank_rng_states else rng_state(), "trainer": trainer_state}
     if rank_rng_states:
         state["rng_ranks"] = rank_rng_states
-    torch.save(state, tmp / STATE_FILE)
+    _save_state(state, tmp / STATE_FILE)
     (tmp / INFO_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
     if final.exists():  # the same step written again (a resumed run that redid it)
         shutil.rmtree(final)
@@ -74,6 +74,17 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         if old != final and _NAME.fullmatch(old.name):
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _save_state(state: dict[str, Any], path: Path) -> None:
+    """torch.save, whose failed write (a full disk) is a RuntimeError without the file or errno."""
+    try:
+        torch.save(state, path)
+    except RuntimeError as exc:
+        free_mb = shutil.disk_usage(path.parent).free / 2**20
+        raise QerlError(f"cannot write the checkpoint {path} ({str(exc).splitlines()[0]}; {free_mb:.0f} MB free on "
+                        "its disk): free space, then run the same command again, which resumes from the last "
+                        "checkpoint") from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
