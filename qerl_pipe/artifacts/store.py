@@ -130,19 +130,29 @@ class ArtifactStore:
                     found.append((path, f"damaged: {exc}"))
         return found
 
-    def _lock_is_held(self, name: str) -> bool:
-        lock = self.root / ".locks" / f"{name}.lock"
+    @contextmanager
+    def _holding_if_free(self, name: str) -> Iterator[bool]:
+        """Take `name`'s lock without waiting; yields whether it was free (and is now ours). A lock
+        file that does not exist is free: a writer creates it before its temporary directory."""
         try:
-            fh = lock.open("r")
+            fh = (self.root / ".locks" / f"{name}.lock").open("r")
         except FileNotFoundError:
-            return False
+            yield True
+            return
         with fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return True
-            fcntl.flock(fh, fcntl.LOCK_UN)
-            return False
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _lock_is_held(self, name: str) -> bool:
+        with self._holding_if_free(name) as free:
+            return not free
 
     def _sweep_abandoned(self, own: str) -> None:
         """Remove the temporary directories of killed runs (possibly gigabytes each). A writer holds
@@ -152,19 +162,9 @@ class ArtifactStore:
             owner = _tmp_owner(path)
             if owner is None or owner == own:  # our own artifact's leftovers: removed by create
                 continue
-            try:
-                fh = (self.root / ".locks" / f"{owner}.lock").open("a")
-            except OSError:
-                continue
-            with fh:
-                try:
-                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                try:
+            with self._holding_if_free(owner) as free:
+                if free:
                     shutil.rmtree(path, ignore_errors=True)
-                finally:
-                    fcntl.flock(fh, fcntl.LOCK_UN)
 
     def resolve(self, ref: str, *, verify: bool = True) -> Artifact:
         """Find an artifact by path, by directory name, or by (a prefix of) its id."""
