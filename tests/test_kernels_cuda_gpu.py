@@ -126,16 +126,21 @@ def test_scales_of_every_byte_and_sign() -> None:
     assert _rel(cuda_ext.gemm(x, tq), x.double() @ dense.T) < 5e-3
 
 
-def test_chained_launches_overlap_safely() -> None:
+@pytest.mark.parametrize("m", [4, 20, 64])
+def test_chained_launches_overlap_safely(m: int) -> None:
     """Each launch reads the previous one's output: with programmatic dependent launch the
-    next kernel starts early, so its wait before reading x (and before writing) must hold."""
+    next kernel starts early, so its wait before reading x (and before writing) must hold. The
+    configs alternate between the default and one that stages x in shared memory, split K."""
     layers = [_weight(2048, 2048, 20 + i)[0] for i in range(4)]
-    x = torch.randn(4, 2048, device="cuda").to(torch.bfloat16)
+    x = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nb = 1 if m <= 8 else 4 if m <= 32 else 8
+    staged = next(c for c in cuda_ext.compiled_configs(3) if c.xs and c.nb == nb) if m > 8 else None
 
     def chain(pdl: bool) -> torch.Tensor:
         y = x
-        for tq in layers:
-            cfg = cuda_ext.default_config(4, 2048, 2048, torch.cuda.get_device_properties(0).multi_processor_count)
+        for i, tq in enumerate(layers):
+            cfg = staged if staged is not None and i % 2 else cuda_ext.default_config(m, 2048, 2048, sms)
             y = cuda_ext.gemm(y, tq, config=cuda_ext.GemmConfig(**{**cfg.__dict__, "pdl": pdl}))
         return y
 
@@ -148,3 +153,14 @@ def test_chained_launches_overlap_safely() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
+
+
+def test_bad_configs_and_devices_are_errors_not_crashes() -> None:
+    tq, _ = _weight(256, 512, 9)
+    x = torch.randn(4, 512, device="cuda").to(torch.bfloat16)
+    for bad in (cuda_ext.GemmConfig(4, 0, 4, 1, 4, 3), cuda_ext.GemmConfig(4, 1, 4, 0, 4, 3),
+                cuda_ext.GemmConfig(4, 1, 6, 4, 4, 3), cuda_ext.GemmConfig(3, 1, 4, 1, 4, 1)):
+        with pytest.raises(RuntimeError, match="config"):
+            cuda_ext.gemm(x, tq, config=bad)
+    with pytest.raises(RuntimeError, match="bias"):
+        cuda_ext.gemm(x, tq, torch.zeros(256, dtype=torch.bfloat16), config=cuda_ext.default_config(4, 256, 512, 132))

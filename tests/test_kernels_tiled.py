@@ -190,11 +190,11 @@ def test_compiled_configs_match_the_sources() -> None:
 
 
 def test_table_configs_are_compiled() -> None:
-    compiled = {(c.mt, c.nb, c.warps, c.wk, c.depth) for c in cuda_ext.compiled_configs()}
+    compiled = {(c.mt, c.nb, c.warps, c.wk, c.depth, c.xs) for c in cuda_ext.compiled_configs()}
     sms, configs = cuda_ext._table()
     assert sms > 0 and configs
     for key, c in configs.items():
-        assert (c["mt"], c["nb"], c["warps"], c["wk"], c["depth"]) in compiled, key
+        assert (c["mt"], c["nb"], c["warps"], c["wk"], c["depth"], c.get("xs", 0)) in compiled, key
         assert c["splits"] >= 1
 
 
@@ -215,7 +215,7 @@ def test_fake_op_gives_shapes_without_a_gpu() -> None:
     with FakeTensorMode() as mode:
         x = mode.from_tensor(torch.randn(3, 48).to(torch.bfloat16))
         q, s, g = (mode.from_tensor(v) for v in (t.qweight, t.scales, t.global_scale))
-        out = torch.ops.qerl.w4a16_gemm(x, q, s, g, None, 100, 48, 4, 1, 4, 4, 4, 1, True)
+        out = torch.ops.qerl.w4a16_gemm(x, q, s, g, None, 100, 48, 4, 1, 4, 4, 4, 1, True, 0)
         deq = torch.ops.qerl.w4a16_dequant(q, s, g, 100, 48)
     assert out.shape == (3, 100) and out.dtype == torch.bfloat16
     assert deq.shape == (100, 48) and deq.dtype == torch.bfloat16

@@ -54,21 +54,27 @@ class GemmConfig:
     # Programmatic dependent launch: the first weight chunks stream while the previous kernel
     # finishes (x and every write wait for it).
     pdl: bool = True
+    # Chunks of activations staged in shared memory for the whole CTA (cp.async), 0 for none: each
+    # warp then loads its own through L1, which binds from 16-32 tokens on.
+    xs: int = 0
 
 
-# (mt, nb, warps along N, warps along K, depth): must match QERL_W4A16_CONFIGS in w4a16.cu (a
+# (mt, nb, warps along N, warps along K, depth, xs): must match QERL_W4A16_CONFIGS in w4a16.cu (a
 # CPU test checks it).
-COMPILED: tuple[tuple[int, int, int, int, int], ...] = (
-    (4, 1, 4, 1, 4), (4, 1, 1, 4, 4), (4, 1, 2, 2, 4), (2, 1, 8, 1, 4), (4, 1, 1, 8, 4),
-    (2, 1, 1, 8, 4), (4, 2, 4, 1, 4), (4, 2, 1, 4, 4), (4, 2, 2, 2, 4), (2, 2, 8, 1, 4),
-    (4, 2, 1, 8, 4), (2, 2, 1, 8, 4), (4, 4, 4, 1, 2), (4, 4, 1, 4, 2), (4, 4, 2, 2, 2),
-    (2, 4, 8, 1, 2), (2, 8, 4, 1, 2), (2, 8, 8, 1, 2), (2, 8, 1, 4, 2), (2, 8, 2, 2, 2),
+COMPILED: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (4, 1, 4, 1, 4, 0), (4, 1, 1, 4, 4, 0), (4, 1, 2, 2, 4, 0), (2, 1, 8, 1, 4, 0),
+    (4, 1, 1, 8, 4, 0), (2, 1, 1, 8, 4, 0), (4, 2, 4, 1, 4, 0), (4, 2, 1, 4, 4, 0),
+    (4, 2, 2, 2, 4, 0), (2, 2, 8, 1, 4, 0), (4, 2, 1, 8, 4, 0), (2, 2, 1, 8, 4, 0),
+    (4, 4, 4, 1, 2, 0), (4, 4, 1, 4, 2, 0), (4, 4, 2, 2, 2, 0), (2, 4, 8, 1, 2, 0),
+    (2, 8, 4, 1, 2, 0), (2, 8, 8, 1, 2, 0), (2, 8, 1, 4, 2, 0), (2, 8, 2, 2, 2, 0),
+    (4, 2, 4, 1, 4, 4), (4, 2, 8, 1, 4, 4), (4, 4, 4, 1, 4, 4), (4, 4, 8, 1, 4, 4),
+    (4, 8, 4, 1, 2, 4), (4, 8, 8, 1, 2, 4), (4, 4, 2, 1, 4, 4), (2, 8, 8, 1, 2, 4),
 )
 
 
 def compiled_configs(splits: int = 1) -> list[GemmConfig]:
     """Every compiled variant as a GemmConfig with `splits`."""
-    return [GemmConfig(mt, nb, wn * wk, wk, depth, splits) for mt, nb, wn, wk, depth in COMPILED]
+    return [GemmConfig(mt, nb, wn * wk, wk, depth, splits, xs=xs) for mt, nb, wn, wk, depth, xs in COMPILED]
 
 
 def source_hash() -> str:
@@ -174,7 +180,7 @@ def counters(device: torch.device) -> Tensor:
 def blocks_per_sm(config: GemmConfig) -> int:
     """CTAs of a compiled GEMM variant that one SM holds at once (its registers decide)."""
     c = config
-    return int(_module().blocks_per_sm(c.mt, c.nb, c.warps, c.wk, c.depth))
+    return int(_module().blocks_per_sm(c.mt, c.nb, c.warps, c.wk, c.depth, c.xs))
 
 
 # A model of a launch, for choosing K splits (fitted by eye to the H200 sweeps in
@@ -214,18 +220,18 @@ def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: 
 
 
 # The variant for each tokens-per-pass count (n8 blocks), for shapes the table below lacks:
-# (mt, warps, wk, depth), the most frequent winner per M in the H200 sweep.
-_VARIANT = {1: (2, 8, 8, 4), 2: (2, 8, 8, 4), 4: (4, 4, 4, 2), 8: (2, 4, 4, 2)}
+# (mt, warps, wk, depth, xs), the most frequent winner per M in the H200 sweep.
+_VARIANT = {1: (2, 8, 8, 4, 0), 2: (2, 8, 8, 4, 0), 4: (4, 4, 4, 2, 0), 8: (2, 4, 4, 2, 0)}
 # Measured best configs per (M, N, K) on a 132-SM H200 (bench/results/kernels-cuda-h200.json,
 # written there by `tuned_table`); used on GPUs with that many SMs.
 TABLE_FILE = SOURCE_DIR / "configs-h200.json"
-_TABLE_MS = (1, 8, 16, 32, 64)
+_TABLE_MS = (1, 8, 16, 32, 64, 128, 256)
 
 
 def _table_m(m: int) -> int:
-    """The table row that serves M tokens: the smallest measured M at or above it (per pass)."""
-    m = min(m, MAX_PASS_TOKENS)
-    return next(t for t in _TABLE_MS if t >= m)
+    """The table row that serves M tokens: the smallest measured M at or above it (the largest
+    measured M beyond them)."""
+    return next((t for t in _TABLE_MS if t >= m), _TABLE_MS[-1])
 
 
 def table_key(m: int, n: int, k: int) -> str:
@@ -254,8 +260,8 @@ def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) 
         return GemmConfig(**hit)
     tokens = min(m, MAX_PASS_TOKENS)
     nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
-    mt, warps, wk, depth = _VARIANT[nb]
-    config = GemmConfig(mt, nb, warps, wk, depth, 1)
+    mt, warps, wk, depth, xs = _VARIANT[nb]
+    config = GemmConfig(mt, nb, warps, wk, depth, 1, xs=xs)
     per_sm = per_sm if per_sm is not None else blocks_per_sm(config)
     return replace(config, splits=choose_splits(m, n, k, config, sms, per_sm))
 
@@ -263,13 +269,13 @@ def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) 
 @torch.library.custom_op("qerl::w4a16_gemm", mutates_args=())
 def _gemm_op(x: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, bias: Optional[Tensor],
              n: int, k: int, mt: int, nb: int, warps: int, wk: int, depth: int, splits: int,
-             pdl: bool) -> Tensor:
+             pdl: bool, xs: int) -> Tensor:
     return _module().gemm(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl,
-                          counters(x.device))
+                          xs, counters(x.device))
 
 
 @_gemm_op.register_fake
-def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl):
+def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl, xs):
     return x.new_empty(x.shape[0], n)
 
 
@@ -290,7 +296,8 @@ def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: Gem
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         config = default_config(m, w.out_features, w.in_features, sms)
     return _gemm_op(x, w.qweight, w.scales, w.global_scale, bias, w.out_features, w.in_features,
-                    config.mt, config.nb, config.warps, config.wk, config.depth, config.splits, config.pdl)
+                    config.mt, config.nb, config.warps, config.wk, config.depth, config.splits, config.pdl,
+                    config.xs)
 
 
 def dequantize(w: tiled.TiledNVFP4) -> Tensor:

@@ -39,6 +39,17 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
+// 16 bytes global -> shared without a register round trip; `valid` false writes zeros (a token
+// past M or columns past K must add nothing, whatever the padded weights hold).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 __device__ __forceinline__ uint32_t low_pair(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
 __device__ __forceinline__ uint32_t high_pair(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
 
@@ -103,22 +114,30 @@ __device__ __forceinline__ float finish(float acc, float gs, const __nv_bfloat16
 // One CTA: WN x WK warps. The WN warps of a K-warp group own consecutive 16 * MT-row warp tiles;
 // the WK warps that share a warp tile take every WK-th chunk of the CTA's K split and are summed
 // through shared memory in warp order at the end (more warps streaming one tile without more
-// global split-K traffic, which grows with M).
-template <int MT, int NB, int WN, int WK, int DEPTH>
-__global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) {
+// global split-K traffic, which grows with M). XS > 0 stages each chunk's activations in shared
+// memory (XS chunks deep) for all warps of the CTA, which then walk the same chunks (WK = 1).
+template <int MT, int NB, int WN, int WK, int DEPTH, int XS>
+__global__ void __launch_bounds__(WN * WK * 32, XS > 0 ? 1 : 0) gemm_kernel(const GemmParams p) {
+  static_assert(XS == 0 || (WK == 1 && XS >= 2), "staged activations need WK = 1 and at least 2 stages");
   constexpr int kWarpRows = 16 * MT;
   constexpr int kWarpTilesPerBlock = kRows / kWarpRows;
   constexpr int kAcc4 = MT * NB;  // float4s of accumulators per lane
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wn = warp / WK, wk = warp % WK;
   const int g = lane >> 2, t = lane & 3;
-  const int warp_tile = blockIdx.x * WN + wn;
+  // (column slice, K split, pass over M) of this CTA, with the passes of one slice and split
+  // consecutive in launch order: they run side by side and share each weight chunk through L2,
+  // so M > 8 * NB reads the weights from HBM once.
+  const int passes = gridDim.z, columns = gridDim.x;
+  const int linear = blockIdx.x + columns * (blockIdx.y + gridDim.y * blockIdx.z);
+  const int bz = linear % passes, bx = linear / passes % columns, by = linear / passes / columns;
+  const int warp_tile = bx * WN + wn;
   const int nblock = warp_tile / kWarpTilesPerBlock;
   const int pair0 = MT == 4 ? 0 : warp_tile % kWarpTilesPerBlock;
   const int n_blocks = (p.N + kRows - 1) / kRows;
-  const int kc0 = blockIdx.y * p.chunks_per_split;
+  const int kc0 = by * p.chunks_per_split;
   const int kc1 = min(kc0 + p.chunks_per_split, p.KC);
-  const int m0 = blockIdx.z * 8 * NB;
+  const int m0 = bz * 8 * NB;
   // This warp's chunks: kc0 + wk + j * WK for j < mine.
   const int mine = kc1 - kc0 > wk ? (kc1 - kc0 - wk + WK - 1) / WK : 0;
 
@@ -130,11 +149,91 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][b][e] = 0.f;
 
-  if (nblock < n_blocks) {
-    const uint64_t policy = evict_first_policy();
-    const uint4* wbase = p.qweight + ((size_t)nblock * p.KC + kc0 + wk) * (kWords / 4) + pair0 * 32 + lane;
-    const uint8_t* sbase = p.scales + ((size_t)nblock * p.KC + kc0 + wk) * kScaleBytes + (g * 2 + (t >> 1)) * 8 +
-                           (MT == 2 ? 4 * pair0 : 0);
+  const bool active = nblock < n_blocks;
+  // A warp past N (the last CTA column) streams the last real block instead (L2 hits, results
+  // dropped): with staged activations it must still join every barrier of its CTA.
+  const int wblock = active ? nblock : n_blocks - 1;
+  const uint64_t policy = evict_first_policy();
+  const uint4* wbase = p.qweight + ((size_t)wblock * p.KC + kc0 + wk) * (kWords / 4) + pair0 * 32 + lane;
+  const uint8_t* sbase = p.scales + ((size_t)wblock * p.KC + kc0 + wk) * kScaleBytes + (g * 2 + (t >> 1)) * 8 +
+                         (MT == 2 ? 4 * pair0 : 0);
+  auto load_weights = [&](Stage<MT, NB>& st, int j) {  // this warp's j-th chunk
+    const size_t step = (size_t)j * WK;
+#pragma unroll
+    for (int q = 0; q < MT / 2; ++q) st.codes[q] = load_stream(wbase + step * (kWords / 4) + q * 32, policy);
+    if (MT == 4) {
+      const uint2 s = __ldg(reinterpret_cast<const uint2*>(sbase + step * kScaleBytes));
+      st.scales[0] = s.x;
+      st.scales[MT / 2 - 1] = s.y;
+    } else {
+      st.scales[0] = __ldg(reinterpret_cast<const uint32_t*>(sbase + step * kScaleBytes));
+    }
+  };
+  // Decode a whole chunk before its MMAs, so that they have independent operands to overlap.
+  auto decode_chunk = [&](const Stage<MT, NB>& st, uint32_t (&a)[MT][2][4]) {
+#pragma unroll
+    for (int q = 0; q < MT / 2; ++q) {
+      uint32_t sp[2];
+      decode_scales(st.scales[q], sp[0], sp[1]);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) scaled_fragment(word_of(st.codes[q], i * 2 + j), sp[i], a[2 * q + i][j]);
+    }
+  };
+  // The MMAs of n8 block b: x holds token 8b + g's 8 activations of this lane (both k16 steps).
+  auto mma_block = [&](const uint32_t (&a)[MT][2][4], int b, const uint4& x) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int tile = 0; tile < MT; ++tile) mma_bf16(acc[tile][b], a[tile][j], word_of(x, 2 * j), word_of(x, 2 * j + 1));
+  };
+  Stage<MT, NB> ring[DEPTH];
+
+  if constexpr (XS > 0) {
+    // Activations staged per chunk in shared memory, XS chunks deep: one copy per CTA instead of
+    // one per warp through L1, so that a warp can take 64 rows x 64 tokens.
+    __shared__ __align__(16) uint4 xs[XS][NB * 32];  // [stage][token * 4 + 16-byte part]
+    auto issue_x = [&](int c) {
+      for (int i = threadIdx.x; i < NB * 32; i += WN * 32) {
+        const int token = m0 + (i >> 2);
+        const int col = (kc0 + c) * kCols + (i & 3) * 8;
+        const bool ok = token < p.M && col < p.K;
+        cp_async16(&xs[c % XS][i], p.x + (ok ? (size_t)token * p.ldx + col : 0), ok);
+      }
+    };
+    auto step = [&](const Stage<MT, NB>& st, int c) {
+      cp_async_wait<XS - 2>();
+      __syncthreads();  // chunk c has landed for every thread; stage (c - 1) % XS is free again
+      if (c + XS - 1 < mine) issue_x(c + XS - 1);
+      cp_async_commit();  // an empty group too: the wait above counts groups
+      uint32_t a[MT][2][4];
+      decode_chunk(st, a);
+      const uint4* xc = xs[c % XS] + g * 4 + t;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) mma_block(a, b, xc[b * 32]);
+    };
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u)
+      if (u < mine) load_weights(ring[u], u);
+    grid_dependency_wait();  // x is the previous kernel's output
+#pragma unroll
+    for (int s = 0; s < XS - 1; ++s) {
+      if (s < mine) issue_x(s);
+      cp_async_commit();
+    }
+    int j = 0;
+    for (; j + DEPTH <= mine; j += DEPTH) {
+#pragma unroll
+      for (int u = 0; u < DEPTH; ++u) {
+        step(ring[u], j + u);
+        if (j + u + DEPTH < mine) load_weights(ring[u], j + u + DEPTH);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < DEPTH - 1; ++u)
+      if (j + u < mine) step(ring[u], j + u);
+  } else if (active) {
     const __nv_bfloat16* xrow[NB];
     bool xvalid[NB];
 #pragma unroll
@@ -143,52 +242,22 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
       xvalid[b] = token < p.M;
       xrow[b] = p.x + (size_t)(xvalid[b] ? token : 0) * p.ldx + (kc0 + wk) * kCols + t * 8;
     }
-    auto load_weights = [&](Stage<MT, NB>& st, int j) {  // this warp's j-th chunk
-      const size_t step = (size_t)j * WK;
-#pragma unroll
-      for (int q = 0; q < MT / 2; ++q)
-        st.codes[q] = load_stream(wbase + step * (kWords / 4) + q * 32, policy);
-      if (MT == 4) {
-        const uint2 s = __ldg(reinterpret_cast<const uint2*>(sbase + step * kScaleBytes));
-        st.scales[0] = s.x;
-        st.scales[MT / 2 - 1] = s.y;
-      } else {
-        st.scales[0] = __ldg(reinterpret_cast<const uint32_t*>(sbase + step * kScaleBytes));
-      }
-    };
     auto load_x = [&](Stage<MT, NB>& st, int j) {
       const size_t step = (size_t)j * WK;
       const bool kvalid = (kc0 + wk + (int)step) * kCols + t * 8 < p.K;
 #pragma unroll
       for (int b = 0; b < NB; ++b)
-        st.x[b] = (xvalid[b] && kvalid) ? __ldg(reinterpret_cast<const uint4*>(xrow[b] + step * kCols))
+        // A coherent load, not __ldg: under programmatic dependent launch x is written by the
+        // previous kernel during this one's lifetime, which the non-coherent path does not allow.
+        st.x[b] = (xvalid[b] && kvalid) ? *reinterpret_cast<const uint4*>(xrow[b] + step * kCols)
                                         : make_uint4(0, 0, 0, 0);
     };
-    auto load = [&](Stage<MT, NB>& st, int j) {
-      load_weights(st, j);
-      load_x(st, j);
-    };
     auto compute = [&](const Stage<MT, NB>& st) {
-      // Decode the whole chunk first, so that the MMAs have independent operands to overlap.
       uint32_t a[MT][2][4];
+      decode_chunk(st, a);
 #pragma unroll
-      for (int q = 0; q < MT / 2; ++q) {
-        uint32_t sp[2];
-        decode_scales(st.scales[q], sp[0], sp[1]);
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) scaled_fragment(word_of(st.codes[q], i * 2 + j), sp[i], a[2 * q + i][j]);
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int tile = 0; tile < MT; ++tile)
-#pragma unroll
-          for (int b = 0; b < NB; ++b)
-            mma_bf16(acc[tile][b], a[tile][j], word_of(st.x[b], 2 * j), word_of(st.x[b], 2 * j + 1));
+      for (int b = 0; b < NB; ++b) mma_block(a, b, st.x[b]);
     };
-    Stage<MT, NB> ring[DEPTH];
     // Weights do not depend on the previous kernel: under programmatic dependent launch their
     // first chunks stream while it finishes; x (its output) is read only after the wait.
 #pragma unroll
@@ -205,7 +274,10 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
 #pragma unroll
       for (int u = 0; u < DEPTH; ++u) {
         compute(ring[u]);
-        if (j + u + DEPTH < mine) load(ring[u], j + u + DEPTH);
+        if (j + u + DEPTH < mine) {
+          load_weights(ring[u], j + u + DEPTH);
+          load_x(ring[u], j + u + DEPTH);
+        }
       }
     }
 #pragma unroll
@@ -261,19 +333,19 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
   const int n_pad = n_blocks * kRows;
   if (writer) {
     for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
-      if (token < p.M) __stcg(p.partials + ((size_t)blockIdx.y * p.M + token) * n_pad + row, v);
+      if (token < p.M) __stcg(p.partials + ((size_t)by * p.M + token) * n_pad + row, v);
     });
   }
   __threadfence();
   __syncthreads();
   __shared__ int is_last;
-  int* counter = p.counters + blockIdx.z * gridDim.x + blockIdx.x;
+  int* counter = p.counters + bz * columns + bx;
   if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.y - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
   constexpr int kCtaRows = WN * kWarpRows;
-  const int row0 = blockIdx.x * kCtaRows;
+  const int row0 = bx * kCtaRows;
   const int tokens = min(8 * NB, p.M - m0);
   for (int idx = threadIdx.x; idx < tokens * kCtaRows; idx += blockDim.x) {
     const int token = m0 + idx / kCtaRows, row = row0 + idx % kCtaRows;
@@ -333,7 +405,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
-template <int MT, int NB, int WN, int WK, int DEPTH>
+template <int MT, int NB, int WN, int WK, int DEPTH, int XS>
 cudaError_t launch(const GemmParams& p, int splits, bool pdl, cudaStream_t stream) {
   constexpr int kCtaRows = WN * 16 * MT;
   cudaLaunchConfig_t cfg = {};
@@ -345,24 +417,28 @@ cudaError_t launch(const GemmParams& p, int splits, bool pdl, cudaStream_t strea
   attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, gemm_kernel<MT, NB, WN, WK, DEPTH>, p);
+  return cudaLaunchKernelEx(&cfg, gemm_kernel<MT, NB, WN, WK, DEPTH, XS>, p);
 }
 
 }  // namespace
 
 // The compiled configs: (rows per warp / 16, tokens per pass / 8, warps along N, warps along K,
-// chunks in flight per warp). Keep in step with COMPILED in cuda_ext.py (a CPU test checks).
+// chunks in flight per warp, activation stages in shared memory or 0). Keep in step with COMPILED
+// in cuda_ext.py (a CPU test checks).
 #define QERL_W4A16_CONFIGS(X)                                                                       \
-  X(4, 1, 4, 1, 4) X(4, 1, 1, 4, 4) X(4, 1, 2, 2, 4) X(2, 1, 8, 1, 4) X(4, 1, 1, 8, 4)            \
-  X(2, 1, 1, 8, 4) X(4, 2, 4, 1, 4) X(4, 2, 1, 4, 4) X(4, 2, 2, 2, 4) X(2, 2, 8, 1, 4)            \
-  X(4, 2, 1, 8, 4) X(2, 2, 1, 8, 4) X(4, 4, 4, 1, 2) X(4, 4, 1, 4, 2) X(4, 4, 2, 2, 2)            \
-  X(2, 4, 8, 1, 2) X(2, 8, 4, 1, 2) X(2, 8, 8, 1, 2) X(2, 8, 1, 4, 2) X(2, 8, 2, 2, 2)
+  X(4, 1, 4, 1, 4, 0) X(4, 1, 1, 4, 4, 0) X(4, 1, 2, 2, 4, 0) X(2, 1, 8, 1, 4, 0)                  \
+  X(4, 1, 1, 8, 4, 0) X(2, 1, 1, 8, 4, 0) X(4, 2, 4, 1, 4, 0) X(4, 2, 1, 4, 4, 0)                  \
+  X(4, 2, 2, 2, 4, 0) X(2, 2, 8, 1, 4, 0) X(4, 2, 1, 8, 4, 0) X(2, 2, 1, 8, 4, 0)                  \
+  X(4, 4, 4, 1, 2, 0) X(4, 4, 1, 4, 2, 0) X(4, 4, 2, 2, 2, 0) X(2, 4, 8, 1, 2, 0)                  \
+  X(2, 8, 4, 1, 2, 0) X(2, 8, 8, 1, 2, 0) X(2, 8, 1, 4, 2, 0) X(2, 8, 2, 2, 2, 0)                  \
+  X(4, 2, 4, 1, 4, 4) X(4, 2, 8, 1, 4, 4) X(4, 4, 4, 1, 4, 4) X(4, 4, 8, 1, 4, 4)                  \
+  X(4, 8, 4, 1, 2, 4) X(4, 8, 8, 1, 2, 4) X(4, 4, 2, 1, 4, 4) X(2, 8, 8, 1, 2, 4)
 
 int gemm_blocks_per_sm(const GemmConfig& c) {
   int blocks = 0;
-#define QERL_W4A16_OCCUPANCY(MT, NB, WN, WK, D)                                                     \
-  if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D)               \
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_kernel<MT, NB, WN, WK, D>, WN * WK * 32, 0);
+#define QERL_W4A16_OCCUPANCY(MT, NB, WN, WK, D, XS)                                                 \
+  if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D && c.xs == XS)  \
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_kernel<MT, NB, WN, WK, D, XS>, WN * WK * 32, 0);
   QERL_W4A16_CONFIGS(QERL_W4A16_OCCUPANCY)
 #undef QERL_W4A16_OCCUPANCY
   return blocks;
@@ -370,9 +446,9 @@ int gemm_blocks_per_sm(const GemmConfig& c) {
 
 cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
-#define QERL_W4A16_DISPATCH(MT, NB, WN, WK, D)                                                      \
-  if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D)               \
-    return launch<MT, NB, WN, WK, D>(p, c.splits, c.pdl != 0, stream);
+#define QERL_W4A16_DISPATCH(MT, NB, WN, WK, D, XS)                                                  \
+  if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D && c.xs == XS)  \
+    return launch<MT, NB, WN, WK, D, XS>(p, c.splits, c.pdl != 0, stream);
   QERL_W4A16_CONFIGS(QERL_W4A16_DISPATCH)
 #undef QERL_W4A16_DISPATCH
   return cudaErrorInvalidConfiguration;
