@@ -135,7 +135,7 @@ def test_chained_launches_overlap_safely(m: int) -> None:
     x = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     nb = 1 if m <= 8 else 4 if m <= 32 else 8
-    staged = next(c for c in cuda_ext.compiled_configs(3) if c.xs and c.nb == nb) if m > 8 else None
+    staged = next(c for c in cuda_ext.compiled_configs(3) if c.stages and c.nb == nb) if m > 8 else None
 
     def chain(pdl: bool) -> torch.Tensor:
         y = x
@@ -159,7 +159,8 @@ def test_bad_configs_and_devices_are_errors_not_crashes() -> None:
     tq, _ = _weight(256, 512, 9)
     x = torch.randn(4, 512, device="cuda").to(torch.bfloat16)
     for bad in (cuda_ext.GemmConfig(4, 0, 4, 1, 4, 3), cuda_ext.GemmConfig(4, 1, 4, 0, 4, 3),
-                cuda_ext.GemmConfig(4, 1, 6, 4, 4, 3), cuda_ext.GemmConfig(3, 1, 4, 1, 4, 1)):
+                cuda_ext.GemmConfig(4, 1, 6, 4, 4, 3), cuda_ext.GemmConfig(3, 1, 4, 1, 4, 1),
+                cuda_ext.GemmConfig(4, 1, 4, 1, 0, 1)):
         with pytest.raises(RuntimeError, match="config"):
             cuda_ext.gemm(x, tq, config=bad)
     with pytest.raises(RuntimeError, match="bias"):

@@ -184,17 +184,21 @@ def test_header_follows_the_spec() -> None:
 
 def test_compiled_configs_match_the_sources() -> None:
     src = (cuda_ext.SOURCE_DIR / "w4a16.cu").read_text()
-    block = src[src.index("#define QERL_W4A16_CONFIGS(X)"):src.index("int gemm_blocks_per_sm")]
-    found = tuple(tuple(int(v) for v in m.split(",")) for m in re.findall(r"X\(([\d, ]+)\)", block))
-    assert found == cuda_ext.COMPILED
+
+    def listed(macro: str, end: str) -> tuple[tuple[int, ...], ...]:
+        block = src[src.index(f"#define {macro}(X)"):src.index(end)]
+        return tuple(tuple(int(v) for v in m.split(",")) for m in re.findall(r"X\(([\d, ]+)\)", block))
+
+    assert listed("QERL_W4A16_CONFIGS", "#define QERL_W4A16_STAGED") == cuda_ext.COMPILED
+    assert listed("QERL_W4A16_STAGED", "int gemm_blocks_per_sm") == cuda_ext.STAGED
 
 
 def test_table_configs_are_compiled() -> None:
-    compiled = {(c.mt, c.nb, c.warps, c.wk, c.depth, c.xs) for c in cuda_ext.compiled_configs()}
+    compiled = {(c.mt, c.nb, c.warps, c.wk, c.depth, c.stages) for c in cuda_ext.compiled_configs()}
     sms, configs = cuda_ext._table()
     assert sms > 0 and configs
     for key, c in configs.items():
-        assert (c["mt"], c["nb"], c["warps"], c["wk"], c["depth"], c.get("xs", 0)) in compiled, key
+        assert (c["mt"], c["nb"], c["warps"], c["wk"], c["depth"], c.get("stages", 0)) in compiled, key
         assert c["splits"] >= 1
 
 
@@ -236,7 +240,7 @@ def test_sources_compile_for_sm90a_without_spills(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = proc.stdout + proc.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    assert len(kernels) == len(cuda_ext.COMPILED) + 1  # every GEMM variant and the dequantize pass
+    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + 1  # and the dequantize pass
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report[-2000:]
     assert all(int(r) <= 255 for r in re.findall(r"Used (\d+) registers", report))

@@ -54,27 +54,31 @@ class GemmConfig:
     # Programmatic dependent launch: the first weight chunks stream while the previous kernel
     # finishes (x and every write wait for it).
     pdl: bool = True
-    # Chunks of activations staged in shared memory for the whole CTA (cp.async), 0 for none: each
-    # warp then loads its own through L1, which binds from 16-32 tokens on.
-    xs: int = 0
+    # 0: the register-ring kernel. Else the staged kernel (mt = 4, depth unused) and the depth of
+    # its shared-memory pipeline: weights and activations copied with cp.async, so the bytes in
+    # flight cost no registers and a warp can hold 64 rows x 64 tokens of accumulators.
+    stages: int = 0
 
 
-# (mt, nb, warps along N, warps along K, depth, xs): must match QERL_W4A16_CONFIGS in w4a16.cu (a
-# CPU test checks it).
-COMPILED: tuple[tuple[int, int, int, int, int, int], ...] = (
-    (4, 1, 4, 1, 4, 0), (4, 1, 1, 4, 4, 0), (4, 1, 2, 2, 4, 0), (2, 1, 8, 1, 4, 0),
-    (4, 1, 1, 8, 4, 0), (2, 1, 1, 8, 4, 0), (4, 2, 4, 1, 4, 0), (4, 2, 1, 4, 4, 0),
-    (4, 2, 2, 2, 4, 0), (2, 2, 8, 1, 4, 0), (4, 2, 1, 8, 4, 0), (2, 2, 1, 8, 4, 0),
-    (4, 4, 4, 1, 2, 0), (4, 4, 1, 4, 2, 0), (4, 4, 2, 2, 2, 0), (2, 4, 8, 1, 2, 0),
-    (2, 8, 4, 1, 2, 0), (2, 8, 8, 1, 2, 0), (2, 8, 1, 4, 2, 0), (2, 8, 2, 2, 2, 0),
-    (4, 2, 4, 1, 4, 4), (4, 2, 8, 1, 4, 4), (4, 4, 4, 1, 4, 4), (4, 4, 8, 1, 4, 4),
-    (4, 8, 4, 1, 2, 4), (4, 8, 8, 1, 2, 4), (4, 4, 2, 1, 4, 4), (2, 8, 8, 1, 2, 4),
+# Register-ring kernel (mt, nb, warps along N, warps along K, depth) and staged kernel (nb, warps
+# along N, warps along K, stages): must match QERL_W4A16_CONFIGS and QERL_W4A16_STAGED in
+# w4a16.cu (a CPU test checks it).
+COMPILED: tuple[tuple[int, int, int, int, int], ...] = (
+    (4, 1, 4, 1, 4), (4, 1, 1, 4, 4), (4, 1, 2, 2, 4), (2, 1, 8, 1, 4), (4, 1, 1, 8, 4),
+    (2, 1, 1, 8, 4), (4, 2, 4, 1, 4), (4, 2, 1, 4, 4), (4, 2, 2, 2, 4), (2, 2, 8, 1, 4),
+    (4, 2, 1, 8, 4), (2, 2, 1, 8, 4), (4, 4, 4, 1, 2), (4, 4, 1, 4, 2), (4, 4, 2, 2, 2),
+    (2, 4, 8, 1, 2), (2, 8, 4, 1, 2), (2, 8, 8, 1, 2), (2, 8, 1, 4, 2), (2, 8, 2, 2, 2),
+)
+STAGED: tuple[tuple[int, int, int, int], ...] = (
+    (1, 4, 1, 8), (1, 1, 4, 8), (1, 1, 8, 6), (2, 4, 1, 8), (2, 1, 4, 8), (2, 2, 2, 8),
+    (4, 4, 1, 6), (4, 2, 2, 6), (4, 1, 4, 6), (8, 4, 1, 5), (8, 2, 2, 4), (8, 2, 1, 6),
 )
 
 
 def compiled_configs(splits: int = 1) -> list[GemmConfig]:
     """Every compiled variant as a GemmConfig with `splits`."""
-    return [GemmConfig(mt, nb, wn * wk, wk, depth, splits, xs=xs) for mt, nb, wn, wk, depth, xs in COMPILED]
+    return ([GemmConfig(mt, nb, wn * wk, wk, depth, splits) for mt, nb, wn, wk, depth in COMPILED]
+            + [GemmConfig(4, nb, wn * wk, wk, 0, splits, stages=st) for nb, wn, wk, st in STAGED])
 
 
 def source_hash() -> str:
@@ -180,7 +184,7 @@ def counters(device: torch.device) -> Tensor:
 def blocks_per_sm(config: GemmConfig) -> int:
     """CTAs of a compiled GEMM variant that one SM holds at once (its registers decide)."""
     c = config
-    return int(_module().blocks_per_sm(c.mt, c.nb, c.warps, c.wk, c.depth, c.xs))
+    return int(_module().blocks_per_sm(c.mt, c.nb, c.warps, c.wk, c.depth, c.stages))
 
 
 # A model of a launch, for choosing K splits (fitted by eye to the H200 sweeps in
@@ -220,7 +224,7 @@ def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: 
 
 
 # The variant for each tokens-per-pass count (n8 blocks), for shapes the table below lacks:
-# (mt, warps, wk, depth, xs), the most frequent winner per M in the H200 sweep.
+# (mt, warps, wk, depth, stages), the most frequent winner per M in the H200 sweep.
 _VARIANT = {1: (2, 8, 8, 4, 0), 2: (2, 8, 8, 4, 0), 4: (4, 4, 4, 2, 0), 8: (2, 4, 4, 2, 0)}
 # Measured best configs per (M, N, K) on a 132-SM H200 (bench/results/kernels-cuda-h200.json,
 # written there by `tuned_table`); used on GPUs with that many SMs.
@@ -260,8 +264,8 @@ def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) 
         return GemmConfig(**hit)
     tokens = min(m, MAX_PASS_TOKENS)
     nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
-    mt, warps, wk, depth, xs = _VARIANT[nb]
-    config = GemmConfig(mt, nb, warps, wk, depth, 1, xs=xs)
+    mt, warps, wk, depth, stages = _VARIANT[nb]
+    config = GemmConfig(mt, nb, warps, wk, depth, 1, stages=stages)
     per_sm = per_sm if per_sm is not None else blocks_per_sm(config)
     return replace(config, splits=choose_splits(m, n, k, config, sms, per_sm))
 
@@ -269,13 +273,13 @@ def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) 
 @torch.library.custom_op("qerl::w4a16_gemm", mutates_args=())
 def _gemm_op(x: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, bias: Optional[Tensor],
              n: int, k: int, mt: int, nb: int, warps: int, wk: int, depth: int, splits: int,
-             pdl: bool, xs: int) -> Tensor:
+             pdl: bool, stages: int) -> Tensor:
     return _module().gemm(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl,
-                          xs, counters(x.device))
+                          stages, counters(x.device))
 
 
 @_gemm_op.register_fake
-def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl, xs):
+def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl, stages):
     return x.new_empty(x.shape[0], n)
 
 
@@ -297,7 +301,7 @@ def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: Gem
         config = default_config(m, w.out_features, w.in_features, sms)
     return _gemm_op(x, w.qweight, w.scales, w.global_scale, bias, w.out_features, w.in_features,
                     config.mt, config.nb, config.warps, config.wk, config.depth, config.splits, config.pdl,
-                    config.xs)
+                    config.stages)
 
 
 def dequantize(w: tiled.TiledNVFP4) -> Tensor:

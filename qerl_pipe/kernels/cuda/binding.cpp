@@ -30,14 +30,14 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& scales, const at:
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const at::Tensor& global_scale, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
                 int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t splits, bool pdl,
-                int64_t xs, const at::Tensor& counters) {
+                int64_t stages, const at::Tensor& counters) {
   check_weight(qweight, scales, global_scale, n, k);
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
                   x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "x must be a CUDA bf16 [M, K] tensor with 16-byte aligned rows");
   TORCH_CHECK(qweight.device() == x.device(), "x is on ", x.device(), ", the weight on ", qweight.device());
-  TORCH_CHECK(mt > 0 && nb > 0 && wk > 0 && warps > 0 && warps % wk == 0 && depth > 0 && xs >= 0,
-              "invalid GEMM config (mt=", mt, " nb=", nb, " warps=", warps, " wk=", wk, " depth=", depth, " xs=", xs, ")");
+  TORCH_CHECK(mt > 0 && nb > 0 && wk > 0 && warps > 0 && warps % wk == 0 && stages >= 0 && (stages > 0 || depth > 0),
+              "invalid GEMM config (mt=", mt, " nb=", nb, " warps=", warps, " wk=", wk, " depth=", depth, " stages=", stages, ")");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
@@ -80,10 +80,10 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   p.chunks_per_split = static_cast<int>(per_split);
   const qerl_w4a16::GemmConfig c{static_cast<int>(mt),    static_cast<int>(nb),    static_cast<int>(warps),
                                  static_cast<int>(wk),    static_cast<int>(depth), static_cast<int>(splits),
-                                 pdl ? 1 : 0,             static_cast<int>(xs)};
+                                 pdl ? 1 : 0,             static_cast<int>(stages)};
   const cudaError_t err = qerl_w4a16::launch_gemm(p, c, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "w4a16 gemm launch (mt=", mt, " nb=", nb, " warps=", warps, " wk=", wk, " depth=", depth,
-              " xs=", xs, "): ", cudaGetErrorString(err));
+              " stages=", stages, "): ", cudaGetErrorString(err));
   return out;
 }
 
@@ -100,9 +100,9 @@ at::Tensor dequant(const at::Tensor& qweight, const at::Tensor& scales, const at
   return out;
 }
 
-int64_t blocks_per_sm(int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t xs) {
+int64_t blocks_per_sm(int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t stages) {
   return qerl_w4a16::gemm_blocks_per_sm({static_cast<int>(mt), static_cast<int>(nb), static_cast<int>(warps),
-                                         static_cast<int>(wk), static_cast<int>(depth), 1, 0, static_cast<int>(xs)});
+                                         static_cast<int>(wk), static_cast<int>(depth), 1, 0, static_cast<int>(stages)});
 }
 
 }  // namespace

@@ -46,6 +46,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
                : "memory");
 }
+// The same for weights, which are read once: first in line for eviction from L2.
+__device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem, bool valid, uint64_t policy) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0), "l"(policy)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -85,13 +92,6 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <int MT, int NB>
-struct Stage {
-  uint4 codes[MT / 2];
-  uint32_t scales[MT / 2];
-  uint4 x[NB];
-};
-
 // f(row, token, value) for each accumulator of this lane: the mma C fragment holds rows g (c0, c1)
 // and g + 8 (c2, c3) of each m16 tile, tokens 2t and 2t + 1 of each n8 block.
 template <int MT, int NB, class F>
@@ -111,35 +111,154 @@ __device__ __forceinline__ float finish(float acc, float gs, const __nv_bfloat16
   return v;
 }
 
-// One CTA: WN x WK warps. The WN warps of a K-warp group own consecutive 16 * MT-row warp tiles;
-// the WK warps that share a warp tile take every WK-th chunk of the CTA's K split and are summed
-// through shared memory in warp order at the end (more warps streaming one tile without more
-// global split-K traffic, which grows with M). XS > 0 stages each chunk's activations in shared
-// memory (XS chunks deep) for all warps of the CTA, which then walk the same chunks (WK = 1).
-template <int MT, int NB, int WN, int WK, int DEPTH, int XS>
-__global__ void __launch_bounds__(WN * WK * 32, XS > 0 ? 1 : 0) gemm_kernel(const GemmParams p) {
-  static_assert(XS == 0 || (WK == 1 && XS >= 2), "staged activations need WK = 1 and at least 2 stages");
-  constexpr int kWarpRows = 16 * MT;
-  constexpr int kWarpTilesPerBlock = kRows / kWarpRows;
+// Where a CTA's warp sits: its n8 rows (warp tile), its share of K, its tokens. The passes over
+// M of one (column slice, K split) are consecutive in launch order, so they run side by side and
+// share each weight chunk through L2: M > 8 * NB still reads the weights from HBM once.
+template <int MT, int WN, int WK, int NB>
+struct Place {
+  int lane, wn, wk, g, t;
+  int columns, bx, by, bz;  // column slice, K split, pass over M
+  int nblock, pair0, n_blocks, kc0, kc1, m0;
+  __device__ __forceinline__ Place(const GemmParams& p) {
+    constexpr int kWarpTilesPerBlock = kRows / (16 * MT);
+    lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    wn = warp / WK;
+    wk = warp % WK;
+    g = lane >> 2;
+    t = lane & 3;
+    const int passes = gridDim.z;
+    columns = gridDim.x;
+    const int linear = blockIdx.x + columns * (blockIdx.y + gridDim.y * blockIdx.z);
+    bz = linear % passes;
+    bx = linear / passes % columns;
+    by = linear / passes / columns;
+    const int warp_tile = bx * WN + wn;
+    nblock = warp_tile / kWarpTilesPerBlock;
+    pair0 = MT == 4 ? 0 : warp_tile % kWarpTilesPerBlock;
+    n_blocks = (p.N + kRows - 1) / kRows;
+    kc0 = by * p.chunks_per_split;
+    kc1 = min(kc0 + p.chunks_per_split, p.KC);
+    m0 = bz * 8 * NB;
+  }
+};
+
+// Decode a whole chunk (codes[q] and scale words of this lane's 16 * MT rows) into A fragments
+// before its MMAs, so that the MMAs have independent operands to overlap.
+template <int MT>
+__device__ __forceinline__ void decode_chunk(const uint4 (&codes)[MT / 2], const uint32_t (&scales)[MT / 2],
+                                             uint32_t (&a)[MT][2][4]) {
+#pragma unroll
+  for (int q = 0; q < MT / 2; ++q) {
+    uint32_t sp[2];
+    decode_scales(scales[q], sp[0], sp[1]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) scaled_fragment(word_of(codes[q], i * 2 + j), sp[i], a[2 * q + i][j]);
+  }
+}
+
+// The MMAs of n8 block b: x holds token 8b + g's 8 activations of this lane (both k16 steps).
+template <int MT, int NB>
+__device__ __forceinline__ void mma_block(float (&acc)[MT][NB][4], const uint32_t (&a)[MT][2][4], int b,
+                                          const uint4& x) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int tile = 0; tile < MT; ++tile) mma_bf16(acc[tile][b], a[tile][j], word_of(x, 2 * j), word_of(x, 2 * j + 1));
+}
+
+// After the main loop: sum the K-warps of each warp tile through `red` (shared memory, at least
+// (WK - 1) * WN * 32 * MT * NB float4s; free for reuse), then write out[] (one K split) or park
+// this split's sums and let the last CTA of the column slice add them up in split order (an atomic
+// ticket, no atomics on the output: a given config gives bit-identical results).
+template <int MT, int NB, int WN, int WK>
+__device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT, WN, WK, NB>& at,
+                                            float (&acc)[MT][NB][4], float4* red) {
   constexpr int kAcc4 = MT * NB;  // float4s of accumulators per lane
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wn = warp / WK, wk = warp % WK;
-  const int g = lane >> 2, t = lane & 3;
-  // (column slice, K split, pass over M) of this CTA, with the passes of one slice and split
-  // consecutive in launch order: they run side by side and share each weight chunk through L2,
-  // so M > 8 * NB reads the weights from HBM once.
-  const int passes = gridDim.z, columns = gridDim.x;
-  const int linear = blockIdx.x + columns * (blockIdx.y + gridDim.y * blockIdx.z);
-  const int bz = linear % passes, bx = linear / passes % columns, by = linear / passes / columns;
-  const int warp_tile = bx * WN + wn;
-  const int nblock = warp_tile / kWarpTilesPerBlock;
-  const int pair0 = MT == 4 ? 0 : warp_tile % kWarpTilesPerBlock;
-  const int n_blocks = (p.N + kRows - 1) / kRows;
-  const int kc0 = by * p.chunks_per_split;
-  const int kc1 = min(kc0 + p.chunks_per_split, p.KC);
-  const int m0 = bz * 8 * NB;
+  if constexpr (WK > 1) {
+    // A fixed order (warp order), so results repeat exactly.
+    if (at.wk > 0) {
+      float4* dst = red + ((at.wk - 1) * WN + at.wn) * 32 * kAcc4 + at.lane;
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+          dst[(i * NB + b) * 32] = make_float4(acc[i][b][0], acc[i][b][1], acc[i][b][2], acc[i][b][3]);
+    }
+    __syncthreads();
+    if (at.wk == 0) {
+      for (int w = 1; w < WK; ++w) {
+        const float4* src = red + ((w - 1) * WN + at.wn) * 32 * kAcc4 + at.lane;
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int b = 0; b < NB; ++b) {
+            const float4 v = src[(i * NB + b) * 32];
+            acc[i][b][0] += v.x;
+            acc[i][b][1] += v.y;
+            acc[i][b][2] += v.z;
+            acc[i][b][3] += v.w;
+          }
+      }
+    }
+  }
+  const bool writer = at.wk == 0 && at.nblock < at.n_blocks;
+  const float gs = *p.global_scale * kProductScale;
+  const int row_base = at.nblock * kRows + at.pair0 * 32;
+  if (gridDim.y == 1) {
+    if (!writer) return;
+    for_each_output(acc, row_base, at.m0, at.g, at.t, [&](int row, int token, float v) {
+      if (row < p.N && token < p.M) p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(v, gs, p.bias, row));
+    });
+    return;
+  }
+  const int n_pad = at.n_blocks * kRows;
+  if (writer) {
+    for_each_output(acc, row_base, at.m0, at.g, at.t, [&](int row, int token, float v) {
+      if (token < p.M) __stcg(p.partials + ((size_t)at.by * p.M + token) * n_pad + row, v);
+    });
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  int* counter = p.counters + at.bz * at.columns + at.bx;
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.y - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  constexpr int kCtaRows = WN * 16 * MT;
+  const int row0 = at.bx * kCtaRows;
+  const int tokens = min(8 * NB, p.M - at.m0);
+  for (int idx = threadIdx.x; idx < tokens * kCtaRows; idx += blockDim.x) {
+    const int token = at.m0 + idx / kCtaRows, row = row0 + idx % kCtaRows;
+    if (row >= p.N) continue;
+    float sum = 0.f;
+    for (int s = 0; s < (int)gridDim.y; ++s) sum += __ldcg(p.partials + ((size_t)s * p.M + token) * n_pad + row);
+    p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(sum, gs, p.bias, row));
+  }
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (and CUDA-graph replay)
+}
+
+template <int MT, int NB>
+struct Stage {
+  uint4 codes[MT / 2];
+  uint32_t scales[MT / 2];
+  uint4 x[NB];
+};
+
+// Register-ring kernel. One CTA: WN x WK warps. The WN warps of a K-warp group own consecutive
+// 16 * MT-row warp tiles; the WK warps that share a warp tile take every WK-th chunk of the CTA's
+// K split and are summed through shared memory in warp order at the end (more warps streaming
+// one tile without more global split-K traffic, which grows with M). Each warp keeps DEPTH chunks
+// of its own weight and activation loads in flight in registers.
+template <int MT, int NB, int WN, int WK, int DEPTH>
+__global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) {
+  const Place<MT, WN, WK, NB> at(p);
+  const int g = at.g, t = at.t, wk = at.wk, kc0 = at.kc0;
   // This warp's chunks: kc0 + wk + j * WK for j < mine.
-  const int mine = kc1 - kc0 > wk ? (kc1 - kc0 - wk + WK - 1) / WK : 0;
+  const int mine = at.kc1 - kc0 > wk ? (at.kc1 - kc0 - wk + WK - 1) / WK : 0;
 
   float acc[MT][NB][4];
 #pragma unroll
@@ -149,99 +268,31 @@ __global__ void __launch_bounds__(WN * WK * 32, XS > 0 ? 1 : 0) gemm_kernel(cons
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][b][e] = 0.f;
 
-  const bool active = nblock < n_blocks;
-  // A warp past N (the last CTA column) streams the last real block instead (L2 hits, results
-  // dropped): with staged activations it must still join every barrier of its CTA.
-  const int wblock = active ? nblock : n_blocks - 1;
-  const uint64_t policy = evict_first_policy();
-  const uint4* wbase = p.qweight + ((size_t)wblock * p.KC + kc0 + wk) * (kWords / 4) + pair0 * 32 + lane;
-  const uint8_t* sbase = p.scales + ((size_t)wblock * p.KC + kc0 + wk) * kScaleBytes + (g * 2 + (t >> 1)) * 8 +
-                         (MT == 2 ? 4 * pair0 : 0);
-  auto load_weights = [&](Stage<MT, NB>& st, int j) {  // this warp's j-th chunk
-    const size_t step = (size_t)j * WK;
-#pragma unroll
-    for (int q = 0; q < MT / 2; ++q) st.codes[q] = load_stream(wbase + step * (kWords / 4) + q * 32, policy);
-    if (MT == 4) {
-      const uint2 s = __ldg(reinterpret_cast<const uint2*>(sbase + step * kScaleBytes));
-      st.scales[0] = s.x;
-      st.scales[MT / 2 - 1] = s.y;
-    } else {
-      st.scales[0] = __ldg(reinterpret_cast<const uint32_t*>(sbase + step * kScaleBytes));
-    }
-  };
-  // Decode a whole chunk before its MMAs, so that they have independent operands to overlap.
-  auto decode_chunk = [&](const Stage<MT, NB>& st, uint32_t (&a)[MT][2][4]) {
-#pragma unroll
-    for (int q = 0; q < MT / 2; ++q) {
-      uint32_t sp[2];
-      decode_scales(st.scales[q], sp[0], sp[1]);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) scaled_fragment(word_of(st.codes[q], i * 2 + j), sp[i], a[2 * q + i][j]);
-    }
-  };
-  // The MMAs of n8 block b: x holds token 8b + g's 8 activations of this lane (both k16 steps).
-  auto mma_block = [&](const uint32_t (&a)[MT][2][4], int b, const uint4& x) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int tile = 0; tile < MT; ++tile) mma_bf16(acc[tile][b], a[tile][j], word_of(x, 2 * j), word_of(x, 2 * j + 1));
-  };
-  Stage<MT, NB> ring[DEPTH];
-
-  if constexpr (XS > 0) {
-    // Activations staged per chunk in shared memory, XS chunks deep: one copy per CTA instead of
-    // one per warp through L1, so that a warp can take 64 rows x 64 tokens.
-    __shared__ __align__(16) uint4 xs[XS][NB * 32];  // [stage][token * 4 + 16-byte part]
-    auto issue_x = [&](int c) {
-      for (int i = threadIdx.x; i < NB * 32; i += WN * 32) {
-        const int token = m0 + (i >> 2);
-        const int col = (kc0 + c) * kCols + (i & 3) * 8;
-        const bool ok = token < p.M && col < p.K;
-        cp_async16(&xs[c % XS][i], p.x + (ok ? (size_t)token * p.ldx + col : 0), ok);
-      }
-    };
-    auto step = [&](const Stage<MT, NB>& st, int c) {
-      cp_async_wait<XS - 2>();
-      __syncthreads();  // chunk c has landed for every thread; stage (c - 1) % XS is free again
-      if (c + XS - 1 < mine) issue_x(c + XS - 1);
-      cp_async_commit();  // an empty group too: the wait above counts groups
-      uint32_t a[MT][2][4];
-      decode_chunk(st, a);
-      const uint4* xc = xs[c % XS] + g * 4 + t;
-#pragma unroll
-      for (int b = 0; b < NB; ++b) mma_block(a, b, xc[b * 32]);
-    };
-#pragma unroll
-    for (int u = 0; u < DEPTH; ++u)
-      if (u < mine) load_weights(ring[u], u);
-    grid_dependency_wait();  // x is the previous kernel's output
-#pragma unroll
-    for (int s = 0; s < XS - 1; ++s) {
-      if (s < mine) issue_x(s);
-      cp_async_commit();
-    }
-    int j = 0;
-    for (; j + DEPTH <= mine; j += DEPTH) {
-#pragma unroll
-      for (int u = 0; u < DEPTH; ++u) {
-        step(ring[u], j + u);
-        if (j + u + DEPTH < mine) load_weights(ring[u], j + u + DEPTH);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < DEPTH - 1; ++u)
-      if (j + u < mine) step(ring[u], j + u);
-  } else if (active) {
+  if (at.nblock < at.n_blocks) {
+    const uint64_t policy = evict_first_policy();
+    const uint4* wbase = p.qweight + ((size_t)at.nblock * p.KC + kc0 + wk) * (kWords / 4) + at.pair0 * 32 + at.lane;
+    const uint8_t* sbase = p.scales + ((size_t)at.nblock * p.KC + kc0 + wk) * kScaleBytes + (g * 2 + (t >> 1)) * 8 +
+                           (MT == 2 ? 4 * at.pair0 : 0);
     const __nv_bfloat16* xrow[NB];
     bool xvalid[NB];
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
-      const int token = m0 + b * 8 + g;
+      const int token = at.m0 + b * 8 + g;
       xvalid[b] = token < p.M;
       xrow[b] = p.x + (size_t)(xvalid[b] ? token : 0) * p.ldx + (kc0 + wk) * kCols + t * 8;
     }
+    auto load_weights = [&](Stage<MT, NB>& st, int j) {  // this warp's j-th chunk
+      const size_t step = (size_t)j * WK;
+#pragma unroll
+      for (int q = 0; q < MT / 2; ++q) st.codes[q] = load_stream(wbase + step * (kWords / 4) + q * 32, policy);
+      if (MT == 4) {
+        const uint2 s = __ldg(reinterpret_cast<const uint2*>(sbase + step * kScaleBytes));
+        st.scales[0] = s.x;
+        st.scales[MT / 2 - 1] = s.y;
+      } else {
+        st.scales[0] = __ldg(reinterpret_cast<const uint32_t*>(sbase + step * kScaleBytes));
+      }
+    };
     auto load_x = [&](Stage<MT, NB>& st, int j) {
       const size_t step = (size_t)j * WK;
       const bool kvalid = (kc0 + wk + (int)step) * kCols + t * 8 < p.K;
@@ -254,10 +305,11 @@ __global__ void __launch_bounds__(WN * WK * 32, XS > 0 ? 1 : 0) gemm_kernel(cons
     };
     auto compute = [&](const Stage<MT, NB>& st) {
       uint32_t a[MT][2][4];
-      decode_chunk(st, a);
+      decode_chunk<MT>(st.codes, st.scales, a);
 #pragma unroll
-      for (int b = 0; b < NB; ++b) mma_block(a, b, st.x[b]);
+      for (int b = 0; b < NB; ++b) mma_block<MT, NB>(acc, a, b, st.x[b]);
     };
+    Stage<MT, NB> ring[DEPTH];
     // Weights do not depend on the previous kernel: under programmatic dependent launch their
     // first chunks stream while it finishes; x (its output) is read only after the wait.
 #pragma unroll
@@ -287,74 +339,105 @@ __global__ void __launch_bounds__(WN * WK * 32, XS > 0 ? 1 : 0) gemm_kernel(cons
     grid_dependency_wait();  // no global write before the previous kernel is done with it
   }
   launch_dependents();
+  __shared__ float4 red[WK > 1 ? (WK - 1) * WN * 32 * MT * NB : 1];
+  finish_tile<MT, NB, WN, WK>(p, at, acc, red);
+}
 
-  if constexpr (WK > 1) {
-    // Sum the K-warps of each warp tile in warp order: a fixed order, so results repeat exactly.
-    __shared__ float4 red[(WK - 1) * WN * 32 * kAcc4];
-    if (wk > 0) {
-      float4* dst = red + ((wk - 1) * WN + wn) * 32 * kAcc4 + lane;
+// Staged kernel: weights and activations both go through a STAGES-deep shared-memory pipeline of
+// cp.async copies, so the bytes in flight no longer cost registers (which 64 rows x 64 tokens of
+// fp32 accumulators take) and a warp can own a whole 64-row block. Stage s holds one group of WK
+// consecutive chunks: their activations (8 * NB tokens x 32 columns each, shared by the CTA's WN
+// warp tiles) and, per warp, its chunk's 1024 B of codes and 128 B of scales (copied and read by
+// that warp alone). Chunks past the split's end are zero-filled, so every warp runs every group.
+template <int NB, int WN, int WK, int STAGES>
+struct StagedShape {
+  static constexpr int kXVecs = WK * NB * 32;           // uint4s of activations per stage
+  static constexpr int kWarpVecs = kWords / 4 + kScaleBytes / 16;  // 64 + 8 uint4s per warp
+  static constexpr int kStageVecs = kXVecs + WN * WK * kWarpVecs;
+  static constexpr int kRedVecs = (WK - 1) * WN * 32 * 4 * NB;
+  static constexpr int kBytes = 16 * (STAGES * kStageVecs > kRedVecs ? STAGES * kStageVecs : kRedVecs);
+};
+
+template <int NB, int WN, int WK, int STAGES>
+__global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParams p) {
+  constexpr int MT = 4;
+  using Shape = StagedShape<NB, WN, WK, STAGES>;
+  static_assert(STAGES >= 2, "a pipeline needs two stages");
+  extern __shared__ uint4 smem[];
+  const Place<MT, WN, WK, NB> at(p);
+  const int warp = threadIdx.x >> 5;
+  const int groups = (at.kc1 - at.kc0 + WK - 1) / WK;
+  // A warp past N (the last CTA column) streams the last real block instead (L2 hits, results
+  // dropped): it must join every barrier of its CTA.
+  const int wblock = at.nblock < at.n_blocks ? at.nblock : at.n_blocks - 1;
+  const uint64_t policy = evict_first_policy();
+
+  auto weights_of_group = [&](int c) {  // this warp's chunk of group c
+    const int chunk = at.kc0 + c * WK + at.wk;
+    const bool ok = chunk < at.kc1;
+    const size_t base = (size_t)wblock * p.KC + (ok ? chunk : at.kc0);
+    uint4* dst = smem + (c % STAGES) * Shape::kStageVecs + Shape::kXVecs + warp * Shape::kWarpVecs;
 #pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-          dst[(i * NB + b) * 32] = make_float4(acc[i][b][0], acc[i][b][1], acc[i][b][2], acc[i][b][3]);
+    for (int i = at.lane; i < Shape::kWarpVecs; i += 32) {
+      const void* src = i < kWords / 4 ? static_cast<const void*>(p.qweight + base * (kWords / 4) + i)
+                                       : static_cast<const void*>(p.scales + base * kScaleBytes + (i - kWords / 4) * 16);
+      cp_async16_stream(dst + i, src, ok, policy);
     }
-    __syncthreads();
-    if (wk == 0) {
-      for (int w = 1; w < WK; ++w) {
-        const float4* src = red + ((w - 1) * WN + wn) * 32 * kAcc4 + lane;
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-          for (int b = 0; b < NB; ++b) {
-            const float4 v = src[(i * NB + b) * 32];
-            acc[i][b][0] += v.x;
-            acc[i][b][1] += v.y;
-            acc[i][b][2] += v.z;
-            acc[i][b][3] += v.w;
-          }
-      }
+  };
+  auto x_of_group = [&](int c) {
+    uint4* dst = smem + (c % STAGES) * Shape::kStageVecs;
+    for (int i = threadIdx.x; i < Shape::kXVecs; i += WN * WK * 32) {
+      const int w = i / (NB * 32), r = i % (NB * 32);
+      const int chunk = at.kc0 + c * WK + w;
+      const int token = at.m0 + (r >> 2);
+      const int col = chunk * kCols + (r & 3) * 8;
+      const bool ok = chunk < at.kc1 && token < p.M && col < p.K;
+      cp_async16(dst + i, p.x + (ok ? (size_t)token * p.ldx + col : 0), ok);
     }
-  }
-  const bool writer = wk == 0 && nblock < n_blocks;
+  };
 
-  const float gs = *p.global_scale * kProductScale;
-  const int row_base = nblock * kRows + pair0 * 32;
-  if (gridDim.y == 1) {
-    if (!writer) return;
-    for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
-      if (row < p.N && token < p.M) p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(v, gs, p.bias, row));
-    });
-    return;
-  }
+  float acc[MT][NB][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][b][e] = 0.f;
 
-  // Split K: park this split's sums, and let the last CTA of the column slice add them up in
-  // split order.
-  const int n_pad = n_blocks * kRows;
-  if (writer) {
-    for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
-      if (token < p.M) __stcg(p.partials + ((size_t)by * p.M + token) * n_pad + row, v);
-    });
+  // Weights do not depend on the previous kernel: under programmatic dependent launch the first
+  // stages' weights stream while it finishes (one commit group); x only after the wait.
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < groups) weights_of_group(s);
+  cp_async_commit();
+  grid_dependency_wait();
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < groups) x_of_group(s);
+    cp_async_commit();
   }
-  __threadfence();
-  __syncthreads();
-  __shared__ int is_last;
-  int* counter = p.counters + bz * columns + bx;
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.y - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  constexpr int kCtaRows = WN * kWarpRows;
-  const int row0 = bx * kCtaRows;
-  const int tokens = min(8 * NB, p.M - m0);
-  for (int idx = threadIdx.x; idx < tokens * kCtaRows; idx += blockDim.x) {
-    const int token = m0 + idx / kCtaRows, row = row0 + idx % kCtaRows;
-    if (row >= p.N) continue;
-    float sum = 0.f;
-    for (int s = 0; s < (int)gridDim.y; ++s) sum += __ldcg(p.partials + ((size_t)s * p.M + token) * n_pad + row);
-    p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(sum, gs, p.bias, row));
+  for (int c = 0; c < groups; ++c) {
+    // Group c's copies are the first c + 2 commit groups of this thread; S + c are committed.
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // group c has landed for every thread; stage (c - 1) % STAGES is free again
+    if (c + STAGES - 1 < groups) {
+      weights_of_group(c + STAGES - 1);
+      x_of_group(c + STAGES - 1);
+    }
+    cp_async_commit();  // an empty group too: the wait above counts groups
+    const uint4* stage = smem + (c % STAGES) * Shape::kStageVecs;
+    const uint4* w = stage + Shape::kXVecs + warp * Shape::kWarpVecs;
+    uint4 codes[2] = {w[at.lane], w[32 + at.lane]};
+    const uint2 sw = reinterpret_cast<const uint2*>(w + kWords / 4)[at.g * 2 + (at.t >> 1)];
+    const uint32_t scales[2] = {sw.x, sw.y};
+    uint32_t a[MT][2][4];
+    decode_chunk<MT>(codes, scales, a);
+    const uint4* xc = stage + at.wk * NB * 32 + at.g * 4 + at.t;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) mma_block<MT, NB>(acc, a, b, xc[b * 32]);
   }
-  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (and CUDA-graph replay)
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's shared memory becomes the K-warp reduction buffer
+  launch_dependents();
+  finish_tile<MT, NB, WN, WK>(p, at, acc, reinterpret_cast<float4*>(smem));
 }
 
 template <int WARPS>
@@ -405,52 +488,77 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
-template <int MT, int NB, int WN, int WK, int DEPTH, int XS>
-cudaError_t launch(const GemmParams& p, int splits, bool pdl, cudaStream_t stream) {
-  constexpr int kCtaRows = WN * 16 * MT;
+template <class Kernel>
+cudaError_t launch(Kernel kernel, const GemmParams& p, int cta_rows, int nb, int threads, int smem, int splits,
+                   bool pdl, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((p.N + kCtaRows - 1) / kCtaRows, splits, (p.M + 8 * NB - 1) / (8 * NB));
-  cfg.blockDim = dim3(WN * WK * 32);
+  cfg.gridDim = dim3((p.N + cta_rows - 1) / cta_rows, splits, (p.M + 8 * nb - 1) / (8 * nb));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, gemm_kernel<MT, NB, WN, WK, DEPTH, XS>, p);
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+template <int NB, int WN, int WK, int S>
+const void* staged_ready() {
+  // Opt in to more than 48 KB of dynamic shared memory once per kernel.
+  static const cudaError_t err = cudaFuncSetAttribute(staged_kernel<NB, WN, WK, S>,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      StagedShape<NB, WN, WK, S>::kBytes);
+  return err == cudaSuccess ? reinterpret_cast<const void*>(staged_kernel<NB, WN, WK, S>) : nullptr;
 }
 
 }  // namespace
 
-// The compiled configs: (rows per warp / 16, tokens per pass / 8, warps along N, warps along K,
-// chunks in flight per warp, activation stages in shared memory or 0). Keep in step with COMPILED
-// in cuda_ext.py (a CPU test checks).
+// The compiled configs. Register ring: (rows per warp / 16, tokens per pass / 8, warps along N,
+// warps along K, chunks in flight per warp). Staged (64 rows per warp): (tokens per pass / 8,
+// warps along N, warps along K, pipeline stages). Keep in step with COMPILED and STAGED in
+// cuda_ext.py (a CPU test checks).
 #define QERL_W4A16_CONFIGS(X)                                                                       \
-  X(4, 1, 4, 1, 4, 0) X(4, 1, 1, 4, 4, 0) X(4, 1, 2, 2, 4, 0) X(2, 1, 8, 1, 4, 0)                  \
-  X(4, 1, 1, 8, 4, 0) X(2, 1, 1, 8, 4, 0) X(4, 2, 4, 1, 4, 0) X(4, 2, 1, 4, 4, 0)                  \
-  X(4, 2, 2, 2, 4, 0) X(2, 2, 8, 1, 4, 0) X(4, 2, 1, 8, 4, 0) X(2, 2, 1, 8, 4, 0)                  \
-  X(4, 4, 4, 1, 2, 0) X(4, 4, 1, 4, 2, 0) X(4, 4, 2, 2, 2, 0) X(2, 4, 8, 1, 2, 0)                  \
-  X(2, 8, 4, 1, 2, 0) X(2, 8, 8, 1, 2, 0) X(2, 8, 1, 4, 2, 0) X(2, 8, 2, 2, 2, 0)                  \
-  X(4, 2, 4, 1, 4, 4) X(4, 2, 8, 1, 4, 4) X(4, 4, 4, 1, 4, 4) X(4, 4, 8, 1, 4, 4)                  \
-  X(4, 8, 4, 1, 2, 4) X(4, 8, 8, 1, 2, 4) X(4, 4, 2, 1, 4, 4) X(2, 8, 8, 1, 2, 4)
+  X(4, 1, 4, 1, 4) X(4, 1, 1, 4, 4) X(4, 1, 2, 2, 4) X(2, 1, 8, 1, 4) X(4, 1, 1, 8, 4)            \
+  X(2, 1, 1, 8, 4) X(4, 2, 4, 1, 4) X(4, 2, 1, 4, 4) X(4, 2, 2, 2, 4) X(2, 2, 8, 1, 4)            \
+  X(4, 2, 1, 8, 4) X(2, 2, 1, 8, 4) X(4, 4, 4, 1, 2) X(4, 4, 1, 4, 2) X(4, 4, 2, 2, 2)            \
+  X(2, 4, 8, 1, 2) X(2, 8, 4, 1, 2) X(2, 8, 8, 1, 2) X(2, 8, 1, 4, 2) X(2, 8, 2, 2, 2)
+#define QERL_W4A16_STAGED(X)                                                                        \
+  X(1, 4, 1, 8) X(1, 1, 4, 8) X(1, 1, 8, 6) X(2, 4, 1, 8) X(2, 1, 4, 8) X(2, 2, 2, 8)             \
+  X(4, 4, 1, 6) X(4, 2, 2, 6) X(4, 1, 4, 6) X(8, 4, 1, 5) X(8, 2, 2, 4) X(8, 2, 1, 6)
 
 int gemm_blocks_per_sm(const GemmConfig& c) {
   int blocks = 0;
-#define QERL_W4A16_OCCUPANCY(MT, NB, WN, WK, D, XS)                                                 \
-  if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D && c.xs == XS)  \
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_kernel<MT, NB, WN, WK, D, XS>, WN * WK * 32, 0);
+#define QERL_W4A16_OCCUPANCY(MT, NB, WN, WK, D)                                                     \
+  if (c.stages == 0 && c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D) \
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_kernel<MT, NB, WN, WK, D>, WN * WK * 32, 0);
   QERL_W4A16_CONFIGS(QERL_W4A16_OCCUPANCY)
 #undef QERL_W4A16_OCCUPANCY
+#define QERL_W4A16_STAGED_OCCUPANCY(NB, WN, WK, S)                                                  \
+  if (c.stages == S && c.mt == 4 && c.nb == NB && c.warps == WN * WK && c.wk == WK && staged_ready<NB, WN, WK, S>()) \
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, staged_kernel<NB, WN, WK, S>, WN * WK * 32,        \
+                                                  StagedShape<NB, WN, WK, S>::kBytes);
+  QERL_W4A16_STAGED(QERL_W4A16_STAGED_OCCUPANCY)
+#undef QERL_W4A16_STAGED_OCCUPANCY
   return blocks;
 }
 
 cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
-#define QERL_W4A16_DISPATCH(MT, NB, WN, WK, D, XS)                                                  \
-  if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D && c.xs == XS)  \
-    return launch<MT, NB, WN, WK, D, XS>(p, c.splits, c.pdl != 0, stream);
+#define QERL_W4A16_DISPATCH(MT, NB, WN, WK, D)                                                      \
+  if (c.stages == 0 && c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D) \
+    return launch(gemm_kernel<MT, NB, WN, WK, D>, p, WN * 16 * MT, NB, WN * WK * 32, 0, c.splits, c.pdl != 0, stream);
   QERL_W4A16_CONFIGS(QERL_W4A16_DISPATCH)
 #undef QERL_W4A16_DISPATCH
+#define QERL_W4A16_STAGED_DISPATCH(NB, WN, WK, S)                                                   \
+  if (c.stages == S && c.mt == 4 && c.nb == NB && c.warps == WN * WK && c.wk == WK) {              \
+    if (staged_ready<NB, WN, WK, S>() == nullptr) return cudaErrorInvalidConfiguration;          \
+    return launch(staged_kernel<NB, WN, WK, S>, p, WN * 64, NB, WN * WK * 32, StagedShape<NB, WN, WK, S>::kBytes, \
+                  c.splits, c.pdl != 0, stream);                                                  \
+  }
+  QERL_W4A16_STAGED(QERL_W4A16_STAGED_DISPATCH)
+#undef QERL_W4A16_STAGED_DISPATCH
   return cudaErrorInvalidConfiguration;
 }
 

@@ -27,11 +27,12 @@ struct GemmParams {
 
 // Launch config of the decode GEMM: rows per warp = 16 * mt (2 or 4 m16 tiles), tokens per pass
 // = 8 * nb (1, 2, 4 or 8 n8 blocks), warps per CTA, of which wk share each warp tile along K,
-// chunks in flight per warp, K splits across CTAs, whether the launch may overlap the previous
-// kernel (programmatic dependent launch: weights prefetched before its results are read), and xs,
-// the chunks of activations staged in shared memory for the whole CTA (0: each warp loads its own).
+// chunks in flight per warp (register-ring kernel), K splits across CTAs, whether the launch may
+// overlap the previous kernel (programmatic dependent launch: weights prefetched before its
+// results are read), and stages: 0 for the register-ring kernel, else the depth of the staged
+// kernel's shared-memory pipeline (weights and activations copied with cp.async; mt = 4).
 struct GemmConfig {
-  int mt, nb, warps, wk, depth, splits, pdl, xs;
+  int mt, nb, warps, wk, depth, splits, pdl, stages;
 };
 
 // CTAs of config `c` that fit on one SM at once (0 for a config with no compiled kernel).
