@@ -229,13 +229,13 @@ _VARIANT = {1: (2, 8, 8, 4, 0), 2: (2, 8, 8, 4, 0), 4: (4, 4, 4, 2, 0), 8: (2, 4
 # Measured best configs per (M, N, K) on a 132-SM H200 (bench/results/kernels-cuda-h200.json,
 # written there by `tuned_table`); used on GPUs with that many SMs.
 TABLE_FILE = SOURCE_DIR / "configs-h200.json"
-_TABLE_MS = (1, 8, 16, 32, 64, 128, 256)
+_TABLE_MS = (1, 8, 16, 32, 64)
 
 
 def _table_m(m: int) -> int:
-    """The table row that serves M tokens: the smallest measured M at or above it (the largest
-    measured M beyond them)."""
-    return next((t for t in _TABLE_MS if t >= m), _TABLE_MS[-1])
+    """The table row that serves M tokens: the smallest measured M at or above it (per pass)."""
+    m = min(m, MAX_PASS_TOKENS)
+    return next(t for t in _TABLE_MS if t >= m)
 
 
 def table_key(m: int, n: int, k: int) -> str:
