@@ -160,8 +160,13 @@ def test_bad_configs_and_devices_are_errors_not_crashes() -> None:
     x = torch.randn(4, 512, device="cuda").to(torch.bfloat16)
     for bad in (cuda_ext.GemmConfig(4, 0, 4, 1, 4, 3), cuda_ext.GemmConfig(4, 1, 4, 0, 4, 3),
                 cuda_ext.GemmConfig(4, 1, 6, 4, 4, 3), cuda_ext.GemmConfig(3, 1, 4, 1, 4, 1),
-                cuda_ext.GemmConfig(4, 1, 4, 1, 0, 1)):
-        with pytest.raises(RuntimeError, match="config"):
+                cuda_ext.GemmConfig(4, 1, 4, 1, 0, 1), cuda_ext.GemmConfig(4, 1, 4, 1, 4, 0)):
+        with pytest.raises(ValueError, match="compiled GEMM variant|splits"):
             cuda_ext.gemm(x, tq, config=bad)
+    # The binding's own checks raise too (they once crashed the process instead).
+    with pytest.raises(RuntimeError, match="invalid GEMM config"):
+        torch.ops.qerl.w4a16_gemm(x, tq.qweight, tq.scales, tq.global_scale, None, 256, 512, 4, 0, 4, 1, 4, 3, True, 0)
+    with pytest.raises(RuntimeError, match="invalid configuration"):  # cudaErrorInvalidConfiguration
+        torch.ops.qerl.w4a16_gemm(x, tq.qweight, tq.scales, tq.global_scale, None, 256, 512, 3, 1, 4, 1, 4, 1, True, 0)
     with pytest.raises(RuntimeError, match="bias"):
-        cuda_ext.gemm(x, tq, torch.zeros(256, dtype=torch.bfloat16), config=cuda_ext.default_config(4, 256, 512, 132))
+        cuda_ext.gemm(x, tq, torch.zeros(256, dtype=torch.bfloat16))

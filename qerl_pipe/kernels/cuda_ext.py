@@ -293,12 +293,27 @@ def _(qweight, scales, global_scale, n, k):
     return qweight.new_empty(n, k, dtype=torch.bfloat16)
 
 
+@lru_cache(maxsize=1)
+def _compiled_keys() -> frozenset[tuple[int, ...]]:
+    return frozenset((c.mt, c.nb, c.warps, c.wk, c.depth, c.stages) for c in compiled_configs())
+
+
+def check_config(config: GemmConfig) -> None:
+    """Raise ValueError unless `config` names a compiled variant with at least one K split."""
+    if (config.mt, config.nb, config.warps, config.wk, config.depth, config.stages) not in _compiled_keys():
+        raise ValueError(f"{config} is not a compiled GEMM variant; choose one of cuda_ext.compiled_configs()")
+    if config.splits < 1:
+        raise ValueError(f"{config} has splits < 1")
+
+
 def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: GemmConfig | None = None) -> Tensor:
     """`x @ W^T (+ bias)` for bf16 `x [M, K]`, M <= 64 per pass (more runs as several passes)."""
     m = x.shape[0]
     if config is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         config = default_config(m, w.out_features, w.in_features, sms)
+    else:
+        check_config(config)
     return _gemm_op(x, w.qweight, w.scales, w.global_scale, bias, w.out_features, w.in_features,
                     config.mt, config.nb, config.warps, config.wk, config.depth, config.splits, config.pdl,
                     config.stages)
