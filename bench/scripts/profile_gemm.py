@@ -1,14 +1,32 @@
-"""Run the decode GEMM on 7B gate_up at M = 1 and 16 a few times, for ncu to profile one launch."""
+"""Run decode-GEMM configs on 7B layers for ncu to profile (two launches each; profile the second).
+
+`ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:'gemm_kernel|staged_kernel'
+python3 bench/scripts/profile_gemm.py [--m 64]`: at M = 64 it runs, on 7B gate_up and o, the best
+register-ring config (and the same split in two on o) and the best staged config of bench/results/kernels-cuda-h200.json (84544ba).
+"""
+import argparse
+
 import torch
 
 from qerl_pipe.formats.nvfp4 import quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.tiled import tile_nvfp4
 
-tq = tile_nvfp4(quantize_nvfp4_in_row_chunks(torch.randn(37888, 3584, device="cuda") * 0.02, name="gate_up"))
-for m in (1, 16):
-    x = torch.randn(m, 3584, device="cuda").to(torch.bfloat16)
-    for _ in range(3):
-        cuda_ext.gemm(x, tq)
-torch.cuda.synchronize()
+RING = cuda_ext.GemmConfig(2, 8, 4, 4, 2, 1)
+CONFIGS = {
+    "gate_up": (37888, 3584, [RING, cuda_ext.GemmConfig(4, 8, 4, 1, 0, 1, stages=5)]),
+    "o": (3584, 3584, [RING, cuda_ext.GemmConfig(2, 8, 4, 4, 2, 2), cuda_ext.GemmConfig(4, 8, 4, 2, 0, 4, stages=4)]),
+}
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--m", type=int, default=64)
+args = ap.parse_args()
+for name, (n, k, configs) in CONFIGS.items():
+    tq = tile_nvfp4(quantize_nvfp4_in_row_chunks(torch.randn(n, k, device="cuda") * 0.02, name=name))
+    x = torch.randn(args.m, k, device="cuda").to(torch.bfloat16)
+    for cfg in configs:
+        for _ in range(2):
+            cuda_ext.gemm(x, tq, config=cfg)
+        torch.cuda.synchronize()
+        print(name, cfg, flush=True)
 print("profile run done")

@@ -228,15 +228,32 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT,
   __syncthreads();
   if (!is_last) return;
   __threadfence();
+  // Four rows per thread (16-byte loads; rows of the padded workspace are 64-aligned) and the
+  // splits' loads unrolled, so this one CTA's tail is bandwidth-, not latency-bound: at 64 tokens
+  // it reads splits x 64 x 4 * kCtaRows bytes. Each sum still runs in split order.
   constexpr int kCtaRows = WN * 16 * MT;
+  constexpr int kQuads = kCtaRows / 4;
   const int row0 = at.bx * kCtaRows;
   const int tokens = min(8 * NB, p.M - at.m0);
-  for (int idx = threadIdx.x; idx < tokens * kCtaRows; idx += blockDim.x) {
-    const int token = at.m0 + idx / kCtaRows, row = row0 + idx % kCtaRows;
+  const int splits = gridDim.y;
+  const size_t split_stride = (size_t)p.M * n_pad;
+  for (int idx = threadIdx.x; idx < tokens * kQuads; idx += blockDim.x) {
+    const int token = at.m0 + idx / kQuads, row = row0 + idx % kQuads * 4;
     if (row >= p.N) continue;
-    float sum = 0.f;
-    for (int s = 0; s < (int)gridDim.y; ++s) sum += __ldcg(p.partials + ((size_t)s * p.M + token) * n_pad + row);
-    p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(sum, gs, p.bias, row));
+    const float* part = p.partials + (size_t)token * n_pad + row;
+    float4 sum = __ldcg(reinterpret_cast<const float4*>(part));
+#pragma unroll 4
+    for (int s = 1; s < splits; ++s) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part + s * split_stride));
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (row + j < p.N) p.out[(size_t)token * p.ldo + row + j] = __float2bfloat16_rn(finish(v[j], gs, p.bias, row + j));
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (and CUDA-graph replay)
 }
