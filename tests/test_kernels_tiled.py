@@ -104,6 +104,79 @@ def emulate_weight(t: TiledNVFP4) -> torch.Tensor:
     return w[: t.out_features, : t.in_features]
 
 
+def _mma(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """mma.m16n8k16 (.row.col) over one warp's fragments, by PTX's fragment layout: a `[32, 4, 2]`
+    (a0/a2 row g, a1/a3 row g + 8; a0/a1 k 2t + h, a2/a3 k 2t + 8 + h), b `[32, 2, 2]` (b0 k 2t + h,
+    b1 k 2t + 8 + h; column g) -> c `[32, 4]` (c0/c1 row g, c2/c3 row g + 8; columns 2t, 2t + 1)."""
+    g, t = torch.arange(32) // 4, torch.arange(32) % 4
+    A = torch.zeros(16, 16, dtype=torch.float64)
+    B = torch.zeros(16, 8, dtype=torch.float64)
+    for h in range(2):
+        for r, (row, k) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+            A[g + row, 2 * t + k + h] = a[:, r, h]
+        B[2 * t + h, g] = b[:, 0, h]
+        B[2 * t + 8 + h, g] = b[:, 1, h]
+    C = A @ B
+    return torch.stack([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]], -1)
+
+
+def emulate_gemm(t: TiledNVFP4, x: torch.Tensor, mt: int, nb: int, wk: int, staged: bool) -> torch.Tensor:
+    """out = x @ W^T as one CTA column of the kernels computes it, lane by lane: the A fragments
+    of `_fragments` for the warp tile's m16 tiles (MT = 2: tiles 2 * pair0 + i), B fragments from
+    the lane's 16-byte piece of x (token m0 + 8b + g, columns 8t..8t + 7 of the chunk; b0 = its
+    elements 4j, 4j + 1, b1 = 4j + 2, 4j + 3) either loaded directly or, staged, through the shared
+    stage's index arithmetic (copy: piece i -> chunk i // (8 NB * 4), token (i % (32 NB)) // 4,
+    part i % 4; read: wk * 32 NB + (8b + g) * 4 + t), MMAs by `_mma`, K-warps summed, and the C
+    fragments scattered as `for_each_output` does."""
+    frag = _fragments(t)
+    n_blocks, kc = t.qweight.shape[:2]
+    m, k = x.shape
+    g, tt = torch.arange(32) // 4, torch.arange(32) % 4
+    out = torch.zeros(m, n_blocks * tiled.ROWS, dtype=torch.float64)
+    xs = torch.zeros(-(-m // (8 * nb)) * 8 * nb, kc * tiled.COLS + tiled.COLS * wk, dtype=torch.float64)
+    xs[:m, :k] = x
+
+    def piece(token: torch.Tensor, chunk: int, part: torch.Tensor) -> torch.Tensor:  # [.., 8]
+        cols = chunk * tiled.COLS + part[..., None] * 8 + torch.arange(8)
+        return xs[token[..., None], cols]
+
+    for m0 in range(0, m, 8 * nb):
+        for warp_tile in range(n_blocks * 4 // mt):
+            nblock, pair0 = divmod(warp_tile, 4 // mt)
+            acc = torch.zeros(mt, nb, 32, 4, dtype=torch.float64)
+            for c in range(-(-kc // wk)):  # chunk groups; K-warp w takes chunk c * wk + w
+                stage = None
+                if staged:  # the CTA's copy of group c: piece i of chunk c * wk + i // (32 nb)
+                    i = torch.arange(wk * nb * 32)
+                    chunk_of, r = i // (nb * 32), i % (nb * 32)
+                    stage = torch.stack([piece(m0 + r[q:q + 1] // 4, c * wk + int(chunk_of[q]), r[q:q + 1] % 4)[0]
+                                         for q in range(len(i))])
+                for w in range(wk):
+                    chunk = c * wk + w
+                    if chunk >= kc:
+                        continue  # staged: zero-filled; ring: the warp has no such chunk
+                    for b in range(nb):
+                        if staged:
+                            xv = stage[w * nb * 32 + (b * 8 + g) * 4 + tt]  # [32, 8]
+                        else:
+                            xv = piece(m0 + b * 8 + g, chunk, tt)
+                        for j in range(2):
+                            bfrag = xv[:, 4 * j:4 * j + 4].reshape(32, 2, 2)
+                            for tile in range(mt):
+                                afrag = frag[nblock, chunk, :, 2 * pair0 * (mt == 2) + tile, j]  # [32, 4, 2]
+                                acc[tile, b] += _mma(afrag, bfrag)
+            row_base = nblock * tiled.ROWS + pair0 * 32 * (mt == 2)
+            for tile in range(mt):
+                for b in range(nb):
+                    for e in range(4):
+                        row = row_base + tile * 16 + g + (e >> 1) * 8
+                        token = m0 + b * 8 + 2 * tt + (e & 1)
+                        ok = token < m
+                        out[token[ok], row[ok]] = acc[tile, b, ok, e]
+    scale = float(t.global_scale) * 2.0**tiled.PRODUCT_SHIFT
+    return out[:, : t.out_features] * scale
+
+
 def _popcount(t: torch.Tensor, bits: int) -> int:
     v = t.to(torch.int64) & ((1 << bits) - 1)
     return int(sum(((v >> b) & 1).sum() for b in range(bits)))
@@ -152,6 +225,18 @@ def test_emulated_gemm_matches_the_reference(m: int, n: int, k: int) -> None:
     ref = x @ dequantize_nvfp4(w, torch.float64).T  # computed in fp32, as modelopt does
     assert float((got - ref).norm() / ref.norm()) < 1e-6
     assert torch.equal(got, x @ _exact(w).T)
+
+
+@pytest.mark.parametrize(("mt", "nb", "wk", "staged"),
+                         [(4, 1, 1, False), (2, 2, 4, False), (4, 1, 8, True), (4, 2, 2, True), (4, 8, 1, True)])
+def test_emulated_lanes_compute_the_product(mt: int, nb: int, wk: int, staged: bool) -> None:
+    """The activation side too: B fragments, the staged copy's index arithmetic and the C scatter,
+    with an M tail, N padded to 64 and K % 32 == 16."""
+    w = _random_weight(100, 112, 11, odd_scales=True)
+    x = torch.randn(8 * nb + 3, 112, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).double()
+    got = emulate_gemm(tile_nvfp4(w), x, mt, nb, wk, staged)
+    ref = x @ _exact(w).T
+    assert float((got - ref).abs().max()) <= 1e-9 * float(ref.abs().max())
 
 
 def test_every_code_times_every_scale_byte() -> None:
