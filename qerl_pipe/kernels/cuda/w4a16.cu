@@ -143,6 +143,16 @@ struct Place {
   }
 };
 
+template <int MT, int NB>
+__device__ __forceinline__ void zero(float (&acc)[MT][NB][4]) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][b][e] = 0.f;
+}
+
 // Decode a whole chunk (codes[q] and scale words of this lane's 16 * MT rows) into A fragments
 // before its MMAs, so that the MMAs have independent operands to overlap.
 template <int MT>
@@ -278,12 +288,7 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
   const int mine = at.kc1 - kc0 > wk ? (at.kc1 - kc0 - wk + WK - 1) / WK : 0;
 
   float acc[MT][NB][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int b = 0; b < NB; ++b)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][b][e] = 0.f;
+  zero(acc);
 
   if (at.nblock < at.n_blocks) {
     const uint64_t policy = evict_first_policy();
@@ -414,12 +419,7 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
   };
 
   float acc[MT][NB][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int b = 0; b < NB; ++b)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][b][e] = 0.f;
+  zero(acc);
 
   // Weights do not depend on the previous kernel: under programmatic dependent launch the first
   // stages' weights stream while it finishes (one commit group); x only after the wait.
