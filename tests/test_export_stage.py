@@ -28,7 +28,8 @@ from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.recipe import load_recipe
-from qerl_pipe.stages.build_engine import load_engine, run_build_engine
+from qerl_pipe.engine.artifact import load_engine
+from qerl_pipe.stages.build_engine import run_build_engine
 from qerl_pipe.stages.quantize import run_quantize
 from qerl_pipe.stages import export as export_stage
 from tests.conftest import make_tiny_model, read_json

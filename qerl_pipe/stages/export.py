@@ -27,24 +27,25 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
+from qerl_pipe.dag import ADAPTER_DIR, EXPORT, check_kind, find_or_build, input_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.checkpoint import (
     INDEX_FILE, SINGLE_FILE, detect_quant_format, iter_quantized_checkpoint, list_shards, open_shard,
     save_safetensors,
 )
 from qerl_pipe.formats.modelopt_layout import FUSED_GROUPS, fused_group_key, nvfp4_tensors
+from qerl_pipe.formats.modelopt_writer import (
+    LINEAR, copy_model_files, is_excluded, quantize_in_row_chunks, write_configs,
+)
+from qerl_pipe.formats.modelopt_writer import out_dtype as checkpoint_dtype
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, global_scale_from_amax
 from qerl_pipe.formats.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from qerl_pipe.log import log, progress
 from qerl_pipe.recipe import ExportSection, Recipe
-from qerl_pipe.sources import IMPORT_STAGE, _dir_fingerprint
-from qerl_pipe.stages import build_engine as build_engine_stage
-from qerl_pipe.stages import quantize as quantize_stage
-from qerl_pipe.stages import train as train_stage
+from qerl_pipe.sources import IMPORT_STAGE, dir_fingerprint
 
-STAGE = "export"
-VERSION = 1
+STAGE = EXPORT
 KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}
 # Output shards close at this size: it bounds the host memory of a merge (one shard buffered).
 SHARD_BYTES = 2 * 2**30
@@ -78,13 +79,11 @@ class _Base:
 
 
 def _check_run(run: Artifact) -> Path:
-    if run.kind != train_stage.KIND:
-        raise ArtifactError(f"{run.path} is a '{run.kind}' artifact, not a run; pass a `qerl-pipe train` "
-                            "artifact (train-<id>) to --run")
-    adapter = run.path / train_stage.ADAPTER_DIR
+    check_kind(run, "train", "--run")
+    adapter = run.path / ADAPTER_DIR
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
         if not (adapter / name).is_file():
-            raise ArtifactError(f"run {run.path} has no {train_stage.ADAPTER_DIR}/{name}; re-create it with "
+            raise ArtifactError(f"run {run.path} has no {ADAPTER_DIR}/{name}; re-create it with "
                                 "`qerl-pipe train --force`")
     return adapter
 
@@ -103,12 +102,12 @@ def _stored(store: ArtifactStore, stage: str, art_id: str, what: str, run: Artif
 def _walk_chain(run: Artifact, store: ArtifactStore) -> _Chain:
     """run -> engine -> (NVFP4 checkpoint ->) model source, as the manifests record them."""
     engine_id = run.manifest["parents"][0]
-    engine = _stored(store, build_engine_stage.STAGE, engine_id, "engine", run)
+    engine = _stored(store, "build-engine", engine_id, "engine", run)
     config = engine.manifest["config"]
     base = config["base"]
     quantized = None
     if "quantized" in base:
-        quantized = _stored(store, quantize_stage.STAGE, base["quantized"], "NVFP4 checkpoint", run)
+        quantized = _stored(store, "quantize", base["quantized"], "NVFP4 checkpoint", run)
         model_key = quantized.manifest["config"]["model"]
     else:
         model_key = base["model"]
@@ -134,7 +133,7 @@ def _original_model(model_key: dict[str, Any], store: ArtifactStore) -> tuple[Pa
     path = Path(content.get("path", ""))
     if not path.is_dir():
         return None, [], f"model source {source} ({path}) no longer exists"
-    now = _dir_fingerprint(path) | ({"hub_id": content["hub_id"]} if "hub_id" in content else {})
+    now = dir_fingerprint(path) | ({"hub_id": content["hub_id"]} if "hub_id" in content else {})
     if now != content:
         return None, [], f"model source {source} ({path}) changed since the run's base was made from it"
     return path, [], ""
@@ -286,21 +285,13 @@ def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _copy_model_files(source: Path, out: Path) -> None:
-    """Tokenizer, chat template and generation config: the directory loads standalone."""
-    for pattern in quantize_stage.COPY_PATTERNS:
-        for path in source.glob(pattern):
-            if path.is_file():
-                shutil.copy2(path, out / path.name)
-
-
 def _write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
     config = json.loads((source / "config.json").read_text())
     config.pop("quantization_config", None)  # the weights are dense now
     key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
     config[key] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _copy_model_files(source, out)
+    copy_model_files(source, out)
 
 
 @dataclass
@@ -317,9 +308,9 @@ class _NVFP4Sink:
     excluded: set[str] = field(default_factory=set)
 
     def add(self, name: str, tensor: Tensor) -> None:
-        match = quantize_stage.LINEAR.match(name)
+        match = LINEAR.match(name)
         module = match.group(1) if match else None
-        if module is None or quantize_stage.is_excluded(module, self.exclude):
+        if module is None or is_excluded(module, self.exclude):
             if module is not None:
                 self.excluded.add(module)
             self.writer.add(name, _cast(tensor, self.dtype))
@@ -332,7 +323,7 @@ class _NVFP4Sink:
         members[module] = tensor
         parent, projections = group.rpartition(".")[0], FUSED_GROUPS[group.rpartition(".")[2]]
         expected = [f"{parent}.{p}" for p in projections
-                    if not quantize_stage.is_excluded(f"{parent}.{p}", self.exclude)]
+                    if not is_excluded(f"{parent}.{p}", self.exclude)]
         if set(members) == set(expected):
             del self.pending[group]
             self._write([(m, members[m]) for m in expected])
@@ -351,8 +342,7 @@ class _NVFP4Sink:
             input_scale = self.input_scales[key]
         for module, weight in modules:
             # Own copies of the shared scales: safetensors refuses tensors that share memory.
-            packed, self.errors[module] = quantize_stage.quantize_in_row_chunks(weight, scale.clone(),
-                                                                                  f"{module}.weight")
+            packed, self.errors[module] = quantize_in_row_chunks(weight, scale.clone(), f"{module}.weight")
             own_input_scale = None if input_scale is None else input_scale.clone()
             for n, t in nvfp4_tensors(module, packed, own_input_scale).items():
                 self.writer.add(n, t)
@@ -383,7 +373,7 @@ def _input_scales(quantized: Artifact) -> dict[str, Tensor]:
 # --- the stage ---------------------------------------------------------------------------------
 
 def out_dtype(section: ExportSection, base: _Base) -> torch.dtype:
-    return quantize_stage.out_dtype(section.dtype, json.loads((base.dir / "config.json").read_text()))
+    return checkpoint_dtype(section.dtype, json.loads((base.dir / "config.json").read_text()))
 
 
 def _export_peft(adapter_dir: Path, chain: _Chain | None, out: Path) -> dict[str, Any]:
@@ -421,7 +411,7 @@ def _export_merged(section: ExportSection, chain: _Chain, base: _Base, adapter: 
         return summary
     sink.finish()
     quant_algo = "NVFP4" if input_scales else "W4A16_NVFP4"
-    quantize_stage.write_configs(base.dir, out, quant_algo, sorted({"lm_head", *sink.excluded}), dtype)
+    write_configs(base.dir, out, quant_algo, sorted({"lm_head", *sink.excluded}), dtype)
     errors = sink.errors
     summary.update({"quant_algo": quant_algo, "quantized_linears": len(errors),
                     "mean_relative_error": sum(errors.values()) / max(1, len(errors)),
@@ -429,14 +419,16 @@ def _export_merged(section: ExportSection, chain: _Chain, base: _Base, adapter: 
     return summary
 
 
-def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = None, force: bool = False) -> Artifact:
-    """Export `run` (default: the recipe's run, found or trained) in `recipe.export.format`.
+def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = None, force: bool = False,
+               build_missing: bool = False, find_only: bool = False) -> Artifact:
+    """Export `run` (default: the recipe's run, found in the store; trained only with
+    `build_missing`) in `recipe.export.format`.
 
     Every input is checked (run kind, chain, base, adapter fit) before anything is written.
     """
     section = recipe.export
     if run is None:
-        run = train_stage.run_train(recipe, store)
+        run = input_artifact(STAGE.name, "--run", recipe, store, build_missing=build_missing, find_only=find_only)
     adapter_dir = _check_run(run)
     config: dict[str, Any] = {"format": section.format}
     parents = [run.id]
@@ -460,11 +452,7 @@ def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = N
                 input_scales = _input_scales(load_artifact(chain.quantized.path, verify=True))
                 if input_scales and chain.quantized.id not in parents:
                     parents.append(chain.quantized.id)
-    with store.create(stage=STAGE, stage_version=VERSION, kind=KINDS[section.format], config=config,
-                      parents=parents, force=force) as (pending, existing):
-        if existing is not None:
-            log(f"export: up to date, reusing {existing.path}")
-            return existing
+    def build(pending: PendingArtifact) -> None:
         started = time.perf_counter()
         if section.format == "peft":
             summary = _export_peft(adapter_dir, chain, pending.dir)
@@ -475,4 +463,6 @@ def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = N
         pending.summary.update(summary)
         over = f" over the {summary['base']}" if "base" in summary else ""
         log(f"export: {section.format} of {run.path.name}{over}, {summary['size_mb']:.1f} MB in {summary['seconds']} s")
-    return load_artifact(store.path_for(STAGE, pending.id), verify=False)
+
+    return find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
+                         find_only=find_only, kind=KINDS[section.format])
