@@ -51,7 +51,7 @@ def pipeline(tiny_llama, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def random_adapter(pipeline, tmp_path_factory) -> Path:
     """A PEFT adapter for the tiny model with random, clearly non-zero A and B."""
-    from qerl_pipe.formats.peft_adapter import save_adapter
+    from qerl_pipe.model.peft import save_adapter
     from qerl_pipe.model.lora import LoraSpec, lora_parameters
     from qerl_pipe.engine.artifact import load_engine
 
@@ -273,7 +273,7 @@ def test_adapter_directories_are_read_from_their_files(random_adapter, tmp_path)
     import math
     import shutil
 
-    from qerl_pipe.formats.peft_adapter import read_adapter
+    from qerl_pipe.model.peft import read_adapter
 
     found = read_adapter(random_adapter)
     assert (found.spec.rank, found.spec.alpha, found.spec.targets, found.spec.train_norms) == (2, 4, ("q", "v", "down"),

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from qerl_pipe.artifacts import ArtifactStore, load_artifact
 from qerl_pipe.formats.modelopt_layout import config_quantization_config
 from qerl_pipe.formats.nvfp4 import global_scale_from_amax, quantize_nvfp4
-from qerl_pipe.formats.peft_adapter import load_adapter_weights, save_adapter
+from qerl_pipe.model.peft import load_adapter_weights, save_adapter
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model

@@ -75,7 +75,7 @@ def test_adapter_loads_into_peft_and_reproduces_our_logits(tiny_llama, store_dir
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from qerl_pipe.formats.peft_adapter import load_adapter_weights
+    from qerl_pipe.model.peft import load_adapter_weights
     from qerl_pipe.model.lora import LoraSpec
     from qerl_pipe.engine.artifact import load_engine
 

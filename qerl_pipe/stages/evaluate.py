@@ -30,7 +30,7 @@ from qerl_pipe.dag import BUILD_ENGINE, EVAL, QUANTIZE, TRAIN, MissingArtifact, 
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.engine.artifact import check_engine_for, load_engine
 from qerl_pipe.errors import ArtifactError, QerlError
-from qerl_pipe.formats.peft_adapter import (
+from qerl_pipe.model.peft import (
     ADAPTER_WEIGHTS,
     AdapterFiles,
     check_adapter_fits,

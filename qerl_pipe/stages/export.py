@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
@@ -40,7 +39,8 @@ from qerl_pipe.formats.modelopt_writer import (
 )
 from qerl_pipe.formats.modelopt_writer import out_dtype as checkpoint_dtype
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, global_scale_from_amax
-from qerl_pipe.formats.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from qerl_pipe.model.lora import merge_lora
+from qerl_pipe.model.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraTensors, lora_tensors, read_adapter
 from qerl_pipe.log import log, progress
 from qerl_pipe.recipe import ExportSection, Recipe
 from qerl_pipe.sources import IMPORT_STAGE, dir_fingerprint
@@ -49,7 +49,6 @@ STAGE = EXPORT
 KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}
 # Output shards close at this size: it bounds the host memory of a merge (one shard buffered).
 SHARD_BYTES = 2 * 2**30
-_PEFT_PREFIX = "base_model.model."
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by every loader
 
 
@@ -157,47 +156,6 @@ def _find_base(chain: _Chain, store: ArtifactStore) -> _Base:
 
 # --- the adapter -------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Adapter:
-    """LoRA factors and trained norm weights by Hugging Face parameter name, and the LoRA scaling."""
-
-    lora: dict[str, tuple[Tensor, Tensor]]  # "<module>.weight" -> (A [r, in], B [out, r])
-    norms: dict[str, Tensor]  # "<norm>.weight" -> the trained weight
-    scaling: float
-    config: dict[str, Any]
-
-
-def read_adapter(adapter_dir: Path) -> _Adapter:
-    """A PEFT LoRA adapter as written by `formats.peft_adapter.save_adapter`."""
-    try:
-        config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-        tensors = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{adapter_dir}: cannot read the adapter ({exc}); re-create the run with --force") from None
-    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
-        raise ArtifactError(f"{adapter_dir}: only plain LoRA adapters can be merged (peft_type LORA, no rsLoRA/DoRA)")
-    lora_a: dict[str, Tensor] = {}
-    lora_b: dict[str, Tensor] = {}
-    norms: dict[str, Tensor] = {}
-    for key, t in tensors.items():
-        name = key.removeprefix(_PEFT_PREFIX)
-        if name.endswith(".lora_A.weight"):
-            lora_a[name.removesuffix(".lora_A.weight") + ".weight"] = t
-        elif name.endswith(".lora_B.weight"):
-            lora_b[name.removesuffix(".lora_B.weight") + ".weight"] = t
-        else:
-            norms[name] = t
-    if lora_a.keys() != lora_b.keys():
-        raise ArtifactError(f"{adapter_dir}: some LoRA modules have A without B or B without A")
-    lora = {name: (lora_a[name], lora_b[name]) for name in lora_a}
-    return _Adapter(lora, norms, float(config["lora_alpha"]) / float(config["r"]), config)
-
-
-def merge_lora(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
-    """`W + scaling * B @ A` in float32; the caller casts once, so there is one rounding."""
-    return torch.addmm(weight.float(), b.float(), a.float(), alpha=scaling)
-
-
 def _base_names(base_dir: Path) -> set[str]:
     """The parameter names a dense stream of `base_dir` yields (headers only, no tensor is read)."""
     names = set()
@@ -213,7 +171,7 @@ def _base_names(base_dir: Path) -> set[str]:
     return names
 
 
-def _check_adapter_fits(adapter: _Adapter, base: _Base) -> None:
+def _check_adapter_fits(adapter: LoraTensors, base: _Base) -> None:
     names = _base_names(base.dir)
     missing = sorted((adapter.lora.keys() | adapter.norms.keys()) - names)
     if missing:
@@ -221,7 +179,7 @@ def _check_adapter_fits(adapter: _Adapter, base: _Base) -> None:
                             f"{base.dir} lacks: the adapter was trained over another model")
 
 
-def _merged_tensors(base: _Base, adapter: _Adapter) -> Iterator[tuple[str, Tensor, bool]]:
+def _merged_tensors(base: _Base, adapter: LoraTensors) -> Iterator[tuple[str, Tensor, bool]]:
     """(HF name, tensor, changed) over the base, LoRA merged (float32) and trained norms swapped in."""
     for name, item, _input_scale in iter_quantized_checkpoint(base.dir):
         if name.endswith(_IGNORED_SUFFIXES):
@@ -382,12 +340,13 @@ def _export_peft(adapter_dir: Path, chain: _Chain | None, out: Path) -> dict[str
         shutil.copy2(adapter_dir / name, out / name)
     return {
         "rank": adapter.config["r"], "alpha": adapter.config["lora_alpha"],
-        "lora_modules": len(adapter.lora), "modules_to_save": adapter.config.get("modules_to_save"),
+        "lora_modules": sum(name.endswith(".lora_A.weight") for name in adapter.shapes),
+        "modules_to_save": adapter.config.get("modules_to_save"),
         "trained_over": chain.base_format if chain else None,
     }
 
 
-def _export_merged(section: ExportSection, chain: _Chain, base: _Base, adapter: _Adapter,
+def _export_merged(section: ExportSection, chain: _Chain, base: _Base, adapter: LoraTensors,
                    input_scales: dict[str, Tensor], out: Path) -> dict[str, Any]:
     dtype = out_dtype(section, base)
     writer = _ShardWriter(out)
@@ -442,7 +401,7 @@ def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = N
     else:
         chain = _walk_chain(run, store)
         base = _find_base(chain, store)
-        adapter = read_adapter(adapter_dir)
+        adapter = lora_tensors(read_adapter(adapter_dir))
         _check_adapter_fits(adapter, base)
         config.update({"dtype": section.dtype, "base": base.identity})
         parents += base.parents

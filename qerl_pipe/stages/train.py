@@ -31,7 +31,7 @@ from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_a
 from qerl_pipe.dag import ADAPTER_DIR, TRAIN, find_or_build, input_artifact
 from qerl_pipe.engine import Engine
 from qerl_pipe.engine.artifact import check_engine_for, load_engine
-from qerl_pipe.formats.peft_adapter import save_adapter
+from qerl_pipe.model.peft import save_adapter
 from qerl_pipe.log import log
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.lora import LoraSpec, apply_lora
