@@ -31,7 +31,7 @@ from qerl_pipe.recipe import load_recipe
 from qerl_pipe.engine.artifact import load_engine
 from qerl_pipe.stages.build_engine import run_build_engine
 from qerl_pipe.stages.quantize import run_quantize
-from qerl_pipe.stages import export as export_stage
+from qerl_pipe.formats import checkpoint
 from tests.conftest import make_tiny_model, read_json
 from tests.stage_cli import cli, last_line
 
@@ -261,7 +261,7 @@ def test_sharded_base_streams_into_sharded_exports(store_dir, tmp_path, monkeypa
     """A base in many shards (fused groups split across them) and outputs cut into many shards."""
     source = make_tiny_model(tmp_path / "sharded", "llama", shard_mb=0.05)
     assert len(list(source.glob("*.safetensors"))) > 3
-    monkeypatch.setattr(export_stage, "SHARD_BYTES", 60_000)
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 60_000)
     store = ArtifactStore(store_dir)
     engine = make_engine(source, store, "bf16")
     run = make_run(store, engine, SPEC_NORMS)

@@ -237,3 +237,56 @@ def iter_quantized_checkpoint(
             yield module, weight, input_scale
         else:
             yield key, shards.get(key), None
+
+
+# Output shards close at this size: it bounds the host memory of a writer (one shard buffered).
+SHARD_BYTES = 2 * 2**30
+
+
+def cast_floating(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """`tensor` in `dtype` if it is floating point (integer tensors such as packed codes stay)."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+class ShardWriter:
+    """A Hugging Face checkpoint's safetensors shards, written as they fill (up to SHARD_BYTES, or
+    where the caller closes one), so host memory holds one shard; the HF shard names and the index
+    are given at the end, when the count is known. Used by quantize and export alike."""
+
+    def __init__(self, out: Path, max_bytes: float | None = None) -> None:
+        self.out, self.max_bytes = out, max_bytes or SHARD_BYTES
+        self.buffer: dict[str, Tensor] = {}
+        self.buffered = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.buffer and self.buffered + nbytes > self.max_bytes:
+            self._flush()
+        self.buffer[name] = tensor.contiguous()
+        self.buffered += nbytes
+        self.total += nbytes
+
+    def close_shard(self) -> None:
+        """End the current shard here (quantize mirrors its input's shards), even an empty one."""
+        self._flush()
+
+    def _flush(self) -> None:
+        path = self.out / f".part-{len(self.files):05d}.safetensors"  # the shard count is known only at the end
+        save_safetensors(self.buffer, path, metadata={"format": "pt"})
+        self.files.append((path, list(self.buffer)))
+        self.buffer, self.buffered = {}, 0
+
+    def finish(self) -> None:
+        if self.buffer or not self.files:
+            self._flush()
+        n = len(self.files)
+        names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map = {}
+        for (path, keys), name in zip(self.files, names):
+            path.rename(self.out / name)
+            weight_map.update({k: name for k in keys})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

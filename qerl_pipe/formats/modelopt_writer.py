@@ -21,12 +21,13 @@ import torch
 
 import qerl_pipe
 from qerl_pipe.errors import QerlError, QuantizationError
-from qerl_pipe.formats.checkpoint import open_shard, save_safetensors
+from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, open_shard
 from qerl_pipe.formats.modelopt_layout import (
-    config_quantization_config, fused_group_key, hf_quant_config, nvfp4_tensors,
+    FUSED_GROUPS, config_quantization_config, fused_group_key, hf_quant_config, nvfp4_tensors,
 )
 from qerl_pipe.formats.nvfp4 import (
     BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4_in_row_chunks,
+    shared_global_scale,
 )
 from qerl_pipe.log import progress
 
@@ -110,31 +111,22 @@ def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: d
                   dtype: torch.dtype, method: str, channel_weights: dict[str, torch.Tensor]) -> dict[str, float]:
     """Pass 2: quantize and write one output shard per input shard; returns per-module relative error."""
     errors: dict[str, float] = {}
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for shard, out_name in progress(zip(shards, names), "quantize", len(shards)):
-        tensors: dict[str, torch.Tensor] = {}
+    writer = ShardWriter(out, max_bytes=float("inf"))  # shards end where the source's do
+    for shard in progress(shards, "quantize", len(shards)):
         with open_shard(shard) as fh:
             for name in fh.keys():
                 tensor = fh.get_tensor(name)
                 module = plan.quantized.get(name)
                 if module is None:
-                    tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    writer.add(name, cast_floating(tensor, dtype))
                     continue
                 w, errors[module] = quantize_in_row_chunks(tensor, plan_global_scale(plan, module), name, method,
                                                            channel_weights.get(module))
-                tensors.update(nvfp4_tensors(module, w, input_scales.get(module)))
+                for key, t in nvfp4_tensors(module, w, input_scales.get(module)).items():
+                    writer.add(key, t)
                 del tensor
-        save_safetensors(tensors, out / out_name, metadata={"format": "pt"})
-        for name, t in tensors.items():
-            weight_map[name] = out_name
-            total_size += t.numel() * t.element_size()
-        del tensors
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        writer.close_shard()  # one output shard per input shard, as the source is cut
+    writer.finish()
     return errors
 
 
@@ -176,3 +168,63 @@ def copy_model_files(source: Path, out: Path) -> None:
         for path in source.glob(pattern):
             if path.is_file():
                 shutil.copy2(path, out / path.name)
+
+
+@dataclass
+class NVFP4StreamWriter:
+    """The writer for weights known only as they stream by (a LoRA merge): linears are quantized as
+    they come, a fused group waits until all its members are in, so that they share one global
+    scale (and input scale) as `write_shards` gives them from its plan."""
+
+    writer: ShardWriter
+    exclude: list[str]
+    dtype: torch.dtype
+    input_scales: dict[str, Tensor]  # fused group or module -> input_scale; empty: W4A16
+    pending: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    errors: dict[str, float] = field(default_factory=dict)
+    excluded: set[str] = field(default_factory=set)
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        match = LINEAR.match(name)
+        module = match.group(1) if match else None
+        if module is None or is_excluded(module, self.exclude):
+            if module is not None:
+                self.excluded.add(module)
+            self.writer.add(name, cast_floating(tensor, self.dtype))
+            return
+        group = fused_group_key(module)
+        if group is None:
+            self._write([(module, tensor)])
+            return
+        members = self.pending.setdefault(group, {})
+        members[module] = tensor
+        parent, projections = group.rpartition(".")[0], FUSED_GROUPS[group.rpartition(".")[2]]
+        expected = [f"{parent}.{p}" for p in projections
+                    if not is_excluded(f"{parent}.{p}", self.exclude)]
+        if set(members) == set(expected):
+            del self.pending[group]
+            self._write([(m, members[m]) for m in expected])
+
+    def _write(self, modules: list[tuple[str, Tensor]]) -> None:
+        scale = shared_global_scale(w for _, w in modules)
+        if not bool(torch.isfinite(scale)):
+            raise QerlError(f"{modules[0][0]}: the merged weight has non-finite values; the adapter is damaged")
+        key = fused_group_key(modules[0][0]) or modules[0][0]
+        input_scale = None
+        if self.input_scales:
+            if key not in self.input_scales:
+                raise QerlError(f"{key} has no input_scale in the run's NVFP4 checkpoint (it was excluded there); "
+                                "exclude it here too (export.exclude) or set export.calibration=none")
+            input_scale = self.input_scales[key]
+        for module, weight in modules:
+            # Own copies of the shared scales: safetensors refuses tensors that share memory.
+            packed, self.errors[module] = quantize_in_row_chunks(weight, scale.clone(), f"{module}.weight")
+            own_input_scale = None if input_scale is None else input_scale.clone()
+            for n, t in nvfp4_tensors(module, packed, own_input_scale).items():
+                self.writer.add(n, t)
+
+    def finish(self) -> None:
+        if self.pending:
+            group = next(iter(self.pending))
+            raise QerlError(f"the base lacks members of the fused group {group} ({sorted(self.pending[group])} found)")
+        self.writer.finish()

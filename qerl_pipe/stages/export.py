@@ -5,8 +5,8 @@
 - `merged-bf16`: a Hugging Face model directory whose weights are `W + (alpha/r) B A` (and the
   trained norm weights), from the original 16-bit model when the run's chain still has it,
   else from the dequantized NVFP4 checkpoint (said in the summary and a log line).
-- `merged-nvfp4`: that merged model quantized by the quantize stage's own writers into modelopt's
-  unified HF layout (fused q/k/v and gate/up share their scales), for vLLM and TensorRT-LLM.
+- `merged-nvfp4`: that merged model quantized by the NVFP4 checkpoint writer quantize uses
+  (`formats.modelopt_writer.NVFP4StreamWriter`) into modelopt's unified HF layout (fused q/k/v and gate/up share their scales), for vLLM and TensorRT-LLM.
 
 Weights stream one tensor at a time from the memory-mapped base, are merged in float32 and cast
 once; output shards are written as they fill, so host memory stays near one output shard plus
@@ -19,7 +19,7 @@ import json
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,12 @@ from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_a
 from qerl_pipe.dag import ADAPTER_DIR, EXPORT, check_kind, find_or_build, input_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.checkpoint import (
-    INDEX_FILE, SINGLE_FILE, detect_quant_format, iter_quantized_checkpoint, list_shards, open_shard,
-    save_safetensors,
+    ShardWriter, cast_floating, detect_quant_format, iter_quantized_checkpoint, list_shards, open_shard,
 )
-from qerl_pipe.formats.modelopt_layout import FUSED_GROUPS, fused_group_key, nvfp4_tensors
-from qerl_pipe.formats.modelopt_writer import (
-    LINEAR, copy_model_files, is_excluded, quantize_in_row_chunks, write_configs,
-)
+from qerl_pipe.formats.modelopt_layout import fused_group_key
+from qerl_pipe.formats.modelopt_writer import NVFP4StreamWriter, copy_model_files, write_configs
 from qerl_pipe.formats.modelopt_writer import out_dtype as checkpoint_dtype
-from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, global_scale_from_amax
+from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
 from qerl_pipe.model.lora import merge_lora
 from qerl_pipe.model.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraTensors, lora_tensors, read_adapter
 from qerl_pipe.log import log, progress
@@ -47,8 +44,6 @@ from qerl_pipe.sources import IMPORT_STAGE, dir_fingerprint
 
 STAGE = EXPORT
 KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}
-# Output shards close at this size: it bounds the host memory of a merge (one shard buffered).
-SHARD_BYTES = 2 * 2**30
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by every loader
 
 
@@ -199,50 +194,6 @@ def _merged_tensors(base: _Base, adapter: LoraTensors) -> Iterator[tuple[str, Te
             yield name, item, False
 
 
-# --- writing -----------------------------------------------------------------------------------
-
-class _ShardWriter:
-    """safetensors shards of up to SHARD_BYTES, written as they fill; HF names and index at the end."""
-
-    def __init__(self, out: Path, max_bytes: int | None = None) -> None:
-        self.out, self.max_bytes = out, max_bytes or SHARD_BYTES
-        self.buffer: dict[str, Tensor] = {}
-        self.buffered = 0
-        self.files: list[tuple[Path, list[str]]] = []
-        self.total = 0
-
-    def add(self, name: str, tensor: Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.buffer and self.buffered + nbytes > self.max_bytes:
-            self._flush()
-        self.buffer[name] = tensor.contiguous()
-        self.buffered += nbytes
-        self.total += nbytes
-
-    def _flush(self) -> None:
-        path = self.out / f".part-{len(self.files):05d}.safetensors"  # the shard count is known only at the end
-        save_safetensors(self.buffer, path, metadata={"format": "pt"})
-        self.files.append((path, list(self.buffer)))
-        self.buffer, self.buffered = {}, 0
-
-    def finish(self) -> None:
-        if self.buffer or not self.files:
-            self._flush()
-        n = len(self.files)
-        names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        weight_map = {}
-        for (path, keys), name in zip(self.files, names):
-            path.rename(self.out / name)
-            weight_map.update({k: name for k in keys})
-        if n > 1:
-            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-
 def _write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
     config = json.loads((source / "config.json").read_text())
     config.pop("quantization_config", None)  # the weights are dense now
@@ -250,66 +201,6 @@ def _write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
     config[key] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copy_model_files(source, out)
-
-
-@dataclass
-class _NVFP4Sink:
-    """Quantizes merged linears as they stream by; a fused group waits until all its members are in,
-    so that they share one global scale (and input scale), as the quantize stage writes them."""
-
-    writer: _ShardWriter
-    exclude: list[str]
-    dtype: torch.dtype
-    input_scales: dict[str, Tensor]  # fused group or module -> input_scale; empty: W4A16
-    pending: dict[str, dict[str, Tensor]] = field(default_factory=dict)
-    errors: dict[str, float] = field(default_factory=dict)
-    excluded: set[str] = field(default_factory=set)
-
-    def add(self, name: str, tensor: Tensor) -> None:
-        match = LINEAR.match(name)
-        module = match.group(1) if match else None
-        if module is None or is_excluded(module, self.exclude):
-            if module is not None:
-                self.excluded.add(module)
-            self.writer.add(name, _cast(tensor, self.dtype))
-            return
-        group = fused_group_key(module)
-        if group is None:
-            self._write([(module, tensor)])
-            return
-        members = self.pending.setdefault(group, {})
-        members[module] = tensor
-        parent, projections = group.rpartition(".")[0], FUSED_GROUPS[group.rpartition(".")[2]]
-        expected = [f"{parent}.{p}" for p in projections
-                    if not is_excluded(f"{parent}.{p}", self.exclude)]
-        if set(members) == set(expected):
-            del self.pending[group]
-            self._write([(m, members[m]) for m in expected])
-
-    def _write(self, modules: list[tuple[str, Tensor]]) -> None:
-        amax = torch.stack([w.abs().amax().float() for _, w in modules]).amax()
-        if not bool(torch.isfinite(amax)):
-            raise QerlError(f"{modules[0][0]}: the merged weight has non-finite values; the adapter is damaged")
-        scale = global_scale_from_amax(amax)
-        key = fused_group_key(modules[0][0]) or modules[0][0]
-        input_scale = None
-        if self.input_scales:
-            if key not in self.input_scales:
-                raise QerlError(f"{key} has no input_scale in the run's NVFP4 checkpoint (it was excluded there); "
-                                "exclude it here too (export.exclude) or set export.calibration=none")
-            input_scale = self.input_scales[key]
-        for module, weight in modules:
-            # Own copies of the shared scales: safetensors refuses tensors that share memory.
-            packed, self.errors[module] = quantize_in_row_chunks(weight, scale.clone(), f"{module}.weight")
-            own_input_scale = None if input_scale is None else input_scale.clone()
-            for n, t in nvfp4_tensors(module, packed, own_input_scale).items():
-                self.writer.add(n, t)
-
-    def finish(self) -> None:
-        if self.pending:
-            group = next(iter(self.pending))
-            raise QerlError(f"the base lacks members of the fused group {group} ({sorted(self.pending[group])} found)")
-        self.writer.finish()
 
 
 def _input_scales(quantized: Artifact) -> dict[str, Tensor]:
@@ -349,16 +240,16 @@ def _export_peft(adapter_dir: Path, chain: _Chain | None, out: Path) -> dict[str
 def _export_merged(section: ExportSection, chain: _Chain, base: _Base, adapter: LoraTensors,
                    input_scales: dict[str, Tensor], out: Path) -> dict[str, Any]:
     dtype = out_dtype(section, base)
-    writer = _ShardWriter(out)
+    writer = ShardWriter(out)
     nvfp4 = section.format == "merged-nvfp4"
-    sink = _NVFP4Sink(writer, sorted({"lm_head", *section.exclude}), dtype, input_scales) if nvfp4 else None
+    sink = NVFP4StreamWriter(writer, sorted({"lm_head", *section.exclude}), dtype, input_scales) if nvfp4 else None
     changed = 0
     for name, tensor, was_changed in progress(_merged_tensors(base, adapter), "merge"):
         changed += was_changed
         if sink is not None:
             sink.add(name, tensor)
         else:
-            writer.add(name, _cast(tensor, dtype))
+            writer.add(name, cast_floating(tensor, dtype))
     summary: dict[str, Any] = {
         "base": base.description, "base_dequantized": base.dequantized, "trained_over": chain.base_format,
         "dtype": str(dtype).removeprefix("torch."), "merged_linears": len(adapter.lora),
