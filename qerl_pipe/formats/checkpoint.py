@@ -248,13 +248,22 @@ def cast_floating(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-class ShardWriter:
-    """A Hugging Face checkpoint's safetensors shards, written as they fill (up to SHARD_BYTES, or
-    where the caller closes one), so host memory holds one shard; the HF shard names and the index
-    are given at the end, when the count is known. Used by quantize and export alike."""
+def shard_names(count: int) -> list[str]:
+    """Hugging Face's names for a checkpoint of `count` safetensors shards."""
+    return [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
-    def __init__(self, out: Path, max_bytes: float | None = None) -> None:
+
+class ShardWriter:
+    """A Hugging Face checkpoint's safetensors shards, written as they fill (up to SHARD_BYTES), so
+    host memory holds one shard, then the index. Used by quantize and export alike.
+
+    With `shards` (quantize: one output shard per input shard, closed by `close_shard`) each file
+    gets its final name at once; otherwise the count is known only at the end, so shards are
+    written as hidden parts and renamed by `finish`."""
+
+    def __init__(self, out: Path, max_bytes: float | None = None, shards: int | None = None) -> None:
         self.out, self.max_bytes = out, max_bytes or SHARD_BYTES
+        self.final_names = shard_names(shards) if shards else None
         self.buffer: dict[str, Tensor] = {}
         self.buffered = 0
         self.files: list[tuple[Path, list[str]]] = []
@@ -269,24 +278,25 @@ class ShardWriter:
         self.total += nbytes
 
     def close_shard(self) -> None:
-        """End the current shard here (quantize mirrors its input's shards), even an empty one."""
+        """End the current shard here, even an empty one."""
         self._flush()
 
     def _flush(self) -> None:
-        path = self.out / f".part-{len(self.files):05d}.safetensors"  # the shard count is known only at the end
-        save_safetensors(self.buffer, path, metadata={"format": "pt"})
-        self.files.append((path, list(self.buffer)))
+        n = len(self.files)
+        name = self.final_names[n] if self.final_names else f".part-{n:05d}.safetensors"
+        save_safetensors(self.buffer, self.out / name, metadata={"format": "pt"})
+        self.files.append((self.out / name, list(self.buffer)))
         self.buffer, self.buffered = {}, 0
 
     def finish(self) -> None:
         if self.buffer or not self.files:
             self._flush()
-        n = len(self.files)
-        names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        names = shard_names(len(self.files))
         weight_map = {}
         for (path, keys), name in zip(self.files, names):
-            path.rename(self.out / name)
+            if path.name != name:
+                path.rename(self.out / name)
             weight_map.update({k: name for k in keys})
-        if n > 1:
+        if len(names) > 1:
             index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
             (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

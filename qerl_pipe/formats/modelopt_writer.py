@@ -111,7 +111,7 @@ def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: d
                   dtype: torch.dtype, method: str, channel_weights: dict[str, torch.Tensor]) -> dict[str, float]:
     """Pass 2: quantize and write one output shard per input shard; returns per-module relative error."""
     errors: dict[str, float] = {}
-    writer = ShardWriter(out, max_bytes=float("inf"))  # shards end where the source's do
+    writer = ShardWriter(out, max_bytes=float("inf"), shards=len(shards))  # shards end where the source's do
     for shard in progress(shards, "quantize", len(shards)):
         with open_shard(shard) as fh:
             for name in fh.keys():
