@@ -68,6 +68,15 @@ def _recipe(recipe: Path | None, overrides: list[str] | None, model: str | None 
     return load_recipe(recipe, overrides)
 
 
+def _run_stage(name: str, recipe, store, refs: dict[str, str | None], **options) -> None:
+    """Run stage `name` through its entry point in the DAG, each input given on the command line
+    (`refs`: keyword -> path or id) resolved in the store, and print the artifact's path."""
+    from qerl_pipe.dag import stage
+
+    inputs = {keyword: store.resolve(ref) for keyword, ref in refs.items() if ref}
+    print(stage(name).entry_point()(recipe, store, **inputs, **options).path)
+
+
 def _store(artifacts: Path | None, verify: bool = False):
     from qerl_pipe.artifacts import ArtifactStore
 
@@ -79,10 +88,7 @@ def _store(artifacts: Path | None, verify: bool = False):
 def calibrate(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
               artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False) -> None:
     """Record activation amax and weight statistics of the unquantized model."""
-    from qerl_pipe.stages.calibrate import run_calibrate
-
-    artifact = run_calibrate(_recipe(recipe, set_, model), _store(artifacts, verify), force=force)
-    print(artifact.path)
+    _run_stage("calibrate", _recipe(recipe, set_, model), _store(artifacts, verify), {}, force=force)
 
 
 @app.command()
@@ -92,13 +98,8 @@ def quantize(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = No
              output: Annotated[Optional[Path], typer.Option(help="Also copy the checkpoint to this new directory.")] = None,
              artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False) -> None:
     """Quantize a model to an NVFP4 checkpoint (modelopt unified HF layout)."""
-    from qerl_pipe.stages.quantize import run_quantize
-
-    store = _store(artifacts, verify)
-    parsed = _recipe(recipe, set_, model)
-    calib = store.resolve(calibration) if calibration else None
-    artifact = run_quantize(parsed, store, calibration=calib, output=output, force=force)
-    print(artifact.path)
+    _run_stage("quantize", _recipe(recipe, set_, model), _store(artifacts, verify), {"calibration": calibration},
+               output=output, force=force)
 
 
 @app.command("build-engine")
@@ -108,13 +109,8 @@ def build_engine(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt 
                  artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
                  build_missing: BuildMissingOpt = False) -> None:
     """Store the model as the kernels run it, with KV-cache limits and (on CUDA) tuned kernels."""
-    from qerl_pipe.stages.build_engine import run_build_engine
-
-    store = _store(artifacts, verify)
-    parsed = _recipe(recipe, set_, model)
-    parent = store.resolve(quantized) if quantized else None
-    artifact = run_build_engine(parsed, store, quantized=parent, force=force, build_missing=build_missing)
-    print(artifact.path)
+    _run_stage("build-engine", _recipe(recipe, set_, model), _store(artifacts, verify), {"quantized": quantized},
+               force=force, build_missing=build_missing)
 
 
 @app.command()
@@ -163,14 +159,9 @@ def export(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None
            artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
            build_missing: BuildMissingOpt = False) -> None:
     """Export a run's LoRA adapter: a PEFT adapter, or merged into the base as a bf16 or NVFP4 model."""
-    from qerl_pipe.stages.export import run_export
-
-    store = _store(artifacts, verify)
     overrides = list(set_ or []) + ([f"export.format={json.dumps(format_)}"] if format_ is not None else [])
-    parsed = _recipe(recipe, overrides, model)
-    parent = store.resolve(run) if run else None
-    artifact = run_export(parsed, store, run=parent, force=force, build_missing=build_missing)
-    print(artifact.path)
+    _run_stage("export", _recipe(recipe, overrides, model), _store(artifacts, verify), {"run": run}, force=force,
+               build_missing=build_missing)
 
 
 @app.command("eval")
