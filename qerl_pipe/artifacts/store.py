@@ -318,3 +318,38 @@ class ArtifactStore:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, final)
+
+
+def _holds_copy(output: Path, art_id: str) -> bool:
+    """Whether `output` is an intact copy of artifact `art_id` (the same command run again)."""
+    if not (output / MANIFEST_NAME).is_file():
+        return False
+    try:
+        copy = load_artifact(output, verify=True)
+    except ArtifactError:
+        return False
+    return copy.id == art_id
+
+
+def check_output_dir(output: Path | None, art_id: str) -> None:
+    """Refuse, before any work, an `--output` that exists and holds anything but artifact `art_id`."""
+    if output is None or not output.exists() or _holds_copy(output, art_id):
+        return
+    if not output.is_dir() or any(output.iterdir()):
+        raise ArtifactError(f"output directory {output} exists and is not empty; choose a new path (nothing was written)")
+
+
+def copy_to(artifact: Artifact, output: Path) -> bool:
+    """Copy a sealed artifact to a user-chosen directory, atomically (temp sibling, then rename);
+    a directory that already holds this very artifact is left as it is (returns False)."""
+    if _holds_copy(output, artifact.id):
+        return False
+    check_output_dir(output, artifact.id)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".tmp-{output.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(artifact.path, tmp)
+    if output.exists():
+        output.rmdir()  # checked empty above
+    tmp.rename(output)
+    return True

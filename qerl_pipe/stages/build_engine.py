@@ -38,7 +38,8 @@ from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model, model_memory_bytes
 from qerl_pipe.recipe import EngineSection, Recipe
 from qerl_pipe.sources import resolve_model
-from qerl_pipe.stages.common import compute_dtype, count_parameters, model_config_key, pick_device
+from qerl_pipe.hf import compute_dtype, count_parameters, pick_device
+from qerl_pipe.stages.common import model_config_key
 
 STAGE = BUILD_ENGINE
 # Auto KV budget on CUDA: a share of what is free once the model is loaded; the rest is left for

@@ -44,7 +44,8 @@ from qerl_pipe.recipe import EvalSection, Recipe
 from qerl_pipe.rl.evaluate import Graded, generate_and_grade, pass_rates
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.sources import ALIASES, resolve_model
-from qerl_pipe.stages.common import engine_model_name, fit_prompts, load_tokenizer, pick_device, stop_token_ids
+from qerl_pipe.hf import load_tokenizer, pick_device
+from qerl_pipe.stages.common import engine_model_name, fit_prompts, stop_token_ids
 
 # Version 2: an arithmetic expression no longer grades as a numeric answer (accuracies made before are not reused).
 STAGE = EVAL

@@ -9,16 +9,15 @@ the second pass write anything. The artifact directory is itself a loadable mode
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, artifact_id, load_artifact
-from qerl_pipe.artifacts.manifest import MANIFEST_NAME
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, artifact_id
+from qerl_pipe.artifacts.store import check_output_dir, copy_to
 from qerl_pipe.dag import QUANTIZE, check_kind, find_or_build
-from qerl_pipe.errors import ArtifactError, ModelSourceError, QerlError, RecipeError
+from qerl_pipe.errors import ModelSourceError, QerlError, RecipeError
 from qerl_pipe.formats.calibration import read_channel_mean_square, read_input_amax
 from qerl_pipe.formats.checkpoint import list_shards
 from qerl_pipe.formats.modelopt_writer import (
@@ -27,53 +26,12 @@ from qerl_pipe.formats.modelopt_writer import (
 from qerl_pipe.log import console, log
 from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.quality import load_dequantized_weights, perplexity
-from qerl_pipe.recipe import QualitySection, QuantizeSection, Recipe
-from qerl_pipe.sources import ResolvedModel, resolve_model
-from qerl_pipe.stages.common import (
-    compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, model_config_key, pick_device,
-)
-from qerl_pipe.textdata import load_texts, pack_available
+from qerl_pipe.quality import perplexity_report
+from qerl_pipe.recipe import Recipe
+from qerl_pipe.sources import resolve_model
+from qerl_pipe.stages.common import model_config_key
 
 STAGE = QUANTIZE
-_PERPLEXITY_AUTO_MAX_PARAMS = 1_000_000_000
-
-
-def _perplexity_report(resolved: ResolvedModel, checkpoint: Path, section: QuantizeSection,
-                       trust_remote_code: bool) -> dict | None:
-    """bf16 vs NVFP4 perplexity, or None when switched off. The report is optional: whatever goes
-    wrong in it is a warning and {"skipped": why}, never a failed stage that loses the checkpoint."""
-    q = section.quality
-    n_params = count_parameters(resolved.config)
-    if q.perplexity == "never" or (q.perplexity == "auto" and n_params > _PERPLEXITY_AUTO_MAX_PARAMS):
-        return None
-    try:
-        return _measure_perplexity(resolved, checkpoint, q, n_params, trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - any failure of an optional report, OOM included
-        reason = str(exc) if isinstance(exc, QerlError) else f"{type(exc).__name__}: {exc}"
-        log(f"quantize: warning: no perplexity report ({reason}); the checkpoint is complete. "
-            "quantize.quality.perplexity=never switches the report off")
-        return {"skipped": reason}
-
-
-def _measure_perplexity(resolved: ResolvedModel, checkpoint: Path, q: QualitySection, n_params: int,
-                        trust_remote_code: bool) -> dict:
-    device = pick_device(q.device)
-    dtype = compute_dtype("auto", device, n_params)
-    tokenizer = load_tokenizer(resolved.dir, trust_remote_code)
-    ids = pack_available(load_texts(q.data, q.field), tokenizer, q.num_samples, q.seq_len)
-    if ids.numel() < q.num_samples * q.seq_len:
-        log(f"quantize: {q.data} gives {ids.numel()} tokens, fewer than quality.num_samples x seq_len = "
-            f"{q.num_samples * q.seq_len}; the perplexity report uses those {ids.numel()}")
-    model = load_hf_causal_lm(resolved.dir, dtype, device, trust_remote_code)
-    reference = perplexity(model, ids, batch_size=4, label="16-bit")
-    load_dequantized_weights(model, checkpoint)
-    quantized = perplexity(model, ids, batch_size=4, label="nvfp4")
-    return {
-        "data": q.data, "tokens": ids.numel(), "compute_dtype": str(dtype).removeprefix("torch."),
-        "bf16": round(reference, 4), "nvfp4_w4a16": round(quantized, 4),
-        "increase_pct": round(100 * (quantized / reference - 1), 3),
-    }
 
 
 def _channel_weights(method: str, calibration: Artifact | None, plan: WritePlan) -> dict[str, torch.Tensor]:
@@ -96,40 +54,6 @@ def _check_calibration(calibration: Artifact, model_key: dict) -> None:
     if calibration.manifest["config"].get("model") != model_key:
         raise QerlError(f"calibration {calibration.path.name} was made for another model (or another version of it); "
                         "run `qerl-pipe calibrate` with the same model first")
-
-
-def _holds_copy(output: Path, art_id: str) -> bool:
-    """Whether `output` is an intact copy of artifact `art_id` (the same command run again)."""
-    if not (output / MANIFEST_NAME).is_file():
-        return False
-    try:
-        copy = load_artifact(output, verify=True)
-    except ArtifactError:
-        return False
-    return copy.id == art_id
-
-
-def _check_output_dir(output: Path | None, art_id: str) -> None:
-    if output is None or not output.exists() or _holds_copy(output, art_id):
-        return
-    if not output.is_dir() or any(output.iterdir()):
-        raise ArtifactError(f"output directory {output} exists and is not empty; choose a new path (nothing was written)")
-
-
-def _copy_to_output(artifact: Artifact, output: Path) -> None:
-    """Copy the finished checkpoint to a user-chosen directory, atomically (temp sibling, then rename);
-    a directory that already holds this very checkpoint is left as it is."""
-    if _holds_copy(output, artifact.id):
-        log(f"quantize: {output} already holds this checkpoint")
-        return
-    _check_output_dir(output, artifact.id)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".tmp-{output.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(artifact.path, tmp)
-    if output.exists():
-        output.rmdir()  # checked empty above
-    tmp.rename(output)
 
 
 def _report(errors: dict[str, float], ppl: dict | None, summary: dict) -> None:
@@ -170,7 +94,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
         del quantize_key["method"]  # the default: artifacts made before the setting existed keep their ids
     config = {"model": model_key, "quantize": quantize_key, "calibrated": calibration is not None}
     parents = resolved.parents + ([calibration.id] if calibration else [])
-    _check_output_dir(output, artifact_id(STAGE.name, STAGE.version, config, parents))  # before any work
+    check_output_dir(output, artifact_id(STAGE.name, STAGE.version, config, parents))  # before any work
 
     def build(pending: PendingArtifact) -> None:
         started = time.perf_counter()
@@ -188,7 +112,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
         quant_algo = "NVFP4" if calibration else "W4A16_NVFP4"
         write_configs(resolved.dir, pending.dir, quant_algo, sorted({"lm_head", *plan.excluded}), dtype)
         (pending.dir / "quality.json").write_text(json.dumps({"relative_error": errors}, indent=2) + "\n")
-        ppl = _perplexity_report(resolved, pending.dir, section, recipe.model.trust_remote_code)
+        ppl = perplexity_report(resolved, pending.dir, section.quality, recipe.model.trust_remote_code)
         size_in = sum(p.stat().st_size for p in shards)
         size_out = sum(p.stat().st_size for p in pending.dir.glob("*.safetensors"))
         pending.summary.update({
@@ -209,6 +133,8 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
     artifact = find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
                              find_only=find_only)
     if output is not None:
-        _copy_to_output(artifact, output)
-        log(f"quantize: the checkpoint is in {output}")
+        if copy_to(artifact, output):
+            log(f"quantize: the checkpoint is in {output}")
+        else:
+            log(f"quantize: {output} already holds this checkpoint")
     return artifact

@@ -42,9 +42,8 @@ from qerl_pipe.rl.distributed import Dist, init_distributed
 from qerl_pipe.rl.rewards import custom_reward_digests, load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
-from qerl_pipe.stages.common import (
-    data_file_key, engine_model_name, fit_prompts, load_tokenizer, pick_device, stop_token_ids,
-)
+from qerl_pipe.hf import load_tokenizer, pick_device
+from qerl_pipe.stages.common import data_file_key, engine_model_name, fit_prompts, stop_token_ids
 
 # Version 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused).
 STAGE = TRAIN
