@@ -21,7 +21,7 @@ import torch
 
 import qerl_pipe
 from qerl_pipe.errors import QerlError, QuantizationError
-from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, open_shard
+from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, list_shards, open_shard
 from qerl_pipe.formats.modelopt_layout import (
     FUSED_GROUPS, config_quantization_config, fused_group_key, hf_quant_config, nvfp4_tensors,
 )
@@ -179,12 +179,12 @@ class NVFP4StreamWriter:
     writer: ShardWriter
     exclude: list[str]
     dtype: torch.dtype
-    input_scales: dict[str, Tensor]  # fused group or module -> input_scale; empty: W4A16
-    pending: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    input_scales: dict[str, torch.Tensor]  # fused group or module -> input_scale; empty: W4A16
+    pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     errors: dict[str, float] = field(default_factory=dict)
     excluded: set[str] = field(default_factory=set)
 
-    def add(self, name: str, tensor: Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor) -> None:
         match = LINEAR.match(name)
         module = match.group(1) if match else None
         if module is None or is_excluded(module, self.exclude):
@@ -205,7 +205,7 @@ class NVFP4StreamWriter:
             del self.pending[group]
             self._write([(m, members[m]) for m in expected])
 
-    def _write(self, modules: list[tuple[str, Tensor]]) -> None:
+    def _write(self, modules: list[tuple[str, torch.Tensor]]) -> None:
         scale = shared_global_scale(w for _, w in modules)
         if not bool(torch.isfinite(scale)):
             raise QerlError(f"{modules[0][0]}: the merged weight has non-finite values; the adapter is damaged")
@@ -228,3 +228,29 @@ class NVFP4StreamWriter:
             group = next(iter(self.pending))
             raise QerlError(f"the base lacks members of the fused group {group} ({sorted(self.pending[group])} found)")
         self.writer.finish()
+
+
+def write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
+    """config.json of a dense (16-bit) model made from `source`, and its tokenizer files."""
+    config = json.loads((source / "config.json").read_text())
+    config.pop("quantization_config", None)  # the weights are dense now
+    key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
+    config[key] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copy_model_files(source, out)
+
+
+def read_input_scales(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """`input_scale` per fused group / module from an NVFP4 checkpoint (empty: W4A16).
+
+    They are the calibration's activation statistics of the base model (shared within fused
+    groups already); the merged model's activations differ from them by the adapter's effect.
+    """
+    scales: dict[str, torch.Tensor] = {}
+    for shard in list_shards(checkpoint_dir):
+        with open_shard(shard) as fh:
+            for key in fh.keys():
+                if key.endswith(".input_scale"):
+                    module = key.removesuffix(".input_scale")
+                    scales[fused_group_key(module) or module] = fh.get_tensor(key).float().reshape(())
+    return scales
