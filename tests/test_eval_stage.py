@@ -289,7 +289,7 @@ def test_adapter_directories_are_read_from_their_files(random_adapter, tmp_path)
 
 def test_a_run_evaluated_over_another_engine_of_its_base_is_not_flagged(pipeline, tiny_llama, tmp_path):
     from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
-    from qerl_pipe.stages.evaluate import base_mismatch
+    from qerl_pipe.lineage import base_mismatch
 
     store = ArtifactStore(pipeline["store"])  # holds the run and the engine it was trained over
     run = load_artifact(pipeline["run"])

@@ -37,6 +37,7 @@ from qerl_pipe.model.peft import (
     load_adapter_weights,
     read_adapter,
 )
+from qerl_pipe.lineage import base_mismatch
 from qerl_pipe.log import log
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.lora import lora_disabled
@@ -337,46 +338,6 @@ def _evaluate(recipe: Recipe, engine: Artifact, adapter: AdapterInput | None, pr
             "samples_per_problem": k, "data": section.data, "engine": engine.id,
             "adapter": report["adapter"]["artifact"] or report["adapter"]["dir"] if adapter else None,
             "device": str(device)}
-
-
-def _frozen_base(engine: Artifact) -> tuple[str, str] | None:
-    """(base format, what its weights came from) of an engine: the quantize artifact of an NVFP4
-    engine, the content fingerprint of the model an NF4/bf16 engine read (not the name it was
-    given, so an alias and its directory agree); None when the manifest does not say."""
-    config = engine.manifest.get("config", {})
-    base, fmt = config.get("base"), config.get("engine", {}).get("base_format")
-    if not isinstance(base, dict) or fmt is None:
-        return None
-    if "quantized" in base:
-        return fmt, f"quantize artifact {base['quantized']}"
-    content = base.get("model", {}).get("content")
-    if content is None:
-        return None
-    return fmt, "model " + json.dumps(content, sort_keys=True)
-
-
-def base_mismatch(run: Artifact, engine: Artifact, store: ArtifactStore) -> str | None:
-    """None when the train run's engine and `engine` hold the same frozen base (the same engine, or
-    engines built from the same base with other limits); else a note saying how they differ or
-    that it cannot be told."""
-    trained_on = run.manifest.get("parents", [])
-    if engine.id in trained_on:
-        return None
-    if not trained_on:
-        return f"the adapter's run names no engine; evaluated over {engine.id} (the base may differ)"
-    try:
-        theirs = store.resolve(trained_on[0], verify=False)
-    except ArtifactError:
-        return (f"the adapter was trained over engine {trained_on[0]}, which is not in this store; evaluated "
-                f"over {engine.id} (same shapes; the base weights may differ)")
-    base_theirs, base_ours = _frozen_base(theirs), _frozen_base(engine)
-    if base_theirs is None or base_ours is None:
-        return (f"the adapter was trained over engine {theirs.id}, evaluated over {engine.id}; their manifests "
-                "do not say which base each holds (the base weights may differ)")
-    if base_theirs == base_ours:
-        return None
-    return (f"the adapter was trained over engine {theirs.id} ({base_theirs[0]} base from {base_theirs[1]}), "
-            f"evaluated over {engine.id} ({base_ours[0]} base from {base_ours[1]}): another base")
 
 
 def run_eval(recipe: Recipe, store: ArtifactStore, *, model: Artifact | str | None = None,
