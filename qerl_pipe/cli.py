@@ -31,6 +31,8 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Overri
 # a help text as a markup tag and drops it (--help said "Artifact store directory .").
 ArtifactsOpt = Annotated[Optional[Path], typer.Option("--artifacts", envvar="QERL_ARTIFACTS", help="Artifact store directory.", show_default="./artifacts")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Redo the stage even if an up-to-date artifact exists.")]
+VerifyOpt = Annotated[bool, typer.Option("--verify", help="Re-hash every file of each artifact used (by default only files whose size or mtime changed since it was made).")]
+BuildMissingOpt = Annotated[bool, typer.Option("--build-missing", help="Make the inputs the recipe describes that are not in the store (calibrate, quantize, ... as `run` would); without it a missing input is an error naming the command that makes it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model source (sets model.source): HF directory, hub id, .gguf file or alias.")]
 
 
@@ -66,21 +68,27 @@ def _recipe(recipe: Path | None, overrides: list[str] | None, model: str | None 
     return load_recipe(recipe, overrides)
 
 
-def _store(artifacts: Path | None):
+def _run_stage(name: str, recipe, store, refs: dict[str, str | None], **options) -> None:
+    """Run stage `name` through its entry point in the DAG, each input given on the command line
+    (`refs`: keyword -> path or id) resolved in the store, and print the artifact's path."""
+    from qerl_pipe.dag import stage
+
+    inputs = {keyword: store.resolve(ref) for keyword, ref in refs.items() if ref}
+    print(stage(name).entry_point()(recipe, store, **inputs, **options).path)
+
+
+def _store(artifacts: Path | None, verify: bool = False):
     from qerl_pipe.artifacts import ArtifactStore
 
-    return ArtifactStore(artifacts)
+    return ArtifactStore(artifacts, full_verify=verify)
 
 
 @app.command()
 @_user_errors
 def calibrate(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-              artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+              artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False) -> None:
     """Record activation amax and weight statistics of the unquantized model."""
-    from qerl_pipe.stages.calibrate import run_calibrate
-
-    artifact = run_calibrate(_recipe(recipe, set_, model), _store(artifacts), force=force)
-    print(artifact.path)
+    _run_stage("calibrate", _recipe(recipe, set_, model), _store(artifacts, verify), {}, force=force)
 
 
 @app.command()
@@ -88,57 +96,50 @@ def calibrate(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = N
 def quantize(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
              calibration: Annotated[Optional[str], typer.Option(help="Calibration artifact (path or id): gives NVFP4 with input scales; without it, W4A16_NVFP4.")] = None,
              output: Annotated[Optional[Path], typer.Option(help="Also copy the checkpoint to this new directory.")] = None,
-             artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+             artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False) -> None:
     """Quantize a model to an NVFP4 checkpoint (modelopt unified HF layout)."""
-    from qerl_pipe.stages.quantize import run_quantize
-
-    store = _store(artifacts)
-    parsed = _recipe(recipe, set_, model)
-    calib = store.resolve(calibration) if calibration else None
-    artifact = run_quantize(parsed, store, calibration=calib, output=output, force=force)
-    print(artifact.path)
+    _run_stage("quantize", _recipe(recipe, set_, model), _store(artifacts, verify), {"calibration": calibration},
+               output=output, force=force)
 
 
 @app.command("build-engine")
 @_user_errors
 def build_engine(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-                 quantized: Annotated[Optional[str], typer.Option(help="Quantize artifact (path or id) to build an nvfp4 engine from; without it, the recipe's calibrate/quantize artifacts are reused or made first.")] = None,
-                 artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+                 quantized: Annotated[Optional[str], typer.Option(help="Quantize artifact (path or id) to build an nvfp4 engine from; without it, the recipe's (found in the store; made with --build-missing).")] = None,
+                 artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
+                 build_missing: BuildMissingOpt = False) -> None:
     """Store the model as the kernels run it, with KV-cache limits and (on CUDA) tuned kernels."""
-    from qerl_pipe.stages.build_engine import run_build_engine
-
-    store = _store(artifacts)
-    parsed = _recipe(recipe, set_, model)
-    parent = store.resolve(quantized) if quantized else None
-    artifact = run_build_engine(parsed, store, quantized=parent, force=force)
-    print(artifact.path)
+    _run_stage("build-engine", _recipe(recipe, set_, model), _store(artifacts, verify), {"quantized": quantized},
+               force=force, build_missing=build_missing)
 
 
 @app.command()
 @_user_errors
 def train(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-          engine: Annotated[Optional[str], typer.Option(help="Engine artifact (path or id) to train over; without it, the recipe's engine is reused or built first.")] = None,
-          artifacts: ArtifactsOpt = None, force: ForceOpt = False,
+          engine: Annotated[Optional[str], typer.Option(help="Engine artifact (path or id) to train over; without it, the recipe's (found in the store; built with --build-missing).")] = None,
+          artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
+          build_missing: BuildMissingOpt = False,
           nproc: Annotated[int, typer.Option("--nproc", min=1, help="Data-parallel processes (one per GPU), started through torchrun.")] = 1) -> None:
     """GRPO/DAPO of a LoRA adapter over the engine's frozen base, with AQN; resumes an interrupted run."""
     if nproc > 1:
         from qerl_pipe.launch import relaunch
 
-        raise typer.Exit(relaunch(nproc, _train_args(recipe, set_, model, engine, artifacts, force)))
+        raise typer.Exit(relaunch(nproc, _train_args(recipe, set_, model, engine, artifacts, force, verify,
+                                                     build_missing)))
     from qerl_pipe.rl.distributed import current_dist, group_lifetime
     from qerl_pipe.stages.train import run_train
 
-    store = _store(artifacts)
+    store = _store(artifacts, verify)
     parsed = _recipe(recipe, set_, model)
     parent = store.resolve(engine) if engine else None
     with group_lifetime():
-        artifact = run_train(parsed, store, engine=parent, force=force)
+        artifact = run_train(parsed, store, engine=parent, force=force, build_missing=build_missing)
         if current_dist().is_main:  # one artifact line on stdout, however many ranks
             print(artifact.path)
 
 
 def _train_args(recipe: Path | None, set_: list[str] | None, model: str | None, engine: str | None,
-                artifacts: Path | None, force: bool) -> list[str]:
+                artifacts: Path | None, force: bool, verify: bool = False, build_missing: bool = False) -> list[str]:
     """`train`'s arguments without --nproc: what each torchrun worker is started with."""
     args = ["train"]
     for flag, value in (("--recipe", recipe), ("--model", model), ("--engine", engine), ("--artifacts", artifacts)):
@@ -146,36 +147,34 @@ def _train_args(recipe: Path | None, set_: list[str] | None, model: str | None, 
             args += [flag, str(value)]
     for item in set_ or []:
         args += ["--set", item]
-    return args + (["--force"] if force else [])
+    flags = (("--force", force), ("--verify", verify), ("--build-missing", build_missing))
+    return args + [flag for flag, on in flags if on]
 
 
 @app.command()
 @_user_errors
 def export(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-           run: Annotated[Optional[str], typer.Option("--run", help="Run artifact (path or id) to export; without it, the recipe's run is reused or trained first.")] = None,
+           run: Annotated[Optional[str], typer.Option("--run", help="Run artifact (path or id) to export; without it, the recipe's (found in the store; trained with --build-missing).")] = None,
            format_: Annotated[Optional[str], typer.Option("--format", help="peft, merged-bf16 or merged-nvfp4 (sets export.format; default peft).")] = None,
-           artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+           artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
+           build_missing: BuildMissingOpt = False) -> None:
     """Export a run's LoRA adapter: a PEFT adapter, or merged into the base as a bf16 or NVFP4 model."""
-    from qerl_pipe.stages.export import run_export
-
-    store = _store(artifacts)
     overrides = list(set_ or []) + ([f"export.format={json.dumps(format_)}"] if format_ is not None else [])
-    parsed = _recipe(recipe, overrides, model)
-    parent = store.resolve(run) if run else None
-    artifact = run_export(parsed, store, run=parent, force=force)
-    print(artifact.path)
+    _run_stage("export", _recipe(recipe, overrides, model), _store(artifacts, verify), {"run": run}, force=force,
+               build_missing=build_missing)
 
 
 @app.command("eval")
 @_user_errors
 def eval_(recipe: RecipeOpt = None, set_: SetOpt = None,
-          model: Annotated[Optional[str], typer.Option("--model", "-m", help="Engine artifact (path or id); or a quantize artifact or model source, whose engine the recipe builds or reuses. Default: the recipe's engine.")] = None,
+          model: Annotated[Optional[str], typer.Option("--model", "-m", help="Engine artifact (path or id); or a quantize artifact or model source, whose engine the recipe describes (found in the store; built with --build-missing). Default: the recipe's engine.")] = None,
           adapter: Annotated[Optional[str], typer.Option(help="LoRA adapter to apply: a train run (path or id), or a directory with adapter_model.safetensors + adapter_config.json. Default: none (the base model).")] = None,
           data: Annotated[Optional[str], typer.Option(help="Problems (sets eval.data): gsm8k:test, math500:test, arithmetic[:N] or FILE.jsonl.")] = None,
           k: Annotated[Optional[int], typer.Option("--k", help="Samples per problem (sets eval.k); pass@1 is averaged over them.")] = None,
           greedy: Annotated[bool, typer.Option("--greedy", help="Greedy decoding, one sample (sets eval.greedy).")] = False,
           limit: Annotated[Optional[int], typer.Option(help="Evaluate the first N problems (sets eval.limit).")] = None,
-          artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
+          artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
+          build_missing: BuildMissingOpt = False) -> None:
     """Accuracy (average pass@1 over k samples, or greedy) of a model with or without a LoRA adapter."""
     from qerl_pipe.stages.evaluate import run_eval
 
@@ -185,18 +184,19 @@ def eval_(recipe: RecipeOpt = None, set_: SetOpt = None,
     for key, value in (("data", data), ("k", k), ("limit", limit), ("greedy", True if greedy else None)):
         if value is not None:
             overrides.append(f"eval.{key}={json.dumps(value)}")
-    artifact = run_eval(_recipe(recipe, overrides), _store(artifacts), engine=model, adapter=adapter, force=force)
+    artifact = run_eval(_recipe(recipe, overrides), _store(artifacts, verify), model=model, adapter=adapter,
+                        force=force, build_missing=build_missing)
     print(artifact.path)
 
 
 @app.command()
 @_user_errors
 def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_: SetOpt = None,
-        artifacts: ArtifactsOpt = None, force: ForceOpt = False) -> None:
-    """Run the recipe's stages in order, reusing up-to-date artifacts."""
+        artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False) -> None:
+    """Run the recipe's stages in order, making what they need and reusing up-to-date artifacts."""
     from qerl_pipe.stages.pipeline import run_pipeline
 
-    results = run_pipeline(_recipe(recipe, set_), _store(artifacts), force=force)
+    results = run_pipeline(_recipe(recipe, set_), _store(artifacts, verify), force=force)
     for stage, artifact in results.items():
         typer.echo(f"{stage}: {artifact.path}", err=True)
     print(list(results.values())[-1].path)
@@ -235,7 +235,7 @@ def verify(ref: Annotated[str, typer.Argument(help="Artifact path, directory nam
     from qerl_pipe.artifacts.manifest import repair_advice, stage_of
 
     artifact = _store(artifacts).resolve(ref, verify=False)
-    problems = find_problems(artifact)
+    problems = find_problems(artifact, full=True)
     for problem in problems:
         typer.echo(f"{artifact.path}: {problem}", err=True)
     if problems:

@@ -2,8 +2,9 @@
 
 `qerl-pipe run` chains the stages in one process; `recipes/Makefile` and `recipes/airflow_dag.py`
 chain the stage *commands*, each handing the artifact path the previous one printed to the next.
-This module is the one place that says which stage reads which artifact through which option, so
-the Makefile (checked against it by a test) and the DAG (built from it) cannot drift apart.
+Which stage reads which artifact through which option comes from the one declared DAG
+(`qerl_pipe.dag`), so the Makefile (checked against it by a test) and the Airflow DAG (built from
+it) cannot drift from what `qerl-pipe run` does.
 Nothing here imports Airflow or runs anything: it only builds command strings.
 """
 
@@ -12,17 +13,13 @@ from __future__ import annotations
 import shlex
 from typing import Callable, Mapping, Sequence
 
-from qerl_pipe.recipe import STAGE_ORDER
+from qerl_pipe.dag import STAGE_ORDER, STAGES
 
-# stage -> ((option, upstream stage whose artifact path the option takes), ...), in STAGE_ORDER.
+# stage -> ((option, upstream stage whose artifact path the option takes), ...), in STAGE_ORDER:
+# a chain of commands hands every input over, optional ones included.
 # eval's --model is the engine (not a model source) and its adapter is the train run.
 STAGE_INPUTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "calibrate": (),
-    "quantize": (("--calibration", "calibrate"),),
-    "build-engine": (("--quantized", "quantize"),),
-    "train": (("--engine", "build-engine"),),
-    "export": (("--run", "train"),),
-    "eval": (("--model", "build-engine"), ("--adapter", "train")),
+    s.name: tuple((i.option, i.stage) for i in s.inputs) for s in STAGES
 }
 
 # Stages whose --model option names the model source; eval's --model names the engine instead.

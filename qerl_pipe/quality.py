@@ -7,9 +7,17 @@ from pathlib import Path
 
 import torch
 
+from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.checkpoint import iter_quantized_checkpoint
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
-from qerl_pipe.log import progress
+from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
+from qerl_pipe.log import log, progress
+from qerl_pipe.recipe import QualitySection
+from qerl_pipe.sources import ResolvedModel
+from qerl_pipe.textdata import load_texts, pack_available
+
+# "auto" measures models up to this size: the 16-bit reference forward is the costly part.
+_PERPLEXITY_AUTO_MAX_PARAMS = 1_000_000_000
 
 
 def perplexity(model: torch.nn.Module, ids: torch.Tensor, batch_size: int, label: str) -> float:
@@ -44,3 +52,40 @@ def load_dequantized_weights(model: torch.nn.Module, checkpoint_dir: Path) -> in
                 linear.weight.copy_(dequantize_nvfp4(value, linear.weight.dtype).to(linear.weight.device))
                 replaced += 1
     return replaced
+
+
+def perplexity_report(resolved: ResolvedModel, checkpoint: Path, q: QualitySection,
+                      trust_remote_code: bool) -> dict | None:
+    """quantize's report: bf16 vs NVFP4 perplexity, or None when switched off. The report is
+    optional: whatever goes wrong in it is a warning and {"skipped": why}, never a failed stage
+    that loses the checkpoint."""
+    n_params = count_parameters(resolved.config)
+    if q.perplexity == "never" or (q.perplexity == "auto" and n_params > _PERPLEXITY_AUTO_MAX_PARAMS):
+        return None
+    try:
+        return _measure_perplexity(resolved, checkpoint, q, n_params, trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any failure of an optional report, OOM included
+        reason = str(exc) if isinstance(exc, QerlError) else f"{type(exc).__name__}: {exc}"
+        log(f"quantize: warning: no perplexity report ({reason}); the checkpoint is complete. "
+            "quantize.quality.perplexity=never switches the report off")
+        return {"skipped": reason}
+
+
+def _measure_perplexity(resolved: ResolvedModel, checkpoint: Path, q: QualitySection, n_params: int,
+                        trust_remote_code: bool) -> dict:
+    device = pick_device(q.device)
+    dtype = compute_dtype("auto", device, n_params)
+    tokenizer = load_tokenizer(resolved.dir, trust_remote_code)
+    ids = pack_available(load_texts(q.data, q.field), tokenizer, q.num_samples, q.seq_len)
+    if ids.numel() < q.num_samples * q.seq_len:
+        log(f"quantize: {q.data} gives {ids.numel()} tokens, fewer than quality.num_samples x seq_len = "
+            f"{q.num_samples * q.seq_len}; the perplexity report uses those {ids.numel()}")
+    model = load_hf_causal_lm(resolved.dir, dtype, device, trust_remote_code)
+    reference = perplexity(model, ids, batch_size=4, label="16-bit")
+    load_dequantized_weights(model, checkpoint)
+    quantized = perplexity(model, ids, batch_size=4, label="nvfp4")
+    return {
+        "data": q.data, "tokens": ids.numel(), "compute_dtype": str(dtype).removeprefix("torch."),
+        "bf16": round(reference, 4), "nvfp4_w4a16": round(quantized, 4),
+        "increase_pct": round(100 * (quantized / reference - 1), 3),
+    }

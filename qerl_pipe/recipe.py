@@ -13,10 +13,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from qerl_pipe.dag import STAGE_ORDER
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.userfiles import read_user_text
-
-STAGE_ORDER = ("calibrate", "quantize", "build-engine", "train", "export", "eval")
 
 
 class _Section(BaseModel):

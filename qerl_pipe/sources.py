@@ -45,7 +45,7 @@ class ResolvedModel:
         return read_model_config(self.dir)
 
 
-def _dir_fingerprint(path: Path) -> dict[str, Any]:
+def dir_fingerprint(path: Path) -> dict[str, Any]:
     """Name, size and mtime of every file: cheap, and it changes when a weight file is replaced."""
     files = sorted(p for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
     return {
@@ -177,7 +177,7 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: 
         return _import_gguf(path, store, section, force_import)
     if path.is_dir():
         _check_hf_dir(path)
-        return ResolvedModel(dir=path, fingerprint=_dir_fingerprint(path))
+        return ResolvedModel(dir=path, fingerprint=dir_fingerprint(path))
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise ModelSourceError(
             f"model source '{section.source}' is not a model directory, a .gguf file, a hub id (org/name) "
@@ -185,4 +185,4 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: 
         )
     snapshot = _hub_snapshot(spec, section.revision)
     _check_hf_dir(snapshot)
-    return ResolvedModel(dir=snapshot, fingerprint=_dir_fingerprint(snapshot) | {"hub_id": spec})
+    return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": spec})

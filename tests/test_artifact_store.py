@@ -3,6 +3,7 @@
 import fcntl
 import json
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,63 @@ def test_damage_is_detected_and_never_reused(tmp_path):
     assert any("not listed" in p for p in find_problems(art))
     repaired, created = make(store, {"k": 1}, force=True)
     assert created and find_problems(repaired) == []
+
+
+def _hash_calls(monkeypatch) -> list:
+    """Record every file the manifest module hashes."""
+    import qerl_pipe.artifacts.manifest as manifest
+
+    calls, real = [], manifest.sha256_file
+    monkeypatch.setattr(manifest, "sha256_file", lambda path: calls.append(path) or real(path))
+    return calls
+
+
+def test_reuse_rehashes_only_files_whose_size_or_mtime_changed(tmp_path, monkeypatch):
+    store = ArtifactStore(tmp_path)
+    art, _ = make(store, {"k": 1})
+    blob = art.path / "sub" / "blob.bin"
+    recorded = json.loads((art.path / "manifest.json").read_text())["files"]["sub/blob.bin"]
+    assert recorded["mtime_ns"] == blob.stat().st_mtime_ns
+    calls = _hash_calls(monkeypatch)
+    again, created = make(store, {"k": 1})
+    assert not created and again.path == art.path and calls == []  # nothing re-read
+    # An edit of the same size: its mtime moves, so reuse re-hashes that file and refuses it.
+    blob.write_bytes(b"dat4")
+    with pytest.raises(ArtifactError, match="sha256 differs"):
+        make(store, {"k": 1})
+    assert calls == [blob]
+    # A file of another size is refused on its size alone.
+    blob.write_bytes(b"data and more")
+    with pytest.raises(ArtifactError, match="truncated or replaced"):
+        make(store, {"k": 1})
+
+
+def test_an_edit_that_restores_the_mtime_is_found_by_a_full_verify(tmp_path):
+    store = ArtifactStore(tmp_path)
+    art, _ = make(store, {"k": 1})
+    blob = art.path / "sub" / "blob.bin"
+    before = blob.stat()
+    blob.write_bytes(b"dat4")
+    os.utime(blob, ns=(before.st_atime_ns, before.st_mtime_ns))  # as git's index, stat alone cannot tell
+    assert make(store, {"k": 1})[1] is False
+    with pytest.raises(ArtifactError, match="sha256 differs"):
+        ArtifactStore(tmp_path, full_verify=True).find_existing("demo", art.id)  # the CLI's --verify
+    assert any("sha256" in p for p in find_problems(art))  # `qerl-pipe verify`
+
+
+def test_a_manifest_without_mtimes_is_hashed_in_full(tmp_path, monkeypatch):
+    store = ArtifactStore(tmp_path)
+    art, _ = make(store, {"k": 1})
+    manifest_file = art.path / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    for meta in manifest["files"].values():
+        del meta["mtime_ns"]  # as written before mtimes were recorded
+    from qerl_pipe.artifacts.manifest import manifest_digest
+
+    manifest["digest"] = manifest_digest(manifest)
+    manifest_file.write_text(json.dumps(manifest))
+    calls = _hash_calls(monkeypatch)
+    assert make(store, {"k": 1})[1] is False and calls == [art.path / "sub" / "blob.bin"]
 
 
 def test_foreign_directory_is_never_touched(tmp_path):

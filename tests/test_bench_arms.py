@@ -7,7 +7,8 @@ import json
 import pytest
 
 from qerl_pipe.bench import arms
-from qerl_pipe.rl.metrics import greedy_line, parse_greedy_line, parse_step_line, step_line
+from qerl_pipe.bench.arms import parse_greedy_line, parse_step_line
+from qerl_pipe.rl.metrics import greedy_line, step_line
 
 
 def _record(step: int, reward: float, **extra) -> dict:

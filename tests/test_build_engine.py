@@ -14,7 +14,7 @@ from qerl_pipe.errors import ArtifactError
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import init_random_model, load_model
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
-from qerl_pipe.stages.build_engine import load_engine
+from qerl_pipe.engine.artifact import load_engine
 from tests.conftest import read_json
 from tests.stage_cli import cli, last_line, named
 
@@ -67,7 +67,7 @@ def test_build_from_the_quantize_artifact_and_reuse(tiny_llama, store_dir):
 def test_load_engine_matches_load_model_bit_for_bit(tiny_llama, store_dir):
     from qerl_pipe.kernels import configs
 
-    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *FAST))
     (ckpt,) = named(store_dir, "quantize-")
     configs.set_table({"fwd:nvfp4:m1": configs.KernelConfig("skinny", 1, 16, 64)})  # a previous engine's
     model, limits = load_engine(engine)
@@ -86,7 +86,7 @@ def test_load_engine_matches_load_model_bit_for_bit(tiny_llama, store_dir):
 
 
 def test_loading_neither_repacks_nor_quantizes(tiny_llama, store_dir, monkeypatch):
-    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *FAST))
     expected = logits(load_engine(engine)[0])
 
     def forbidden(*_args, **_kwargs):
@@ -103,7 +103,7 @@ def test_kv_budget_plans_the_batch(tiny_llama, store_dir):
     config = DecoderConfig.from_hf(read_json(tiny_llama / "config.json"))
     per_sequence = kv_bytes_per_token(config, torch.float32) * 256
     gib = 5.5 * per_sequence / 2**30  # room for 5 sequences, not 6
-    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *FAST,
+    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *FAST,
                            "--set", f"engine.kv_budget_gib={gib!r}"))
     _, limits = load_engine(engine)
     assert limits.max_batch == 5 and limits.kv_cache_bytes == 5 * per_sequence
@@ -112,7 +112,7 @@ def test_kv_budget_plans_the_batch(tiny_llama, store_dir):
 
 @pytest.mark.parametrize("fmt", ["nf4", "bf16"])
 def test_nf4_and_bf16_engines_read_the_original_model(tiny_qwen2, store_dir, fmt):
-    engine = last_line(cli("build-engine", "--model", tiny_qwen2, "--artifacts", store_dir, *FAST,
+    engine = last_line(cli("build-engine", "--model", tiny_qwen2, "--artifacts", store_dir, "--build-missing", *FAST,
                            "--set", f"engine.base_format={fmt}"))
     assert named(store_dir, "quantize-") == []  # no quantization ran
     manifest = read_json(engine / "manifest.json")
@@ -127,7 +127,7 @@ def test_a_chain_may_hand_an_nf4_or_bf16_build_the_quantize_artifact_of_its_own_
                                                                                      store_dir):
     # The Makefile and the DAG pass --quantized whatever the base: the same engine as without it.
     def build(model: Path, *extra: str, ok: bool = True):
-        return cli("build-engine", "--model", model, "--artifacts", store_dir, *FAST,
+        return cli("build-engine", "--model", model, "--artifacts", store_dir, "--build-missing", *FAST,
                    "--set", "engine.base_format=bf16", *extra, ok=ok)
 
     ckpt = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
@@ -190,7 +190,8 @@ def _assert_clean_failure(result, needle: str, store_dir: Path) -> None:
 
 def test_bad_inputs_fail_cleanly(tiny_llama, store_dir):
     def build(*extra: str):
-        return cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *FAST, *extra, ok=False)
+        return cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *FAST, *extra,
+                   ok=False)
 
     _assert_clean_failure(build("--set", "engine.kv_budget_gib=1e-7"), "KV cache", store_dir)
     assert named(store_dir, "quantize-") == []  # refused before quantizing anything

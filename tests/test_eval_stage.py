@@ -51,9 +51,9 @@ def pipeline(tiny_llama, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def random_adapter(pipeline, tmp_path_factory) -> Path:
     """A PEFT adapter for the tiny model with random, clearly non-zero A and B."""
-    from qerl_pipe.formats.peft_adapter import save_adapter
+    from qerl_pipe.model.peft import save_adapter
     from qerl_pipe.model.lora import LoraSpec, lora_parameters
-    from qerl_pipe.stages.build_engine import load_engine
+    from qerl_pipe.engine.artifact import load_engine
 
     spec = LoraSpec(2, 4, ("q", "v", "down"))
     model, _ = load_engine(pipeline["engine"], "cpu", lora=spec)
@@ -193,7 +193,7 @@ def test_an_adapter_from_a_model_source_or_a_quantize_artifact(pipeline, random_
     assert read_json(via_ckpt / "manifest.json")["parents"] == [engine_id]
     # A model source: a bf16 engine is built for it, the adapter fits it too.
     via_source = last_line(cli("eval", "--model", tiny_llama, "--adapter", random_adapter, "--greedy", *EVAL,
-                               *ENGINE, "--set", "engine.base_format=bf16", "--artifacts", store))
+                               *ENGINE, "--set", "engine.base_format=bf16", "--artifacts", store, "--build-missing"))
     (bf16_engine,) = [p for p in named(store, "build-engine-") if p != engine.name]
     assert read_json(via_source / "manifest.json")["parents"] == [bf16_engine.removeprefix("build-engine-")]
     assert read_json(via_source / "report.json")["model"]["base_format"] == "bf16"
@@ -273,7 +273,7 @@ def test_adapter_directories_are_read_from_their_files(random_adapter, tmp_path)
     import math
     import shutil
 
-    from qerl_pipe.formats.peft_adapter import read_adapter
+    from qerl_pipe.model.peft import read_adapter
 
     found = read_adapter(random_adapter)
     assert (found.spec.rank, found.spec.alpha, found.spec.targets, found.spec.train_norms) == (2, 4, ("q", "v", "down"),
@@ -289,7 +289,7 @@ def test_adapter_directories_are_read_from_their_files(random_adapter, tmp_path)
 
 def test_a_run_evaluated_over_another_engine_of_its_base_is_not_flagged(pipeline, tiny_llama, tmp_path):
     from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
-    from qerl_pipe.stages.evaluate import base_mismatch
+    from qerl_pipe.lineage import base_mismatch
 
     store = ArtifactStore(pipeline["store"])  # holds the run and the engine it was trained over
     run = load_artifact(pipeline["run"])

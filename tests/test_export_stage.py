@@ -21,16 +21,17 @@ from safetensors import safe_open
 from qerl_pipe.artifacts import ArtifactStore, load_artifact
 from qerl_pipe.formats.modelopt_layout import config_quantization_config
 from qerl_pipe.formats.nvfp4 import global_scale_from_amax, quantize_nvfp4
-from qerl_pipe.formats.peft_adapter import load_adapter_weights, save_adapter
+from qerl_pipe.model.peft import load_adapter_weights, save_adapter
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.recipe import load_recipe
-from qerl_pipe.stages.build_engine import load_engine, run_build_engine
+from qerl_pipe.engine.artifact import load_engine
+from qerl_pipe.stages.build_engine import run_build_engine
 from qerl_pipe.stages.quantize import run_quantize
-from qerl_pipe.stages import export as export_stage
+from qerl_pipe.formats import checkpoint
 from tests.conftest import make_tiny_model, read_json
 from tests.stage_cli import cli, last_line
 
@@ -260,7 +261,7 @@ def test_sharded_base_streams_into_sharded_exports(store_dir, tmp_path, monkeypa
     """A base in many shards (fused groups split across them) and outputs cut into many shards."""
     source = make_tiny_model(tmp_path / "sharded", "llama", shard_mb=0.05)
     assert len(list(source.glob("*.safetensors"))) > 3
-    monkeypatch.setattr(export_stage, "SHARD_BYTES", 60_000)
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 60_000)
     store = ArtifactStore(store_dir)
     engine = make_engine(source, store, "bf16")
     run = make_run(store, engine, SPEC_NORMS)

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from qerl_pipe.errors import ModelSourceError, QuantizationError
 from qerl_pipe.formats.checkpoint import detect_quant_format, iter_quantized_checkpoint, list_shards
-from qerl_pipe.formats.compressed_tensors import compressed_nvfp4_tensors, compressed_tensors_config
+from tests.compressed_tensors_writer import compressed_nvfp4_tensors, compressed_tensors_config
 from qerl_pipe.formats.modelopt_layout import (
     FUSED_GROUPS,
     config_quantization_config,

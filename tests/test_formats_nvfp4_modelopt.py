@@ -5,6 +5,8 @@ modelopt is imported lazily (about 6-8 s) through one module-scoped fixture.
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -57,14 +59,17 @@ def check(weight: torch.Tensor, modelopt_nvfp4, global_scale: torch.Tensor | Non
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 16), (7, 48), (64, 256), (576, 1536)])
 def test_random_normal(shape, dtype, modelopt_nvfp4):
-    gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    # crc32, not hash(): str hashes are salted per process, so a failure would not reproduce.
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{shape}{dtype}".encode()))
     check((torch.randn(shape, generator=gen) * 0.02).to(dtype), modelopt_nvfp4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_heavy_tailed(dtype, modelopt_nvfp4):
     gen = torch.Generator().manual_seed(1)
-    student_t = torch.distributions.StudentT(torch.tensor(2.0)).sample((128, 512))
+    with torch.random.fork_rng():  # StudentT.sample takes no generator: seed the global one, then restore it
+        torch.manual_seed(2)
+        student_t = torch.distributions.StudentT(torch.tensor(2.0)).sample((128, 512))
     check(student_t.to(dtype), modelopt_nvfp4)
     outliers = torch.randn(128, 512, generator=gen)
     outliers.view(-1)[torch.randint(0, outliers.numel(), (40,), generator=gen)] *= 300.0

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qerl_pipe.errors import ModelSourceError
-from qerl_pipe.formats.compressed_tensors import compressed_nvfp4_tensors, compressed_tensors_config
+from tests.compressed_tensors_writer import compressed_nvfp4_tensors, compressed_tensors_config
 from qerl_pipe.formats.modelopt_layout import config_quantization_config, nvfp4_tensors
 from qerl_pipe.formats.nf4 import dequantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4, shared_global_scale

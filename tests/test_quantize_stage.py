@@ -240,7 +240,7 @@ def test_checkpoint_loads_into_our_decoder_like_quantizing_on_the_fly(sharded_ll
 
 def test_row_chunked_quantization_gives_the_same_bytes(monkeypatch):
     from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4
-    from qerl_pipe.stages import quantize as stage
+    from qerl_pipe.formats import modelopt_writer as stage
 
     weight = torch.randn(37, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     scale = global_scale_from_amax(weight.abs().amax().float() * 1.5)  # as if shared with a larger member

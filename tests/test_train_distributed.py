@@ -103,7 +103,8 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def test_two_gloo_processes_train_like_one(tiny_llama, store_dir):
-    one = last_line(cli("train", "--model", tiny_llama, "--artifacts", store_dir, *ENGINE, *TRAIN, *DP))
+    one = last_line(cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *ENGINE, *TRAIN,
+                        *DP))
     (engine,) = named(store_dir, "build-engine-")
     args = ["train", "--nproc", "2", "--engine", engine, "--model", tiny_llama, "--artifacts", store_dir,
             *ENGINE, *TRAIN, *DP]

@@ -75,11 +75,11 @@ def test_adapter_loads_into_peft_and_reproduces_our_logits(tiny_llama, store_dir
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from qerl_pipe.formats.peft_adapter import load_adapter_weights
+    from qerl_pipe.model.peft import load_adapter_weights
     from qerl_pipe.model.lora import LoraSpec
-    from qerl_pipe.stages.build_engine import load_engine
+    from qerl_pipe.engine.artifact import load_engine
 
-    run = last_line(cli("train", "--model", tiny_llama, "--artifacts", store_dir, *ENGINE, *TRAIN,
+    run = last_line(cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *ENGINE, *TRAIN,
                         "--set", "engine.base_format=bf16", "--set", "train.steps=2", "--set", "train.eval_limit=0",
                         "--set", "train.lora.rank=4", "--set", "train.lora.alpha=8"))
     adapter = run / "adapter"
@@ -118,7 +118,8 @@ def test_bad_train_inputs_fail_before_any_work(tiny_llama, store_dir, tmp_path, 
             recipe.write_text(f"stages: [calibrate, quantize, build-engine, train]\nmodel:\n  source: {tiny_llama}\n")
             result = cli("run", recipe, "--artifacts", store_dir, "--set", override, ok=False)
         else:
-            result = cli("train", "--model", tiny_llama, "--artifacts", store_dir, *ENGINE, "--set", override, ok=False)
+            result = cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *ENGINE, "--set",
+                         override, ok=False)
         assert result.exit_code == 1, result.stdout
         assert result.stderr.strip().startswith("error:") and len(result.stderr.strip().splitlines()) == 1
         assert needle in result.stderr, result.stderr
@@ -126,7 +127,7 @@ def test_bad_train_inputs_fail_before_any_work(tiny_llama, store_dir, tmp_path, 
 
 
 def _command(model: Path, store: Path) -> list[str]:
-    args = ["train", "--model", model, "--artifacts", store, *ENGINE, *TRAIN,
+    args = ["train", "--model", model, "--artifacts", store, "--build-missing", *ENGINE, *TRAIN,
             "--set", "train.steps=10", "--set", "train.checkpoint_every=2", "--set", "train.eval_limit=4"]
     return [sys.executable, "-m", "qerl_pipe", *map(str, args)]
 

@@ -66,13 +66,14 @@ def _tmp_owner(path: Path) -> str | None:
     return base if base and pid.isdigit() else None
 
 
-def load_artifact(path: Path, *, verify: bool = True) -> Artifact:
-    """Open the artifact at `path`; with `verify`, refuse it if any file differs from its manifest."""
+def load_artifact(path: Path, *, verify: bool = True, full: bool = False) -> Artifact:
+    """Open the artifact at `path`; with `verify`, refuse it if any file differs from its manifest:
+    re-hashing the files whose size or mtime changed since sealing, or every file with `full`."""
     if not (path / MANIFEST_NAME).is_file():
         raise ArtifactError(f"{path} is not an artifact (no manifest.json): it may be incomplete or not made by qerl-pipe")
     artifact = Artifact(path=path, manifest=_read_manifest(path))
     if verify:
-        problems = find_problems(artifact)
+        problems = find_problems(artifact, full=full)
         if problems:
             raise ArtifactError(
                 f"artifact {path} is damaged ({problems[0]}{'; ...' if len(problems) > 1 else ''}); "
@@ -82,8 +83,12 @@ def load_artifact(path: Path, *, verify: bool = True) -> Artifact:
 
 
 class ArtifactStore:
-    def __init__(self, root: Path | None = None) -> None:
+    """A store directory. `full_verify` (the CLI's --verify) hashes every byte of each artifact it
+    opens; by default only files whose size or mtime changed since sealing are re-hashed."""
+
+    def __init__(self, root: Path | None = None, *, full_verify: bool = False) -> None:
         self.root = Path(root) if root is not None else default_root()
+        self.full_verify = full_verify
 
     def path_for(self, stage: str, art_id: str) -> Path:
         return self.root / f"{stage}-{art_id}"
@@ -170,16 +175,24 @@ class ArtifactStore:
         """Find an artifact by path, by directory name, or by (a prefix of) its id."""
         as_path = Path(ref)
         if as_path.is_dir():
-            return load_artifact(as_path, verify=verify)
+            return self._open(as_path, verify)
         if (self.root / ref).is_dir():
-            return load_artifact(self.root / ref, verify=verify)
+            return self._open(self.root / ref, verify)
         matches = [a for a in self.list() if a.id.startswith(ref) or a.path.name.startswith(ref)]
         if not matches:
             raise ArtifactError(f"no artifact '{ref}' in {self.root}; `qerl-pipe ls` lists the artifacts there")
         if len(matches) > 1:
             names = ", ".join(a.path.name for a in matches[:5])
             raise ArtifactError(f"'{ref}' matches several artifacts ({names}); give more of the id")
-        return load_artifact(matches[0].path, verify=verify)
+        return self._open(matches[0].path, verify)
+
+    def _open(self, path: Path, verify: bool) -> Artifact:
+        return load_artifact(path, verify=verify, full=self.full_verify)
+
+    def sealed(self, stage: str, art_id: str) -> Artifact:
+        """The artifact this process has just sealed: its manifest was made from these very files,
+        so they are not read again."""
+        return load_artifact(self.path_for(stage, art_id), verify=False)
 
     @contextmanager
     def _lock(self, name: str) -> Iterator[None]:
@@ -206,7 +219,7 @@ class ArtifactStore:
             raise ArtifactError(
                 f"{path} exists but is not a qerl-pipe artifact; move it away (qerl-pipe never deletes what it did not make)"
             )
-        return load_artifact(path, verify=True)
+        return self._open(path, True)
 
     @contextmanager
     def create(
@@ -305,3 +318,38 @@ class ArtifactStore:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, final)
+
+
+def _holds_copy(output: Path, art_id: str) -> bool:
+    """Whether `output` is an intact copy of artifact `art_id` (the same command run again)."""
+    if not (output / MANIFEST_NAME).is_file():
+        return False
+    try:
+        copy = load_artifact(output, verify=True)
+    except ArtifactError:
+        return False
+    return copy.id == art_id
+
+
+def check_output_dir(output: Path | None, art_id: str) -> None:
+    """Refuse, before any work, an `--output` that exists and holds anything but artifact `art_id`."""
+    if output is None or not output.exists() or _holds_copy(output, art_id):
+        return
+    if not output.is_dir() or any(output.iterdir()):
+        raise ArtifactError(f"output directory {output} exists and is not empty; choose a new path (nothing was written)")
+
+
+def copy_to(artifact: Artifact, output: Path) -> bool:
+    """Copy a sealed artifact to a user-chosen directory, atomically (temp sibling, then rename);
+    a directory that already holds this very artifact is left as it is (returns False)."""
+    if _holds_copy(output, artifact.id):
+        return False
+    check_output_dir(output, artifact.id)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".tmp-{output.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(artifact.path, tmp)
+    if output.exists():
+        output.rmdir()  # checked empty above
+    tmp.rename(output)
+    return True

@@ -15,18 +15,47 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.rl.metrics import parse_greedy_line, parse_step_line
 from qerl_pipe.rl.rewards import RewardSpec, score
 from qerl_pipe.rl.tasks import Problem, kind_of
 
 PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
            ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))
 SMOOTH = 5  # steps in the plotted moving average; the raw curve is drawn faintly under it
+
+
+# Reading a run back from its log (where its run directory was lost: the earlier bf16 arms in
+# bench/results/train-smollm2-h200/seed1/logs). Lab support, so it lives here, not in rl/metrics.
+_STEP_LINE = re.compile(r"train: step (\d+)/\d+ reward (\S+) accuracy (\S+) length (\S+) sigma (\S+) "
+                        r"lr (\S+) (\S+) s")
+
+
+def parse_step_line(line: str) -> dict[str, Any] | None:
+    """`step_line`'s fields back (rounded as printed), or None for any other line: a run's log is
+    its record where its metrics.jsonl was lost."""
+    m = _STEP_LINE.search(line)
+    if m is None:
+        return None
+    keys = ("reward_mean", "accuracy", "response_length_mean", "sigma", "lr", "step_seconds")
+    return {"step": int(m.group(1)), **{k: float(v) for k, v in zip(keys, m.groups()[1:])}}
+
+
+_GREEDY_LINE = re.compile(r"train: greedy accuracy (before|after) training (\S+) \((\d+)/(\d+)")
+
+
+def parse_greedy_line(line: str) -> tuple[str, dict[str, Any]] | None:
+    """`greedy_line`'s when and result back (the accuracy from the counts, not as rounded in print),
+    or None for any other line."""
+    m = _GREEDY_LINE.search(line)
+    if m is None:
+        return None
+    correct, total = int(m.group(3)), int(m.group(4))
+    return m.group(1), {"accuracy": correct / total, "correct": correct, "total": total}
 
 
 def read_log(log: Path) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def measure(shape: str, device: str, prompts_per_step: int, group_size: int, pro
     from qerl_pipe.rl.distributed import init_distributed
     from qerl_pipe.rl.tasks import load_problems
     from qerl_pipe.rl.trainer import Trainer
-    from qerl_pipe.stages.common import pick_device
+    from qerl_pipe.hf import pick_device
 
     dist, device_name = init_distributed(device)
     dev = pick_device(device_name)

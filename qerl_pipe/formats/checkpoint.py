@@ -237,3 +237,66 @@ def iter_quantized_checkpoint(
             yield module, weight, input_scale
         else:
             yield key, shards.get(key), None
+
+
+# Output shards close at this size: it bounds the host memory of a writer (one shard buffered).
+SHARD_BYTES = 2 * 2**30
+
+
+def cast_floating(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """`tensor` in `dtype` if it is floating point (integer tensors such as packed codes stay)."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def shard_names(count: int) -> list[str]:
+    """Hugging Face's names for a checkpoint of `count` safetensors shards."""
+    return [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+class ShardWriter:
+    """A Hugging Face checkpoint's safetensors shards, written as they fill (up to SHARD_BYTES), so
+    host memory holds one shard, then the index. Used by quantize and export alike.
+
+    With `shards` (quantize: one output shard per input shard, closed by `close_shard`) each file
+    gets its final name at once; otherwise the count is known only at the end, so shards are
+    written as hidden parts and renamed by `finish`."""
+
+    def __init__(self, out: Path, max_bytes: float | None = None, shards: int | None = None) -> None:
+        self.out, self.max_bytes = out, max_bytes or SHARD_BYTES
+        self.final_names = shard_names(shards) if shards else None
+        self.buffer: dict[str, Tensor] = {}
+        self.buffered = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.buffer and self.buffered + nbytes > self.max_bytes:
+            self._flush()
+        self.buffer[name] = tensor.contiguous()
+        self.buffered += nbytes
+        self.total += nbytes
+
+    def close_shard(self) -> None:
+        """End the current shard here, even an empty one."""
+        self._flush()
+
+    def _flush(self) -> None:
+        n = len(self.files)
+        name = self.final_names[n] if self.final_names else f".part-{n:05d}.safetensors"
+        save_safetensors(self.buffer, self.out / name, metadata={"format": "pt"})
+        self.files.append((self.out / name, list(self.buffer)))
+        self.buffer, self.buffered = {}, 0
+
+    def finish(self) -> None:
+        if self.buffer or not self.files:
+            self._flush()
+        names = shard_names(len(self.files))
+        weight_map = {}
+        for (path, keys), name in zip(self.files, names):
+            if path.name != name:
+                path.rename(self.out / name)
+            weight_map.update({k: name for k in keys})
+        if len(names) > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

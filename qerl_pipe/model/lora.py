@@ -106,3 +106,8 @@ def _hf_name(name: str) -> str:
 
 def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def merge_lora(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
+    """`W + scaling * B @ A` in float32; the caller casts once, so there is one rounding."""
+    return torch.addmm(weight.float(), b.float(), a.float(), alpha=scaling)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from qerl_pipe.errors import ArtifactError, QerlError
-from qerl_pipe.formats.peft_adapter import ADAPTER_WEIGHTS, load_adapter_weights
+from qerl_pipe.model.peft import ADAPTER_WEIGHTS, load_adapter_weights
 from qerl_pipe.model.lora import lora_state_dict
 
 CHECKPOINTS = "checkpoints"

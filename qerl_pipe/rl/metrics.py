@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,37 +88,10 @@ def step_line(r: dict[str, Any], total: int) -> str:
             f"{r['step_seconds']:.1f} s")
 
 
-_STEP_LINE = re.compile(r"train: step (\d+)/\d+ reward (\S+) accuracy (\S+) length (\S+) sigma (\S+) "
-                        r"lr (\S+) (\S+) s")
-
-
-def parse_step_line(line: str) -> dict[str, Any] | None:
-    """`step_line`'s fields back (rounded as printed), or None for any other line: a run's log is
-    its record where its metrics.jsonl was lost."""
-    m = _STEP_LINE.search(line)
-    if m is None:
-        return None
-    keys = ("reward_mean", "accuracy", "response_length_mean", "sigma", "lr", "step_seconds")
-    return {"step": int(m.group(1)), **{k: float(v) for k, v in zip(keys, m.groups()[1:])}}
-
-
 def greedy_line(when: str, result: dict[str, Any], data: str) -> str:
     """The log line of the greedy evaluation `when` ('before' / 'after') training."""
     return (f"train: greedy accuracy {when} training {result['accuracy']:.3f} "
             f"({result['correct']}/{result['total']} of {data})")
-
-
-_GREEDY_LINE = re.compile(r"train: greedy accuracy (before|after) training (\S+) \((\d+)/(\d+)")
-
-
-def parse_greedy_line(line: str) -> tuple[str, dict[str, Any]] | None:
-    """`greedy_line`'s when and result back (the accuracy from the counts, not as rounded in print),
-    or None for any other line."""
-    m = _GREEDY_LINE.search(line)
-    if m is None:
-        return None
-    correct, total = int(m.group(3)), int(m.group(4))
-    return m.group(1), {"accuracy": correct / total, "correct": correct, "total": total}
 
 
 def write_plots(records: list[dict[str, Any]], out_dir: Path) -> list[str]:

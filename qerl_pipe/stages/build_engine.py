@@ -7,13 +7,12 @@ CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`)
 per GPU, so the GPU's name is part of the artifact's identity.
 
 The base comes from the quantize artifact (nvfp4) or from the original model (nf4, the QLoRA
-baseline; bf16). `load_engine` is what later stages call.
+baseline; bf16). Later stages open the engine with `engine.artifact.load_engine`.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -23,28 +22,26 @@ from typing import Any
 import torch
 
 import qerl_pipe
-from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
+from qerl_pipe.dag import BUILD_ENGINE, check_kind, find_or_build, input_artifact
+from qerl_pipe.engine.artifact import ENGINE_FILE, ENGINE_FORMAT_VERSION, device_kind
 from qerl_pipe.engine.limits import EngineLimits, plan_limits
-from qerl_pipe.engine.weights import load_engine_model, save_engine_model
-from qerl_pipe.errors import ArtifactError, ModelSourceError, QerlError
+from qerl_pipe.engine.weights import save_engine_model
+from qerl_pipe.errors import ModelSourceError, QerlError
 from qerl_pipe.formats.checkpoint import detect_quant_format
-from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, set_table, table_from_json, table_to_json
+from qerl_pipe.formats.modelopt_writer import copy_model_files
+from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, table_to_json
 from qerl_pipe.log import log
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model, model_memory_bytes
-from qerl_pipe.model.lora import LoraSpec
 from qerl_pipe.recipe import EngineSection, Recipe
 from qerl_pipe.sources import resolve_model
-from qerl_pipe.stages import quantize as quantize_stage
-from qerl_pipe.stages.common import compute_dtype, count_parameters, model_config_key, pick_device
+from qerl_pipe.hf import compute_dtype, count_parameters, pick_device
+from qerl_pipe.stages.common import model_config_key
 
-STAGE = "build-engine"
-VERSION = 1
-KIND = "engine"
-ENGINE_FILE = "engine.json"
-ENGINE_FORMAT_VERSION = 1
+STAGE = BUILD_ENGINE
 # Auto KV budget on CUDA: a share of what is free once the model is loaded; the rest is left for
 # activations, LoRA, optimizer state and the training step that shares the GPU with the engine.
 AUTO_KV_FRACTION = 0.4
@@ -113,9 +110,7 @@ def _limits(plan: _Plan, section: EngineSection, budget: int) -> EngineLimits:
 
 
 def _check_quantized(artifact: Artifact) -> None:
-    if artifact.kind != quantize_stage.KIND:
-        raise ArtifactError(f"{artifact.path} is a '{artifact.kind}' artifact, not a quantize checkpoint "
-                            f"('{quantize_stage.KIND}')")
+    check_kind(artifact, "quantize", "--quantized")
 
 
 def _unused_quantized(artifact: Artifact, model_key: dict[str, Any], recipe: Recipe, base_format: str) -> None:
@@ -132,22 +127,9 @@ def _unused_quantized(artifact: Artifact, model_key: dict[str, Any], recipe: Rec
         "(quantized from it) is not used")
 
 
-def _find_or_make_quantized(recipe: Recipe, store: ArtifactStore) -> Artifact:
-    """The quantize artifact this recipe describes, made if missing: calibrated when the recipe
-    runs calibrate (as `qerl-pipe run` would make it), weight-only otherwise."""
-    from qerl_pipe.stages.calibrate import run_calibrate
-
-    calibration = run_calibrate(recipe, store) if "calibrate" in recipe.stages else None
-    return quantize_stage.run_quantize(recipe, store, calibration=calibration)
-
-
 def _quantized_base(artifact: Artifact) -> _Base:
     hf_config = json.loads((artifact.path / "config.json").read_text())
     return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
-
-
-def _device_kind(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _auto_cuda_budget(device: torch.device) -> int:
@@ -172,14 +154,6 @@ def _check_finite(model: torch.nn.Module) -> None:
                             "re-download or re-convert it")
 
 
-def _copy_tokenizer(source: Path, out: Path) -> None:
-    # The same files the quantize stage carries along (tokenizer, chat template, generation config).
-    for pattern in quantize_stage.COPY_PATTERNS:
-        for path in source.glob(pattern):
-            if path.is_file():
-                shutil.copy2(path, out / path.name)
-
-
 def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.device, out: Path) -> dict[str, Any]:
     """Write the engine into `out`; returns the manifest summary."""
     from qerl_pipe.kernels.cuda_ext import available as cuda_kernels_available
@@ -194,14 +168,14 @@ def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.devic
     if plan.tune and section.base_format == "nvfp4" and cuda_kernels_available(device):
         # The table holds Triton configs; on this GPU NVFP4 runs the CUDA kernels instead, whose
         # configs ship with the package (kernels/cuda/configs-h200.json).
-        log(f"build-engine: NVFP4 runs the CUDA kernels on {_device_kind(device)}; no Triton tuning")
+        log(f"build-engine: NVFP4 runs the CUDA kernels on {device_kind(device)}; no Triton tuning")
     elif plan.tune:
-        log(f"build-engine: tuning {section.base_format} kernels on {_device_kind(device)}")
+        log(f"build-engine: tuning {section.base_format} kernels on {device_kind(device)}")
         decode_ms = [m for m in TUNING_MS if m <= limits.max_batch]
         table = tune_kernels(_linear_shapes(model), decode_ms + [PREFILL_TUNING_M], section.base_format, device,
                              dx_ms=[PREFILL_TUNING_M])
     save_engine_model(model, out, hf_config=base.hf_config)
-    _copy_tokenizer(base.dir, out)
+    copy_model_files(base.dir, out)
     seconds = round(time.perf_counter() - started, 2)
     engine = {
         "format_version": ENGINE_FORMAT_VERSION,
@@ -210,7 +184,7 @@ def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.devic
         "limits": limits.to_json(),
         "kv_budget_bytes": budget,
         "kernel_table": table_to_json(table) if table is not None else None,
-        "device": {"type": device.type, "name": _device_kind(device)},
+        "device": {"type": device.type, "name": device_kind(device)},
         "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "build_seconds": seconds,
         "qerl_pipe_version": qerl_pipe.__version__,
@@ -237,18 +211,19 @@ def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.devic
 
 
 def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifact | None = None,
-                     force: bool = False) -> Artifact:
+                     force: bool = False, build_missing: bool = False, find_only: bool = False) -> Artifact:
     """Build (or reuse) the engine the recipe's `engine` section describes.
 
-    nvfp4 builds from `quantized`, or from the quantize artifact the recipe describes (found or
-    made); nf4 and bf16 build from `recipe.model`. `force` redoes this stage only.
+    nvfp4 builds from `quantized`, or from the quantize artifact the recipe describes (found; made
+    only with `build_missing`); nf4 and bf16 build from `recipe.model`. `force` redoes this stage only.
     """
     section = recipe.engine
     device = pick_device(section.device)
     if section.base_format == "nvfp4":
         if quantized is None:
             _plan(section, resolve_model(recipe.model, store).config, device)  # fail before quantizing
-            quantized = _find_or_make_quantized(recipe, store)
+            quantized = input_artifact(STAGE.name, "--quantized", recipe, store, build_missing=build_missing,
+                                       find_only=find_only)
         _check_quantized(quantized)
         base = _quantized_base(quantized)
     else:
@@ -262,66 +237,10 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
     plan = _plan(section, base.hf_config, device)
-    config = {"base": base.identity, "engine": section.model_dump(), "device": _device_kind(device)}
-    with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
-                      parents=base.parents, force=force) as (pending, existing):
-        if existing is not None:
-            log(f"build-engine: up to date, reusing {existing.path}")
-            return existing
+    config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
+
+    def build(pending: PendingArtifact) -> None:
         pending.summary.update(_build(base, plan, section, device, pending.dir))
-    # Just written and hashed into its manifest: no need to re-read every byte.
-    return load_artifact(store.path_for(STAGE, pending.id), verify=False)
 
-
-def check_engine_for(engine: Artifact, stage: str, max_new_tokens: int, option: str) -> None:
-    """Refuse a non-engine artifact, or an engine whose sequences cannot hold `max_new_tokens` after
-    a prompt; `stage` names the recipe section ('train', 'eval'), `option` the CLI flag that took it."""
-    if engine.kind != KIND:
-        raise ArtifactError(f"{engine.path} is a '{engine.kind}' artifact, not an engine; pass a build-engine "
-                            f"artifact to {option}")
-    max_seq_len = engine.summary.get("max_seq_len")
-    if max_seq_len is not None and max_new_tokens >= max_seq_len:
-        raise QerlError(f"{stage}.max_new_tokens={max_new_tokens} leaves no room for a prompt in the engine's "
-                        f"max_seq_len={max_seq_len}; lower {stage}.max_new_tokens or build the engine with a larger "
-                        "engine.max_seq_len")
-
-
-def _read_engine_json(path: Path) -> dict[str, Any]:
-    try:
-        engine = json.loads((path / ENGINE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ArtifactError(f"{path}: cannot read {ENGINE_FILE} ({exc}); rebuild the engine with --force") from None
-    if engine.get("format_version") != ENGINE_FORMAT_VERSION:
-        raise ArtifactError(f"{path}: engine format {engine.get('format_version')!r} is not "
-                            f"{ENGINE_FORMAT_VERSION}; rebuild the engine with --force")
-    return engine
-
-
-def load_engine(artifact_dir: Path | str, device: torch.device | str | None = None,
-                lora: LoraSpec | None = None) -> tuple[Decoder, EngineLimits]:
-    """The engine's model on `device` (default: the device type it was built for) and its limits.
-
-    Installs the engine's tuned kernel table process-wide (`kernels.configs.set_table`), or the
-    default table when it has none, so a previous engine's entries never apply to this model.
-    Does not re-hash the files (`ArtifactStore.resolve` does, for a reference given by a user).
-    """
-    path = Path(artifact_dir)
-    artifact = load_artifact(path, verify=False)
-    if artifact.kind != KIND:
-        raise ArtifactError(f"{path} is a '{artifact.kind}' artifact, not an engine; run `qerl-pipe build-engine`")
-    engine = _read_engine_json(path)
-    built = engine["device"]
-    if device is None and built["type"] == "cuda" and not torch.cuda.is_available():
-        raise QerlError(f"{path.name} was built for {built['name']} but no CUDA GPU is visible; "
-                        "pass device='cpu' to load it anyway")
-    target = torch.device(built["type"] if device is None else device)
-    if target.type != built["type"] or (target.type == "cuda" and _device_kind(target) != built["name"]):
-        log(f"build-engine: {path.name} was built and tuned for {built['name']}, loading on "
-            f"{_device_kind(target)}; its limits and kernel configs may not suit it (rebuild there)")
-    model = load_engine_model(path, target, lora)
-    if model.base_format != engine["base_format"]:
-        raise ArtifactError(f"{path}: weights are {model.base_format} but {ENGINE_FILE} says "
-                            f"{engine['base_format']}; rebuild the engine with --force")
-    table = engine.get("kernel_table")
-    set_table(table_from_json(table) if table else {})
-    return model, EngineLimits.from_json(engine["limits"])
+    return find_or_build(STAGE, store, config=config, parents=base.parents, build=build, force=force,
+                         find_only=find_only)

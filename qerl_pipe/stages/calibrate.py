@@ -13,26 +13,22 @@ import math
 import time
 
 import torch
-from safetensors.torch import load_file
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
+from qerl_pipe.dag import CALIBRATE, find_or_build
 from qerl_pipe.errors import QerlError
+from qerl_pipe.formats.calibration import CHANNELS_FILE, STATS_FILE
 from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.log import log, progress
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import resolve_model
-from qerl_pipe.stages.common import (
-    compute_dtype, count_parameters, data_file_key, load_hf_causal_lm, load_tokenizer, model_config_key,
-    pick_device,
-)
+from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
+from qerl_pipe.stages.common import data_file_key, model_config_key
 from qerl_pipe.textdata import load_texts, pack_sequences
 
-STAGE = "calibrate"
-VERSION = 2  # 2: per-channel mean squares of each linear's input (CHANNELS_FILE)
-KIND = "calibration"
-STATS_FILE = "calibration.json"
-CHANNELS_FILE = "channel_mean_square.safetensors"
+# Version 2: per-channel mean squares of each linear's input (CHANNELS_FILE).
+STAGE = CALIBRATE
 
 
 def _weight_stats(weight: torch.Tensor) -> dict[str, float]:
@@ -76,7 +72,9 @@ def collect_input_stats(model: torch.nn.Module, batches) -> tuple[dict[str, floa
     return {name: float(value) for name, value in amax.items()}, mean_square, tokens
 
 
-def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> Artifact:
+def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False, build_missing: bool = False,
+                  find_only: bool = False) -> Artifact:
+    """Calibrate the recipe's model (no inputs, so `build_missing` changes nothing)."""
     resolved = resolve_model(recipe.model, store)
     DecoderConfig.from_hf(resolved.config)
     section = recipe.calibrate
@@ -84,11 +82,8 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) 
     data_sha256 = data_file_key(section.data)
     if data_sha256 is not None:
         config["data_sha256"] = data_sha256  # an edited file is new data
-    with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
-                      parents=resolved.parents, force=force) as (pending, existing):
-        if existing is not None:
-            log(f"calibrate: up to date, reusing {existing.path}")
-            return existing
+
+    def build(pending: PendingArtifact) -> None:
         started = time.perf_counter()
         device = pick_device(section.device)
         dtype = compute_dtype(section.dtype, device, count_parameters(resolved.config))
@@ -115,9 +110,10 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False) 
             "max_weight_amax_over_rms": {"module": worst[0], "value": worst[1]["weight_amax_over_rms"]},
             "seconds": round(time.perf_counter() - started, 2),
         })
-    artifact = store.find_existing(STAGE, pending.id)
-    log(f"calibrate: {tokens} tokens through {len(linears)} linears in {pending.summary['seconds']} s")
-    return artifact
+        log(f"calibrate: {tokens} tokens through {len(linears)} linears in {pending.summary['seconds']} s")
+
+    return find_or_build(STAGE, store, config=config, parents=resolved.parents, build=build, force=force,
+                         find_only=find_only)
 
 
 def _check_finite(linears: dict[str, dict[str, float]], mean_square: dict[str, torch.Tensor]) -> None:
@@ -128,16 +124,3 @@ def _check_finite(linears: dict[str, dict[str, float]], mean_square: dict[str, t
             what = "weight" if any(k.startswith("weight") for k in bad) else "input activation"
             raise QerlError(f"{name}: non-finite {what} statistics (NaN or inf); the model's weights are damaged, "
                             "re-download or re-convert it")
-
-
-def read_input_amax(calibration: Artifact) -> dict[str, float]:
-    stats = json.loads((calibration.path / STATS_FILE).read_text())
-    return {name: v["input_amax"] for name, v in stats["linears"].items()}
-
-
-def read_channel_mean_square(calibration: Artifact) -> dict[str, torch.Tensor]:
-    """Each linear's per-input-channel mean square of its calibration inputs."""
-    path = calibration.path / CHANNELS_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{calibration.path} has no {CHANNELS_FILE}; re-run `qerl-pipe calibrate`")
-    return load_file(str(path))

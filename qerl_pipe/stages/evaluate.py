@@ -24,17 +24,20 @@ from typing import Any
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
 from qerl_pipe.artifacts.manifest import MANIFEST_NAME, sha256_file
+from qerl_pipe.dag import BUILD_ENGINE, EVAL, QUANTIZE, TRAIN, MissingArtifact, find_or_build, recipe_artifact
 from qerl_pipe.engine import Engine, SamplingParams
-from qerl_pipe.errors import ArtifactError
-from qerl_pipe.formats.peft_adapter import (
+from qerl_pipe.engine.artifact import check_engine_for, load_engine
+from qerl_pipe.errors import ArtifactError, QerlError
+from qerl_pipe.model.peft import (
     ADAPTER_WEIGHTS,
     AdapterFiles,
     check_adapter_fits,
     load_adapter_weights,
     read_adapter,
 )
+from qerl_pipe.lineage import base_mismatch
 from qerl_pipe.log import log
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.lora import lora_disabled
@@ -42,14 +45,11 @@ from qerl_pipe.recipe import EvalSection, Recipe
 from qerl_pipe.rl.evaluate import Graded, generate_and_grade, pass_rates
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.sources import ALIASES, resolve_model
-from qerl_pipe.stages import build_engine as build_engine_stage
-from qerl_pipe.stages import quantize as quantize_stage
-from qerl_pipe.stages import train as train_stage
-from qerl_pipe.stages.common import engine_model_name, fit_prompts, load_tokenizer, pick_device, stop_token_ids
+from qerl_pipe.hf import load_tokenizer, pick_device
+from qerl_pipe.stages.common import engine_model_name, fit_prompts, stop_token_ids
 
-STAGE = "eval"
-VERSION = 2  # 2: an arithmetic expression no longer grades as a numeric answer (accuracies made before are not reused)
-KIND = "eval"
+# Version 2: an arithmetic expression no longer grades as a numeric answer (accuracies made before are not reused).
+STAGE = EVAL
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 SAMPLES = "samples.jsonl"
@@ -98,7 +98,7 @@ def open_adapter(adapter: Path | Artifact | str, store: ArtifactStore) -> Adapte
     if isinstance(adapter, Path) and (adapter / MANIFEST_NAME).is_file():
         adapter = load_artifact(adapter)  # an artifact given by path: verified, and it becomes a parent
     if isinstance(adapter, Artifact):
-        if adapter.kind in (build_engine_stage.KIND, quantize_stage.KIND, KIND):
+        if adapter.kind in (BUILD_ENGINE.kind, QUANTIZE.kind, EVAL.kind):
             raise ArtifactError(f"{adapter.path} is a '{adapter.kind}' artifact, not an adapter; pass a train run "
                                 "(or an exported PEFT adapter) to --adapter")
         return AdapterInput(read_adapter(adapter.path), adapter)
@@ -152,11 +152,11 @@ def resolve_model_target(ref: str | Artifact | None, recipe: Recipe, store: Arti
             artifact = store.resolve(ref)
     assert artifact is not None
     config_file = artifact.path / "config.json"
-    if artifact.kind == build_engine_stage.KIND:
+    if artifact.kind == BUILD_ENGINE.kind:
         return ModelTarget(artifact, None, recipe, json.loads(config_file.read_text()), engine_model_name(artifact, store))
-    if artifact.kind == quantize_stage.KIND:
+    if artifact.kind == QUANTIZE.kind:
         return ModelTarget(None, artifact, recipe, json.loads(config_file.read_text()), artifact.path.name)
-    if artifact.kind == train_stage.KIND:
+    if artifact.kind == TRAIN.kind:
         raise ArtifactError(f"{artifact.path} is a train run (an adapter), not a model; pass it to --adapter and "
                             "its engine to --model")
     if _model_dir_artifact(artifact):
@@ -165,10 +165,19 @@ def resolve_model_target(ref: str | Artifact | None, recipe: Recipe, store: Arti
                         "(build-engine), a quantize checkpoint, or a model source")
 
 
-def build_target_engine(target: ModelTarget, store: ArtifactStore) -> Artifact:
+def build_target_engine(target: ModelTarget, store: ArtifactStore, build_missing: bool = False) -> Artifact:
+    """The engine --model names, or the one the recipe builds from the checkpoint or model source it
+    names: found in the store, built (with its own missing inputs) only with `build_missing`."""
     if target.engine is not None:
         return target.engine
-    return build_engine_stage.run_build_engine(target.recipe, store, quantized=target.quantized)
+    made = {"quantize": target.quantized} if target.quantized is not None else {}
+    try:
+        return recipe_artifact(BUILD_ENGINE.name, target.recipe, store, build=build_missing, made=made)
+    except MissingArtifact as exc:
+        first = f" (which needs `qerl-pipe {exc.stage}` first)" if exc.stage != BUILD_ENGINE.name else ""
+        raise QerlError(f"eval needs an engine for {target.name}, and the recipe's is not in {store.root}: run "
+                        f"`qerl-pipe build-engine` with the same recipe and model{first}, pass --model ENGINE, or "
+                        "add --build-missing") from None
 
 
 # ---------------------------------------------------------------------------- the work
@@ -290,12 +299,12 @@ def _evaluate(recipe: Recipe, engine: Artifact, adapter: AdapterInput | None, pr
     """Generate, grade and write the three files into `out`; returns the manifest summary."""
     section = recipe.eval
     started = time.perf_counter()
-    model, limits = build_engine_stage.load_engine(engine.path, device, lora=adapter.files.spec if adapter else None)
+    model, limits = load_engine(engine.path, device, lora=adapter.files.spec if adapter else None)
     if adapter is not None:
         load_adapter_weights(model, adapter.files.dir / ADAPTER_WEIGHTS)
     tokenizer = load_tokenizer(engine.path, recipe.model.trust_remote_code)
     kept, prompts, skipped = fit_prompts(tokenizer, problems, section.instruction, limits.max_seq_len,
-                                         section.max_new_tokens, "evaluation", STAGE)
+                                         section.max_new_tokens, "evaluation", STAGE.name)
     sampling = sampling_params(section, stop_token_ids(tokenizer, engine.path))
     k = 1 if section.greedy else section.k
     # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
@@ -331,62 +340,24 @@ def _evaluate(recipe: Recipe, engine: Artifact, adapter: AdapterInput | None, pr
             "device": str(device)}
 
 
-def _frozen_base(engine: Artifact) -> tuple[str, str] | None:
-    """(base format, what its weights came from) of an engine: the quantize artifact of an NVFP4
-    engine, the content fingerprint of the model an NF4/bf16 engine read (not the name it was
-    given, so an alias and its directory agree); None when the manifest does not say."""
-    config = engine.manifest.get("config", {})
-    base, fmt = config.get("base"), config.get("engine", {}).get("base_format")
-    if not isinstance(base, dict) or fmt is None:
-        return None
-    if "quantized" in base:
-        return fmt, f"quantize artifact {base['quantized']}"
-    content = base.get("model", {}).get("content")
-    if content is None:
-        return None
-    return fmt, "model " + json.dumps(content, sort_keys=True)
-
-
-def base_mismatch(run: Artifact, engine: Artifact, store: ArtifactStore) -> str | None:
-    """None when the train run's engine and `engine` hold the same frozen base (the same engine, or
-    engines built from the same base with other limits); else a note saying how they differ or
-    that it cannot be told."""
-    trained_on = run.manifest.get("parents", [])
-    if engine.id in trained_on:
-        return None
-    if not trained_on:
-        return f"the adapter's run names no engine; evaluated over {engine.id} (the base may differ)"
-    try:
-        theirs = store.resolve(trained_on[0], verify=False)
-    except ArtifactError:
-        return (f"the adapter was trained over engine {trained_on[0]}, which is not in this store; evaluated "
-                f"over {engine.id} (same shapes; the base weights may differ)")
-    base_theirs, base_ours = _frozen_base(theirs), _frozen_base(engine)
-    if base_theirs is None or base_ours is None:
-        return (f"the adapter was trained over engine {theirs.id}, evaluated over {engine.id}; their manifests "
-                "do not say which base each holds (the base weights may differ)")
-    if base_theirs == base_ours:
-        return None
-    return (f"the adapter was trained over engine {theirs.id} ({base_theirs[0]} base from {base_theirs[1]}), "
-            f"evaluated over {engine.id} ({base_ours[0]} base from {base_ours[1]}): another base")
-
-
-def run_eval(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | str | None = None,
-             adapter: Path | Artifact | str | None = None, force: bool = False) -> Artifact:
-    """Evaluate the recipe's `eval` section on `engine` (an engine artifact, a reference to one, a
-    quantize checkpoint or a model source; None = the recipe's engine, reused or built) with
+def run_eval(recipe: Recipe, store: ArtifactStore, *, model: Artifact | str | None = None,
+             adapter: Path | Artifact | str | None = None, force: bool = False, build_missing: bool = False,
+             find_only: bool = False) -> Artifact:
+    """Evaluate the recipe's `eval` section on `model` (an engine artifact, a reference to one, a
+    quantize checkpoint or a model source; None = the recipe's engine; an engine that is not in the
+    store is built only with `build_missing`) with
     `adapter` applied (a train run, an artifact or directory holding a PEFT LoRA adapter; None =
     the base model). Reuses an up-to-date artifact unless `force`."""
     section = recipe.eval
     device = pick_device(section.device)
     problems = check_eval_inputs(recipe)
     adapter_in = open_adapter(adapter, store) if adapter is not None else None
-    target = resolve_model_target(engine, recipe, store)
+    target = resolve_model_target(model, recipe, store)
     if adapter_in is not None:  # before an engine is built or a weight read
         check_adapter_fits(adapter_in.files, target.hf_config, target.name)
-    engine_art = build_target_engine(target, store)
-    build_engine_stage.check_engine_for(engine_art, "eval", section.max_new_tokens, "--model")
-    if adapter_in is not None and adapter_in.artifact is not None and adapter_in.artifact.kind == train_stage.KIND:
+    engine_art = build_target_engine(target, store, build_missing and not find_only)
+    check_engine_for(engine_art, "eval", section.max_new_tokens, "--model")
+    if adapter_in is not None and adapter_in.artifact is not None and adapter_in.artifact.kind == TRAIN.kind:
         note = base_mismatch(adapter_in.artifact, engine_art, store)
         if note:
             log(f"eval: {note}")
@@ -395,13 +366,11 @@ def run_eval(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | str | N
     if section.data.endswith(".jsonl"):
         config["data_sha256"] = sha256_file(Path(section.data))  # an edited file is new data
     parents = [engine_art.id] + ([adapter_in.artifact.id] if adapter_in and adapter_in.artifact else [])
-    with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config, parents=parents,
-                      force=force) as (pending, existing):
-        if existing is not None:
-            log(f"eval: up to date, reusing {existing.path}")
-            return existing
+    def build(pending: PendingArtifact) -> None:
         pending.summary.update(_evaluate(recipe, engine_art, adapter_in, problems, device, pending.dir,
                                          engine_model_name(engine_art, store)))
-    artifact = load_artifact(store.path_for(STAGE, pending.id), verify=False)
+
+    artifact = find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
+                             find_only=find_only)
     log(f"eval: {artifact.path}")
     return artifact

@@ -1,6 +1,6 @@
 """`qerl-pipe train`: GRPO/DAPO of a LoRA adapter over an engine's frozen base, with AQN.
 
-Reads an engine artifact (found or built from the recipe, or `--engine`), trains in a work
+Reads an engine artifact (`--engine`, else the recipe's, found in the store), trains in a work
 directory that is stable for the run's id, `<store>/.runs/train-<id>/`, so that a killed run
 started again with the same inputs resumes from its last checkpoint. When the last step is done
 it evaluates, exports the adapter, and the whole work directory becomes the artifact (hard links
@@ -27,9 +27,11 @@ from typing import Any
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
+from qerl_pipe.dag import ADAPTER_DIR, TRAIN, find_or_build, input_artifact
 from qerl_pipe.engine import Engine
-from qerl_pipe.formats.peft_adapter import save_adapter
+from qerl_pipe.engine.artifact import check_engine_for, load_engine
+from qerl_pipe.model.peft import save_adapter
 from qerl_pipe.log import log
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.lora import LoraSpec, apply_lora
@@ -40,17 +42,13 @@ from qerl_pipe.rl.distributed import Dist, init_distributed
 from qerl_pipe.rl.rewards import custom_reward_digests, load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
-from qerl_pipe.stages import build_engine as build_engine_stage
-from qerl_pipe.stages.common import (
-    data_file_key, engine_model_name, fit_prompts, load_tokenizer, pick_device, stop_token_ids,
-)
+from qerl_pipe.hf import load_tokenizer, pick_device
+from qerl_pipe.stages.common import data_file_key, engine_model_name, fit_prompts, stop_token_ids
 
-STAGE = "train"
-VERSION = 2  # 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused)
-KIND = "run"
+# Version 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused).
+STAGE = TRAIN
 RUN_FILE = "run.json"
 EVAL_DIR = "eval"
-ADAPTER_DIR = "adapter"
 
 
 def _load_data(section: TrainSection) -> tuple[list[Problem], list[Problem]]:
@@ -126,15 +124,15 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
     others return {} once training is done).
     """
     started = time.perf_counter()
-    model, limits = build_engine_stage.load_engine(engine.path, device)
+    model, limits = load_engine(engine.path, device)
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
     apply_lora(model, spec, seed=section.seed)
     tokenizer = load_tokenizer(engine.path, recipe.model.trust_remote_code)
     stops = stop_token_ids(tokenizer, engine.path)
     problems, prompts, _ = fit_prompts(tokenizer, problems, section.instruction, limits.max_seq_len,
-                                       section.max_new_tokens, "training", STAGE)
+                                       section.max_new_tokens, "training", STAGE.name)
     eval_problems, eval_prompts, _ = fit_prompts(tokenizer, eval_problems, section.instruction, limits.max_seq_len,
-                                                 section.max_new_tokens, "evaluation", STAGE)
+                                                 section.max_new_tokens, "evaluation", STAGE.name)
     engine_runner = Engine(model, limits)
     # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
     with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
@@ -187,7 +185,7 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 
 def run_dir_for(store: ArtifactStore, art_id: str) -> Path:
-    return store.work_dir_for(STAGE, art_id)
+    return store.work_dir_for(STAGE.name, art_id)
 
 
 def check_train_inputs(recipe: Recipe) -> tuple[list[Problem], list[Problem]]:
@@ -198,8 +196,10 @@ def check_train_inputs(recipe: Recipe) -> tuple[list[Problem], list[Problem]]:
     return problems, eval_problems
 
 
-def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None = None, force: bool = False) -> Artifact:
-    """Train the recipe's `train` section over `engine` (default: the recipe's engine, found or built).
+def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None = None, force: bool = False,
+              build_missing: bool = False, find_only: bool = False) -> Artifact:
+    """Train the recipe's `train` section over `engine` (default: the recipe's engine, found in the
+    store; built only with `build_missing`).
 
     An interrupted run with the same inputs is resumed from its last checkpoint; `force` starts it
     over (and redoes a finished one). Under torchrun every rank calls this; all return the artifact.
@@ -209,11 +209,12 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
     device = pick_device(device_choice)
     problems, eval_problems = check_train_inputs(recipe)  # before any model work
     dist.share(section.prompts_per_step)  # B must split evenly over the ranks
-    if engine is None:  # rank 0 finds or builds it; the others load what it found
-        found = build_engine_stage.run_build_engine(recipe, store) if dist.is_main else None
+    if engine is None:  # rank 0 finds (or builds) it; the others load what it found
+        found = input_artifact(STAGE.name, "--engine", recipe, store, build_missing=build_missing,
+                               find_only=find_only) if dist.is_main else None
         path = dist.broadcast(found.path if found is not None else None)
         engine = found if found is not None else load_artifact(path, verify=False)
-    build_engine_stage.check_engine_for(engine, "train", section.max_new_tokens, "--engine")
+    check_engine_for(engine, "train", section.max_new_tokens, "--engine")
     config = {"train": section.model_dump(), "device": device.type}
     for key, spec in (("data_sha256", section.data), ("eval_data_sha256", section.eval_data)):
         digest = data_file_key(spec)
@@ -226,12 +227,9 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         config["processes"] = dist.world_size
     if not dist.is_main:
         return _follow_train(recipe, section, engine, problems, eval_problems, device, store, dist)
-    with store.create(stage=STAGE, stage_version=VERSION, kind=KIND, config=config,
-                      parents=[engine.id], force=force) as (pending, existing):
-        if existing is not None:
-            dist.broadcast((str(existing.path), None))
-            log(f"train: up to date, reusing {existing.path}")
-            return existing
+    built: list[Path] = []
+
+    def build(pending: PendingArtifact) -> None:
         run_dir = run_dir_for(store, pending.id)
         dist.broadcast((None, str(run_dir)))
         if force and run_dir.exists():
@@ -243,8 +241,14 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
                          engine_model_name(engine, store), dist)
         _link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
-    shutil.rmtree(run_dir)  # sealed: the artifact holds it all
-    artifact = load_artifact(store.path_for(STAGE, pending.id), verify=False)
+        built.append(run_dir)
+
+    artifact = find_or_build(STAGE, store, config=config, parents=[engine.id], build=build, force=force,
+                             find_only=find_only)
+    if not built:
+        dist.broadcast((str(artifact.path), None))
+        return artifact
+    shutil.rmtree(built[0])  # sealed: the artifact holds it all
     dist.broadcast(str(artifact.path))
     log(f"train: {artifact.path}")
     return artifact

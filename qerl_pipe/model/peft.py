@@ -1,5 +1,10 @@
 """LoRA adapters in PEFT's format: adapter_model.safetensors + adapter_config.json.
 
+The one PEFT reader and writer: train writes with `save_adapter`, eval and export read with
+`read_adapter` (one set of rules: plain LoRA and rsLoRA; DoRA, per-module ranks, bias terms refused),
+eval loads the tensors into our model (`load_adapter_weights`), export takes them by Hugging Face
+name to merge (`lora_tensors`). It lives in `model/` because PEFT's names follow our module tree.
+
 `lora_state_dict` already names every tensor as PEFT saves it
 (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, norms as
 `base_model.model.model.norm.weight`), so `peft.PeftModel.from_pretrained` loads the directory
@@ -23,11 +28,14 @@ from torch import nn
 from qerl_pipe.artifacts.manifest import sha256_file
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.formats.checkpoint import save_safetensors
+from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.lora import LORA_TARGETS, LoraSpec, lora_state_dict
 from qerl_pipe.model.norm import RMSNorm
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+# What PEFT puts before a Hugging Face parameter name (`model.layers.0...`).
+PEFT_PREFIX = "base_model.model."
 
 
 def _norm_names(model: nn.Module) -> list[str]:
@@ -184,10 +192,35 @@ def read_adapter(path: Path) -> AdapterFiles:
     return AdapterFiles(adapter_dir, spec, shapes, config)
 
 
+@dataclass(frozen=True)
+class LoraTensors:
+    """An adapter's tensors by Hugging Face parameter name, for merging into a checkpoint."""
+
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "<module>.weight" -> (A [r, in], B [out, r])
+    norms: dict[str, torch.Tensor]  # "<norm>.weight" -> the trained weight
+    scaling: float  # alpha / r, rsLoRA's alpha already converted by `read_adapter`
+
+
+def lora_tensors(adapter: AdapterFiles) -> LoraTensors:
+    """The checked adapter's LoRA factors and trained norms under the base checkpoint's names."""
+    tensors = load_file(str(adapter.dir / ADAPTER_WEIGHTS))
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    norms: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        if m := re.match(r"^(.*)\.lora_([AB])\.weight$", name):
+            factors.setdefault(f"{m.group(1)}.weight", {})[m.group(2)] = tensor
+        else:
+            norms[name] = tensor
+    unpaired = sorted(name for name, ab in factors.items() if len(ab) != 2)
+    if unpaired:
+        raise ArtifactError(f"{adapter.dir}: {unpaired[0]} has LoRA A without B or B without A")
+    lora = {name: (ab["A"], ab["B"]) for name, ab in factors.items()}
+    return LoraTensors(lora, norms, adapter.spec.alpha / adapter.spec.rank)
+
+
 def expected_lora_shapes(hf_config: dict[str, Any], spec: LoraSpec) -> dict[str, tuple[int, ...]]:
     """The LoRA tensors (PEFT names, shapes) `spec` gives a model of this config.json."""
-    from qerl_pipe.model.config import DecoderConfig
-
     cfg = DecoderConfig.from_hf(hf_config)
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     in_out = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter), "up": (h, inter),

@@ -1,0 +1,256 @@
+"""The NVFP4 checkpoint writer (modelopt's unified HF layout), used by `quantize` and by the
+merged-NVFP4 export.
+
+Two passes over a streamed model: `plan_checkpoint` reads every linear weight once to check it
+(finite, K % 16 == 0) and to take the amax of each fused group (q/k/v, gate/up share one global
+scale), so nothing is written before the whole model is known to quantize; `write_shards` then
+quantizes and writes one output shard per input shard. `write_configs` adds config.json's
+quantization_config, hf_quant_config.json and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import qerl_pipe
+from qerl_pipe.errors import QerlError, QuantizationError
+from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, list_shards, open_shard
+from qerl_pipe.formats.modelopt_layout import (
+    FUSED_GROUPS, config_quantization_config, fused_group_key, hf_quant_config, nvfp4_tensors,
+)
+from qerl_pipe.formats.nvfp4 import (
+    BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4_in_row_chunks,
+    shared_global_scale,
+)
+from qerl_pipe.log import progress
+
+# The linears of a Llama-family decoder layer; embeddings, norms and lm_head stay 16-bit.
+LINEAR = re.compile(r"^(.*\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj)\.weight$")
+# Tokenizer and generation files copied so the artifact loads as a model directory.
+COPY_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                  "*.model", "generation_config.json", "chat_template.*")
+# Rows are quantized in chunks of about this many elements: NVFP4 rows are independent once the
+# global scale is fixed, so the bytes are the same, and the fp32 temporaries stay ~16 MB each
+# instead of several copies of the largest tensor.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass
+class WritePlan:
+    """What pass 1 learned: which tensors to quantize, and each one's global (and input) scale."""
+
+    quantized: dict[str, str] = field(default_factory=dict)  # weight name -> module name
+    group_amax: dict[str, torch.Tensor] = field(default_factory=dict)  # group or module -> weight amax
+    excluded: set[str] = field(default_factory=set)
+
+    def scale_key(self, module: str) -> str:
+        return fused_group_key(module) or module
+
+
+def is_excluded(module: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(module, p) for p in patterns)
+
+
+def plan_checkpoint(shards: list[Path], exclude: list[str]) -> WritePlan:
+    plan = WritePlan()
+    for shard in progress(shards, "check weights", len(shards)):
+        with open_shard(shard) as fh:
+            for name in fh.keys():
+                match = LINEAR.match(name)
+                if not match:
+                    continue
+                module = match.group(1)
+                if is_excluded(module, exclude):
+                    plan.excluded.add(module)
+                    continue
+                weight = fh.get_tensor(name)
+                if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
+                    raise QuantizationError(
+                        f"{name} has shape {tuple(weight.shape)}: NVFP4 needs in_features to be a multiple of "
+                        f"{BLOCK_SIZE}; exclude the module with --set 'quantize.exclude=[lm_head, {module}]'"
+                    )
+                amax = weight.abs().amax().float()  # exact in the weight's own dtype; NaN propagates
+                if not bool(torch.isfinite(amax)):
+                    raise QuantizationError(f"{name} has non-finite values (inf or nan); the model is damaged")
+                plan.quantized[name] = module
+                key = plan.scale_key(module)
+                plan.group_amax[key] = torch.maximum(plan.group_amax[key], amax) if key in plan.group_amax else amax
+    return plan
+
+
+def input_scales(plan: WritePlan, input_amax: dict[str, float] | None) -> dict[str, torch.Tensor]:
+    """input_scale per module from calibration; fused groups share the max of their members."""
+    if input_amax is None:
+        return {}
+    missing = [m for m in plan.quantized.values() if m not in input_amax]
+    if missing:
+        raise QerlError(f"the calibration has no statistics for {missing[0]} (and {len(missing) - 1} more): "
+                        "it was made for another model; re-run calibrate on this model")
+    group: dict[str, float] = {}
+    for module in plan.quantized.values():
+        key = plan.scale_key(module)
+        group[key] = max(group.get(key, 0.0), input_amax[module])
+    return {m: global_scale_from_amax(torch.tensor(group[plan.scale_key(m)])) for m in plan.quantized.values()}
+
+
+def out_dtype(choice: str, config: dict) -> torch.dtype:
+    if choice != "auto":
+        return getattr(torch, choice)
+    declared = config.get("torch_dtype") or config.get("dtype")
+    return torch.float16 if declared == "float16" else torch.bfloat16
+
+
+def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: dict[str, torch.Tensor],
+                  dtype: torch.dtype, method: str, channel_weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Pass 2: quantize and write one output shard per input shard; returns per-module relative error."""
+    errors: dict[str, float] = {}
+    writer = ShardWriter(out, max_bytes=float("inf"), shards=len(shards))  # shards end where the source's do
+    for shard in progress(shards, "quantize", len(shards)):
+        with open_shard(shard) as fh:
+            for name in fh.keys():
+                tensor = fh.get_tensor(name)
+                module = plan.quantized.get(name)
+                if module is None:
+                    writer.add(name, cast_floating(tensor, dtype))
+                    continue
+                w, errors[module] = quantize_in_row_chunks(tensor, plan_global_scale(plan, module), name, method,
+                                                           channel_weights.get(module))
+                for key, t in nvfp4_tensors(module, w, input_scales.get(module)).items():
+                    writer.add(key, t)
+                del tensor
+        writer.close_shard()  # one output shard per input shard, as the source is cut
+    writer.finish()
+    return errors
+
+
+def quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, name: str, method: str = "rtn",
+                           channel_weight: torch.Tensor | None = None) -> tuple[NVFP4Weight, float]:
+    """NVFP4 of `weight` and its relative error ‖W − deq(Q(W))‖ / ‖W‖, a bounded block of rows at a time."""
+    sums = [0.0, 0.0]  # squared error, squared reference
+
+    def measure(chunk: torch.Tensor, q: NVFP4Weight) -> None:
+        ref = chunk.float()
+        sums[0] += float((dequantize_nvfp4(q) - ref).pow(2).sum())
+        sums[1] += float(ref.pow(2).sum())
+
+    packed = quantize_nvfp4_in_row_chunks(weight, global_scale, name=name, chunk_elements=_CHUNK_ELEMENTS,
+                                          on_chunk=measure, method=method, channel_weight=channel_weight)
+    return packed, (sums[0] / sums[1]) ** 0.5 if sums[1] > 0 else 0.0
+
+
+def plan_global_scale(plan: WritePlan, module: str) -> torch.Tensor:
+    return global_scale_from_amax(plan.group_amax[plan.scale_key(module)])
+
+
+def write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: list[str], dtype: torch.dtype) -> None:
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = config_quantization_config(quant_algo, exclude_modules, qerl_pipe.__version__)
+    if "torch_dtype" in config or "dtype" not in config:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    else:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    hf_quant = hf_quant_config(quant_algo, exclude_modules, qerl_pipe.__version__)
+    (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+    copy_model_files(source, out)
+
+
+def copy_model_files(source: Path, out: Path) -> None:
+    """The tokenizer and generation files, so that a directory of weights loads as a model."""
+    for pattern in COPY_PATTERNS:
+        for path in source.glob(pattern):
+            if path.is_file():
+                shutil.copy2(path, out / path.name)
+
+
+@dataclass
+class NVFP4StreamWriter:
+    """The writer for weights known only as they stream by (a LoRA merge): linears are quantized as
+    they come, a fused group waits until all its members are in, so that they share one global
+    scale (and input scale) as `write_shards` gives them from its plan."""
+
+    writer: ShardWriter
+    exclude: list[str]
+    dtype: torch.dtype
+    input_scales: dict[str, torch.Tensor]  # fused group or module -> input_scale; empty: W4A16
+    pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    errors: dict[str, float] = field(default_factory=dict)
+    excluded: set[str] = field(default_factory=set)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        match = LINEAR.match(name)
+        module = match.group(1) if match else None
+        if module is None or is_excluded(module, self.exclude):
+            if module is not None:
+                self.excluded.add(module)
+            self.writer.add(name, cast_floating(tensor, self.dtype))
+            return
+        group = fused_group_key(module)
+        if group is None:
+            self._write([(module, tensor)])
+            return
+        members = self.pending.setdefault(group, {})
+        members[module] = tensor
+        parent, projections = group.rpartition(".")[0], FUSED_GROUPS[group.rpartition(".")[2]]
+        expected = [f"{parent}.{p}" for p in projections
+                    if not is_excluded(f"{parent}.{p}", self.exclude)]
+        if set(members) == set(expected):
+            del self.pending[group]
+            self._write([(m, members[m]) for m in expected])
+
+    def _write(self, modules: list[tuple[str, torch.Tensor]]) -> None:
+        scale = shared_global_scale(w for _, w in modules)
+        if not bool(torch.isfinite(scale)):
+            raise QerlError(f"{modules[0][0]}: the merged weight has non-finite values; the adapter is damaged")
+        key = fused_group_key(modules[0][0]) or modules[0][0]
+        input_scale = None
+        if self.input_scales:
+            if key not in self.input_scales:
+                raise QerlError(f"{key} has no input_scale in the run's NVFP4 checkpoint (it was excluded there); "
+                                "exclude it here too (export.exclude) or set export.calibration=none")
+            input_scale = self.input_scales[key]
+        for module, weight in modules:
+            # Own copies of the shared scales: safetensors refuses tensors that share memory.
+            packed, self.errors[module] = quantize_in_row_chunks(weight, scale.clone(), f"{module}.weight")
+            own_input_scale = None if input_scale is None else input_scale.clone()
+            for n, t in nvfp4_tensors(module, packed, own_input_scale).items():
+                self.writer.add(n, t)
+
+    def finish(self) -> None:
+        if self.pending:
+            group = next(iter(self.pending))
+            raise QerlError(f"the base lacks members of the fused group {group} ({sorted(self.pending[group])} found)")
+        self.writer.finish()
+
+
+def write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
+    """config.json of a dense (16-bit) model made from `source`, and its tokenizer files."""
+    config = json.loads((source / "config.json").read_text())
+    config.pop("quantization_config", None)  # the weights are dense now
+    key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
+    config[key] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copy_model_files(source, out)
+
+
+def read_input_scales(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """`input_scale` per fused group / module from an NVFP4 checkpoint (empty: W4A16).
+
+    They are the calibration's activation statistics of the base model (shared within fused
+    groups already); the merged model's activations differ from them by the adapter's effect.
+    """
+    scales: dict[str, torch.Tensor] = {}
+    for shard in list_shards(checkpoint_dir):
+        with open_shard(shard) as fh:
+            for key in fh.keys():
+                if key.endswith(".input_scale"):
+                    module = key.removesuffix(".input_scale")
+                    scales[fused_group_key(module) or module] = fh.get_tensor(key).float().reshape(())
+    return scales

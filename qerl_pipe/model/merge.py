@@ -1,0 +1,63 @@
+"""A checkpoint with a LoRA adapter merged in, as it streams: the tensors of a Hugging Face
+checkpoint (16-bit, or NVFP4 dequantized to the values our model computes with) one at a time,
+LoRA added in float32 and trained norms swapped in, so that memory holds one tensor, not a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from torch import Tensor
+
+from qerl_pipe.errors import ArtifactError
+from qerl_pipe.formats.checkpoint import iter_quantized_checkpoint, list_shards, open_shard
+from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
+from qerl_pipe.model.lora import merge_lora
+from qerl_pipe.model.peft import LoraTensors
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by every loader
+
+
+def _base_names(base_dir: Path) -> set[str]:
+    """The parameter names a dense stream of `base_dir` yields (headers only, no tensor is read)."""
+    names = set()
+    for shard in list_shards(base_dir):
+        with open_shard(shard) as fh:
+            for key in fh.keys():
+                module, _, suffix = key.rpartition(".")
+                if suffix == "weight_packed":  # compressed-tensors NVFP4
+                    names.add(f"{module}.weight")
+                elif suffix not in ("weight_scale", "weight_scale_2", "input_scale", "weight_global_scale",
+                                    "input_global_scale"):
+                    names.add(key)
+    return names
+
+
+def check_adapter_fits_checkpoint(adapter: LoraTensors, base_dir: Path) -> None:
+    """Refuse, before anything is written, an adapter naming tensors the checkpoint lacks."""
+    names = _base_names(base_dir)
+    missing = sorted((adapter.lora.keys() | adapter.norms.keys()) - names)
+    if missing:
+        raise ArtifactError(f"the run's adapter has {missing[0]} (and {len(missing) - 1} more) that the base in "
+                            f"{base_dir} lacks: the adapter was trained over another model")
+
+
+def merged_tensors(base_dir: Path, adapter: LoraTensors) -> Iterator[tuple[str, Tensor, bool]]:
+    """(HF name, tensor, changed) over the base, LoRA merged (float32) and trained norms swapped in."""
+    for name, item, _input_scale in iter_quantized_checkpoint(base_dir):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if isinstance(item, NVFP4Weight):
+            # The values our NVFP4 model computes with (x @ dequantize(W)^T), in float32.
+            name, item = f"{name}.weight", dequantize_nvfp4(item)
+        if name in adapter.lora:
+            a, b = adapter.lora[name]
+            if b.shape[0] != item.shape[0] or a.shape[1] != item.shape[1]:
+                raise ArtifactError(f"{name}: LoRA B {tuple(b.shape)} / A {tuple(a.shape)} do not fit the base weight "
+                                    f"{tuple(item.shape)}; the adapter was trained over another model")
+            yield name, merge_lora(item, a, b, adapter.scaling), True
+        elif name in adapter.norms:
+            yield name, adapter.norms[name].float(), True
+        else:
+            yield name, item, False

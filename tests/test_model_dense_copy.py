@@ -1,0 +1,42 @@
+"""The CPU dense copy (`model.dense_copy.dense_base_copy`) gives the numbers of the plain-torch
+reference bit for bit, as docs/training.md says: the forward, the gradients of the LoRA factors
+and of the input, for NVFP4 and NF4 bases, and the copy is gone after the scope."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_pipe.model.dense_copy import dense_base_copy
+from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.load import init_random_model
+from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_parameters
+from tests.conftest import TINY_DIMS
+
+CONFIG = {"model_type": "llama", "vocab_size": 320, **TINY_DIMS}
+
+
+def _forward_backward(model, ids):
+    for p in lora_parameters(model):
+        p.grad = None
+    logits = model.logits(ids)
+    logits.float().pow(2).mean().backward()
+    return logits.detach(), [p.grad.clone() for p in lora_parameters(model)]
+
+
+@pytest.mark.parametrize("base_format", ["nvfp4", "nf4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dense_copy_gives_the_reference_numbers_bit_for_bit(base_format, dtype):
+    model = init_random_model(CONFIG, base_format, dtype=dtype, seed=5)
+    apply_lora(model, LoraSpec(rank=4, alpha=8.0), seed=1)
+    with torch.no_grad():  # nonzero B, so LoRA's gradients reach A through the base's output
+        for p in lora_parameters(model):
+            p.add_(0.01)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    reference = _forward_backward(model, ids)
+    with dense_base_copy(model) as nbytes:
+        assert nbytes > 0
+        copied = _forward_backward(model, ids)
+    assert torch.equal(reference[0], copied[0])
+    assert all(torch.equal(a, b) for a, b in zip(reference[1], copied[1]))
+    assert all(m.dense_base is None for m in model.modules() if isinstance(m, QuantLinear))
