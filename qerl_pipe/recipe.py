@@ -171,7 +171,8 @@ class TrainSection(_Section):
     """`train`: GRPO/DAPO of LoRA adapters over the engine's frozen base, with AQN."""
 
     data: str = Field("arithmetic", description="Training problems: 'gsm8k:train', 'math500:test', "
-                      "'arithmetic[:N]' (seeded two-digit additions) or a .jsonl file.")
+                      "'arithmetic[:N]' (seeded two-digit additions), 'addition:train' (one-digit additions; "
+                      "'addition:test' holds the others) or a .jsonl file.")
     eval_data: str | None = Field("arithmetic", description="Problems for the greedy accuracy before and after "
                                   "training (same forms as data; arithmetic is drawn with seed + 1); null = none.")
     eval_limit: int = Field(100, ge=0, description="Evaluate on the first N problems (0 = no evaluation).")
@@ -251,7 +252,7 @@ class EvalSection(_Section):
     """`eval`: accuracy of the engine's model, with or without an adapter, on a problem set."""
 
     data: str = Field("gsm8k:test", description="Problems: 'gsm8k:test', 'math500:test', 'gsm8k:train', "
-                      "'arithmetic[:N]' (seeded) or a .jsonl file.")
+                      "'arithmetic[:N]' (seeded), 'addition:test' (held-out one-digit additions) or a .jsonl file.")
     limit: int | None = Field(None, ge=1, description="Evaluate the first N problems; null = all.")
     question_field: str | None = Field(None, description="JSONL field of the question (default: 'question').")
     answer_field: str | None = Field(None, description="JSONL field of the gold answer (default: 'answer').")

@@ -10,6 +10,7 @@ import pytest
 
 from qerl_pipe.artifacts import ArtifactStore, artifact_id, find_problems
 from qerl_pipe.errors import ArtifactError
+from stage_cli import cli
 
 
 def make(store: ArtifactStore, config: dict, *, force: bool = False, payload: bytes = b"data", fail: bool = False):
@@ -294,5 +295,30 @@ def test_short_unique_prefixes_resolve_and_ambiguous_ones_list_the_candidates(tm
     shared = next(group for group in by_first.values() if len(group) > 1)
     assert store.resolve(unique.id[:1]).path == unique.path
     assert store.resolve(f"demo-{unique.id[:1]}").path == unique.path
-    with pytest.raises(ArtifactError, match="matches several artifacts"):
+    assert store.resolve(arts[7].id[:6]).path == arts[7].path  # what a user types: six hex digits
+    with pytest.raises(ArtifactError) as info:
         store.resolve(shared[0].id[:1])
+    message = str(info.value)
+    assert "\n" not in message and f"matches {len(shared)} artifacts" in message and "give more of the id" in message
+    assert all(art.path.name in message for art in shared)  # every candidate, not the first few
+    with pytest.raises(ArtifactError, match="no artifact 'zz' .* `qerl-pipe ls`"):
+        store.resolve("zz")
+
+
+def test_a_prefix_of_a_damaged_artifact_finds_it_and_says_what_is_wrong(tmp_path):
+    store = ArtifactStore(tmp_path)
+    art, _ = make(store, {"k": 1})
+    (art.path / "manifest.json").write_text("{truncated")
+    # Before: a prefix searched only the readable manifests and said "no artifact", though it is there.
+    with pytest.raises(ArtifactError, match=r"is damaged: manifest.json is unreadable .*--force"):
+        store.resolve(art.id[:6])
+
+
+def test_cli_show_and_verify_take_a_short_prefix(tmp_path):
+    store = ArtifactStore(tmp_path)
+    arts = [make(store, {"k": k})[0] for k in range(2)]
+    for art in arts:
+        assert json.loads(cli("show", art.id[:6], "--artifacts", tmp_path).stdout)["id"] == art.id
+        assert cli("verify", art.id[:6], "--artifacts", tmp_path).stdout.strip().endswith(art.path.name)
+    bad = cli("show", "demo-", "--artifacts", tmp_path, ok=False)
+    assert bad.exit_code == 1 and "matches 2 artifacts" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

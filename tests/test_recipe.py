@@ -6,6 +6,7 @@ import pytest
 
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.recipe import STAGE_ORDER, load_recipe
+from qerl_pipe.rl.tasks import load_problems
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -47,10 +48,13 @@ def test_shipped_quickstart_recipe_is_valid():
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
     assert recipe.stages == ["calibrate", "quantize", "build-engine", "train", "export", "eval"]
     assert (recipe.engine.max_seq_len, recipe.engine.max_batch) == (256, 32)
-    assert recipe.train.data == "arithmetic" and recipe.train.loss == "dapo"
+    assert recipe.train.data == "addition:train" and recipe.train.loss == "dapo"
     assert recipe.export.format == "peft"
-    # The problems train's own evaluation drew (seed + 1), sampled as the QeRL paper evaluates.
-    assert recipe.eval.data == "arithmetic" and recipe.eval.seed == recipe.train.seed + 1 and not recipe.eval.greedy
+    # Train's own evaluation and the eval stage use the held-out split (never a training question),
+    # the eval stage sampled as the QeRL paper evaluates.
+    assert recipe.train.eval_data == recipe.eval.data == "addition:test" and not recipe.eval.greedy
+    train_questions = {p.question for p in load_problems(recipe.train.data)}
+    assert train_questions.isdisjoint(p.question for p in load_problems(recipe.eval.data))
 
 
 @pytest.mark.parametrize("text, overrides, needle", [

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import train_tokenizer
 from qerl_pipe.errors import QerlError
-from qerl_pipe.rl.tasks import DEFAULT_INSTRUCTIONS, Problem, TaskError, load_problems, render_prompt
+from qerl_pipe.rl.tasks import DEFAULT_INSTRUCTIONS, Problem, TaskError, kind_of, load_problems, render_prompt
 
 
 @pytest.mark.parametrize("spec, count, kind", [("gsm8k:train", 7473, "gsm8k"), ("gsm8k:test", 1319, "gsm8k"),
@@ -68,11 +68,29 @@ def test_jsonl_default_fields(tmp_path):
     assert load_problems(str(path)) == [Problem("d.jsonl:0", "Q", "7", "jsonl")]
 
 
+def test_addition_splits_are_fixed_disjoint_and_cover_the_one_digit_sums():
+    train, test = load_problems("addition:train"), load_problems("addition:test")
+    assert (len(train), len(test)) == (49, 32)
+    questions = [p.question for p in train + test]
+    assert len(set(questions)) == 81  # every "a + b", a and b in 1..9, exactly once: no question in both
+    assert {q for q in questions} == {f"What is {a} + {b}?" for a in range(1, 10) for b in range(1, 10)}
+    for p in train + test:
+        a, b = (int(x) for x in p.question.removeprefix("What is ").removesuffix("?").split(" + "))
+        assert p.answer == str(a + b) and p.kind == "arithmetic" and kind_of(p.id) == "arithmetic"
+    assert test[0].id == "addition:test:0" and train[48].id == "addition:train:48"
+    # The split ignores the seed (train.seed, eval.seed) and a limit keeps the first problems.
+    assert load_problems("addition:test", seed=7) == test
+    assert load_problems("addition:test", limit=5) == test[:5]
+    assert load_problems("addition:train", limit=500) == train
+
+
 @pytest.mark.parametrize("spec, kwargs, message", [
     ("gsm8k", {}, "arithmetic[:N]"),
     ("nope.jsonl", {}, "does not exist"),
     ("arithmetic:0", {}, "positive integer"),
     ("arithmetic:x", {}, "positive integer"),
+    ("addition", {}, "addition:train, addition:test"),
+    ("addition:dev", {}, "addition:train, addition:test"),
     ("gsm8k:test", {"limit": 0}, "at least 1"),
     ("gsm8k:test", {"question_field": "problem"}, "no field 'problem'"),
 ])

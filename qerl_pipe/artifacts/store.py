@@ -172,19 +172,30 @@ class ArtifactStore:
                     shutil.rmtree(path, ignore_errors=True)
 
     def resolve(self, ref: str, *, verify: bool = True) -> Artifact:
-        """Find an artifact by path, by directory name, or by (a prefix of) its id."""
+        """Find an artifact by path, by directory name, or by a unique prefix of its id or directory
+        name ('5b6ac2', 'train-5b6a'). A damaged artifact is found as well, and refused with its repair."""
         as_path = Path(ref)
         if as_path.is_dir():
             return self._open(as_path, verify)
-        if (self.root / ref).is_dir():
+        if ref and (self.root / ref).is_dir():
             return self._open(self.root / ref, verify)
-        matches = [a for a in self.list() if a.id.startswith(ref) or a.path.name.startswith(ref)]
+        matches = self._starting_with(ref) if ref else []
         if not matches:
             raise ArtifactError(f"no artifact '{ref}' in {self.root}; `qerl-pipe ls` lists the artifacts there")
         if len(matches) > 1:
-            names = ", ".join(a.path.name for a in matches[:5])
-            raise ArtifactError(f"'{ref}' matches several artifacts ({names}); give more of the id")
-        return self._open(matches[0].path, verify)
+            names = ", ".join(path.name for path in matches)
+            raise ArtifactError(f"'{ref}' matches {len(matches)} artifacts in {self.root} ({names}); "
+                                "give more of the id")
+        return self._open(matches[0], verify)
+
+    def _starting_with(self, prefix: str) -> list[Path]:
+        """Artifact directories '<stage>-<id>' (damaged ones too) whose name or id starts with `prefix`."""
+        self._refuse_a_file_root()
+        if not self.root.is_dir():
+            return []
+        return [path for path in sorted(self.root.iterdir())
+                if path.is_dir() and not path.name.startswith(".") and (path / MANIFEST_NAME).is_file()
+                and (path.name.startswith(prefix) or path.name.rpartition("-")[2].startswith(prefix))]
 
     def _open(self, path: Path, verify: bool) -> Artifact:
         return load_artifact(path, verify=verify, full=self.full_verify)

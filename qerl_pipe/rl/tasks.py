@@ -1,8 +1,9 @@
 """Problems to train and evaluate on, and the prompts the policy sees.
 
 A `Problem` is a question and its gold final answer. They come from the packaged GSM8K / MATH-500
-files, from a generated two-digit addition task (small models can learn it in a few steps), or from
-a user .jsonl file. Everything is checked while loading, so a bad spec fails before any model work.
+files, from generated additions (two-digit, seeded; or one-digit, split once into a training and a
+held-out set, which a 135M model learns to answer within minutes on a CPU), or from a user .jsonl
+file. Everything is checked while loading, so a bad spec fails before any model work.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class TaskError(QerlError):
 
 @dataclass(frozen=True)
 class Problem:
-    id: str  # stable across runs: "<spec>:<row>", "arithmetic:<seed>:<i>", "<file name>:<row>"
+    id: str  # stable across runs: "<spec>:<row>", "arithmetic:<seed>:<i>", "addition:<split>:<i>", "<file name>:<row>"
     question: str
     answer: str  # gold final answer (GSM8K: the number after '####', commas removed)
     kind: str  # "gsm8k" | "math" | "arithmetic" | "jsonl"
@@ -36,6 +37,12 @@ PACKAGED = {
     "math500:test": ("math500/test.jsonl", "problem", "answer", "math"),
 }
 ARITHMETIC_DEFAULT_N = 1000
+# One-digit additions: the 81 questions "What is a + b?" (a, b in 1..9), shuffled once with a fixed
+# seed; the first ADDITION_HELD_OUT are 'addition:test', the rest 'addition:train'. The split never
+# depends on a recipe's seed, so a training pool and an evaluation of this task are always disjoint.
+ADDITION_SPLITS = ("addition:train", "addition:test")
+ADDITION_HELD_OUT = 32
+_ADDITION_SHUFFLE_SEED = 123
 
 _BOXED = "Let's think step by step and output the final answer within \\boxed{}."
 DEFAULT_INSTRUCTIONS: dict[str, str] = {
@@ -51,7 +58,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 def kind_of(problem_id: str) -> str:
     """The kind of the problem with this id, from the id scheme of `load_problems` ('<spec>:<row>',
     'arithmetic:<seed>:<i>', '<file name>:<row>'): what regrading a kept answer needs."""
-    if problem_id.startswith("arithmetic:"):
+    if problem_id.startswith(("arithmetic:", "addition:")):
         return "arithmetic"
     spec = problem_id.rsplit(":", 1)[0]
     return PACKAGED[spec][3] if spec in PACKAGED else "jsonl"
@@ -59,10 +66,11 @@ def kind_of(problem_id: str) -> str:
 
 def load_problems(spec: str, *, limit: int | None = None, seed: int = 0,
                   question_field: str | None = None, answer_field: str | None = None) -> list[Problem]:
-    """Problems from a spec: 'gsm8k:train', 'gsm8k:test', 'math500:test', 'arithmetic[:N]', or a .jsonl path.
+    """Problems from a spec: 'gsm8k:train', 'gsm8k:test', 'math500:test', 'arithmetic[:N]',
+    'addition:train', 'addition:test', or a .jsonl path.
 
     `limit` keeps the first N problems in file order (for arithmetic it is how many are generated).
-    `seed` only drives the arithmetic generator; shuffling is the caller's business.
+    `seed` only drives the arithmetic generator (the addition split is fixed); shuffling is the caller's business.
     `question_field` / `answer_field` rename the fields read (defaults: the packaged files' own names,
     'question' / 'answer' for a user file). A GSM8K-style answer ('... #### 42') keeps the text after
     the last '####', with thousands commas removed when it is a number.
@@ -71,14 +79,16 @@ def load_problems(spec: str, *, limit: int | None = None, seed: int = 0,
         raise TaskError(f"problem limit {limit}: must be at least 1 (or unset for all)")
     if spec == "arithmetic" or spec.startswith("arithmetic:"):
         return _arithmetic(spec, limit, seed)
+    if spec in ADDITION_SPLITS:
+        return addition(spec)[:limit]
     if spec in PACKAGED:
         rel, q_default, a_default, kind = PACKAGED[spec]
         path, prefix = packaged_path(rel), spec
     else:
         path = Path(spec)
         if path.suffix != ".jsonl":
-            raise TaskError(f"problem set '{spec}': expected one of {', '.join(PACKAGED)}, 'arithmetic[:N]', "
-                            "or a path to a .jsonl file")
+            raise TaskError(f"problem set '{spec}': expected one of {', '.join((*PACKAGED, *ADDITION_SPLITS))}, "
+                            "'arithmetic[:N]', or a path to a .jsonl file")
         if not path.is_file():
             raise TaskError(f"problem file {path} does not exist; give an existing .jsonl path or one of "
                             f"{', '.join(PACKAGED)}")
@@ -129,6 +139,16 @@ def _arithmetic(spec: str, limit: int | None, seed: int) -> list[Problem]:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         problems.append(Problem(f"arithmetic:{seed}:{i}", f"What is {a} + {b}?", str(a + b), "arithmetic"))
     return problems
+
+
+def addition(spec: str) -> list[Problem]:
+    """'addition:train' (49 questions) or 'addition:test' (the 32 others): "What is a + b?" with a, b
+    in 1..9, in the fixed shuffled order (the same on every machine and for every seed)."""
+    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+    random.Random(_ADDITION_SHUFFLE_SEED).shuffle(pairs)
+    split = spec.partition(":")[2]
+    chosen = pairs[:ADDITION_HELD_OUT] if split == "test" else pairs[ADDITION_HELD_OUT:]
+    return [Problem(f"{spec}:{i}", f"What is {a} + {b}?", str(a + b), "arithmetic") for i, (a, b) in enumerate(chosen)]
 
 
 def render_prompt(tokenizer, problem: Problem, instruction: str | None = None) -> list[int]:
