@@ -119,7 +119,7 @@ def train_config(s: StepSettings, micro: int, prompts: int, group: int, new_toke
         "max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "loss": "dapo",
         "eps_low": 0.2, "eps_high": 0.28, "scale_rewards": "group", "kl_coef": 0.0, "mu": 1,
         "micro_batch_size": micro, "lr": s.lr, "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
-        "gradient_checkpointing": True,
+        "gradient_checkpointing": True, "adapter": "lora",
         "lora": {"rank": s.lora_rank, "alpha": 2.0 * s.lora_rank,
                  "targets": ["q", "k", "v", "o", "gate", "up", "down"], "train_norms": False},
         "aqn": {"schedule": "exponential", "sigma_start": 0.01, "sigma_end": 0.0005, "num_stages": 10,
