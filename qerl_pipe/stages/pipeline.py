@@ -22,6 +22,9 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
     results: dict[str, Artifact] = {}
     if "train" in recipe.stages:
         check_train_inputs(recipe)  # a bad data file or reward name fails before the first stage
+    full = recipe.train.adapter == "full"
+    if full:
+        _check_full_run_stages(recipe)
     if "eval" in recipe.stages:
         check_eval_inputs(recipe)
     if "calibrate" in recipe.stages:
@@ -36,8 +39,23 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
         results["train"] = run_train(recipe, store, engine=results.get("build-engine"), force=force)
     if "export" in recipe.stages:
         results["export"] = run_export(recipe, store, run=results.get("train"), force=force)
-    if "eval" in recipe.stages:
+    if "eval" in recipe.stages and full and "train" in recipe.stages:
+        # A full run has no adapter: its merged-bf16 export is the trained model.
+        results["eval"] = run_eval(recipe, store, engine=results["export"], force=force)
+    elif "eval" in recipe.stages:
         # The trained adapter on the engine it was trained over (without train: the base model).
         results["eval"] = run_eval(recipe, store, engine=results.get("build-engine"), adapter=results.get("train"),
                                    force=force)
     return results
+
+
+def _check_full_run_stages(recipe: Recipe) -> None:
+    """A full fine-tuning run has no adapter: refuse, before the first stage, the export and eval
+    settings that need one (so the error comes before training, not after)."""
+    if "export" in recipe.stages and recipe.export.format == "peft":
+        raise QerlError("export.format=peft with train.adapter=full: a full run has no adapter; set "
+                        "export.format=merged-bf16 (the whole trained model) or merged-nvfp4")
+    exported = "export" in recipe.stages and recipe.export.format == "merged-bf16"
+    if "eval" in recipe.stages and "train" in recipe.stages and not exported:
+        raise QerlError("eval after train.adapter=full evaluates the run's merged-bf16 export: add export to stages "
+                        "with export.format=merged-bf16, or drop eval from stages")
