@@ -43,8 +43,10 @@ def make_fully_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
                              "(4-bit codes cannot take gradient updates)")
         if len(module.lora_A):
             raise ValueError(f"{name} carries a LoRA adapter; full fine-tuning trains the weights themselves")
-        module.weight = nn.Parameter(module.weight.detach(), requires_grad=True)
-        if module.bias is not None:
+        # Only once: a second call (another Trainer on the same model) keeps the same objects.
+        if not isinstance(module.weight, nn.Parameter):
+            module.weight = nn.Parameter(module.weight.detach(), requires_grad=True)
+        if module.bias is not None and not isinstance(module.bias, nn.Parameter):
             module.bias = nn.Parameter(module.bias.detach(), requires_grad=True)
     for p in model.parameters():
         p.requires_grad_(True)
@@ -55,11 +57,15 @@ class FullTraining:
     """The trainable weights of a fully fine-tuned model and the float32 masters AdamW steps.
 
     `masters` are what the optimizer gets (a float32 weight is its own master). Call `push()`
-    after every optimizer step.
+    after every optimizer step. A newer FullTraining of the same model (a second Trainer over it)
+    takes the gradients over: the older one's masters stop receiving them.
     """
 
     def __init__(self, model: nn.Module):
         named = make_fully_trainable(model)
+        for handle in getattr(model, "_full_training_hooks", []):
+            handle.remove()
+        hooks = []
         self.names = [n for n, _ in named]
         self.weights = [p for _, p in named]
         self.masters: list[nn.Parameter] = []
@@ -69,7 +75,8 @@ class FullTraining:
                 continue
             master = nn.Parameter(w.detach().float().clone())
             self.masters.append(master)
-            w.register_post_accumulate_grad_hook(self._mover(master))
+            hooks.append(w.register_post_accumulate_grad_hook(self._mover(master)))
+        model._full_training_hooks = hooks
 
     @staticmethod
     def _mover(master: nn.Parameter):
