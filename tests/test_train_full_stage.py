@@ -104,6 +104,15 @@ def test_full_fine_tuning_of_a_4bit_base_fails_before_any_work(tiny_llama, store
     assert [p for p in named(store_dir, "") if p != ".locks"] == []  # no quantize, no engine
 
 
+def test_full_fine_tuning_over_a_4bit_engine_given_by_reference_fails_before_training(tiny_llama, store_dir):
+    engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *ENGINE[2:]))
+    result = cli("train", "--engine", engine, "--model", tiny_llama, "--artifacts", store_dir, *ENGINE, *TRAIN,
+                 *FULL, ok=False)  # the recipe says bf16; the engine given is what counts
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert f"but the engine {engine.name} is nvfp4" in result.stderr and "pass a bf16 engine" in result.stderr
+    assert named(store_dir, "train-") == [] and named(store_dir / ".runs", "train-") == []
+
+
 def test_run_refuses_a_peft_export_of_a_full_run_before_training(tiny_llama, store_dir, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model:\n  source: {tiny_llama}\n")
@@ -140,8 +149,9 @@ def test_a_killed_full_run_resumes_bit_identical(tiny_llama, tmp_path):
         proc.wait()
     assert named(store, "train-") == []
     (run_dir,) = store.glob(".runs/train-*")
-    (checkpoint,) = (run_dir / "checkpoints").glob("step-*")
-    done = int(checkpoint.name.removeprefix("step-"))
+    # A kill between a checkpoint's rename and the removal of the previous one leaves both: the
+    # resume takes the latest.
+    done = max(int(c.name.removeprefix("step-")) for c in (run_dir / "checkpoints").glob("step-*"))
     assert 4 <= done < 10
 
     resumed = subprocess.run(_command(tiny_llama, store), env=_env(), capture_output=True, text=True)

@@ -147,11 +147,13 @@ def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
     params = sum(p.numel() for p in model.parameters())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     extra = full_training_bytes(params, model.dtype)  # the bf16 weights themselves are the engine's
+
     def size(n: int) -> str:
         return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
+    masters = " and masters" if model.dtype != torch.float32 else ""  # a float32 weight is its own
     line = (f"train: full fine-tuning of {params / 1e6:.1f}M parameters: weights {size(weights)}, plus "
-            f"{size(extra)} of float32 gradients and AdamW moments{' and masters' if model.dtype != torch.float32 else ''}")
+            f"{size(extra)} of float32 gradients and AdamW moments{masters}")
     return line, {"trained_parameters": params, "train_state_gib": round(extra / 2**30, 3)}
 
 
