@@ -294,11 +294,12 @@ def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape
                      kv_slots: Annotated[Optional[int], typer.Option(help="Engine slots (KV cache rows).", show_default="all 64 sequences at once")] = None,
                      response_len: Annotated[int, typer.Option(help="Sampled tokens per response (no early stop).")] = 1024,
                      memory_limit_gib: Annotated[Optional[float], typer.Option(help="Treat the GPU as having this much free memory.", show_default="what is free")] = None,
+                     adapter: Annotated[str, typer.Option(help="lora, or full: every weight trains (with --quant bf16 only).")] = "lora",
                      out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
     """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format; needs a CUDA GPU."""
     from qerl_pipe.bench.train_step import GIB, StepSettings, run_train_step_bench, split_values
 
-    settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len)
+    settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len, adapter=adapter)
     limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
     _emit(run_train_step_bench(split_values(shape or ["qwen2.5-7b"]), split_values(quant or ["bf16", "nvfp4"]),
                                settings, memory_limit_bytes=limit, out=out), out)

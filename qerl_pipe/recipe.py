@@ -168,7 +168,7 @@ class RewardsSection(_Section):
 
 
 class TrainSection(_Section):
-    """`train`: GRPO/DAPO of LoRA adapters over the engine's frozen base, with AQN."""
+    """`train`: GRPO/DAPO of LoRA adapters over the engine's frozen base (or of every weight), with AQN."""
 
     data: str = Field("arithmetic", description="Training problems: 'gsm8k:train', 'math500:test', "
                       "'arithmetic[:N]' (seeded two-digit additions), 'addition:train' (one-digit additions; "
@@ -205,6 +205,10 @@ class TrainSection(_Section):
     gradient_checkpointing: bool = Field(
         True, description="Recompute each layer's activations in backward (less memory, ~1/3 more compute)."
     )
+    adapter: Literal["lora", "full"] = Field(
+        "lora", description="What trains: lora = adapters over the frozen base (section lora); full = every "
+        "weight (embeddings, norms, LM head included) by AdamW with float32 master weights, on a bf16 base only.",
+    )
     lora: LoraSection = Field(default_factory=LoraSection)
     aqn: AqnSection = Field(default_factory=AqnSection)
     overlong: OverlongSection = Field(default_factory=OverlongSection)
@@ -222,6 +226,11 @@ class TrainSection(_Section):
         buffer = self.overlong.buffer
         if buffer is not None and buffer > self.max_new_tokens:
             raise ValueError(f"overlong.buffer ({buffer}) exceeds max_new_tokens ({self.max_new_tokens})")
+        if self.adapter == "full" and self.kl_coef > 0:
+            # The KL's base policy is the model with its adapter switched off; full fine-tuning
+            # overwrites the base itself and keeps no frozen copy to compare with.
+            raise ValueError(f"kl_coef={self.kl_coef} needs the base policy, which adapter=full overwrites (no "
+                             "frozen copy is kept); set train.kl_coef=0 or train.adapter=lora")
         return self
 
 

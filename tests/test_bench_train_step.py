@@ -153,3 +153,36 @@ def test_repeated_values_run_once():
     from qerl_pipe.bench.train_step import split_values
 
     assert split_values(["qwen2.5-72b", "bf16,nvfp4", "nvfp4", "bf16 "]) == ["qwen2.5-72b", "bf16", "nvfp4"]
+
+
+def test_full_fine_tuning_is_estimated_and_measured_like_the_lora_arms(tmp_path):
+    from dataclasses import replace
+
+    from qerl_pipe.bench.step_memory import full_bytes, weight_elements
+    from qerl_pipe.errors import QerlError
+    from qerl_pipe.model.full import make_fully_trainable
+
+    # The estimate counts exactly the weights full fine-tuning trains (Qwen2: q/k/v biases too).
+    model = init_random_model(TINY, "bf16")
+    make_fully_trainable(model)
+    c, numel = DecoderConfig.from_hf(TINY), sum(p.numel() for p in model.parameters())
+    assert weight_elements(c) == numel
+    size = StepSize(4, 14, 8, 2, 4, 2, 2, 4)
+    estimate = estimate_step_bytes(c, "bf16", size, "full")
+    assert "lora_and_optimizer" not in estimate and estimate["full_and_optimizer"] == full_bytes(c) > 16 * numel
+    with pytest.raises(ValueError, match="needs a bf16 base"):
+        estimate_step_bytes(c, "nvfp4", size, "full")
+    # Qwen2.5-7B: 7.6B weights x 16 bytes of training state: the step does not fit one H200.
+    seven = DecoderConfig.from_hf(QWEN25_SHAPES["qwen2.5-7b"])
+    gib = estimate_step_bytes(seven, "bf16", StepSettings().size("qwen2.5-7b"), "full")["total"] / 2**30
+    assert 7.5e9 < weight_elements(seven) < 7.7e9 and gib > 139
+
+    full = replace(SMALL, adapter="full")
+    with pytest.raises(QerlError, match="full fine-tuning trains a bf16 base only"):
+        run_train_step_bench(["tiny"], ["nvfp4"], full, device="cpu", shape_configs={"tiny": TINY})
+    (row,) = run_train_step_bench(["tiny"], ["bf16"], full, device="cpu", shape_configs={"tiny": TINY},
+                                  emit=lambda line: None)["results"]
+    assert row["status"] == "ok" and row["adapter"] == "full" and row["lora_param_bytes"] == 0
+    # bf16 weights: AdamW's two float32 moments and the float32 masters, 12 bytes per weight.
+    assert row["optimizer_state_bytes"] >= 12 * numel and row["grad_norm"] > 0
+    assert train_step.train_config(full, 2, 2, 2, 6)["adapter"] == "full"

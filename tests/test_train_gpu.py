@@ -59,3 +59,46 @@ def test_training_steps_on_cuda_with_graph_rollouts(tiny_llama, base_format):
     stale = (base - batch.rollout_logp)[mask].abs().mean()
     print(f"{base_format}: |engine - trainer| mean {ours:.4f}, |engine - base| mean {stale:.4f}")
     assert ours < 0.05 and stale > 2 * ours
+
+
+def test_full_fine_tuning_on_cuda_with_graph_rollouts(tiny_llama):
+    """adapter: full on a bf16 model: the decode graphs replay over the weights the optimizer's
+    masters were copied into (in place), so the engine samples from the updated model."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    section = TrainSection.model_validate(dict(
+        adapter="full", steps=4, prompts_per_step=4, group_size=4, max_new_tokens=16, lr=1e-3, temperature=0.5,
+        micro_batch_size=8, rewards={"accuracy": 0.0, "custom": ["tests.test_rl_trainer:letter_e"]},
+        aqn={"num_stages": 3, "sigma_start": 0.05, "sigma_end": 0.01}))
+    model = load_model(tiny_llama, "bf16", dtype=torch.bfloat16, device="cuda")
+    limits = plan_limits(model.config, max_seq_len=128, max_batch=16, dtype=torch.bfloat16, cuda_graphs=True)
+    engine = Engine(model, limits)
+    problems = load_problems("arithmetic:64")
+    prompts = [render_prompt(tokenizer, p) for p in problems]
+    trainer = Trainer(model, engine, tokenizer, problems, prompts, section, (tokenizer.eos_token_id,))
+    before = [p.detach().clone() for p in model.parameters()]
+    records = [trainer.step() for _ in range(4)]
+    assert all(math.isfinite(r["loss"]) and r["peak_gpu_memory_gib"] > 0 for r in records)
+    assert engine.uses_cuda_graphs and engine.captured_graph_sizes
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))  # every weight moved
+    assert all(m.dtype == torch.float32 for m in trainer.params)
+
+    params = SamplingParams(temperature=0.5, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,), seed=7)
+    out = engine.generate(prompts[:4], n=2, sampling=params)
+    groups = [Group(prompts[p], out.tokens[2 * p:2 * p + 2], out.logprobs[2 * p:2 * p + 2],
+                    out.finish_reasons[2 * p:2 * p + 2], torch.zeros(2)) for p in range(4)]
+    batch = build_batch(groups, torch.zeros(8), False, torch.device("cuda"))
+    with torch.no_grad():
+        logp, _ = trainer._logprobs(batch)
+        now = [p.detach().clone() for p in model.parameters()]
+        for p, b in zip(model.parameters(), before):  # the weights the graphs were first captured over
+            p.copy_(b)
+        stale, _ = trainer._logprobs(batch)
+        for p, n in zip(model.parameters(), now):
+            p.copy_(n)
+    mask = batch.response_mask.bool()
+    ours = (logp - batch.rollout_logp)[mask].abs().mean()
+    old = (stale - batch.rollout_logp)[mask].abs().mean()
+    print(f"full: |engine - trainer| mean {ours:.4f}, |engine - weights before training| mean {old:.4f}")
+    assert ours < 0.05 and old > 2 * ours

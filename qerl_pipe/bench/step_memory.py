@@ -2,7 +2,8 @@
 
 `bench train-step` checks this against the free GPU memory first, so a configuration that cannot
 fit (72B with a bf16 base: ~145 GB of weights alone) is reported as `fits: false` with the bytes
-it would need, instead of dying halfway through the build. Weights, LoRA state and the KV cache
+it would need, instead of dying halfway through the build. Weights, LoRA state (or, for full
+fine-tuning, 16 bytes per weight: float32 master, gradient, AdamW moments) and the KV cache
 are exact counts; activations are a deliberate over-estimate of what gradient checkpointing keeps
 (every layer's input) plus one layer's recompute and one LM-head chunk, the peak of the backward.
 """
@@ -11,10 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from qerl_pipe.engine.limits import kv_bytes_per_token
 from qerl_pipe.formats.nf4 import NF4_BLOCK
 from qerl_pipe.formats.nvfp4 import BLOCK_SIZE
 from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.full import full_training_bytes
 
 BF16 = 2
 # Stored bytes per base-weight element: 4-bit codes plus one scale per block (NVFP4: an fp8
@@ -72,6 +76,25 @@ def lora_bytes(c: DecoderConfig, rank: int) -> int:
     return lora_params(c, rank) * LORA_TRAIN_BYTES + cache
 
 
+def weight_elements(c: DecoderConfig) -> int:
+    """Every weight of the model (what full fine-tuning trains): linears, biases, norms, embedding,
+    an untied LM head."""
+    linear = sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers
+    tables = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    norms = (2 * c.num_layers + 1) * c.hidden_size + (2 * c.num_layers * c.head_dim if c.qk_norm else 0)
+    i = c.intermediate_size
+    bias = c.num_layers * ((c.q_size + 2 * c.kv_size) * c.qkv_bias + c.hidden_size * c.o_bias
+                           + (2 * i + c.hidden_size) * c.mlp_bias)
+    return linear + tables + norms + bias
+
+
+def full_bytes(c: DecoderConfig) -> int:
+    """Full fine-tuning of a bf16 model: a float32 master, gradient and two AdamW moments per weight
+    (16 bytes), plus the bf16 gradient of the largest weight, alive until it is added to its master."""
+    largest = max(c.vocab_size * c.hidden_size, max(k * sum(outs) for k, outs in _linears(c)))
+    return full_training_bytes(weight_elements(c), torch.bfloat16) + largest * BF16
+
+
 def activation_bytes(c: DecoderConfig, s: StepSize) -> int:
     """Peak of the training pass of one micro-batch (larger than any rollout activation here)."""
     tokens = s.micro_batch * s.seq_len
@@ -93,11 +116,16 @@ def scratch_bytes(c: DecoderConfig, base_format: str) -> int:
     return max(k * sum(outs) for k, outs in _linears(c)) * BF16
 
 
-def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize) -> dict[str, int]:
-    """Each part of the step's peak and their `total`, in bytes."""
+def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter: str = "lora") -> dict[str, int]:
+    """Each part of the step's peak and their `total`, in bytes. `adapter`: "lora", or "full"
+    (every weight trains; a bf16 base only)."""
+    if adapter == "full" and base_format != "bf16":
+        raise ValueError(f"full fine-tuning needs a bf16 base, not {base_format}")
+    trained = {"full_and_optimizer": full_bytes(c)} if adapter == "full" else {
+        "lora_and_optimizer": lora_bytes(c, s.lora_rank)}
     parts = {
         "weights": weight_bytes(c, base_format),
-        "lora_and_optimizer": lora_bytes(c, s.lora_rank),
+        **trained,
         "kv_cache": kv_bytes_per_token(c) * s.kv_slots * s.seq_len,
         "activations": activation_bytes(c, s),
         "dequant_scratch": scratch_bytes(c, base_format),

@@ -72,6 +72,7 @@ class StepSettings:
     warmup_tokens: int = 32
     logprob_chunk: int = DEFAULT_CHUNK
     lr: float = 1e-5
+    adapter: str = "lora"  # or "full": every weight trains (bf16 base only)
 
     @property
     def sequences(self) -> int:
@@ -119,7 +120,7 @@ def train_config(s: StepSettings, micro: int, prompts: int, group: int, new_toke
         "max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "loss": "dapo",
         "eps_low": 0.2, "eps_high": 0.28, "scale_rewards": "group", "kl_coef": 0.0, "mu": 1,
         "micro_batch_size": micro, "lr": s.lr, "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
-        "gradient_checkpointing": True,
+        "gradient_checkpointing": True, "adapter": s.adapter,
         "lora": {"rank": s.lora_rank, "alpha": 2.0 * s.lora_rank,
                  "targets": ["q", "k", "v", "o", "gate", "up", "down"], "train_norms": False},
         "aqn": {"schedule": "exponential", "sigma_start": 0.01, "sigma_end": 0.0005, "num_stages": 10,
@@ -210,16 +211,20 @@ def _lora_param_bytes(model: Decoder) -> int:
 
 
 def _optimizer_bytes(trainer: Trainer) -> int:
-    return sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
-               for t in state.values() if isinstance(t, torch.Tensor))
+    """AdamW's moments, and under full fine-tuning the float32 masters it steps (not model weights)."""
+    moments = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
+                  for t in state.values() if isinstance(t, torch.Tensor))
+    full = trainer.full
+    masters = sum(m.numel() * 4 for m, w in zip(full.masters, full.weights) if m is not w) if full else 0
+    return moments + masters
 
 
 def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: StepSize,
                  device: str) -> dict[str, Any]:
     """Build, warm up, time one step; every figure of a row that ran."""
     t0 = time.perf_counter()
-    model = init_random_model(config, base_format=quant, device=device,
-                              lora=LoraSpec(rank=s.lora_rank, alpha=2.0 * s.lora_rank))
+    lora = LoraSpec(rank=s.lora_rank, alpha=2.0 * s.lora_rank) if s.adapter == "lora" else None
+    model = init_random_model(config, base_format=quant, device=device, lora=lora)
     _sync(device)
     build_s, build_peak = time.perf_counter() - t0, _peaks(device)["allocated"]
     limits = plan_limits(model.config, max_seq_len=size.seq_len, max_batch=size.kv_slots,
@@ -240,7 +245,7 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     # belongs to training: train = whole step - (noise draw, rollouts, scoring).
     train_s = step_s - (m["step_seconds"] - m["train_seconds"])
     rollout_tokens = s.sequences * round(m["response_length_mean"])
-    lora_bytes = _lora_param_bytes(model)
+    lora_bytes = _lora_param_bytes(model) if s.adapter == "lora" else 0  # full: the weights are the model's
     resident = model_memory_bytes(model)
     return {
         "build_s": build_s, "build_peak_allocated_bytes": build_peak, "warmup": warmup,
@@ -263,9 +268,9 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
     """One row: measured, or why not (does not fit, out of memory, another error)."""
     _free(device)
     size = s.size(name)
-    estimate = estimate_step_bytes(DecoderConfig.from_hf(config), quant, size)
+    estimate = estimate_step_bytes(DecoderConfig.from_hf(config), quant, size, s.adapter)
     limit = memory_limit_bytes if memory_limit_bytes is not None else _free_bytes(device)
-    row: dict[str, Any] = {"shape": name, "quant": quant, "micro_batch": size.micro_batch,
+    row: dict[str, Any] = {"shape": name, "quant": quant, "adapter": s.adapter, "micro_batch": size.micro_batch,
                            "kv_slots": size.kv_slots, "estimate_bytes": estimate,
                            "estimate_gib": _gib(estimate["total"]), "memory_limit_bytes": limit}
     if limit is not None and estimate["total"] > limit:
@@ -287,7 +292,9 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
 
 
 def _row(rows: list[dict], shape: str, quant: str) -> dict | None:
-    return next((r for r in rows if r["shape"] == shape and r["quant"] == quant), None)
+    """The LoRA row of (shape, quant): the targets compare LoRA arms (full fine-tuning rows are extra)."""
+    return next((r for r in rows if r["shape"] == shape and r["quant"] == quant
+                 and r.get("adapter", "lora") == "lora"), None)
 
 
 def _gb(gib: float | None) -> float | None:
@@ -332,7 +339,9 @@ def speedups(rows: list[dict]) -> list[dict]:
 def _settings(s: StepSettings) -> dict[str, Any]:
     return {**asdict(s), "sampling": "temperature 1.0, no top-p/top-k, no stop token (every response "
             "runs to response_len)", "reward": "synthetic: crc32 of the response text, in [0, 1)",
-            "loss": "dapo, mu 1, no KL, AQN schedule stage 0", "optimizer": "AdamW on the fp32 LoRA, clip 1.0",
+            "loss": "dapo, mu 1, no KL, AQN schedule stage 0",
+            "optimizer": ("AdamW on float32 masters of every weight, clip 1.0" if s.adapter == "full"
+                          else "AdamW on the fp32 LoRA, clip 1.0"),
             "lora_alpha": 2 * s.lora_rank, "gradient_checkpointing": True}
 
 
@@ -352,6 +361,9 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
     unknown = [q for q in quants if q not in QUANTS] + [n for n in shapes if n not in shape_configs]
     if unknown:
         raise QerlError(f"unknown {unknown}: shapes are {sorted(shape_configs)}, quants {list(QUANTS)}")
+    if s.adapter not in ("lora", "full") or (s.adapter == "full" and set(quants) != {"bf16"}):
+        raise QerlError(f"--adapter {s.adapter} with --quant {','.join(quants)}: the adapter is lora or full, and "
+                        "full fine-tuning trains a bf16 base only (pass --quant bf16)")
     if _cuda(device) and not torch.cuda.is_available():
         raise QerlError("bench train-step measures a GPU training step and needs a CUDA GPU; none is visible here")
     rows: list[dict] = []
@@ -386,11 +398,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default per shape)")
     ap.add_argument("--kv-slots", type=int, default=None, help="engine slots (default: all 64 sequences at once)")
     ap.add_argument("--response-len", type=int, default=1024)
+    ap.add_argument("--adapter", choices=("lora", "full"), default="lora",
+                    help="lora (default), or full: every weight trains (bf16 base only)")
     ap.add_argument("--memory-limit-gib", type=float, default=None,
                     help="treat the GPU as having this much free memory (default: what is free)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    s = StepSettings(micro_batch=args.micro_batch, kv_slots=args.kv_slots, response_len=args.response_len)
+    s = StepSettings(micro_batch=args.micro_batch, kv_slots=args.kv_slots, response_len=args.response_len,
+                     adapter=args.adapter)
     limit = int(args.memory_limit_gib * GIB) if args.memory_limit_gib else None
     try:
         shapes, quants = split_values(args.shape or ["qwen2.5-7b"]), split_values(args.quant or ["bf16", "nvfp4"])

@@ -1,6 +1,7 @@
 """Training checkpoints: everything a resumed run needs to continue bit for bit.
 
-`checkpoints/step-000040/` holds the adapter (PEFT names, safetensors), `trainer_state.pt`
+`checkpoints/step-000040/` holds the adapter (PEFT names, safetensors) or, under full fine-tuning,
+the float32 master weights (`full_weights.safetensors`, our parameter names), `trainer_state.pt`
 (optimizer, LR schedule, RNG states, the trainer's own state: step, data position, AQN) and a
 readable `trainer_state.json`. A checkpoint is written into a hidden sibling and renamed into
 place, so a kill at any moment leaves either the previous checkpoint or the new one, never half
@@ -21,12 +22,16 @@ import torch
 from torch import nn
 
 from qerl_pipe.errors import ArtifactError, QerlError
+from qerl_pipe.model.full import FullTraining
 from qerl_pipe.model.peft import ADAPTER_WEIGHTS, load_adapter_weights
 from qerl_pipe.model.lora import lora_state_dict
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.pt"
 INFO_FILE = "trainer_state.json"
+# Full fine-tuning: the optimizer's float32 masters. The model's bf16 weights are their rounding,
+# so the masters (not the weights) are what a resume must restore to continue bit for bit.
+FULL_WEIGHTS = "full_weights.safetensors"
 _NAME = re.compile(r"step-(\d+)")
 
 
@@ -46,11 +51,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, trainer_state: dict[str, Any],
-                    rank_rng_states: list[dict[str, Any]] | None = None) -> Path:
+                    rank_rng_states: list[dict[str, Any]] | None = None, full: FullTraining | None = None) -> Path:
     """Write checkpoint `step` (steps done) atomically; returns its directory.
 
     `rank_rng_states`: every data-parallel rank's RNG states, in rank order (their CUDA
     generators differ); each rank restores its own. Without it, this process's states.
+    `full`: a fully fine-tuned model's masters, saved instead of the adapter.
     """
     from qerl_pipe.formats.checkpoint import save_safetensors
 
@@ -59,8 +65,10 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    adapter = {k: v.detach().to("cpu").contiguous().clone() for k, v in lora_state_dict(model).items()}
-    save_safetensors(adapter, tmp / ADAPTER_WEIGHTS)
+    weights = full.state_dict() if full is not None else lora_state_dict(model)
+    host = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.items()}
+    save_safetensors(host, tmp / (FULL_WEIGHTS if full is not None else ADAPTER_WEIGHTS))
+    del host
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "rng": rank_rng_states[0] if rank_rng_states else rng_state(), "trainer": trainer_state}
     if rank_rng_states:
@@ -96,14 +104,20 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    rank: int = 0) -> dict[str, Any]:
-    """Restore the adapter, optimizer, scheduler and RNG states from `path`; returns the trainer state.
+                    rank: int = 0, full: FullTraining | None = None) -> dict[str, Any]:
+    """Restore the adapter (or `full`'s masters), optimizer, scheduler and RNG states from `path`;
+    returns the trainer state.
 
     `rank`: the data-parallel rank restoring it; it gets its own RNG states when the checkpoint
     has them (a run with as many ranks), else rank 0's.
     """
     try:
-        load_adapter_weights(model, path / ADAPTER_WEIGHTS)
+        if full is not None:
+            from safetensors.torch import load_file
+
+            full.load_state_dict(load_file(str(path / FULL_WEIGHTS)))
+        else:
+            load_adapter_weights(model, path / ADAPTER_WEIGHTS)
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

@@ -20,9 +20,10 @@ DEFAULT_CHUNK = 1024
 
 
 class _ChunkLogprob(torch.autograd.Function):
-    """(h [N, H], frozen W [V, H], targets [N]) -> (logp [N], entropy [N]) in float32.
+    """(h [N, H], W [V, H], targets [N]) -> (logp [N], entropy [N]) in float32.
 
-    Saves only `h`; backward recomputes the softmax p and returns dh = (g (onehot - p) / T) W.
+    Saves only `h`; backward recomputes the softmax p and returns dh = (g (onehot - p) / T) W,
+    and dW = (g (onehot - p) / T)^T h when W trains (full fine-tuning; LoRA keeps it frozen).
     The entropy is a metric: it carries no gradient.
     """
 
@@ -45,7 +46,9 @@ class _ChunkLogprob(torch.autograd.Function):
         grad_logits = -probs
         grad_logits[torch.arange(len(targets), device=h.device), targets] += 1.0
         grad_logits *= grad_logp[:, None] / ctx.temperature
-        return grad_logits.to(h.dtype) @ weight, None, None, None
+        grad_logits = grad_logits.to(h.dtype)
+        grad_weight = grad_logits.t() @ h if ctx.needs_input_grad[1] else None
+        return grad_logits @ weight, grad_weight, None, None
 
 
 def sequence_logprobs(
@@ -60,12 +63,11 @@ def sequence_logprobs(
 
     `input_ids` [B, T] are prompt + response (either padding side, `attention_mask` 1 on real
     tokens); `response_mask` [B, T] is 1 on the response tokens to score (never on position 0,
-    which has no predecessor). Gradients flow to LoRA (and trainable norms) through `logp`.
+    which has no predecessor). Gradients flow through `logp` to whatever trains: LoRA (and
+    norms), or every weight, the LM head included, under full fine-tuning.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for logprobs; got {temperature}")
-    if model.lm_head.weight.requires_grad:
-        raise ValueError("sequence_logprobs assumes a frozen LM head (only LoRA and norms train)")
     hidden = model(input_ids, attention_mask=attention_mask)
     scored = response_mask.bool().clone()
     scored[:, 0] = False

@@ -1,4 +1,4 @@
-"""GRPO/DAPO of LoRA adapters over one shared model, with Adaptive Quantization Noise.
+"""GRPO/DAPO of LoRA adapters (or of every weight: `adapter: full`) over one shared model, with AQN.
 
 One step (`Trainer.step`), from prompts to optimizer:
 
@@ -41,6 +41,7 @@ from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.errors import QerlError
 from qerl_pipe.log import heartbeat, log
 from qerl_pipe.model.decoder import Decoder
+from qerl_pipe.model.full import FullTraining
 from qerl_pipe.model.lora import lora_disabled, lora_parameters
 from qerl_pipe.rl.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
 from qerl_pipe.rl.aqn import AqnSchedule, clear_noise, draw_noise
@@ -144,7 +145,13 @@ class Trainer:
         self.stop_token_ids, self.logprob_chunk = tuple(stop_token_ids), logprob_chunk
         self.device = model.embed_tokens.weight.device
         model.gradient_checkpointing = cfg.gradient_checkpointing
-        self.params = lora_parameters(model)
+        # Full fine-tuning: AdamW steps float32 masters of every weight, copied back into the
+        # shared model after each step (model/full.py); LoRA: the adapter's own float32 tensors.
+        # getattr: the GPU benchmarks pass a plain namespace that may predate the setting.
+        self.full = FullTraining(model) if getattr(cfg, "adapter", "lora") == "full" else None
+        if self.full is not None and cfg.kl_coef > 0:
+            raise ValueError("kl_coef > 0 needs a frozen base policy, which full fine-tuning does not keep")
+        self.params = self.full.masters if self.full is not None else lora_parameters(model)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, cfg.steps)
         a = cfg.aqn
@@ -158,7 +165,13 @@ class Trainer:
         self.dist = dist or Dist()
         self.share = self.dist.share(cfg.prompts_per_step)  # raises unless B splits evenly
         self.dist.broadcast_parameters(self.params)
+        self._push()
         self.step_count = 0  # steps done
+
+    def _push(self) -> None:
+        """After the optimizer (or a broadcast) changed the masters: the shared model gets them."""
+        if self.full is not None:
+            self.full.push()
 
     # ------------------------------------------------------------------ state
 
@@ -344,6 +357,7 @@ class Trainer:
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
             totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) / cfg.mu
             self.optimizer.step()
+            self._push()
         passes = cfg.mu + (cfg.mu > 1) + (cfg.kl_coef > 0)  # forward passes over the batch
         train_tokens = int(batch.attention_mask.sum()) * passes if batch is not None else 0
         # Each rank's loss is its share of the global loss: sums over ranks give the batch's figures.
@@ -376,6 +390,7 @@ class Trainer:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
             self.optimizer.step()
+            self._push()
         return {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": None,
                 "train_tokens": 0}
 
@@ -391,7 +406,7 @@ def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str
     checkpoint = dist.broadcast(latest_checkpoint(run_dir) if dist.is_main else None)
     if checkpoint is not None:
         trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model, trainer.optimizer, trainer.scheduler,
-                                                rank=dist.rank))
+                                                rank=dist.rank, full=trainer.full))
         if dist.is_main:
             log(f"train: resuming {run_dir} after step {trainer.step_count} of {total}")
     metrics = MetricsLog(run_dir, trainer.step_count) if dist.is_main else None
@@ -420,5 +435,5 @@ def _checkpoint(trainer: Trainer, run_dir: Path, done: int) -> None:
     rng_states = dist.all_gather(rng_state())
     if dist.is_main:
         save_checkpoint(run_dir, done, trainer.model, trainer.optimizer, trainer.scheduler, trainer.state_dict(),
-                        rank_rng_states=rng_states if dist.enabled else None)
+                        rank_rng_states=rng_states if dist.enabled else None, full=trainer.full)
     dist.barrier()

@@ -101,6 +101,10 @@ def open_adapter(adapter: Path | Artifact | str, store: ArtifactStore) -> Adapte
         if adapter.kind in (BUILD_ENGINE.kind, QUANTIZE.kind, EVAL.kind):
             raise ArtifactError(f"{adapter.path} is a '{adapter.kind}' artifact, not an adapter; pass a train run "
                                 "(or an exported PEFT adapter) to --adapter")
+        if adapter.kind == TRAIN.kind and adapter.manifest["config"]["train"].get("adapter") == "full":
+            raise ArtifactError(f"{adapter.path} trained every weight (train.adapter=full) and has no adapter; "
+                                f"evaluate its model: `qerl-pipe export --run {adapter.path} --format merged-bf16`, "
+                                "then pass that export to --model")
         return AdapterInput(read_adapter(adapter.path), adapter)
     if not adapter.is_dir():
         raise ArtifactError(f"adapter {adapter} does not exist; pass a train run or a directory with "

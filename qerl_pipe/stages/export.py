@@ -8,6 +8,10 @@
 - `merged-nvfp4`: that merged model quantized by the NVFP4 checkpoint writer quantize uses
   (`formats.modelopt_writer.NVFP4StreamWriter`) into modelopt's unified HF layout (fused q/k/v and gate/up share their scales), for vLLM and TensorRT-LLM.
 
+A full fine-tuning run (`train.adapter: full`) has no adapter: its `model/` directory holds the
+trained weights, and the merged formats stream those instead of base + adapter (same writers);
+`peft` is refused.
+
 Weights stream one tensor at a time from the memory-mapped base, are merged in float32 and cast
 once; output shards are written as they fill, so host memory stays near one output shard plus
 one fused group, never two copies of the model.
@@ -25,9 +29,9 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
-from qerl_pipe.dag import ADAPTER_DIR, EXPORT, check_kind, find_or_build, input_artifact
-from qerl_pipe.errors import ArtifactError
-from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating
+from qerl_pipe.dag import ADAPTER_DIR, EXPORT, MODEL_DIR, check_kind, find_or_build, input_artifact
+from qerl_pipe.errors import ArtifactError, QerlError
+from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, list_shards
 from qerl_pipe.formats.modelopt_writer import NVFP4StreamWriter, read_input_scales, write_configs, write_dense_config
 from qerl_pipe.formats.modelopt_writer import out_dtype as checkpoint_dtype
 from qerl_pipe.lineage import Chain, MergeBase, find_merge_base, walk_chain
@@ -41,8 +45,20 @@ KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvf
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by every loader
 
 
+def is_full_run(run: Artifact) -> bool:
+    """Whether the run trained every weight (`train.adapter: full`) rather than an adapter."""
+    return run.manifest.get("config", {}).get("train", {}).get("adapter") == "full"
+
+
 def _check_run(run: Artifact) -> Path:
+    """The run's adapter directory, or for a full run its trained model directory."""
     check_kind(run, "train", "--run")
+    if is_full_run(run):
+        model = run.path / MODEL_DIR
+        if not (model / "config.json").is_file() or not list_shards(model):
+            raise ArtifactError(f"full fine-tuning run {run.path} has no {MODEL_DIR}/ weights; re-create "
+                                "it with `qerl-pipe train --force`")
+        return model
     adapter = run.path / ADAPTER_DIR
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
         if not (adapter / name).is_file():
@@ -67,21 +83,24 @@ def _export_peft(adapter_dir: Path, chain: Chain | None, out: Path) -> dict[str,
     }
 
 
-def _export_merged(section: ExportSection, chain: Chain, base: MergeBase, adapter: LoraTensors,
-                   input_scales: dict[str, Tensor], out: Path) -> dict[str, Any]:
+def _export_merged(section: ExportSection, trained_over: str, base: MergeBase, adapter: LoraTensors,
+                   input_scales: dict[str, Tensor], out: Path, full: bool = False) -> dict[str, Any]:
+    """Merge `adapter` into `base` (with `full`, the base is the run's trained model and the
+    adapter empty: every tensor is trained) and write it dense or as NVFP4."""
     dtype = out_dtype(section, base)
     writer = ShardWriter(out)
     nvfp4 = section.format == "merged-nvfp4"
     sink = NVFP4StreamWriter(writer, sorted({"lm_head", *section.exclude}), dtype, input_scales) if nvfp4 else None
     changed = 0
     for name, tensor, was_changed in progress(merged_tensors(base.dir, adapter), "merge"):
-        changed += was_changed
+        changed += was_changed or full
         if sink is not None:
             sink.add(name, tensor)
         else:
             writer.add(name, cast_floating(tensor, dtype))
     summary: dict[str, Any] = {
-        "base": base.description, "base_dequantized": base.dequantized, "trained_over": chain.base_format,
+        "base": base.description, "base_dequantized": base.dequantized, "trained_over": trained_over,
+        "adapter": "full" if full else "lora",
         "dtype": str(dtype).removeprefix("torch."), "merged_linears": len(adapter.lora),
         "trained_norms": len(adapter.norms), "changed_tensors": changed,
     }
@@ -114,7 +133,18 @@ def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = N
     parents = [run.id]
     chain = base = adapter = None
     input_scales: dict[str, Tensor] = {}
-    if section.format == "peft":
+    full = is_full_run(run)
+    if full:
+        if section.format == "peft":
+            raise QerlError(f"run {run.path.name} trained every weight (train.adapter=full) and has no adapter to "
+                            "export as peft; use --format merged-bf16 (a Hugging Face model) or merged-nvfp4")
+        # The run's model/ is the whole trained model: nothing to merge, the writers are the same.
+        base = MergeBase(adapter_dir, False, {"run_model": MODEL_DIR}, [], "the run's fully trained weights")
+        adapter = LoraTensors({}, {}, 0.0)
+        config.update({"dtype": section.dtype, "base": base.identity})
+        if section.format == "merged-nvfp4":  # a bf16 engine has no calibration: always W4A16
+            config.update({"exclude": sorted({"lm_head", *section.exclude}), "calibration": section.calibration})
+    elif section.format == "peft":
         try:
             chain = walk_chain(run, store)  # only to record what the adapter was trained over
         except ArtifactError:
@@ -137,7 +167,8 @@ def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = N
         if section.format == "peft":
             summary = _export_peft(adapter_dir, chain, pending.dir)
         else:
-            summary = _export_merged(section, chain, base, adapter, input_scales, pending.dir)
+            trained_over = "bf16" if full else chain.base_format
+            summary = _export_merged(section, trained_over, base, adapter, input_scales, pending.dir, full)
         summary["seconds"] = round(time.perf_counter() - started, 2)
         summary["size_mb"] = sum(p.stat().st_size for p in pending.dir.rglob("*") if p.is_file()) / 2**20
         pending.summary.update(summary)

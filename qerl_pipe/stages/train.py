@@ -1,4 +1,5 @@
-"""`qerl-pipe train`: GRPO/DAPO of a LoRA adapter over an engine's frozen base, with AQN.
+"""`qerl-pipe train`: GRPO/DAPO of a LoRA adapter over an engine's frozen base (or, with
+`train.adapter: full`, of every weight of a bf16 base), with AQN.
 
 Reads an engine artifact (`--engine`, else the recipe's, found in the store), trains in a work
 directory that is stable for the run's id, `<store>/.runs/train-<id>/`, so that a killed run
@@ -6,7 +7,8 @@ started again with the same inputs resumes from its last checkpoint. When the la
 it evaluates, exports the adapter, and the whole work directory becomes the artifact (hard links
 into the store's pending directory, sealed by its manifest; the work directory is removed after).
 
-The artifact: `adapter/` (PEFT), `metrics.jsonl`, `plots/`, `report.json` / `report.md`,
+The artifact: `adapter/` (PEFT; a full run has `model/` instead, a Hugging Face model directory
+of the trained weights), `metrics.jsonl`, `plots/`, `report.json` / `report.md`,
 `eval/before.jsonl` / `eval/after.jsonl` (greedy completions), `checkpoints/step-N/` (the last
 checkpoint, to continue from), `run.json`, `tensorboard/` when it is installed.
 
@@ -28,12 +30,15 @@ from typing import Any
 import torch
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
-from qerl_pipe.dag import ADAPTER_DIR, TRAIN, find_or_build, input_artifact
+from qerl_pipe.dag import ADAPTER_DIR, MODEL_DIR, TRAIN, find_or_build, input_artifact
 from qerl_pipe.engine import Engine
 from qerl_pipe.engine.artifact import check_engine_for, load_engine
+from qerl_pipe.errors import QerlError
+from qerl_pipe.formats.hf_model import save_hf_weights
 from qerl_pipe.model.peft import save_adapter
 from qerl_pipe.log import log
 from qerl_pipe.model.dense_copy import dense_base_copy
+from qerl_pipe.model.full import full_training_bytes
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
@@ -42,6 +47,7 @@ from qerl_pipe.rl.distributed import Dist, init_distributed
 from qerl_pipe.rl.rewards import custom_reward_digests, load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
+from qerl_pipe.formats.modelopt_writer import COPY_PATTERNS
 from qerl_pipe.hf import load_tokenizer, pick_device
 from qerl_pipe.stages.common import data_file_key, engine_model_name, fit_prompts, stop_token_ids
 
@@ -99,7 +105,7 @@ def _report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]],
     lines = [f"# Training report ({len(records)} steps on {device}: {report['step_seconds_total']} s of RL steps in "
              f"all sessions; this session {report['seconds_this_session']} s with loading and evaluation)", "",
              f"Loss {section.loss}, B={section.prompts_per_step} prompts x G={section.group_size}, lr {section.lr}, "
-             f"LoRA r={section.lora.rank}, AQN {section.aqn.schedule} {section.aqn.sigma_start:g} -> "
+             f"{_what_trains(section)}, AQN {section.aqn.schedule} {section.aqn.sigma_start:g} -> "
              f"{section.aqn.sigma_end:g}, data {section.data}.", ""]
     if before and after:
         lines += [f"Greedy accuracy on {before['total']} problems of {section.eval_data}:", "",
@@ -115,6 +121,39 @@ def _report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]],
     return report
 
 
+def _what_trains(section: TrainSection) -> str:
+    return "full fine-tuning (every weight)" if section.adapter == "full" else f"LoRA r={section.lora.rank}"
+
+
+def _save_full_model(model: torch.nn.Module, engine_dir: Path, out: Path) -> None:
+    """The trained weights as a Hugging Face model directory: the engine's config.json (the
+    model's own, without quantization) in the weights' dtype, tokenizer files, safetensors."""
+    save_hf_weights(model, out)
+    config = json.loads((engine_dir / "config.json").read_text())
+    key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
+    config[key] = str(model.dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for pattern in COPY_PATTERNS:
+        for path in engine_dir.glob(pattern):
+            if path.is_file():
+                shutil.copy2(path, out / path.name)
+
+
+def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
+    """What full fine-tuning adds to the engine's memory, said before the first step."""
+    params = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    extra = full_training_bytes(params, model.dtype)  # the bf16 weights themselves are the engine's
+
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    masters = " and masters" if model.dtype != torch.float32 else ""  # a float32 weight is its own
+    line = (f"train: full fine-tuning of {params / 1e6:.1f}M parameters: weights {size(weights)}, plus "
+            f"{size(extra)} of float32 gradients and AdamW moments{masters}")
+    return line, {"trained_parameters": params, "train_state_gib": round(extra / 2**30, 3)}
+
+
 def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: list[Problem],
            eval_problems: list[Problem], device: torch.device, run_dir: Path, base_model: str,
            dist: Dist = Dist()) -> dict[str, Any]:
@@ -126,7 +165,9 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
     started = time.perf_counter()
     model, limits = load_engine(engine.path, device)
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
-    apply_lora(model, spec, seed=section.seed)
+    full = section.adapter == "full"
+    if not full:
+        apply_lora(model, spec, seed=section.seed)
     tokenizer = load_tokenizer(engine.path, recipe.model.trust_remote_code)
     stops = stop_token_ids(tokenizer, engine.path)
     problems, prompts, _ = fit_prompts(tokenizer, problems, section.instruction, limits.max_seq_len,
@@ -139,6 +180,10 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
         if dense_bytes and dist.is_main:
             log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
         trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, section, stops, dist=dist)
+        memory: dict[str, Any] = {}
+        if full and dist.is_main:
+            line, memory = _full_memory_line(model)
+            log(line)
         before = after = None
         if eval_prompts and dist.is_main:
             before_file = run_dir / EVAL_DIR / "before.json"
@@ -157,7 +202,10 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
             _write_eval(run_dir, "after", result)
             after = result.summary()
             log(f"{greedy_line('after', after, section.eval_data)}; before {before['accuracy']:.3f}")
-    save_adapter(model, spec, run_dir / ADAPTER_DIR, base_model)
+    if full:
+        _save_full_model(model, engine.path, run_dir / MODEL_DIR)
+    else:
+        save_adapter(model, spec, run_dir / ADAPTER_DIR, base_model)
     write_plots(records, run_dir / PLOTS_DIR)
     report = _report(run_dir, section, records, before, after, time.perf_counter() - started, str(device))
     return {
@@ -167,6 +215,7 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
         "reward_first_tenth": report["reward_first_tenth"],
         "reward_last_tenth": report["reward_last_tenth"],
         "device": str(device),
+        "adapter": section.adapter, **memory,
         **({"processes": dist.world_size} if dist.enabled else {}),
         "seconds_this_session": round(time.perf_counter() - started, 1),
     }
@@ -184,13 +233,33 @@ def _link_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, copy_function=link, dirs_exist_ok=True)
 
 
+def train_key(section: TrainSection) -> dict[str, Any]:
+    """The train section as the run's id sees it."""
+    key = section.model_dump()
+    if key["adapter"] == "lora":
+        del key["adapter"]  # the default: runs made before the setting existed keep their ids
+    else:
+        del key["lora"]  # a full run has no adapter: its settings change nothing
+    return key
+
+
 def run_dir_for(store: ArtifactStore, art_id: str) -> Path:
     return store.work_dir_for(STAGE.name, art_id)
 
 
-def check_train_inputs(recipe: Recipe) -> tuple[list[Problem], list[Problem]]:
+def check_train_inputs(recipe: Recipe, engine: Artifact | None = None) -> tuple[list[Problem], list[Problem]]:
     """Everything about the train section that can fail without a model: data files, fields,
-    custom reward names. `run` calls it before its first stage."""
+    custom reward names, full fine-tuning over a 4-bit base (that of `engine`, else the one the
+    recipe's engine section builds). `run` calls it before its first stage."""
+    if recipe.train.adapter == "full":
+        base = engine.summary.get("base_format") if engine is not None else recipe.engine.base_format
+        if base not in (None, "bf16"):
+            source = f"the engine {engine.path.name}" if engine is not None else "engine.base_format"
+            fix = ("pass a bf16 engine to --engine" if engine is not None
+                   else "set engine.base_format=bf16 (--set engine.base_format=bf16)")
+            raise QerlError(f"train.adapter=full trains every weight, which needs a bf16 base, but {source} is "
+                            f"{base} (4-bit codes cannot take gradient updates): {fix}, or train LoRA over the "
+                            "4-bit base with train.adapter=lora")
     problems, eval_problems = _load_data(recipe.train)
     load_custom_rewards(recipe.train.rewards.custom)
     return problems, eval_problems
@@ -207,7 +276,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
     section = recipe.train
     dist, device_choice = init_distributed(section.device)
     device = pick_device(device_choice)
-    problems, eval_problems = check_train_inputs(recipe)  # before any model work
+    problems, eval_problems = check_train_inputs(recipe, engine)  # before any model work
     dist.share(section.prompts_per_step)  # B must split evenly over the ranks
     if engine is None:  # rank 0 finds (or builds) it; the others load what it found
         found = input_artifact(STAGE.name, "--engine", recipe, store, build_missing=build_missing,
@@ -215,7 +284,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         path = dist.broadcast(found.path if found is not None else None)
         engine = found if found is not None else load_artifact(path, verify=False)
     check_engine_for(engine, "train", section.max_new_tokens, "--engine")
-    config = {"train": section.model_dump(), "device": device.type}
+    config = {"train": train_key(section), "device": device.type}
     for key, spec in (("data_sha256", section.data), ("eval_data_sha256", section.eval_data)):
         digest = data_file_key(spec)
         if digest is not None:

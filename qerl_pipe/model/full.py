@@ -1,0 +1,117 @@
+"""Full fine-tuning: every weight of a 16-bit model trained, through float32 master copies.
+
+The model keeps its weights in its own dtype (bf16 on a GPU), because the rollout engine computes
+with exactly these tensors: one model, no second copy to sync. AdamW does not step them directly:
+at the learning rates full fine-tuning wants (1e-6 to 1e-5) an update is ~1e-6 per step, while
+bf16's spacing near a weight of 0.02 is ~1e-4, so nearly every update would round away. The
+optimizer therefore owns a float32 master of each weight; each weight's bf16 gradient is added
+into its master's float32 gradient as soon as backward produces it (and dropped, so only the
+float32 one stays alive), and after every optimizer step the masters are copied back into the
+model's tensors *in place*: their addresses never change, so captured CUDA graphs and every other
+view of the weights see the update. A float32 model needs no masters: its weights are stepped as
+they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from qerl_pipe.model.linear import QuantLinear
+
+
+def full_training_bytes(numel: int, dtype: torch.dtype) -> int:
+    """What training `numel` weights of `dtype` adds to the model: AdamW's two float32 moments and
+    a float32 gradient per weight, plus a float32 master unless the weight is float32 itself."""
+    return numel * (3 * 4 + (0 if dtype == torch.float32 else 4))
+
+
+def make_fully_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Turn every weight of a bf16-base model into a trainable parameter; returns them by name.
+
+    The linears' dense base (and bias) are buffers while frozen; they become parameters on the
+    same storage, under the same state-dict names. Embedding, norms and an untied LM head are
+    parameters already; a tied LM head is the embedding's own tensor (listed once).
+    """
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        if module.base_format != "bf16":
+            raise ValueError(f"{name}: full fine-tuning needs a bf16 base, not {module.base_format} "
+                             "(4-bit codes cannot take gradient updates)")
+        if len(module.lora_A):
+            raise ValueError(f"{name} carries a LoRA adapter; full fine-tuning trains the weights themselves")
+        # Only once: a second call (another Trainer on the same model) keeps the same objects.
+        if not isinstance(module.weight, nn.Parameter):
+            module.weight = nn.Parameter(module.weight.detach(), requires_grad=True)
+        if module.bias is not None and not isinstance(module.bias, nn.Parameter):
+            module.bias = nn.Parameter(module.bias.detach(), requires_grad=True)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return list(model.named_parameters())
+
+
+class FullTraining:
+    """The trainable weights of a fully fine-tuned model and the float32 masters AdamW steps.
+
+    `masters` are what the optimizer gets (a float32 weight is its own master). Call `push()`
+    after every optimizer step. A newer FullTraining of the same model (a second Trainer over it)
+    takes the gradients over: the older one's masters stop receiving them.
+    """
+
+    def __init__(self, model: nn.Module):
+        named = make_fully_trainable(model)
+        for handle in getattr(model, "_full_training_hooks", []):
+            handle.remove()
+        hooks = []
+        self.names = [n for n, _ in named]
+        self.weights = [p for _, p in named]
+        self.masters: list[nn.Parameter] = []
+        for w in self.weights:
+            if w.dtype == torch.float32:
+                self.masters.append(w)
+                continue
+            master = nn.Parameter(w.detach().float().clone())
+            self.masters.append(master)
+            hooks.append(w.register_post_accumulate_grad_hook(self._mover(master)))
+        model._full_training_hooks = hooks
+
+    @staticmethod
+    def _mover(master: nn.Parameter):
+        # Accumulating micro-batches in float32 on the master keeps gradient accumulation exact
+        # to float32 and frees each bf16 gradient right away (memory: 4 bytes per weight, not 6).
+        def move(weight: Tensor) -> None:
+            grad = weight.grad.float()
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            weight.grad = None
+        return move
+
+    @property
+    def numel(self) -> int:
+        return sum(w.numel() for w in self.weights)
+
+    @torch.no_grad()
+    def push(self) -> None:
+        """Copy the masters into the model's weights in place (one rounding to the model dtype)."""
+        for w, m in zip(self.weights, self.masters):
+            if m is not w:
+                w.copy_(m)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The float32 masters by parameter name: with the optimizer state, all a resume needs."""
+        return {n: m.detach() for n, m in zip(self.names, self.masters)}
+
+    @torch.no_grad()
+    def load_state_dict(self, tensors: Mapping[str, Tensor]) -> None:
+        missing = sorted(set(self.names) - set(tensors))
+        unknown = sorted(set(tensors) - set(self.names))
+        if missing or unknown:
+            raise ValueError(f"full weights do not match the model (missing {missing[:3]}, unexpected {unknown[:3]})")
+        for n, m in zip(self.names, self.masters):
+            t = tensors[n]
+            if t.shape != m.shape:
+                raise ValueError(f"{n}: stored shape {tuple(t.shape)} != model shape {tuple(m.shape)}")
+            m.copy_(t)
+        self.push()
