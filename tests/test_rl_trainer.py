@@ -236,9 +236,7 @@ def test_rollouts_sample_from_the_adapter_the_optimizer_just_updated(tiny):
     for _ in range(2):
         trainer.step()
     out = trainer.engine.generate(trainer.prompts[:4], n=2, sampling=trainer_sampling(trainer))
-    groups = [Group(trainer.prompts[p], out.tokens[2 * p:2 * p + 2], out.logprobs[2 * p:2 * p + 2],
-                    out.finish_reasons[2 * p:2 * p + 2], torch.zeros(2)) for p in range(4)]
-    batch = build_batch(groups, torch.zeros(8), False, torch.device("cpu"))
+    batch = rollout_batch(out, trainer.prompts, "cpu")
     with torch.no_grad():
         logp, _ = trainer._logprobs(batch)
         with lora_disabled(trainer.model):
@@ -246,6 +244,13 @@ def test_rollouts_sample_from_the_adapter_the_optimizer_just_updated(tiny):
     mask = batch.response_mask.bool()
     assert (logp - batch.rollout_logp)[mask].abs().max() < 1e-4
     assert (base - batch.rollout_logp)[mask].abs().max() > 1e-2  # the adapter did move the policy
+
+
+def rollout_batch(out, prompts, device: str):
+    """The training batch of `out`, the engine's 2 samples for each of `prompts[:4]` (rewards 0)."""
+    groups = [Group(prompts[p], out.tokens[2 * p:2 * p + 2], out.logprobs[2 * p:2 * p + 2],
+                    out.finish_reasons[2 * p:2 * p + 2], torch.zeros(2)) for p in range(4)]
+    return build_batch(groups, torch.zeros(8), False, torch.device(device))
 
 
 def trainer_sampling(trainer: Trainer):

@@ -14,9 +14,9 @@ from qerl_pipe.model.lora import LoraSpec
 from qerl_pipe.recipe import TrainSection
 from qerl_pipe.rl.logprobs import sequence_logprobs
 from qerl_pipe.rl.tasks import load_problems, render_prompt
-from qerl_pipe.rl.trainer import Group, Trainer, build_batch
+from qerl_pipe.rl.trainer import Trainer
 from tests.conftest import make_tiny_model
-from tests.test_rl_trainer import CONFIG, trainer_sampling
+from tests.test_rl_trainer import CONFIG, rollout_batch, trainer_sampling
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,7 @@ def test_the_shared_model_serves_the_rollout_after_each_update(tiny_llama):
     # Updated in place: addresses a captured CUDA graph recorded stay valid.
     assert [p.data_ptr() for p in trainer.model.parameters()] == pointers
     out = trainer.engine.generate(trainer.prompts[:4], n=2, sampling=trainer_sampling(trainer))
-    groups = [Group(trainer.prompts[p], out.tokens[2 * p:2 * p + 2], out.logprobs[2 * p:2 * p + 2],
-                    out.finish_reasons[2 * p:2 * p + 2], torch.zeros(2)) for p in range(4)]
-    batch = build_batch(groups, torch.zeros(8), False, torch.device("cpu"))
+    batch = rollout_batch(out, trainer.prompts, "cpu")
     with torch.no_grad():
         logp, _ = trainer._logprobs(batch)
     mask = batch.response_mask.bool()

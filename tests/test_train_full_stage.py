@@ -5,10 +5,7 @@ weights, its merged-bf16 export loads in transformers with the trained logits, p
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from qerl_pipe.recipe import TrainSection
 from qerl_pipe.stages.train import train_key
 from tests.conftest import read_json
 from tests.stage_cli import cli, last_line, named
-from tests.test_train_stage import ENGINE, TRAIN, _env
+from tests.test_train_stage import ENGINE, TRAIN, assert_same_training, kill_and_resume
 
 FULL = ["--set", "train.adapter=full", "--set", "engine.base_format=bf16", "--set", "train.lr=1e-3"]
 
@@ -133,33 +130,7 @@ def _command(model: Path, store: Path) -> list[str]:
 
 
 def test_a_killed_full_run_resumes_bit_identical(tiny_llama, tmp_path):
-    whole = subprocess.run(_command(tiny_llama, tmp_path / "a"), env=_env(), capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr
-    reference = Path(whole.stdout.strip().splitlines()[-1])
-
-    store = tmp_path / "b"
-    proc = subprocess.Popen(_command(tiny_llama, store), env=_env(QERL_TEST_SLOW_REWARD="1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    try:
-        while not list(store.glob(".runs/train-*/checkpoints/step-000004")):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its 4th step"
-            time.sleep(0.01)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert named(store, "train-") == []
-    (run_dir,) = store.glob(".runs/train-*")
-    # A kill between a checkpoint's rename and the removal of the previous one leaves both: the
-    # resume takes the latest.
-    done = max(int(c.name.removeprefix("step-")) for c in (run_dir / "checkpoints").glob("step-*"))
-    assert 4 <= done < 10
-
-    resumed = subprocess.run(_command(tiny_llama, store), env=_env(), capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming {run_dir} after step {done} of 10" in resumed.stderr
-    run = Path(resumed.stdout.strip().splitlines()[-1])
-    assert run.name == reference.name
+    reference, run, _ = kill_and_resume(lambda store: _command(tiny_llama, store), tmp_path, 180)
     for rel in ("model/model.safetensors", "checkpoints/step-000010/full_weights.safetensors"):
         assert (run / rel).read_bytes() == (reference / rel).read_bytes(), rel
     masters = load_file(str(run / "checkpoints/step-000010/full_weights.safetensors"))
@@ -168,9 +139,4 @@ def test_a_killed_full_run_resumes_bit_identical(tiny_llama, tmp_path):
     assert any(not torch.equal(t, t.bfloat16().float()) for t in masters.values())
     config = json.loads((run / "model/config.json").read_text())
     assert config.get("torch_dtype", config.get("dtype")) == "bfloat16"
-    lines = [[json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, reference)]
-    assert [r["step"] for r in lines[0]] == list(range(1, 11))
-    for mine, ref in zip(*lines):
-        for key in ("reward_mean", "loss", "grad_norm", "entropy", "sigma", "lr", "response_length_mean"):
-            assert mine[key] == ref[key], (mine["step"], key)
-    assert read_json(run / "report.json")["eval_after"] == read_json(reference / "report.json")["eval_after"]
+    assert_same_training(run, reference)

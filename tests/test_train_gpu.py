@@ -13,7 +13,8 @@ from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled
 from qerl_pipe.recipe import TrainSection
 from qerl_pipe.rl.tasks import load_problems, render_prompt
-from qerl_pipe.rl.trainer import Group, Trainer, build_batch
+from qerl_pipe.rl.trainer import Trainer
+from tests.test_rl_trainer import rollout_batch
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -47,9 +48,7 @@ def test_training_steps_on_cuda_with_graph_rollouts(tiny_llama, base_format):
     # The graphs replay over the LoRA the optimizer updated in place: engine logprobs = trainer's.
     params = SamplingParams(temperature=0.5, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,), seed=7)
     out = engine.generate(prompts[:4], n=2, sampling=params)
-    groups = [Group(prompts[p], out.tokens[2 * p:2 * p + 2], out.logprobs[2 * p:2 * p + 2],
-                    out.finish_reasons[2 * p:2 * p + 2], torch.zeros(2)) for p in range(4)]
-    batch = build_batch(groups, torch.zeros(8), False, torch.device("cuda"))
+    batch = rollout_batch(out, prompts, "cuda")
     with torch.no_grad():
         logp, _ = trainer._logprobs(batch)
         with lora_disabled(model):
@@ -86,9 +85,7 @@ def test_full_fine_tuning_on_cuda_with_graph_rollouts(tiny_llama):
 
     params = SamplingParams(temperature=0.5, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,), seed=7)
     out = engine.generate(prompts[:4], n=2, sampling=params)
-    groups = [Group(prompts[p], out.tokens[2 * p:2 * p + 2], out.logprobs[2 * p:2 * p + 2],
-                    out.finish_reasons[2 * p:2 * p + 2], torch.zeros(2)) for p in range(4)]
-    batch = build_batch(groups, torch.zeros(8), False, torch.device("cuda"))
+    batch = rollout_batch(out, prompts, "cuda")
     with torch.no_grad():
         logp, _ = trainer._logprobs(batch)
         now = [p.detach().clone() for p in model.parameters()]

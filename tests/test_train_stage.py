@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -136,15 +137,20 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
 
 
-def test_a_killed_run_resumes_bit_identical(tiny_llama, tmp_path):
-    whole = subprocess.run(_command(tiny_llama, tmp_path / "a"), env=_env(), capture_output=True, text=True)
+def kill_and_resume(command: Callable[[Path], list[str]], tmp_path: Path,
+                    seconds: float) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """Run `command(store)` whole in one store; in another, SIGKILL it after its 4th step's
+    checkpoint (with a slowed reward, so the kill lands mid-run) and run it again. Checks that the
+    kill left no artifact and that the second run resumed from the latest checkpoint; returns the
+    reference artifact, the resumed artifact and the resumed process."""
+    whole = subprocess.run(command(tmp_path / "a"), env=_env(), capture_output=True, text=True)
     assert whole.returncode == 0, whole.stderr
     reference = Path(whole.stdout.strip().splitlines()[-1])
 
     store = tmp_path / "b"
-    proc = subprocess.Popen(_command(tiny_llama, store), env=_env(QERL_TEST_SLOW_REWARD="1"),
+    proc = subprocess.Popen(command(store), env=_env(QERL_TEST_SLOW_REWARD="1"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + seconds
     try:
         while not list(store.glob(".runs/train-*/checkpoints/step-000004")):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its 4th step"
@@ -159,22 +165,34 @@ def test_a_killed_run_resumes_bit_identical(tiny_llama, tmp_path):
     done = max(int(c.name.removeprefix("step-")) for c in (run_dir / "checkpoints").glob("step-*"))
     assert 4 <= done < 10
 
-    resumed = subprocess.run(_command(tiny_llama, store), env=_env(), capture_output=True, text=True)
+    resumed = subprocess.run(command(store), env=_env(), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming {run_dir} after step {done} of 10" in resumed.stderr
-    assert "greedy accuracy before training" not in resumed.stderr  # kept from the first session
     run = Path(resumed.stdout.strip().splitlines()[-1])
     assert run.name == reference.name  # same inputs, same id
-    for rel in ("adapter/adapter_model.safetensors", "checkpoints/step-000010/adapter_model.safetensors"):
-        assert (run / rel).read_bytes() == (reference / rel).read_bytes(), rel
+    return reference, run, resumed
+
+
+def assert_same_training(run: Path, reference: Path) -> list[dict]:
+    """Both runs logged the same 10 steps, number for number, and evaluated alike; returns `run`'s
+    metric lines."""
     lines = [[json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, reference)]
     assert [r["step"] for r in lines[0]] == list(range(1, 11))
     for mine, ref in zip(*lines):
         for key in ("reward_mean", "loss", "grad_norm", "entropy", "sigma", "lr", "response_length_mean"):
             assert mine[key] == ref[key], (mine["step"], key)
     assert read_json(run / "report.json")["eval_after"] == read_json(reference / "report.json")["eval_after"]
+    return lines[0]
+
+
+def test_a_killed_run_resumes_bit_identical(tiny_llama, tmp_path):
+    reference, run, resumed = kill_and_resume(lambda store: _command(tiny_llama, store), tmp_path, 120)
+    assert "greedy accuracy before training" not in resumed.stderr  # kept from the first session
+    for rel in ("adapter/adapter_model.safetensors", "checkpoints/step-000010/adapter_model.safetensors"):
+        assert (run / rel).read_bytes() == (reference / rel).read_bytes(), rel
+    lines = assert_same_training(run, reference)
     report = read_json(run / "report.json")
-    assert report["step_seconds_total"] == pytest.approx(sum(r["step_seconds"] for r in lines[0]), abs=0.1)
+    assert report["step_seconds_total"] == pytest.approx(sum(r["step_seconds"] for r in lines), abs=0.1)
     assert report["steps"] == 10 and "10 steps on cpu" in (run / "report.md").read_text()
 
 
