@@ -294,13 +294,13 @@ def _(qweight, scales, global_scale, n, k):
 
 
 @lru_cache(maxsize=1)
-def _compiled_keys() -> frozenset[tuple[int, ...]]:
-    return frozenset((c.mt, c.nb, c.warps, c.wk, c.depth, c.stages) for c in compiled_configs())
+def _compiled() -> frozenset[GemmConfig]:
+    return frozenset(compiled_configs())
 
 
 def check_config(config: GemmConfig) -> None:
     """Raise ValueError unless `config` names a compiled variant with at least one K split."""
-    if (config.mt, config.nb, config.warps, config.wk, config.depth, config.stages) not in _compiled_keys():
+    if replace(config, splits=1, pdl=True) not in _compiled():
         raise ValueError(f"{config} is not a compiled GEMM variant; choose one of cuda_ext.compiled_configs()")
     if config.splits < 1:
         raise ValueError(f"{config} has splits < 1")
