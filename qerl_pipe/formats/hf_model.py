@@ -8,19 +8,15 @@ Used to save a fully fine-tuned model; `AutoModelForCausalLM.from_pretrained` re
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from qerl_pipe.formats.checkpoint import INDEX_FILE, SINGLE_FILE, save_safetensors
+from qerl_pipe.formats.checkpoint import SHARD_BYTES, ShardWriter
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
-
-# Output shards close at this size, so the host holds one shard at a time, not the model.
-SHARD_BYTES = 2 * 2**30
 
 
 def hf_tensors(model: Decoder) -> Iterator[tuple[str, Tensor]]:
@@ -48,34 +44,9 @@ def save_hf_weights(model: Decoder, out_dir: Path, dtype: torch.dtype | None = N
     they exceed `shard_bytes`; in `dtype` (default: the model's). Returns the bytes written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = dtype or model.dtype
-    shards: list[tuple[Path, list[str]]] = []
-    buffer: dict[str, Tensor] = {}
-    size = total = 0
-
-    def flush() -> None:
-        path = out_dir / f".part-{len(shards):05d}.safetensors"  # the shard count is known at the end
-        save_safetensors(buffer, path, metadata={"format": "pt"})
-        shards.append((path, list(buffer)))
-        buffer.clear()
-
+    writer = ShardWriter(out_dir, max_bytes=shard_bytes)
     for name, t in hf_tensors(model):
-        nbytes = t.numel() * torch.empty((), dtype=dtype).element_size()
-        if buffer and size + nbytes > shard_bytes:
-            flush()
-            size = 0
         # clone: safetensors refuses views into a shared storage (the split projections).
-        buffer[name] = t.to("cpu", dtype).contiguous().clone()
-        size += nbytes
-        total += nbytes
-    if buffer or not shards:
-        flush()
-    n = len(shards)
-    names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map = {}
-    for (path, keys), final in zip(shards, names):
-        path.rename(out_dir / final)
-        weight_map.update({k: final for k in keys})
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return total
+        writer.add(name, t.to("cpu", dtype).clone())
+    writer.finish()
+    return writer.total
