@@ -47,7 +47,7 @@ from qerl_pipe.rl.distributed import Dist, init_distributed
 from qerl_pipe.rl.rewards import custom_reward_digests, load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
-from qerl_pipe.formats.modelopt_writer import COPY_PATTERNS
+from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer, pick_device
 from qerl_pipe.stages.common import data_file_key, engine_model_name, fit_prompts, stop_token_ids
 
@@ -129,14 +129,7 @@ def _save_full_model(model: torch.nn.Module, engine_dir: Path, out: Path) -> Non
     """The trained weights as a Hugging Face model directory: the engine's config.json (the
     model's own, without quantization) in the weights' dtype, tokenizer files, safetensors."""
     save_hf_weights(model, out)
-    config = json.loads((engine_dir / "config.json").read_text())
-    key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
-    config[key] = str(model.dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for pattern in COPY_PATTERNS:
-        for path in engine_dir.glob(pattern):
-            if path.is_file():
-                shutil.copy2(path, out / path.name)
+    write_dense_config(engine_dir, out, model.dtype)
 
 
 def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
