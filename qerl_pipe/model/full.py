@@ -88,10 +88,6 @@ class FullTraining:
             weight.grad = None
         return move
 
-    @property
-    def numel(self) -> int:
-        return sum(w.numel() for w in self.weights)
-
     @torch.no_grad()
     def push(self) -> None:
         """Copy the masters into the model's weights in place (one rounding to the model dtype)."""

@@ -238,7 +238,8 @@ class Trainer:
         for draw in range(cfg.dynamic_sampling.max_draws if dynamic else 1):
             draws += 1
             mine, out, parts = self._draw(step, draw)
-            self._refuse_non_finite("the rollout's log-probabilities", out.logprobs)
+            # Each rank drew its own rollouts: all ranks see the summed count, so all stop.
+            self._refuse_non_finite("the rollout's log-probabilities", self.dist.sum([_non_finite(out.logprobs)])[0])
             rewards = torch.cat([part.rewards for part in parts])  # the whole draw, prompt by prompt
             seconds += max(part.seconds for part in parts)
             tokens += sum(part.tokens for part in parts)
@@ -364,18 +365,18 @@ class Trainer:
         (totals["loss"], totals["clip_fraction"], totals["kl"], counted, totals["entropy"], response_tokens,
          train_tokens) = self.dist.sum([totals["loss"], totals["clip_fraction"], totals["kl"], counted,
                                         totals["entropy"], response_tokens, train_tokens])
-        self._refuse_non_finite("the loss or its gradient", [[totals["loss"], totals["grad_norm"]]])
+        # Summed over ranks above (the gradient norm is of the summed gradients): the same on every rank.
+        self._refuse_non_finite("the loss or its gradient", _non_finite([[totals["loss"], totals["grad_norm"]]]))
         for key in ("clip_fraction", "kl"):
             totals[key] /= max(counted, 1)
         totals["entropy"] /= max(response_tokens, 1)
         return {**totals, "train_tokens": int(train_tokens)}
 
 
-    def _refuse_non_finite(self, what: str, rows: Sequence[Sequence[float]]) -> None:
-        """Stop on NaN/inf: rewards of garbage are all 0, so training would go on, silently, with
-        nothing to learn (or write NaN into the adapter). Every rank sees the sum, so all stop."""
-        bad = sum(not math.isfinite(v) for row in rows for v in row)
-        if self.dist.sum([bad])[0]:
+    def _refuse_non_finite(self, what: str, bad: int) -> None:
+        """Stop on `bad` NaN/inf values (a count every rank agrees on): rewards of garbage are all
+        0, so training would go on, silently, with nothing to learn (or write NaN into the adapter)."""
+        if bad:
             raise QerlError(
                 f"train step {self.step_count}: {what} are not finite (NaN or inf), so the run stops before "
                 "saving anything of this step; at the first step the base weights or the adapter are damaged "
@@ -393,6 +394,10 @@ class Trainer:
             self._push()
         return {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": None,
                 "train_tokens": 0}
+
+
+def _non_finite(rows: Sequence[Sequence[float]]) -> int:
+    return sum(not math.isfinite(v) for row in rows for v in row)
 
 
 def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str, Any]]:
