@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,9 @@ class ResolvedModel:
     fingerprint: dict[str, Any]
     parents: list[str] = field(default_factory=list)
 
-    @property
+    @cached_property
     def config(self) -> dict[str, Any]:
+        """config.json, read and checked once (stages ask for it several times)."""
         return read_model_config(self.dir)
 
 
