@@ -37,7 +37,7 @@ _FUSED = {
 }
 _PROJECTIONS = (*_FUSED, "o_proj", "down_proj")
 # Tensors some checkpoints carry that the model recomputes.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
@@ -177,7 +177,7 @@ class _Assembler:
         self.missing |= {f"{n}.bias" for n, m in self.linears.items() if m.bias is not None}
 
     def add(self, hf_name: str, item: Tensor | NVFP4Weight) -> None:
-        if hf_name.endswith(_IGNORED_SUFFIXES):
+        if hf_name.endswith(IGNORED_SUFFIXES):
             return
         name = hf_name.removeprefix("model.")
         if isinstance(item, NVFP4Weight):  # a quantized linear, by module name

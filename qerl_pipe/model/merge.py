@@ -13,10 +13,10 @@ from torch import Tensor
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.formats.checkpoint import iter_quantized_checkpoint, list_shards, open_shard
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
+from qerl_pipe.model.load import IGNORED_SUFFIXES  # recomputed by every loader
 from qerl_pipe.model.lora import merge_lora
 from qerl_pipe.model.peft import LoraTensors
 
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by every loader
 
 
 def _base_names(base_dir: Path) -> set[str]:
@@ -46,7 +46,7 @@ def check_adapter_fits_checkpoint(adapter: LoraTensors, base_dir: Path) -> None:
 def merged_tensors(base_dir: Path, adapter: LoraTensors) -> Iterator[tuple[str, Tensor, bool]]:
     """(HF name, tensor, changed) over the base, LoRA merged (float32) and trained norms swapped in."""
     for name, item, _input_scale in iter_quantized_checkpoint(base_dir):
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(IGNORED_SUFFIXES):
             continue
         if isinstance(item, NVFP4Weight):
             # The values our NVFP4 model computes with (x @ dequantize(W)^T), in float32.

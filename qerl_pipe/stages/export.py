@@ -42,7 +42,6 @@ from qerl_pipe.recipe import ExportSection, Recipe
 
 STAGE = EXPORT
 KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by every loader
 
 
 def is_full_run(run: Artifact) -> bool:
