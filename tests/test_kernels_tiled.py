@@ -275,7 +275,8 @@ def test_compiled_configs_match_the_sources() -> None:
         return tuple(tuple(int(v) for v in m.split(",")) for m in re.findall(r"X\(([\d, ]+)\)", block))
 
     assert listed("QERL_W4A16_CONFIGS", "#define QERL_W4A16_STAGED") == cuda_ext.COMPILED
-    assert listed("QERL_W4A16_STAGED", "int gemm_blocks_per_sm") == cuda_ext.STAGED
+    assert listed("QERL_W4A16_STAGED", "#define QERL_W4A16_WGMMA") == cuda_ext.STAGED
+    assert listed("QERL_W4A16_WGMMA", "int gemm_blocks_per_sm") == cuda_ext.WGMMA
 
 
 def test_table_configs_are_compiled() -> None:
@@ -325,7 +326,9 @@ def test_sources_compile_for_sm90a_without_spills(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = proc.stdout + proc.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + 1  # and the dequantize pass
+    # every variant and the dequantize pass
+    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + len(cuda_ext.WGMMA) + 1
+    assert "C7513" not in report, "ptxas serialized the wgmma kernel's MMAs: " + report[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report[-2000:]
     assert all(int(r) <= 255 for r in re.findall(r"Used (\d+) registers", report))

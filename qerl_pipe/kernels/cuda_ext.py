@@ -45,8 +45,8 @@ MAX_PASS_TOKENS = 64
 class GemmConfig:
     """A compiled decode-GEMM variant (see `QERL_W4A16_CONFIGS` in w4a16.cu) and its K splits."""
 
-    mt: int  # m16 tiles of weight rows per warp (2 or 4)
-    nb: int  # n8 blocks of tokens per pass (1, 2, 4 or 8)
+    mt: int  # m16 tiles of weight rows per warp (2 or 4; 1: the wgmma kernel, a warpgroup per 64 rows)
+    nb: int  # n8 blocks of tokens per pass (1, 2, 4 or 8; the wgmma kernel 8 or 16)
     warps: int  # per CTA
     wk: int  # warps that share a warp tile, splitting its K chunks (summed in shared memory)
     depth: int  # chunks of loads in flight per warp
@@ -60,9 +60,10 @@ class GemmConfig:
     stages: int = 0
 
 
-# Register-ring kernel (mt, nb, warps along N, warps along K, depth) and staged kernel (nb, warps
-# along N, warps along K, stages): must match QERL_W4A16_CONFIGS and QERL_W4A16_STAGED in
-# w4a16.cu (a CPU test checks it).
+# Register-ring kernel (mt, nb, warps along N, warps along K, depth), staged kernel (nb, warps
+# along N, warps along K, stages) and wgmma kernel (64-token blocks per pass, warpgroups per CTA,
+# stages): must match QERL_W4A16_CONFIGS, QERL_W4A16_STAGED and QERL_W4A16_WGMMA in w4a16.cu (a
+# CPU test checks it).
 COMPILED: tuple[tuple[int, int, int, int, int], ...] = (
     (4, 1, 4, 1, 4), (4, 1, 1, 4, 4), (4, 1, 2, 2, 4), (2, 1, 8, 1, 4), (4, 1, 1, 8, 4),
     (2, 1, 1, 8, 4), (4, 2, 4, 1, 4), (4, 2, 1, 4, 4), (4, 2, 2, 2, 4), (2, 2, 8, 1, 4),
@@ -73,12 +74,14 @@ STAGED: tuple[tuple[int, int, int, int], ...] = (
     (1, 4, 1, 8), (1, 1, 4, 8), (1, 1, 8, 6), (2, 4, 1, 8), (2, 1, 4, 8), (2, 2, 2, 8),
     (4, 4, 1, 6), (4, 2, 2, 6), (4, 1, 4, 6), (8, 4, 1, 5), (8, 2, 2, 4), (8, 2, 1, 6),
 )
+WGMMA: tuple[tuple[int, int, int], ...] = ((1, 1, 4), (1, 1, 6), (1, 2, 4), (2, 1, 4), (2, 2, 4), (2, 2, 6))
 
 
 def compiled_configs(splits: int = 1) -> list[GemmConfig]:
     """Every compiled variant as a GemmConfig with `splits`."""
     return ([GemmConfig(mt, nb, wn * wk, wk, depth, splits) for mt, nb, wn, wk, depth in COMPILED]
-            + [GemmConfig(4, nb, wn * wk, wk, 0, splits, stages=st) for nb, wn, wk, st in STAGED])
+            + [GemmConfig(4, nb, wn * wk, wk, 0, splits, stages=st) for nb, wn, wk, st in STAGED]
+            + [GemmConfig(1, 8 * blocks, 4 * wg, 1, 0, splits, stages=st) for blocks, wg, st in WGMMA])
 
 
 def source_hash() -> str:

@@ -53,6 +53,12 @@ __device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem, 
                "r"(valid ? 16 : 0), "l"(policy)
                : "memory");
 }
+// 4 bytes global -> shared (kept in L1: the activations are read by every CTA of a column).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -216,7 +222,7 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT,
   }
   const bool writer = at.wk == 0 && at.nblock < at.n_blocks;
   const float gs = *p.global_scale * kProductScale;
-  const int row_base = at.nblock * kRows + at.pair0 * 32;
+  const int row_base = at.nblock * kRows + at.pair0 * 16 * MT;
   if (gridDim.y == 1) {
     if (!writer) return;
     for_each_output(acc, row_base, at.m0, at.g, at.t, [&](int row, int token, float v) {
@@ -457,6 +463,209 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
   finish_tile<MT, NB, WN, WK>(p, at, acc, reinterpret_cast<float4*>(smem));
 }
 
+// wgmma kernel (M = 33-256 per pass): a warpgroup owns one 64-row block and each of its warps one
+// m16 tile; the warps decode their weights from shared memory into registers (the A operand of
+// wgmma.m64nNk16, whose per-warp register layout is mma.m16n8k16's) and the tensor cores read the
+// activations (B) straight from shared memory, 64 tokens per instruction, accumulators 32 floats
+// per thread per 64 tokens instead of mma.sync's 128 per 64 x 64 tile. Stage s holds one group of
+// two chunks (64 columns of K): the activations of 64 * P tokens in wgmma's K-major, 128-byte
+// swizzled layout (rows 128 B, 8-row atoms 1024 B apart), and per warpgroup its block's two chunks
+// of codes and scales as copied from the tiled layout. The weight layout orders each lane's
+// columns for mma.sync's B fragment loaded as one uint4 (lane t: columns 8t..8t+7 of a chunk,
+// 4j..4j+3 of them for k16 step j); wgmma reads B in the standard k order, so the copy scatters
+// x in 4-byte column pairs into the order the A fragments use (see x_slot), and both sides agree.
+__device__ __forceinline__ uint64_t swizzled_desc(uint32_t addr) {
+  // Matrix descriptor: start address >> 4, leading byte offset 16 (unused by swizzled K-major
+  // layouts), stride byte offset 1024 (between 8-row atoms), 128-byte swizzle (bits 62-63 = 1).
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(16 >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Keeps the compiler from moving reads or writes of the accumulators across the asynchronous
+// MMAs that own them between issue and wait.
+template <int NB>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[1][NB][4]) {
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[0][b][e])::"memory");
+}
+
+// acc[0][b0 .. b0 + 7] += A (this warp's 16 x 16 slice of the 64 x 16 weight tile, in registers) x B
+// (64 tokens x 16 columns at `desc`), fp32 accumulate; acc[0][b0 + b] is mma's C fragment of n8 block b.
+template <int NB>
+__device__ __forceinline__ void wgmma_m64n64(float (&acc)[1][NB][4], int b0, const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+      : "+f"(acc[0][b0 + 0][0]), "+f"(acc[0][b0 + 0][1]), "+f"(acc[0][b0 + 0][2]), "+f"(acc[0][b0 + 0][3]),
+        "+f"(acc[0][b0 + 1][0]), "+f"(acc[0][b0 + 1][1]), "+f"(acc[0][b0 + 1][2]), "+f"(acc[0][b0 + 1][3]),
+        "+f"(acc[0][b0 + 2][0]), "+f"(acc[0][b0 + 2][1]), "+f"(acc[0][b0 + 2][2]), "+f"(acc[0][b0 + 2][3]),
+        "+f"(acc[0][b0 + 3][0]), "+f"(acc[0][b0 + 3][1]), "+f"(acc[0][b0 + 3][2]), "+f"(acc[0][b0 + 3][3]),
+        "+f"(acc[0][b0 + 4][0]), "+f"(acc[0][b0 + 4][1]), "+f"(acc[0][b0 + 4][2]), "+f"(acc[0][b0 + 4][3]),
+        "+f"(acc[0][b0 + 5][0]), "+f"(acc[0][b0 + 5][1]), "+f"(acc[0][b0 + 5][2]), "+f"(acc[0][b0 + 5][3]),
+        "+f"(acc[0][b0 + 6][0]), "+f"(acc[0][b0 + 6][1]), "+f"(acc[0][b0 + 6][2]), "+f"(acc[0][b0 + 6][3]),
+        "+f"(acc[0][b0 + 7][0]), "+f"(acc[0][b0 + 7][1]), "+f"(acc[0][b0 + 7][2]), "+f"(acc[0][b0 + 7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+// Byte offset, in a stage's activation tile, of x's column pair `pair` (0-31: columns 2 * pair and
+// 2 * pair + 1 of the group's 64) for token row `row`. Column pair 4t + 2j + hi of chunk h is what
+// lane t's A registers 2 * hi and 2 * hi + 1 multiply in k16 step 2h + j, which wgmma reads at
+// k = 2t + 8 * hi: byte 32 * (2h + j) + 4t + 16 * hi of the row, before the swizzle.
+__device__ __forceinline__ int x_slot(int row, int pair) {
+  const int h = pair >> 4, t = (pair >> 2) & 3, j = (pair >> 1) & 1, hi = pair & 1;
+  const int byte = 64 * h + 32 * j + 4 * t + 16 * hi;
+  return row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
+}
+
+template <int P, int WG, int STAGES>
+struct WgmmaShape {
+  static constexpr int kTokens = 64 * P;
+  static constexpr int kXBytes = kTokens * 128;                    // per stage
+  static constexpr int kChunkBytes = kWords * 4 + kScaleBytes;      // codes, then scales
+  static constexpr int kBlockBytes = 2 * kChunkBytes;               // per warpgroup per stage
+  static constexpr int kBytes = 1024 + STAGES * (kXBytes + WG * kBlockBytes);  // + alignment slack
+};
+
+template <int P, int WG, int STAGES>
+__global__ void __launch_bounds__(WG * 128, 1) wgmma_kernel(const GemmParams p) {
+  constexpr int NB = 8 * P;
+  using Shape = WgmmaShape<P, WG, STAGES>;
+  // A group's copies are issued STAGES - 2 groups ahead: the stage being refilled must be neither
+  // the one about to be read nor the one the previous group's MMAs may still be reading.
+  constexpr int kAhead = STAGES - 2;
+  static_assert(STAGES >= 3, "the wgmma pipeline needs three stages");
+  extern __shared__ uint8_t smem_raw[];
+  // The swizzle is a function of the shared-memory address: stage tiles start 1024-aligned.
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  uint8_t* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
+  uint8_t* xs = smem;
+  uint8_t* ws = smem + STAGES * Shape::kXBytes;
+  const uint32_t xs_addr = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
+
+  const Place<1, 4 * WG, 1, NB> at(p);
+  const int warp = threadIdx.x >> 5, wg = warp >> 2, wq = warp & 3;
+  const int groups = (at.kc1 - at.kc0 + 1) / 2;
+  const int block0 = at.bx * WG;
+  const uint64_t policy = evict_first_policy();
+
+  auto weights_of_group = [&](int c) {
+    uint8_t* dst = ws + (c % STAGES) * WG * Shape::kBlockBytes;
+    constexpr int kVecs = Shape::kChunkBytes / 16;  // 72
+    for (int i = threadIdx.x; i < WG * 2 * kVecs; i += WG * 128) {
+      const int blk = i / (2 * kVecs), h = i / kVecs % 2, v = i % kVecs;
+      const int chunk = at.kc0 + 2 * c + h;
+      const bool ok = chunk < at.kc1;
+      // A warpgroup past N (the last CTA column) streams the last real block (L2 hits, results
+      // dropped): it must join every barrier of its CTA.
+      const size_t base = (size_t)min(block0 + blk, at.n_blocks - 1) * p.KC + (ok ? chunk : at.kc0);
+      const void* src = v < kWords / 4 ? static_cast<const void*>(p.qweight + base * (kWords / 4) + v)
+                                       : static_cast<const void*>(p.scales + base * kScaleBytes + (v - kWords / 4) * 16);
+      cp_async16_stream(dst + (blk * 2 + h) * Shape::kChunkBytes + v * 16, src, ok, policy);
+    }
+  };
+  // A warp copies one token's 128 bytes at a time: this thread always copies column pair `pair`,
+  // of rows row0, row0 + kRowStep, ... (a compile-time count, unrolled).
+  constexpr int kRowStep = WG * 4;
+  const int pair = threadIdx.x & 31, row0 = threadIdx.x >> 5;
+  auto x_of_group = [&](int c) {
+    uint8_t* dst = xs + (c % STAGES) * Shape::kXBytes;
+    const int chunk = at.kc0 + 2 * c + (pair >> 4), col = chunk * kCols + 2 * (pair & 15);
+    const bool col_ok = chunk < at.kc1 && col < p.K;
+    const __nv_bfloat16* src = p.x + (size_t)at.m0 * p.ldx + col;
+#pragma unroll
+    for (int r = 0; r < Shape::kTokens / kRowStep; ++r) {
+      const int row = row0 + r * kRowStep;
+      const bool ok = col_ok && at.m0 + row < p.M;
+      cp_async4(dst + x_slot(row, pair), ok ? src + (size_t)row * p.ldx : p.x, ok);
+    }
+  };
+
+  float acc[1][NB][4];
+  zero(acc);
+  // Weights do not depend on the previous kernel: under programmatic dependent launch the first
+  // groups' weights stream while it finishes (one commit group); x only after the wait.
+  for (int s = 0; s < kAhead; ++s)
+    if (s < groups) weights_of_group(s);
+  cp_async_commit();
+  grid_dependency_wait();
+  for (int s = 0; s < kAhead; ++s) {
+    if (s < groups) x_of_group(s);
+    cp_async_commit();
+  }
+  // One group: its copies landed, the next copies issued, its weights decoded into `a` and its
+  // MMAs issued; they run on while the next group decodes into the other register set (a set is
+  // overwritten only after the wait that retires its MMAs).
+  auto group = [&](int c, uint32_t (&a)[4][4]) {
+    // Group c's copies are the first c + 2 commit groups of this thread; kAhead + 1 + c are committed.
+    cp_async_wait<kAhead - 1>();
+    // Group c has landed for every thread, and every warpgroup has retired group c - 2's MMAs
+    // (each waits for all but the last group's), so stage (c + kAhead) % STAGES is free.
+    __syncthreads();
+    if (c + kAhead < groups) {
+      weights_of_group(c + kAhead);
+      x_of_group(c + kAhead);
+    }
+    cp_async_commit();
+    const uint8_t* w = ws + ((c % STAGES) * WG + wg) * Shape::kBlockBytes;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // k16 steps 2h + j
+      const uint8_t* chunk = w + h * Shape::kChunkBytes;
+      // m16 tile wq = 2q + i of the block: words 2i, 2i + 1 of the lane's uint4 q, scale word q.
+      const uint2 q = *reinterpret_cast<const uint2*>(chunk + ((wq >> 1) * 32 + at.lane) * 16 + (wq & 1) * 8);
+      const uint32_t sw = *reinterpret_cast<const uint32_t*>(chunk + kWords * 4 + (at.g * 2 + (at.t >> 1)) * 8 + (wq >> 1) * 4);
+      uint32_t sp[2];
+      decode_scales(sw, sp[0], sp[1]);
+      const uint32_t s = (wq & 1) ? sp[1] : sp[0];
+      scaled_fragment(q.x, s, a[2 * h]);
+      scaled_fragment(q.y, s, a[2 * h + 1]);
+    }
+    const uint32_t x_addr = xs_addr + (c % STAGES) * Shape::kXBytes;
+    // Every input of the MMAs (A registers and descriptors) is computed before the fence: ptxas
+    // serializes all MMAs of a kernel where another instruction defines one between the fence and
+    // the commit.
+    uint64_t desc[4][P];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int b = 0; b < P; ++b) {
+        desc[kk][b] = swizzled_desc(x_addr + b * 64 * 128 + kk * 32);
+        asm volatile("" : "+l"(desc[kk][b])::"memory");
+      }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int b = 0; b < P; ++b) wgmma_m64n64(acc, 8 * b, a[kk], desc[kk][b]);
+    wgmma_commit();
+    wgmma_wait<1>();
+  };
+  // Pairs of groups with a branch only around whole pairs: ptxas serializes every MMA of a kernel
+  // whose MMA pipeline spans a branch (a conditional second group did that).
+  uint32_t a0[4][4], a1[4][4];
+  fence_accumulators(acc);
+  int c = 0;
+  for (; c + 1 < groups; c += 2) {
+    group(c, a0);
+    group(c + 1, a1);
+  }
+  if (c < groups) group(c, a0);
+  wgmma_wait<0>();
+  fence_accumulators(acc);
+  cp_async_wait<0>();
+  launch_dependents();
+  finish_tile<1, NB, 4 * WG, 1>(p, at, acc, nullptr);
+}
+
 template <int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
     dequant_kernel(const uint4* qweight, const uint8_t* scales, const float* global_scale,
@@ -530,12 +739,20 @@ const void* staged_ready() {
   return err == cudaSuccess ? reinterpret_cast<const void*>(staged_kernel<NB, WN, WK, S>) : nullptr;
 }
 
+template <int P, int WG, int S>
+const void* wgmma_ready() {
+  static const cudaError_t err = cudaFuncSetAttribute(wgmma_kernel<P, WG, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      WgmmaShape<P, WG, S>::kBytes);
+  return err == cudaSuccess ? reinterpret_cast<const void*>(wgmma_kernel<P, WG, S>) : nullptr;
+}
+
 }  // namespace
 
 // The compiled configs. Register ring: (rows per warp / 16, tokens per pass / 8, warps along N,
 // warps along K, chunks in flight per warp). Staged (64 rows per warp): (tokens per pass / 8,
 // warps along N, warps along K, pipeline stages). Keep in step with COMPILED and STAGED in
-// cuda_ext.py (a CPU test checks).
+// cuda_ext.py (a CPU test checks). wgmma (a warpgroup per 64-row block, mt = 1): (64-token blocks
+// per pass, warpgroups per CTA, pipeline stages); in step with WGMMA in cuda_ext.py.
 #define QERL_W4A16_CONFIGS(X)                                                                       \
   X(4, 1, 4, 1, 4) X(4, 1, 1, 4, 4) X(4, 1, 2, 2, 4) X(2, 1, 8, 1, 4) X(4, 1, 1, 8, 4)            \
   X(2, 1, 1, 8, 4) X(4, 2, 4, 1, 4) X(4, 2, 1, 4, 4) X(4, 2, 2, 2, 4) X(2, 2, 8, 1, 4)            \
@@ -544,6 +761,7 @@ const void* staged_ready() {
 #define QERL_W4A16_STAGED(X)                                                                        \
   X(1, 4, 1, 8) X(1, 1, 4, 8) X(1, 1, 8, 6) X(2, 4, 1, 8) X(2, 1, 4, 8) X(2, 2, 2, 8)             \
   X(4, 4, 1, 6) X(4, 2, 2, 6) X(4, 1, 4, 6) X(8, 4, 1, 5) X(8, 2, 2, 4) X(8, 2, 1, 6)
+#define QERL_W4A16_WGMMA(X) X(1, 1, 4) X(1, 1, 6) X(1, 2, 4) X(2, 1, 4) X(2, 2, 4) X(2, 2, 6)
 
 int gemm_blocks_per_sm(const GemmConfig& c) {
   int blocks = 0;
@@ -558,6 +776,12 @@ int gemm_blocks_per_sm(const GemmConfig& c) {
                                                   StagedShape<NB, WN, WK, S>::kBytes);
   QERL_W4A16_STAGED(QERL_W4A16_STAGED_OCCUPANCY)
 #undef QERL_W4A16_STAGED_OCCUPANCY
+#define QERL_W4A16_WGMMA_OCCUPANCY(P, WG, S)                                                         \
+  if (c.mt == 1 && c.stages == S && c.nb == 8 * P && c.warps == 4 * WG && c.wk == 1 && wgmma_ready<P, WG, S>()) \
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, wgmma_kernel<P, WG, S>, WG * 128,                  \
+                                                  WgmmaShape<P, WG, S>::kBytes);
+  QERL_W4A16_WGMMA(QERL_W4A16_WGMMA_OCCUPANCY)
+#undef QERL_W4A16_WGMMA_OCCUPANCY
   return blocks;
 }
 
@@ -576,6 +800,14 @@ cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t s
   }
   QERL_W4A16_STAGED(QERL_W4A16_STAGED_DISPATCH)
 #undef QERL_W4A16_STAGED_DISPATCH
+#define QERL_W4A16_WGMMA_DISPATCH(P, WG, S)                                                          \
+  if (c.mt == 1 && c.stages == S && c.nb == 8 * P && c.warps == 4 * WG && c.wk == 1) {            \
+    if (wgmma_ready<P, WG, S>() == nullptr) return cudaErrorInvalidConfiguration;                  \
+    return launch(wgmma_kernel<P, WG, S>, p, WG * 64, 8 * P, WG * 128, WgmmaShape<P, WG, S>::kBytes, c.splits, \
+                  c.pdl != 0, stream);                                                             \
+  }
+  QERL_W4A16_WGMMA(QERL_W4A16_WGMMA_DISPATCH)
+#undef QERL_W4A16_WGMMA_DISPATCH
   return cudaErrorInvalidConfiguration;
 }
 

@@ -1,0 +1,95 @@
+"""Side-by-side sweep of the wgmma GEMM variants against the mma.sync decode GEMM and cuBLAS bf16.
+
+`python3 bench/scripts/wgmma_sweep.py [--ms 32,64,128,256] [--out FILE.json]`: for every
+Qwen2.5-7B/32B layer and M, times cuBLAS bf16, dequantize + cuBLAS, the decode GEMM's default
+config, and each compiled wgmma variant at K splits 1, 2, 4 and 8 (each checked against
+`x @ dequantized W` in fp32 first), with the protocol of `bench kernels-cuda` (distinct weight
+copies past L2, one CUDA graph, median of replays). A lab script for choosing the wgmma configs;
+the committed figures come from `qerl_pipe.bench.kernels_cuda`.
+"""
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from qerl_pipe.bench.kernels import LAYER_SHAPES
+from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chunks
+from qerl_pipe.kernels import cuda_ext
+from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4
+from qerl_pipe.kernels.tuning import rel_err, time_graph, weight_copies
+
+REPS = 30
+SPLITS = (1, 2, 4, 8)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="32,64,128,256")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wgmma = [c for c in cuda_ext.compiled_configs() if c.mt == 1]
+    rows = []
+    for model, layers in LAYER_SHAPES.items():
+        for layer, (n, k) in layers.items():
+            w = torch.randn(n, k, device="cuda") * 0.02
+            wb = w.to(torch.bfloat16)
+            q = quantize_nvfp4_in_row_chunks(w, name=layer)
+            del w
+            dense = dequantize_nvfp4(q, torch.float32)
+            tq = tile_nvfp4(q)
+            r_q = weight_copies(tq.qweight.numel() * 4 + tq.scales.numel())
+            r_b = weight_copies(wb.numel() * 2)
+            tqs = [tq] + [TiledNVFP4(tq.qweight.clone(), tq.scales.clone(), tq.global_scale.clone(), n, k)
+                          for _ in range(r_q - 1)]
+            wbs = [wb] + [wb.clone() for _ in range(r_b - 1)]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                ref = x.float() @ dense.T
+                row = {"model": model, "layer": layer, "N": n, "K": k, "M": m}
+                row["bf16_us"] = time_graph([lambda i=i: torch.matmul(x, wbs[i].T) for i in range(r_b)], REPS) * 1e6
+                row["dequant_matmul_us"] = time_graph(
+                    [lambda i=i: torch.matmul(x, cuda_ext.dequantize(tqs[i]).T) for i in range(r_q)], REPS) * 1e6
+                base = cuda_ext.default_config(m, n, k, sms)
+                row["default_config"] = asdict(base)
+                row["default_us"] = time_graph(
+                    [lambda i=i: cuda_ext.gemm(x, tqs[i], config=base) for i in range(r_q)], REPS) * 1e6
+                tried = []
+                for cfg in wgmma:
+                    if 8 * cfg.nb > 2 * m and cfg.nb > 8:
+                        continue
+                    for s in SPLITS:
+                        c = replace(cfg, splits=s)
+                        try:
+                            err = rel_err(cuda_ext.gemm(x, tq, config=c), ref)
+                        except RuntimeError as exc:
+                            tried.append({"config": asdict(c), "error": str(exc)[:200]})
+                            continue
+                        if err > 1e-2:
+                            tried.append({"config": asdict(c), "rel_err": err, "error": "wrong result"})
+                            continue
+                        t = time_graph([lambda i=i: cuda_ext.gemm(x, tqs[i], config=c) for i in range(r_q)], REPS)
+                        tried.append({"config": asdict(c), "rel_err": err, "us": t * 1e6})
+                row["wgmma"] = tried
+                ok = [t for t in tried if "us" in t]
+                best = min(ok, key=lambda t: t["us"]) if ok else None
+                row["wgmma_best_us"] = best["us"] if best else None
+                row["wgmma_best"] = best["config"] if best else None
+                bad = [t for t in tried if "error" in t]
+                print(f"{model:>11} {layer:>7} M={m:<4} bf16 {row['bf16_us']:7.1f} deq+mm {row['dequant_matmul_us']:7.1f} "
+                      f"mma.sync {row['default_us']:7.1f} ({row['bf16_us'] / row['default_us']:.2f}x) wgmma "
+                      + (f"{best['us']:7.1f} ({row['bf16_us'] / best['us']:.2f}x) "
+                         f"{tuple(best['config'][f] for f in ('nb', 'warps', 'stages', 'splits'))}" if best else "none")
+                      + (f" | {len(bad)} failed: {bad[0]}" if bad else ""), flush=True)
+                rows.append(row)
+            del tqs, wbs
+            torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
