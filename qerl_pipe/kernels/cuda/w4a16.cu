@@ -552,7 +552,6 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_kernel(const GemmParams p) 
   const int warp = threadIdx.x >> 5, wg = warp >> 2, wq = warp & 3;
   const int groups = (at.kc1 - at.kc0 + 1) / 2;
   const int block0 = at.bx * WG;
-  const uint64_t policy = evict_first_policy();
 
   auto weights_of_group = [&](int c) {
     uint8_t* dst = ws + (c % STAGES) * WG * Shape::kBlockBytes;
@@ -566,7 +565,9 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_kernel(const GemmParams p) 
       const size_t base = (size_t)min(block0 + blk, at.n_blocks - 1) * p.KC + (ok ? chunk : at.kc0);
       const void* src = v < kWords / 4 ? static_cast<const void*>(p.qweight + base * (kWords / 4) + v)
                                        : static_cast<const void*>(p.scales + base * kScaleBytes + (v - kWords / 4) * 16);
-      cp_async16_stream(dst + (blk * 2 + h) * Shape::kChunkBytes + v * 16, src, ok, policy);
+      // No L2 eviction hint here: with one, ptxas 13.0 emitted a copy whose cache-policy operand
+      // sat in an odd uniform register, an illegal instruction on the H200 (compute-sanitizer).
+      cp_async16(dst + (blk * 2 + h) * Shape::kChunkBytes + v * 16, src, ok);
     }
   };
   // A warp copies one token's 128 bytes at a time: this thread always copies column pair `pair`,
