@@ -53,9 +53,9 @@ __device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem, 
                "r"(valid ? 16 : 0), "l"(policy)
                : "memory");
 }
-// 4 bytes global -> shared (kept in L1: the activations are read by every CTA of a column).
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+// 4 bytes global -> shared at a shared-window address (kept in L1: the activations are read by
+// every CTA of a column).
+__device__ __forceinline__ void cp_async4_shared(uint32_t dst, const void* gmem, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0)
                : "memory");
 }
@@ -553,37 +553,71 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_kernel(const GemmParams p) 
   const int groups = (at.kc1 - at.kc0 + 1) / 2;
   const int block0 = at.bx * WG;
 
+  // Every copy's source and destination are fixed per thread up to a per-group stride, so they
+  // are worked out once here: the copies are most of the instructions a group issues.
+  // Weights: the CTA's WG blocks x 2 chunks x 72 16-byte pieces (64 of codes, 8 of scales); this
+  // thread copies pieces threadIdx.x and threadIdx.x + WG * 128 (the second only for i < 16 * WG).
+  constexpr int kVecs = Shape::kChunkBytes / 16;  // 72
+  constexpr int kPieces = WG * 2 * kVecs, kThreads = WG * 128;
+  const char* w_src[2];
+  int w_stride[2], w_dst[2], w_h[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = min((int)threadIdx.x + r * kThreads, kPieces - 1);
+    const int blk = i / (2 * kVecs), h = i / kVecs % 2, v = i % kVecs;
+    // A warpgroup past N (the last CTA column) streams the last real block (L2 hits, results
+    // dropped): it must join every barrier of its CTA.
+    const size_t chunk0 = (size_t)min(block0 + blk, at.n_blocks - 1) * p.KC + at.kc0 + h;
+    w_src[r] = v < kWords / 4 ? reinterpret_cast<const char*>(p.qweight + chunk0 * (kWords / 4) + v)
+                              : reinterpret_cast<const char*>(p.scales + chunk0 * kScaleBytes + (v - kWords / 4) * 16);
+    w_stride[r] = 2 * (v < kWords / 4 ? kWords * 4 : kScaleBytes);  // bytes per group
+    w_dst[r] = (blk * 2 + h) * Shape::kChunkBytes + v * 16;
+    w_h[r] = h;
+  }
+  const bool second_piece = (int)threadIdx.x + kThreads < kPieces;
   auto weights_of_group = [&](int c) {
     uint8_t* dst = ws + (c % STAGES) * WG * Shape::kBlockBytes;
-    constexpr int kVecs = Shape::kChunkBytes / 16;  // 72
-    for (int i = threadIdx.x; i < WG * 2 * kVecs; i += WG * 128) {
-      const int blk = i / (2 * kVecs), h = i / kVecs % 2, v = i % kVecs;
-      const int chunk = at.kc0 + 2 * c + h;
-      const bool ok = chunk < at.kc1;
-      // A warpgroup past N (the last CTA column) streams the last real block (L2 hits, results
-      // dropped): it must join every barrier of its CTA.
-      const size_t base = (size_t)min(block0 + blk, at.n_blocks - 1) * p.KC + (ok ? chunk : at.kc0);
-      const void* src = v < kWords / 4 ? static_cast<const void*>(p.qweight + base * (kWords / 4) + v)
-                                       : static_cast<const void*>(p.scales + base * kScaleBytes + (v - kWords / 4) * 16);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r == 1 && !second_piece) break;
+      const bool ok = 2 * c + w_h[r] < at.kc1 - at.kc0;  // chunk within the split (else zeros)
       // No L2 eviction hint here: with one, ptxas 13.0 emitted a copy whose cache-policy operand
       // sat in an odd uniform register, an illegal instruction on the H200 (compute-sanitizer).
-      cp_async16(dst + (blk * 2 + h) * Shape::kChunkBytes + v * 16, src, ok);
+      cp_async16(dst + w_dst[r], ok ? w_src[r] + (size_t)c * w_stride[r] : w_src[r], ok);
     }
   };
-  // A warp copies one token's 128 bytes at a time: this thread always copies column pair `pair`,
-  // of rows row0, row0 + kRowStep, ... (a compile-time count, unrolled).
-  constexpr int kRowStep = WG * 4;
+  // Activations: a warp copies one token's 128 bytes at a time; this thread always copies column
+  // pair `pair`, of rows row0 + r * kRowStep (a compile-time count, unrolled). Rows past M copy
+  // row M - 1 instead of zeros: a token's column of B only reaches that token's outputs, which are
+  // not written. Columns past the split or past K are zero-filled (their weights are zeros too,
+  // but x there may not exist).
+  constexpr int kRowStep = WG * 4, kCopies = Shape::kTokens / kRowStep;
   const int pair = threadIdx.x & 31, row0 = threadIdx.x >> 5;
-  auto x_of_group = [&](int c) {
-    uint8_t* dst = xs + (c % STAGES) * Shape::kXBytes;
-    const int chunk = at.kc0 + 2 * c + (pair >> 4), col = chunk * kCols + 2 * (pair & 15);
-    const bool col_ok = chunk < at.kc1 && col < p.K;
-    const __nv_bfloat16* src = p.x + (size_t)at.m0 * p.ldx + col;
+  const int col0 = (at.kc0 + (pair >> 4)) * kCols + 2 * (pair & 15);
+  const char* x0 = reinterpret_cast<const char*>(p.x + (size_t)(at.m0 + row0) * p.ldx + col0);
+  // Byte offsets of this thread's rows from x0, clamped to the pass's last token; kept opaque so
+  // the compiler holds them in registers instead of recomputing them (64-bit) for every group.
+  int x_off[kCopies];
 #pragma unroll
-    for (int r = 0; r < Shape::kTokens / kRowStep; ++r) {
-      const int row = row0 + r * kRowStep;
-      const bool ok = col_ok && at.m0 + row < p.M;
-      cp_async4(dst + x_slot(row, pair), ok ? src + (size_t)row * p.ldx : p.x, ok);
+  for (int r = 0; r < kCopies; ++r) {
+    x_off[r] = min(r * kRowStep, p.M - 1 - at.m0 - row0) * static_cast<int>(p.ldx) * 2;
+    asm volatile("" : "+r"(x_off[r]));
+  }
+  // Shared-memory offsets of rows row0 and row0 + 4 (the swizzle repeats every 8 rows).
+  const uint32_t x_dst0 = x_slot(row0, pair), x_dst1 = x_slot(row0 + 4, pair) - 4 * 128;
+  auto x_of_group = [&](int c) {
+    const uint32_t dst = xs_addr + (c % STAGES) * Shape::kXBytes;
+    const bool ok = 2 * c + (pair >> 4) < at.kc1 - at.kc0 && col0 + 64 * c < p.K;
+    const char* src = x0 + 128 * c;
+    // Two loops rather than a select per copy: `ok` is the same for all of a thread's rows.
+    if (ok) {
+#pragma unroll
+      for (int r = 0; r < kCopies; ++r)
+        cp_async4_shared(dst + ((r * kRowStep) & 4 ? x_dst1 : x_dst0) + r * kRowStep * 128, src + x_off[r], true);
+    } else {
+#pragma unroll
+      for (int r = 0; r < kCopies; ++r)
+        cp_async4_shared(dst + ((r * kRowStep) & 4 ? x_dst1 : x_dst0) + r * kRowStep * 128, x0, false);
     }
   };
 
