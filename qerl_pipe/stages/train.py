@@ -34,7 +34,7 @@ from qerl_pipe.dag import ADAPTER_DIR, MODEL_DIR, TRAIN, find_or_build, input_ar
 from qerl_pipe.engine import Engine
 from qerl_pipe.engine.artifact import check_engine_for, load_engine
 from qerl_pipe.errors import QerlError
-from qerl_pipe.formats.hf_model import save_hf_weights
+from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.model.peft import save_adapter
 from qerl_pipe.log import log
 from qerl_pipe.model.dense_copy import dense_base_copy
