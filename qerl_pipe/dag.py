@@ -88,10 +88,6 @@ EVAL = Stage("eval", 2, "eval", "evaluation report",
 STAGES: tuple[Stage, ...] = (CALIBRATE, QUANTIZE, BUILD_ENGINE, TRAIN, EXPORT, EVAL)
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 STAGE_ORDER: tuple[str, ...] = tuple(s.name for s in STAGES)
-# Where a run artifact (train) keeps its PEFT adapter, or for a full fine-tuning run
-# (train.adapter: full) its trained weights as a Hugging Face model directory; export and eval read them there.
-ADAPTER_DIR = "adapter"
-MODEL_DIR = "model"
 
 
 def stage(name: str) -> Stage:

@@ -188,3 +188,8 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: 
     snapshot = _hub_snapshot(spec, section.revision)
     _check_hf_dir(snapshot)
     return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": spec})
+
+
+def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
+    """The part of a stage's config that names the model: recipe values plus the content fingerprint."""
+    return {"source": section.model_dump(), "content": resolved.fingerprint}

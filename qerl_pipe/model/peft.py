@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from qerl_pipe.model.norm import RMSNorm
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+# Where a train run keeps its adapter; `read_adapter` of the run's directory looks there too.
+ADAPTER_DIR = "adapter"
 
 
 def _norm_names(model: nn.Module) -> list[str]:
@@ -121,7 +124,7 @@ def find_adapter_dir(path: Path) -> Path | None:
     def holds(d: Path) -> bool:
         return (d / ADAPTER_WEIGHTS).is_file() and (d / ADAPTER_CONFIG).is_file()
 
-    for candidate in (path, path / "adapter"):
+    for candidate in (path, path / ADAPTER_DIR):
         if holds(candidate):
             return candidate
     found = [d for d in sorted(path.iterdir()) if d.is_dir() and holds(d)] if path.is_dir() else []
@@ -241,3 +244,16 @@ def check_adapter_fits(adapter: AdapterFiles, hf_config: dict[str, Any], model_n
             f"missing {missing[0]}"
         raise ArtifactError(f"the adapter in {adapter.dir} does not fit {model_name} ({detail}); pass the model "
                             "it was trained on, or an adapter trained on this one")
+
+
+def copy_adapter(adapter_dir: Path, out: Path) -> dict[str, Any]:
+    """Copy a PEFT adapter's two files to `out` after checking that they parse (an export must
+    never hand on an adapter PEFT cannot load); returns what the export's summary says of it."""
+    adapter = read_adapter(adapter_dir)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        shutil.copy2(adapter_dir / name, out / name)
+    return {
+        "rank": adapter.config["r"], "alpha": adapter.config["lora_alpha"],
+        "lora_modules": sum(name.endswith(".lora_A.weight") for name in adapter.shapes),
+        "modules_to_save": adapter.config.get("modules_to_save"),
+    }

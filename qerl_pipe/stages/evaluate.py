@@ -37,7 +37,7 @@ from qerl_pipe.model.peft import (
     load_adapter_weights,
     read_adapter,
 )
-from qerl_pipe.lineage import base_mismatch
+from qerl_pipe.lineage import base_mismatch, engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.lora import lora_disabled
@@ -46,7 +46,7 @@ from qerl_pipe.rl.evaluate import Graded, generate_and_grade, pass_rates
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.sources import ALIASES, resolve_model
 from qerl_pipe.hf import load_tokenizer, pick_device
-from qerl_pipe.stages.common import engine_model_name, fit_prompts, stop_token_ids
+from qerl_pipe.rl.prompts import fit_prompts, stop_token_ids
 
 # Version 2: an arithmetic expression no longer grades as a numeric answer (accuracies made before are not reused).
 STAGE = EVAL

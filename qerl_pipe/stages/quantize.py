@@ -28,8 +28,8 @@ from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.quality import perplexity_report
 from qerl_pipe.recipe import Recipe
-from qerl_pipe.sources import resolve_model
-from qerl_pipe.stages.common import model_config_key
+from qerl_pipe.sources import model_config_key, resolve_model
+
 
 STAGE = QUANTIZE
 
