@@ -207,7 +207,7 @@ def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_:
 def list_artifacts(artifacts: ArtifactsOpt = None) -> None:
     """List the artifacts in the store, oldest first; then damaged ones and unfinished temporary directories."""
     store = _store(artifacts)
-    found, unfinished = store.list(), store.unfinished()
+    found, unfinished = store.survey()
     if not found and not unfinished:
         typer.echo(f"no artifacts in {store.root}", err=True)
         return
