@@ -21,6 +21,7 @@ import torch
 import qerl_pipe
 from qerl_pipe.errors import QerlError, QuantizationError
 from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, list_shards, open_shard
+from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.formats.modelopt_layout import config_quantization_config, hf_quant_config, nvfp4_tensors
 from qerl_pipe.formats.names import FUSED_GROUPS, HF_LINEAR_WEIGHT, fused_group_key
 from qerl_pipe.formats.nvfp4 import (
@@ -147,7 +148,7 @@ def plan_global_scale(plan: WritePlan, module: str) -> torch.Tensor:
 
 
 def write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: list[str], dtype: torch.dtype) -> None:
-    config = json.loads((source / "config.json").read_text())
+    config = read_model_config(source)
     config["quantization_config"] = config_quantization_config(quant_algo, exclude_modules, qerl_pipe.__version__)
     if "torch_dtype" in config or "dtype" not in config:
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -229,7 +230,7 @@ class NVFP4StreamWriter:
 
 def write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
     """config.json of a dense (16-bit) model made from `source`, and its tokenizer files."""
-    config = json.loads((source / "config.json").read_text())
+    config = read_model_config(source)
     config.pop("quantization_config", None)  # the weights are dense now
     key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
     config[key] = str(dtype).removeprefix("torch.")

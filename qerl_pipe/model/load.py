@@ -7,7 +7,6 @@ model plus one fused layer, never the bf16 model next to its quantized copy.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch import Tensor, nn
 
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.checkpoint import detect_quant_format, iter_quantized_checkpoint
+from qerl_pipe.formats.hf_config import CONFIG_NAME, read_model_config
 from qerl_pipe.formats.names import FUSED_INDEX, PROJECTIONS, from_hf_name
 from qerl_pipe.formats.nf4 import NF4Weight, quantize_nf4
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4_in_row_chunks
@@ -114,10 +114,9 @@ def _check_format(base_format: str) -> None:
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
-    if not path.is_file():
+    if not (model_dir / CONFIG_NAME).is_file():
         raise ModelSourceError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
-    return json.loads(path.read_text())
+    return read_model_config(model_dir)
 
 
 def _linears(model: Decoder) -> Iterator[tuple[str, QuantLinear]]:
