@@ -17,10 +17,11 @@ from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.artifacts.manifest import MANIFEST_NAME
 from qerl_pipe.dag import BUILD_ENGINE, EVAL, QUANTIZE, TRAIN, MissingArtifact, recipe_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
+from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.model.peft import AdapterFiles, read_adapter
 from qerl_pipe.recipe import Recipe
-from qerl_pipe.sources import ALIASES, read_model_config, resolve_model
+from qerl_pipe.sources import ALIASES, resolve_model
 
 
 @dataclass(frozen=True)

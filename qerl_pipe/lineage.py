@@ -13,8 +13,9 @@ from typing import Any
 from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.checkpoint import detect_quant_format
+from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log
-from qerl_pipe.sources import IMPORT_STAGE, dir_fingerprint, read_model_config
+from qerl_pipe.sources import IMPORT_STAGE, dir_fingerprint
 
 
 @dataclass(frozen=True)

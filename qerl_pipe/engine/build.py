@@ -63,6 +63,9 @@ def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool
 
 
 def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch.device) -> EnginePlan:
+    """What the engine section and the model's config.json decide alone. Raises, before any weight
+    is read, on a setting that cannot work: sequences longer than the model's positions, CUDA
+    graphs or tuning forced on where they cannot run, a KV budget that holds not one sequence."""
     config = DecoderConfig.from_hf(hf_config)
     if section.max_seq_len > config.max_position_embeddings:
         raise QerlError(

@@ -29,6 +29,7 @@ from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_a
 from qerl_pipe.dag import EXPORT, check_kind, find_or_build, input_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.checkpoint import list_shards
+from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.formats.modelopt_writer import out_dtype, read_input_scales
 from qerl_pipe.lineage import MergeBase, find_merge_base, walk_chain
 from qerl_pipe.log import log
@@ -38,7 +39,6 @@ from qerl_pipe.model.peft import (
 )
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.rl.run import MODEL_DIR
-from qerl_pipe.sources import read_model_config
 
 STAGE = EXPORT
 KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}
