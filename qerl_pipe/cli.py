@@ -14,14 +14,13 @@ from typing import Annotated, Callable, Optional, TypeVar
 
 import typer
 
+from qerl_pipe.bench.cli import bench_app
 from qerl_pipe.errors import QerlError
 
 app = typer.Typer(
     name="qerl-pipe", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="NVFP4 quantization + LoRA RL (GRPO/DAPO with adaptive quantization noise) as a pipeline of versioned artifacts.",
 )
-bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks; results are JSON with a targets block.")
-app.add_typer(bench_app, name="bench")
 
 F = TypeVar("F", bound=Callable)
 
@@ -207,7 +206,7 @@ def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_:
 def list_artifacts(artifacts: ArtifactsOpt = None) -> None:
     """List the artifacts in the store, oldest first; then damaged ones and unfinished temporary directories."""
     store = _store(artifacts)
-    found, unfinished = store.list(), store.unfinished()
+    found, unfinished = store.survey()
     if not found and not unfinished:
         typer.echo(f"no artifacts in {store.root}", err=True)
         return
@@ -245,115 +244,10 @@ def verify(ref: Annotated[str, typer.Argument(help="Artifact path, directory nam
     print(artifact.path)
 
 
-@bench_app.command("kernels")
-@_user_errors
-def bench_kernels(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,
-                  shapes: Annotated[str, typer.Option(help="Comma-separated model shapes.")] = "qwen2.5-7b,qwen2.5-32b") -> None:
-    """NVFP4 / NF4 W4A16 kernels vs cuBLAS bf16 and dequantize-then-matmul (needs a CUDA GPU)."""
-    from qerl_pipe.bench.kernels import run_kernel_bench
-
-    _emit(run_kernel_bench(shapes=_csv(shapes, str)), out)
-
-
-@bench_app.command("kernels-cuda")
-@_user_errors
-def bench_kernels_cuda(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,
-                       shapes: Annotated[str, typer.Option(help="Comma-separated model shapes.")] = "qwen2.5-7b,qwen2.5-32b") -> None:
-    """The CUDA W4A16 kernels (decode GEMM, dequantize + cuBLAS) vs cuBLAS bf16 (needs a Hopper GPU and nvcc)."""
-    from qerl_pipe.bench.kernels_cuda import run
-    from qerl_pipe.kernels import cuda_ext
-
-    why = cuda_ext.why_unavailable("cuda")
-    if why is not None:
-        raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); they need a Hopper GPU and nvcc. "
-                        "`qerl-pipe bench kernels` measures the Triton kernels")
-    _emit(run(_csv(shapes, str), None), out)
-
-
-@bench_app.command("rollout")
-@_user_errors
-def bench_rollout(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,
-                  shapes: Annotated[str, typer.Option(help="Comma-separated model shapes.")] = "qwen2.5-7b,qwen2.5-32b",
-                  batches: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,64,256",
-                  prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 256,
-                  new_tokens: Annotated[int, typer.Option(help="Generated tokens per sequence (no early stop).")] = 512,
-                  hf_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence for HF generate (slow).")] = 64,
-                  lora_rank: Annotated[int, typer.Option(help="LoRA rank attached to our model.")] = 32) -> None:
-    """Rollout speed: HF generate vs our engine in bf16 and NVFP4 (random weights, needs a CUDA GPU)."""
-    from qerl_pipe.bench.rollout import run_rollout_bench
-
-    _emit(run_rollout_bench(_csv(shapes, str), _csv(batches, int), prompt_len, new_tokens, hf_new_tokens,
-                            lora_rank=lora_rank), out)
-
-
-@bench_app.command("train-step")
-@_user_errors
-def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape", help="Model shape (repeatable or comma-separated): qwen2.5-7b, -14b, -32b, -72b.")] = None,
-                     quant: Annotated[Optional[list[str]], typer.Option("--quant", help="Base format (repeatable or comma-separated): bf16, nf4, nvfp4.")] = None,
-                     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward.", show_default="8 for 7B/14B, 4 for 32B/72B")] = None,
-                     kv_slots: Annotated[Optional[int], typer.Option(help="Engine slots (KV cache rows).", show_default="all 64 sequences at once")] = None,
-                     response_len: Annotated[int, typer.Option(help="Sampled tokens per response (no early stop).")] = 1024,
-                     memory_limit_gib: Annotated[Optional[float], typer.Option(help="Treat the GPU as having this much free memory.", show_default="what is free")] = None,
-                     adapter: Annotated[str, typer.Option(help="lora, or full: every weight trains (with --quant bf16 only).")] = "lora",
-                     out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
-    """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format; needs a CUDA GPU."""
-    from qerl_pipe.bench.train_step import GIB, StepSettings, run_train_step_bench, split_values
-
-    settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len, adapter=adapter)
-    limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
-    _emit(run_train_step_bench(split_values(shape or ["qwen2.5-7b"]), split_values(quant or ["bf16", "nvfp4"]),
-                               settings, memory_limit_bytes=limit, out=out), out)
-
-
-@bench_app.command("train-scaling")
-@_user_errors
-def bench_train_scaling(out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None,
-                        shape: Annotated[str, typer.Option(help="Model shape (random weights): qwen2.5-7b, ... or tiny.")] = "qwen2.5-7b",
-                        nproc: Annotated[str, typer.Option(help="Comma-separated process counts (one GPU each).")] = "1,2",
-                        device: Annotated[str, typer.Option(help="cuda, or cpu (gloo; a smoke test).")] = "cuda",
-                        prompts_per_step: Annotated[int, typer.Option(help="Global batch B (prompts per step).")] = 32,
-                        group_size: Annotated[int, typer.Option(help="Samples per prompt G.")] = 8,
-                        new_tokens: Annotated[int, typer.Option(help="Generated tokens per sample (no early stop).")] = 256,
-                        steps: Annotated[int, typer.Option(help="Timed steps after one warm-up step.")] = 3) -> None:
-    """RL steps/s on 1 vs N GPUs at the same global batch, through torchrun (target: 2 GPUs >= 1.8x)."""
-    from qerl_pipe.bench.train_scaling import run_train_scaling_bench
-
-    _emit(run_train_scaling_bench(shape, _csv(nproc, int), device, prompts_per_step, group_size,
-                                  new_tokens=new_tokens, steps=steps), out)
-
-
-@bench_app.command("quantize-methods")
-@_user_errors
-def bench_quantize_methods(model: Annotated[str, typer.Option(help="Model source.")] = "smollm2-135m-instruct",
-                           methods: Annotated[str, typer.Option(help="Comma-separated quantize.method values.")] = "rtn,mse,act-mse",
-                           out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None) -> None:
-    """Perplexity over bf16 for each NVFP4 block-scale method (rtn, mse, act-mse); runs on CPU."""
-    from qerl_pipe.bench.quantize import run_quantize_methods_bench
-
-    _emit(run_quantize_methods_bench(model, _csv(methods, str)), out)
-
-
-def _csv(text: str, kind: type) -> list:
-    return [kind(s.strip()) for s in text.split(",") if s.strip()]
-
-
-@bench_app.command("quantize")
-@_user_errors
-def bench_quantize(model: Annotated[str, typer.Option(help="Model source for the quality figures.")] = "smollm2-135m-instruct",
-                   shard_mb: Annotated[int, typer.Option(help="Shard size of the synthetic multi-shard model.")] = 64,
-                   out: Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")] = None) -> None:
-    """Quantize-stage time, peak host memory (streaming) and quality; runs on CPU."""
-    from qerl_pipe.bench.quantize import run_quantize_bench
-
-    _emit(run_quantize_bench(model, shard_mb), out)
-
-
-def _emit(result: dict, out: Path | None) -> None:
-    text = json.dumps(result, indent=2)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-    print(text)
+# The benchmarks (qerl_pipe/bench/cli.py), under this CLI's error policy.
+for _command in bench_app.registered_commands:
+    _command.callback = _user_errors(_command.callback)
+app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

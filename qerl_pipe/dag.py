@@ -29,14 +29,16 @@ if TYPE_CHECKING:  # the recipe module needs pydantic; the DAG is read where it 
 class Input:
     """One artifact a stage reads: the CLI option and keyword that take it, and the stage that makes it.
 
-    `used` says whether `qerl-pipe run` hands it over for a recipe: an optional input (the
-    calibration of quantize, the adapter of eval) is used when its stage is in the recipe; the
-    quantize checkpoint is read only by an nvfp4 engine."""
+    `used` says whether `qerl-pipe run` hands it over for a recipe (None: always): an optional
+    input (the calibration of quantize, the adapter of eval) is used when its stage is in the
+    recipe; the quantize checkpoint is read only by an nvfp4 engine. `made_by`, when given, names
+    the stage whose artifact `run` hands over for a recipe instead of `stage` (which is what a
+    chain of stage commands passes)."""
 
     option: str
     stage: str
-    required: bool = True
     used: Callable[["Recipe"], bool] | None = None
+    made_by: Callable[["Recipe"], str] | None = None
 
     @property
     def keyword(self) -> str:
@@ -44,14 +46,19 @@ class Input:
         return self.option.removeprefix("--").replace("-", "_")
 
     def used_by(self, recipe: "Recipe") -> bool:
-        return self.used(recipe) if self.used is not None else self.required
+        return self.used is None or self.used(recipe)
+
+    def stage_for(self, recipe: "Recipe") -> str:
+        return self.made_by(recipe) if self.made_by is not None else self.stage
 
 
 @dataclass(frozen=True)
 class Stage:
     """A stage: its command and artifact name (`<name>-<id>`), version (part of every id: bump it
     when the output for the same inputs changes), kind, inputs and entry point (`module:function`,
-    called as `fn(recipe, store, *, <input keywords>, force, build_missing, find_only)`)."""
+    called as `fn(recipe, store, *, <input keywords>, force, build_missing, find_only)`). `check`
+    (`module:function`, called as `fn(recipe)`) refuses, without a model, what would fail hours
+    into a `run` (data files, reward names); `run` calls it before the first stage."""
 
     name: str
     version: int
@@ -59,39 +66,54 @@ class Stage:
     what: str  # the artifact in words, for messages
     inputs: tuple[Input, ...]
     entry: str
+    check: str | None = None
 
     def entry_point(self) -> Callable[..., "Artifact"]:
-        module, _, function = self.entry.partition(":")
-        return getattr(importlib.import_module(module), function)
+        return _named(self.entry)
+
+    def check_recipe(self, recipe: "Recipe") -> None:
+        if self.check is not None:
+            _named(self.check)(recipe)
+
+
+def _named(entry: str) -> Callable[..., Any]:
+    """The function `module:function` names, imported now (the DAG itself imports no stage)."""
+    module, _, function = entry.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _in_recipe(stage: str) -> Callable[["Recipe"], bool]:
     return lambda recipe: stage in recipe.stages
 
 
+def full_run_eval(recipe: "Recipe") -> bool:
+    """A full fine-tuning run has no adapter: `run` evaluates its merged-bf16 export (the trained
+    model) with an engine built from it, instead of an adapter over the recipe's engine."""
+    return recipe.train.adapter == "full" and "train" in recipe.stages
+
+
 CALIBRATE = Stage("calibrate", 2, "calibration", "calibration", (), "qerl_pipe.stages.calibrate:run_calibrate")
 QUANTIZE = Stage("quantize", 1, "nvfp4-checkpoint", "quantize checkpoint",
-                 (Input("--calibration", "calibrate", required=False, used=_in_recipe("calibrate")),),
+                 (Input("--calibration", "calibrate", used=_in_recipe("calibrate")),),
                  "qerl_pipe.stages.quantize:run_quantize")
 BUILD_ENGINE = Stage("build-engine", 1, "engine", "engine",
                      # an nf4 or bf16 engine reads the original model, not a quantize checkpoint
                      (Input("--quantized", "quantize", used=lambda r: r.engine.base_format == "nvfp4"),),
                      "qerl_pipe.stages.build_engine:run_build_engine")
-TRAIN = Stage("train", 2, "run", "run", (Input("--engine", "build-engine"),), "qerl_pipe.stages.train:run_train")
+TRAIN = Stage("train", 2, "run", "run", (Input("--engine", "build-engine"),), "qerl_pipe.stages.train:run_train",
+              check="qerl_pipe.stages.train:check_train_inputs")
 # export's kind is export-<format> (export-peft, export-merged-bf16, export-merged-nvfp4)
 EXPORT = Stage("export", 1, "export-peft", "export", (Input("--run", "train"),), "qerl_pipe.stages.export:run_export")
-# eval's --model is the engine (not a model source); its adapter is the train run when there is one
+# eval's --model is the engine (not a model source), or after a full run the trained model's export;
+# its adapter is the train run when there is one
 EVAL = Stage("eval", 2, "eval", "evaluation report",
-             (Input("--model", "build-engine"), Input("--adapter", "train", required=False, used=_in_recipe("train"))),
-             "qerl_pipe.stages.evaluate:run_eval")
+             (Input("--model", "build-engine", made_by=lambda r: "export" if full_run_eval(r) else "build-engine"),
+              Input("--adapter", "train", used=lambda r: "train" in r.stages and not full_run_eval(r))),
+             "qerl_pipe.stages.evaluate:run_eval", check="qerl_pipe.stages.evaluate:check_eval_inputs")
 
 STAGES: tuple[Stage, ...] = (CALIBRATE, QUANTIZE, BUILD_ENGINE, TRAIN, EXPORT, EVAL)
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 STAGE_ORDER: tuple[str, ...] = tuple(s.name for s in STAGES)
-# Where a run artifact (train) keeps its PEFT adapter, or for a full fine-tuning run
-# (train.adapter: full) its trained weights as a Hugging Face model directory; export and eval read them there.
-ADAPTER_DIR = "adapter"
-MODEL_DIR = "model"
 
 
 def stage(name: str) -> Stage:
@@ -144,9 +166,10 @@ def recipe_artifact(name: str, recipe: "Recipe", store: "ArtifactStore", *, buil
     if name in made:
         return made[name]
     s = stage(name)
-    inputs = {inp.keyword: recipe_artifact(inp.stage, recipe, store, build=build, made=made)
+    inputs = {inp.keyword: recipe_artifact(inp.stage_for(recipe), recipe, store, build=build, made=made)
               for inp in s.inputs if inp.used_by(recipe)}
-    made[name] = s.entry_point()(recipe, store, **inputs, force=force, find_only=not build)
+    # build_missing: eval pointed at a full run's export builds that model's engine itself
+    made[name] = s.entry_point()(recipe, store, **inputs, force=force, build_missing=build, find_only=not build)
     return made[name]
 
 
@@ -179,7 +202,10 @@ def check_kind(artifact: "Artifact", stage_name: str, option: str) -> None:
 
 def run_pipeline(recipe: "Recipe", store: "ArtifactStore", *, force: bool = False) -> dict[str, "Artifact"]:
     """`qerl-pipe run`: the recipe's stages in DAG order, each handed its inputs, building what they
-    need; `force` redoes every stage the recipe lists. Returns each listed stage's artifact."""
+    need; `force` redoes every stage the recipe lists. Returns each listed stage's artifact.
+    Every listed stage's `check` runs first, so a bad data file fails before the first stage."""
+    for name in recipe.stages:
+        stage(name).check_recipe(recipe)
     made: dict[str, "Artifact"] = {}
     for name in recipe.stages:
         recipe_artifact(name, recipe, store, build=True, force=force, made=made)

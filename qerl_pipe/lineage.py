@@ -13,6 +13,7 @@ from typing import Any
 from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.checkpoint import detect_quant_format
+from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log
 from qerl_pipe.sources import IMPORT_STAGE, dir_fingerprint
 
@@ -94,7 +95,7 @@ def _original_model(model_key: dict[str, Any], store: ArtifactStore) -> tuple[Pa
 def find_merge_base(chain: Chain, store: ArtifactStore) -> MergeBase:
     original, parents, why_not = _original_model(chain.model_key, store)
     if original is not None:
-        quant = detect_quant_format(json.loads((original / "config.json").read_text()))
+        quant = detect_quant_format(read_model_config(original))
         return MergeBase(original, quant is not None, {"model": chain.model_key}, parents,
                      f"original model {original.name}" + (" (NVFP4, dequantized)" if quant else ""))
     if chain.quantized is not None:
@@ -145,3 +146,18 @@ def base_mismatch(run: Artifact, engine: Artifact, store: ArtifactStore) -> str 
         return None
     return (f"the adapter was trained over engine {theirs.id} ({base_theirs[0]} base from {base_theirs[1]}), "
             f"evaluated over {engine.id} ({base_ours[0]} base from {base_ours[1]}): another base")
+
+
+def engine_model_name(engine: Artifact, store: ArtifactStore) -> str:
+    """The model an engine artifact was made from, as the recipe named it (adapter configs, reports)."""
+    base = engine.manifest.get("config", {}).get("base", {})
+    model_key = base.get("model")
+    if model_key is None and "quantized" in base:
+        try:
+            model_key = store.resolve(base["quantized"], verify=False).manifest["config"]["model"]
+        except (ArtifactError, KeyError):
+            model_key = None
+    try:
+        return str(model_key["source"]["source"])
+    except (TypeError, KeyError):
+        return str(engine.path)

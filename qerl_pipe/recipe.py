@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qerl_pipe.dag import STAGE_ORDER
 from qerl_pipe.errors import RecipeError
+from qerl_pipe.formats.names import LORA_TARGETS
 from qerl_pipe.userfiles import read_user_text
 
 
@@ -115,8 +116,8 @@ class EngineSection(_Section):
 class LoraSection(_Section):
     rank: int = Field(32, ge=1, description="LoRA rank r.")
     alpha: float = Field(64.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
-    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
-        default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"],
+    targets: list[Literal[LORA_TARGETS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(LORA_TARGETS),
         description="Projections that get an adapter (HF q_proj, k_proj, ...).", min_length=1,
     )
     train_norms: bool = Field(False, description="Also train the RMSNorm weights (exported as PEFT modules_to_save).")

@@ -17,9 +17,9 @@ from typing import Any
 
 from qerl_pipe.artifacts import ArtifactStore
 from qerl_pipe.errors import ModelSourceError
+from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log, quiet_transformers
 from qerl_pipe.recipe import ModelSection
-from qerl_pipe.userfiles import read_user_json
 
 # Built-in names for models that a package ships, so the default needs no hub.
 ALIASES = {
@@ -28,9 +28,6 @@ ALIASES = {
 IMPORT_STAGE = "import"
 IMPORT_VERSION = 1
 _HF_FILES = ("config.json",)
-# What every stage reads from a Llama-family config.json to size the model.
-SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-REQUIRED_CONFIG_KEYS = ("model_type", *SIZE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -54,24 +51,6 @@ def dir_fingerprint(path: Path) -> dict[str, Any]:
         "path": str(path.resolve()),
         "files": {p.relative_to(path).as_posix(): [p.stat().st_size, int(p.stat().st_mtime)] for p in files},
     }
-
-
-def read_model_config(path: Path) -> dict[str, Any]:
-    """The model's config.json as a dict; not JSON, not an object, or without a key every stage
-    needs is one ModelSourceError naming the file, instead of a traceback deep in a stage."""
-    config = read_user_json(path / "config.json", "model config", ModelSourceError)
-    if not isinstance(config, dict):
-        raise ModelSourceError(f"model config {path / 'config.json'} is not a JSON object; restore the model's original config.json")
-    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in config]
-    if missing:
-        raise ModelSourceError(f"model config {path / 'config.json'} has no {', '.join(missing)}: it is incomplete; "
-                               "restore the model's original config.json")
-    # bool is an int to Python, and a size of True is as wrong as "abc"
-    bad = [key for key in SIZE_KEYS if type(config[key]) is not int or config[key] < 1]
-    if bad:
-        raise ModelSourceError(f"model config {path / 'config.json'}: {bad[0]} is {config[bad[0]]!r}, not a positive "
-                               "integer; restore the model's original config.json")
-    return config
 
 
 def _check_hf_dir(path: Path) -> None:
@@ -188,3 +167,8 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: 
     snapshot = _hub_snapshot(spec, section.revision)
     _check_hf_dir(snapshot)
     return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": spec})
+
+
+def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
+    """The part of a stage's config that names the model: recipe values plus the content fingerprint."""
+    return {"source": section.model_dump(), "content": resolved.fingerprint}

@@ -70,3 +70,16 @@ def describe_os_error(exc: OSError) -> str:
     text = f"{where}: {reason}" if where else reason
     fix = _FIX.get(exc.errno or 0)
     return f"{text}; {fix}" if fix else text
+
+
+DATA_FILE_SUFFIXES = (".jsonl", ".txt")
+
+
+def data_file_key(spec: str | None) -> str | None:
+    """The sha256 of a data file named by a recipe (None for packaged data and generated tasks):
+    an artifact id keyed by the path alone would reuse results of data edited since."""
+    if spec is None or not spec.endswith(DATA_FILE_SUFFIXES) or not Path(spec).is_file():
+        return None
+    from qerl_pipe.artifacts.manifest import sha256_file
+
+    return sha256_file(Path(spec))

@@ -8,6 +8,7 @@ import pytest
 
 from qerl_pipe.bench import arms
 from qerl_pipe.bench.arms import parse_greedy_line, parse_step_line
+from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.metrics import greedy_line, step_line
 
 
@@ -147,8 +148,8 @@ def test_seeds_give_each_figures_spread_and_how_often_a_claim_held(tmp_path):
 def test_seeds_refuses_a_missing_arms_file(tmp_path):
     from qerl_pipe.bench import seeds
 
-    with pytest.raises(SystemExit, match="no such arms file"):
-        seeds.main([str(tmp_path / "nope.json"), "--out", str(tmp_path / "s.json")])
+    with pytest.raises(QerlError, match="no such arms file"):
+        seeds.summarize_seeds([tmp_path / "nope.json"], tmp_path / "s.json")
     assert not (tmp_path / "s.json").exists()
 
 
@@ -182,6 +183,7 @@ def test_a_malformed_pair_is_refused(tmp_path, option, form, pairs):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps(_record(1, 0.5)) + "\n")
-    with pytest.raises(SystemExit, match=f"{option} .*expected {form} pairs"):
-        arms.main(["--arm", f"qerl={run}", option, pairs, "--out-dir", str(tmp_path / "out")])
+    keyword = option.removeprefix("--").replace("-", "_")
+    with pytest.raises(QerlError, match=f"{option} .*expected {form} pairs"):
+        arms.summarize_arms([f"qerl={run}"], tmp_path / "out", **{keyword: pairs})
     assert not (tmp_path / "out" / "arms.json").exists()

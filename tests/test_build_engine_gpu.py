@@ -16,7 +16,7 @@ from qerl_pipe.kernels import configs, cuda_ext, nf4_linear, nvfp4_linear
 from qerl_pipe.kernels.tuning import tune_kernels
 from qerl_pipe.model.load import load_model
 from qerl_pipe.engine.artifact import load_engine
-from qerl_pipe.stages import build_engine
+from qerl_pipe.engine import build as engine_build
 from tests.conftest import read_json
 
 pytestmark = [
@@ -48,7 +48,7 @@ def test_tune_kernels_gives_a_correct_config_per_shape_bucket_and_op(fmt, shapes
 
 def test_build_engine_on_cuda_tunes_plans_and_loads(tiny_llama, tmp_path, monkeypatch):
     store = tmp_path / "artifacts"
-    monkeypatch.setattr(build_engine, "TUNING_MS", (1, 16, 4096))  # three buckets keep it short
+    monkeypatch.setattr(engine_build, "TUNING_MS", (1, 16, 4096))  # three buckets keep it short
     args = ["build-engine", "--model", str(tiny_llama), "--artifacts", str(store), "--build-missing",
             "--set", "stages=[quantize, build-engine]", "--set", "quantize.quality.perplexity=never",
             "--set", "engine.max_seq_len=256", "--set", "engine.max_batch=8", "--set", "engine.device=cuda"]

@@ -162,7 +162,7 @@ def _readable_tokenizer(path, trust_remote_code=False):
 
 
 def test_the_whole_answer_is_graded_not_its_first_character(pipeline, tmp_path, monkeypatch):
-    import qerl_pipe.stages.evaluate as evaluate
+    import qerl_pipe.rl.eval_run as evaluate
 
     cases = [("What is 70 + 2?", "72", "So it is \\boxed{7}.", False),  # QeRL's script counted this right
              ("What is 70 + 2?", "72", "70 + 2 = 72", True),

@@ -13,13 +13,8 @@ from safetensors.torch import save_file
 from qerl_pipe.errors import ModelSourceError, QuantizationError
 from qerl_pipe.formats.checkpoint import detect_quant_format, iter_quantized_checkpoint, list_shards
 from tests.compressed_tensors_writer import compressed_nvfp4_tensors, compressed_tensors_config
-from qerl_pipe.formats.modelopt_layout import (
-    FUSED_GROUPS,
-    config_quantization_config,
-    fused_group_key,
-    hf_quant_config,
-    nvfp4_tensors,
-)
+from qerl_pipe.formats.modelopt_layout import config_quantization_config, hf_quant_config, nvfp4_tensors
+from qerl_pipe.formats.names import FUSED_GROUPS, fused_group_key
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4
 
 GEN = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qerl_pipe.errors import QuantizationError
-from qerl_pipe.formats.modelopt_layout import fused_group_key
+from qerl_pipe.formats.names import fused_group_key
 from qerl_pipe.formats.nvfp4 import (
     E2M1_GRID,
     NVFP4Weight,

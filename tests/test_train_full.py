@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qerl_pipe.engine import Engine, plan_limits
-from qerl_pipe.formats.hf_model import hf_tensors
+from qerl_pipe.model.save import hf_tensors
 from qerl_pipe.model.full import FullTraining, full_training_bytes, make_fully_trainable
 from qerl_pipe.model.load import init_random_model, load_model
 from qerl_pipe.model.lora import LoraSpec

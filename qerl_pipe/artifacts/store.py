@@ -98,42 +98,39 @@ class ArtifactStore:
         return self.root / WORK_DIR / f"{stage}-{art_id}"
 
     def list(self) -> list[Artifact]:
-        self._refuse_a_file_root()  # else `ls` says "no artifacts in FILE" and `show` finds nothing
-        if not self.root.is_dir():
-            return []
-        found = []
-        for path in sorted(self.root.iterdir()):
-            if path.is_dir() and not path.name.startswith(".") and (path / MANIFEST_NAME).is_file():
-                try:
-                    found.append(Artifact(path=path, manifest=_read_manifest(path)))
-                except ArtifactError:
-                    continue
-        return sorted(found, key=lambda a: a.manifest.get("created", ""))
+        return self.survey()[0]
 
     def unfinished(self) -> list[tuple[Path, str]]:
-        """What `list` leaves out, with its state: artifacts whose manifest is damaged, temporary
-        directories of artifacts being made ('in progress') or of runs that were killed ('abandoned'),
-        and work directories of resumable runs ('in progress' or 'interrupted')."""
+        return self.survey()[1]
+
+    def survey(self) -> tuple[list[Artifact], list[tuple[Path, str]]]:
+        """One pass over the store (each manifest read once, as `ls` shows both lists): the sealed
+        artifacts, oldest first, and what that list leaves out, with its state: artifacts whose
+        manifest is damaged, temporary directories of artifacts being made ('in progress') or of
+        runs that were killed ('abandoned'), and work directories of resumable runs ('in progress'
+        or 'interrupted')."""
+        self._refuse_a_file_root()  # else `ls` says "no artifacts in FILE" and `show` finds nothing
         if not self.root.is_dir():
-            return []
-        found = []
+            return [], []
+        found: list[Artifact] = []
+        unfinished: list[tuple[Path, str]] = []
         for path in sorted(self.root.iterdir()):
             if not path.is_dir():
                 continue
             if path.name.startswith(_TMP_PREFIX):
                 owner = _tmp_owner(path)
                 busy = owner is None or self._lock_is_held(owner)
-                found.append((path, "in progress" if busy else "abandoned (the next run on this store removes it)"))
+                unfinished.append((path, "in progress" if busy else "abandoned (the next run on this store removes it)"))
             elif path.name == WORK_DIR:
-                found += [(work, "in progress" if self._lock_is_held(work.name) else
-                           "interrupted (the same command resumes it; --force starts it over)")
-                          for work in sorted(path.iterdir()) if work.is_dir()]
+                unfinished += [(work, "in progress" if self._lock_is_held(work.name) else
+                                "interrupted (the same command resumes it; --force starts it over)")
+                               for work in sorted(path.iterdir()) if work.is_dir()]
             elif not path.name.startswith(".") and (path / MANIFEST_NAME).is_file():
                 try:
-                    _read_manifest(path)
+                    found.append(Artifact(path=path, manifest=_read_manifest(path)))
                 except ArtifactError as exc:
-                    found.append((path, f"damaged: {exc}"))
-        return found
+                    unfinished.append((path, f"damaged: {exc}"))
+        return sorted(found, key=lambda a: a.manifest.get("created", "")), unfinished
 
     @contextmanager
     def _holding_if_free(self, name: str) -> Iterator[bool]:
@@ -342,20 +339,28 @@ def _holds_copy(output: Path, art_id: str) -> bool:
     return copy.id == art_id
 
 
-def check_output_dir(output: Path | None, art_id: str) -> None:
-    """Refuse, before any work, an `--output` that exists and holds anything but artifact `art_id`."""
-    if output is None or not output.exists() or _holds_copy(output, art_id):
-        return
-    if not output.is_dir() or any(output.iterdir()):
+def check_output_dir(output: Path | None, art_id: str) -> bool:
+    """Refuse, before any work, an `--output` that exists and holds anything but artifact `art_id`;
+    returns whether it holds an intact copy of it already (so the copy is not checked again)."""
+    if output is None or not output.exists():
+        return False
+    if _holds_copy(output, art_id):
+        return True
+    _refuse_occupied(output)
+    return False
+
+
+def _refuse_occupied(output: Path) -> None:
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ArtifactError(f"output directory {output} exists and is not empty; choose a new path (nothing was written)")
 
 
 def copy_to(artifact: Artifact, output: Path) -> bool:
     """Copy a sealed artifact to a user-chosen directory, atomically (temp sibling, then rename);
     a directory that already holds this very artifact is left as it is (returns False)."""
-    if _holds_copy(output, artifact.id):
+    if _holds_copy(output, artifact.id):  # re-hashes the copy: once per command, here
         return False
-    check_output_dir(output, artifact.id)
+    _refuse_occupied(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".tmp-{output.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -364,3 +369,15 @@ def copy_to(artifact: Artifact, output: Path) -> bool:
         output.rmdir()  # checked empty above
     tmp.rename(output)
     return True
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Hard-link every file of src into dst (same file system: instant, no second copy); copy when
+    links are not possible. The work directory stays whole until the artifact is sealed."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link, dirs_exist_ok=True)

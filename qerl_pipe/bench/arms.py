@@ -8,12 +8,11 @@ JSON (command, commit, gpu, per-arm summaries, a `targets` block holding the QeR
 checked on these runs) plus one PNG per metric with every arm on the same axes. Greedy answers a
 run kept are graded again with today's grader (`read_greedy`).
 
-    python3 -m qerl_pipe.bench.arms --arm qerl=RUN_DIR --arm bf16=RUN.log ... --out-dir DIR
+    qerl-pipe bench arms --arm qerl=RUN_DIR --arm bf16=RUN.log ... --out-dir DIR
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.rewards import RewardSpec, score
 from qerl_pipe.rl.tasks import Problem, kind_of
 
@@ -192,12 +192,12 @@ def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: st
 
 
 def _pairs(option: str, value: str, form: str, example: str) -> list[tuple[str, str]]:
-    """`a:b,c:d` as [(a, b), (c, d)]; anything else exits naming the option and its form."""
+    """`a:b,c:d` as [(a, b), (c, d)]; anything else is an error naming the option and its form."""
     pairs = []
     for item in filter(None, value.split(",")):
         a, sep, b = item.partition(":")
         if not (sep and a and b):
-            raise SystemExit(f"{option} {value!r}: expected {form} pairs, e.g. {example}")
+            raise QerlError(f"{option} {value!r}: expected {form} pairs, e.g. {example}")
         pairs.append((a, b))
     return pairs
 
@@ -239,37 +239,24 @@ def write_plots(arms: dict[str, dict[str, Any]], out_dir: Path, title: str) -> l
     return written
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arm", action="append", required=True, help="NAME=RUN_DIR (repeat; order = legend order)")
-    ap.add_argument("--out-dir", type=Path, required=True)
-    ap.add_argument("--title", default="arms")
-    ap.add_argument("--full", default="bf16", help="the unquantized LoRA arm")
-    ap.add_argument("--quantized", default="nvfp4,nf4", help="quantized arms without AQN, comma-separated")
-    ap.add_argument("--aqn-pairs", default="qerl:nvfp4,bf16-aqn:bf16",
-                    help="WITH:WITHOUT arms that differ only in AQN, comma-separated")
-    ap.add_argument("--qlora-pairs", default="qerl:nf4,nvfp4:nf4",
-                    help="ARM:QLORA pairs, each arm checked against the QLoRA (NF4) arm, comma-separated")
-    ap.add_argument("--note", default="", help="stored in the results file (how the arms were run)")
-    ap.add_argument("--gpu", default=None, help="the GPU the arms ran on, when summarised elsewhere")
-    args = ap.parse_args(argv)
-    pairs = _pairs("--aqn-pairs", args.aqn_pairs, "WITH:WITHOUT", "qerl:nvfp4")
-    qlora_pairs = _pairs("--qlora-pairs", args.qlora_pairs, "ARM:QLORA", "qerl:nf4")
+def summarize_arms(arm_specs: Sequence[str], out_dir: Path, title: str = "arms", full: str = "bf16",
+                   quantized: str = "nvfp4,nf4", aqn_pairs: str = "qerl:nvfp4,bf16-aqn:bf16",
+                   qlora_pairs: str = "qerl:nf4,nvfp4:nf4", note: str = "", gpu: str | None = None) -> dict[str, Any]:
+    """`qerl-pipe bench arms`: read each NAME=RUN_DIR arm, write the plots and `arms.json` into
+    `out_dir`; returns the results file. A malformed option is a QerlError before anything is read."""
+    pairs = _pairs("--aqn-pairs", aqn_pairs, "WITH:WITHOUT", "qerl:nvfp4")
+    qlora = _pairs("--qlora-pairs", qlora_pairs, "ARM:QLORA", "qerl:nf4")
     arms = {}
-    for spec in args.arm:
+    for spec in arm_specs:
         name, sep, path = spec.partition("=")
         if not sep:
-            raise SystemExit(f"--arm {spec!r}: expected NAME=RUN_DIR")
+            raise QerlError(f"--arm {spec!r}: expected NAME=RUN_DIR")
         arms[name] = read_arm(Path(path))
     rows = {name: summarize(name, arm) for name, arm in arms.items()}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(arms, args.out_dir, args.title)
-    claims = paper_claims(rows, [q for q in args.quantized.split(",") if q], args.full, pairs, qlora_pairs)
-    extra = {"gpu": args.gpu} if args.gpu else {}
-    out = results_file(list(rows.values()), claims, note=args.note, plots=plots, **extra)
-    (args.out_dir / "arms.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(arms, out_dir, title)
+    claims = paper_claims(rows, [q for q in quantized.split(",") if q], full, pairs, qlora)
+    extra = {"gpu": gpu} if gpu else {}
+    out = results_file(list(rows.values()), claims, note=note, plots=plots, **extra)
+    (out_dir / "arms.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out

@@ -1,14 +1,12 @@
 """Where a decode step's time goes: kernels per step and the top kernels by GPU time.
 
-`python3 -m qerl_pipe.bench.decode_profile --shape qwen2.5-7b --format nvfp4 --batch 8` builds a
+`qerl-pipe bench decode-profile --shape qwen2.5-7b --format nvfp4 --batch 8` builds a
 random model of the shape (LoRA attached), decodes eagerly (no CUDA graphs, so the profiler sees
 each kernel) under torch.profiler, and prints the kernel count per step and the top kernels.
 A development tool: the figures to quote come from `bench rollout`.
 """
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -42,17 +40,3 @@ def profile_decode(shape: str, base_format: str, batch: int, steps: int = 16, lo
           f"(~{kernels / per_step:.0f} per pass), GPU busy {gpu_us / 1e3:.1f} ms, "
           f"decode wall {1e3 * out.decode_seconds / max(out.decode_steps, 1):.2f} ms/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen2.5-7b", choices=sorted(QWEN25_SHAPES))
-    ap.add_argument("--format", default="nvfp4", choices=["bf16", "nvfp4", "nf4"])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=16)
-    args = ap.parse_args()
-    profile_decode(args.shape, args.format, args.batch, args.steps)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,6 @@
 """Kernel benchmark: NVFP4/NF4 Triton linears vs cuBLAS bf16 and dequantize-then-matmul.
 
-Runs on a CUDA GPU with only torch and triton (no pydantic/typer), so it runs on the device as is:
-`python -m qerl_pipe.bench.kernels --out FILE.json`. For every (model, layer, M) it
+Runs on a CUDA GPU: `qerl-pipe bench kernels --out FILE.json`. For every (model, layer, M) it
 1. checks each candidate kernel config against x @ dequantized W in fp32 (rel err < 1e-2, else
    the config is dropped and the failure recorded), then times the survivors and keeps the best
    (the kept configs form the tuned table in the output);
@@ -14,7 +13,6 @@ The candidates, the check and the timing live in `kernels.tuning` (the engine st
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from collections.abc import Callable
@@ -230,16 +228,3 @@ def run_kernel_bench(shapes: list[str] | None = None,
         print(f"target {t['name']:55} {t['target']:<7} measured {t['measured']:.2f} "
               f"{'MET' if t['met'] else 'MISSED'}")
     return result
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="results JSON path")
-    ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-32b", help="comma-separated models")
-    ap.add_argument("--ms", default="1,8,16,64,256,1024,4096", help="comma-separated M values")
-    args = ap.parse_args()
-    run_kernel_bench(args.shapes.split(","), tuple(int(m) for m in args.ms.split(",")), args.out)
-
-
-if __name__ == "__main__":
-    main()

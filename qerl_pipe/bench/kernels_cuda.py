@@ -1,7 +1,6 @@
 """CUDA W4A16 kernel benchmark: the decode GEMM and dequantize + cuBLAS vs cuBLAS bf16.
 
-`python3 -m qerl_pipe.bench.kernels_cuda --out FILE.json` (needs only torch on a Hopper GPU with
-nvcc). For every Qwen2.5-7B/32B layer (q/k/v and gate/up fused, as the model runs them) and M:
+`qerl-pipe bench kernels-cuda --out FILE.json` (a Hopper GPU with nvcc). For every Qwen2.5-7B/32B layer (q/k/v and gate/up fused, as the model runs them) and M:
 - the decode GEMM (`cuda_ext.gemm`): the default config and its neighbours (other compiled
   variants with the same tokens per pass, half and double the K splits), each checked against
   `x @ dequantized W` in fp32 before it is timed; the fastest is reported with its config;
@@ -14,7 +13,6 @@ copy ceiling (device-to-device copy of 2 GiB, read + write bytes) is measured in
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -206,18 +204,3 @@ def run(shapes: list[str], out: Path | None) -> dict:
     for t in result["targets"]:
         print(f"target {t['name']:58} {t['target']:<7} measured {t['measured']:.2f} {'MET' if t['met'] else 'MISSED'}")
     return result
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="results JSON path")
-    ap.add_argument("--shapes", default="qwen2.5-7b,qwen2.5-32b", help="comma-separated models")
-    args = ap.parse_args()
-    why = cuda_ext.why_unavailable("cuda")
-    if why is not None:
-        raise SystemExit(f"the CUDA W4A16 kernels do not run here: {why}")
-    run(args.shapes.split(","), args.out)
-
-
-if __name__ == "__main__":
-    main()

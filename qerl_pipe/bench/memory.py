@@ -1,18 +1,15 @@
 """GPU memory of a Qwen2.5-32B-shaped model built directly in NVFP4: does it fit a 24 GB-class budget?
 
-`python -m qerl_pipe.bench.memory --out FILE.json` (torch and triton only, so it runs on the device
-image as is). Random init through `init_random_model(..., base_format="nvfp4", device="cuda")`,
-which draws and quantizes one linear at a time on the GPU, so the bf16 model never exists; the
+`qerl-pipe bench memory --out FILE.json`. Random init through
+`init_random_model(..., base_format="nvfp4", device="cuda")`, which draws and quantizes one linear at a time on the GPU, so the bf16 model never exists; the
 bf16 figure is computed from the parameter count, not allocated. Then one forward of one token
 (the decode kernels) with a finiteness check of the logits.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,21 +72,15 @@ def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="results JSON path")
-    args = ap.parse_args()
+def run_memory_bench() -> dict[str, Any]:
+    """`qerl-pipe bench memory`: measure, print the figures (stderr) and return the results file."""
     r = measure()
     out = results_file([r], _targets(r))
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
     for k in ("model_memory_bytes", "bf16_model_bytes_computed", "max_memory_allocated_build",
               "max_memory_allocated"):
-        print(f"{k:28} {r[k] / GIB:8.2f} GiB ({r[k] / 1e9:.2f} GB)")
-    print(f"build {r['build_seconds']:.1f} s, logits finite {r['logits_finite']}")
+        print(f"{k:28} {r[k] / GIB:8.2f} GiB ({r[k] / 1e9:.2f} GB)", file=sys.stderr)
+    print(f"build {r['build_seconds']:.1f} s, logits finite {r['logits_finite']}", file=sys.stderr)
     for t in out["targets"]:
         print(f"target {t['name']:50} {t['target']:<10} measured {t['measured']} "
-              f"{'MET' if t['met'] else 'MISSED'}")
-
-
-if __name__ == "__main__":
-    main()
+              f"{'MET' if t['met'] else 'MISSED'}", file=sys.stderr)
+    return out

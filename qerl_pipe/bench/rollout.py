@@ -1,7 +1,6 @@
 """Rollout benchmark: HF transformers `generate` vs our engine in bf16 and NVFP4, at Qwen2.5 shapes.
 
-`python3 -m qerl_pipe.bench.rollout --shapes qwen2.5-7b --out FILE.json` (torch, triton and
-transformers only: runs on the device image as is). Random weights of the exact shapes; prompts
+`qerl-pipe bench rollout --shapes qwen2.5-7b --out FILE.json`. Random weights of the exact shapes; prompts
 of `--prompt-len` random tokens, `--new-tokens` sampled tokens at temperature 1 with no stop
 token (every sequence runs to the end), LoRA of rank `--lora-rank` on all seven projections
 attached to our model (computed unmerged, as in training). For each batch size it reports
@@ -15,7 +14,6 @@ in ours, which makes the comparison slightly favour HF at batch 1-8).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import time
@@ -222,28 +220,3 @@ def run_rollout_bench(shapes: list[str], batches: list[int], prompt_len: int = 2
         for fmt in formats:
             bench_engine(config, fmt, batches, prompt_len, new_tokens, lora_rank, hbm_tbps, emit=emit)
     return result()
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", default=["qwen2.5-7b"], choices=sorted(QWEN25_SHAPES))
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
-    ap.add_argument("--hf-batches", nargs="*", type=int, default=None,
-                    help="batch sizes for HF generate (default: --batches; empty: skip HF)")
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=512)
-    ap.add_argument("--hf-new-tokens", type=int, default=64)
-    ap.add_argument("--lora-rank", type=int, default=32)
-    ap.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4", "nf4"])
-    ap.add_argument("--hbm-tbps", type=float, default=4.2)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    result = run_rollout_bench(args.shapes, args.batches, args.prompt_len, args.new_tokens, args.hf_new_tokens,
-                               args.hf_batches, args.lora_rank, tuple(args.formats), args.hbm_tbps, partial=args.out)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    for t in result["targets"]:
-        print(f"target {t['name']:70} {t['target']:<8} measured {t['measured']} {'MET' if t['met'] else 'MISSED'}")
-
-
-if __name__ == "__main__":
-    main()

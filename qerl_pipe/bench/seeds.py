@@ -1,21 +1,22 @@
 """The arms across seeds: per arm, each summary figure's value in every seed with its mean, spread
 and range, and each of the paper's claims with the number of seeds where it held.
 
-Reads the `arms.json` files `qerl_pipe.bench.arms` wrote, one per seed (same arm names), and writes
+Reads the `arms.json` files `qerl-pipe bench arms` wrote, one per seed (same arm names), and writes
 one results JSON:
 
-    python3 -m qerl_pipe.bench.seeds SEED0/arms.json SEED1/arms.json ... --out seeds.json
+    qerl-pipe bench seeds SEED0/arms.json SEED1/arms.json ... --out seeds.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.errors import QerlError
 
 FIGURES = ("greedy_accuracy_before", "greedy_accuracy_after", "reward_first_tenth", "reward_last_tenth",
            "entropy_first_tenth", "step_reward_0.5", "step_reward_0.8")
@@ -49,24 +50,15 @@ def across_seeds(files: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
     return results, targets
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("arms", nargs="+", type=Path, help="arms.json of each seed, in seed order")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--note", default="", help="stored in the results file (what the seeds are)")
-    ap.add_argument("--gpu", default=None, help="the GPU the arms ran on, when summarised elsewhere")
-    args = ap.parse_args(argv)
-    missing = [str(p) for p in args.arms if not p.is_file()]
+def summarize_seeds(arms_files: Sequence[Path], out: Path, note: str = "", gpu: str | None = None) -> dict[str, Any]:
+    """`qerl-pipe bench seeds`: the arms.json of each seed side by side, written to `out`."""
+    missing = [str(p) for p in arms_files if not p.is_file()]
     if missing:
-        raise SystemExit(f"no such arms file: {', '.join(missing)}; write each with python3 -m qerl_pipe.bench.arms")
-    files = [json.loads(p.read_text()) for p in args.arms]
+        raise QerlError(f"no such arms file: {', '.join(missing)}; write each with `qerl-pipe bench arms`")
+    files = [json.loads(p.read_text()) for p in arms_files]
     results, targets = across_seeds(files)
-    extra = {"gpu": args.gpu} if args.gpu else {}
-    out = results_file(results, targets, note=args.note, sources=[str(p) for p in args.arms], **extra)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    extra = {"gpu": gpu} if gpu else {}
+    result = results_file(results, targets, note=note, sources=[str(p) for p in arms_files], **extra)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result

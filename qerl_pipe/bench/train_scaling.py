@@ -137,33 +137,28 @@ def run_train_scaling_bench(shape: str, nprocs: list[int], device: str = "cuda",
     return results_file(rows, scaling_targets(rows))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", action="store_true", help="(internal) one torchrun process: measure, rank 0 writes --out")
+def worker_main(argv: list[str] | None = None) -> None:
+    """The torchrun worker `run_train_scaling_bench` launches (`python -m qerl_pipe.bench.train_scaling
+    --worker ...`): torchrun starts a module, so this is its entry; users run `qerl-pipe bench
+    train-scaling`."""
+    ap = argparse.ArgumentParser(description="(internal) one torchrun process: measure, rank 0 writes --out")
+    ap.add_argument("--worker", action="store_true", required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--nproc", default="1,2", help="process counts to compare (driver only)")
-    for name, default in (("prompts-per-step", 32), ("group-size", 8), ("prompt-len", 128), ("new-tokens", 256),
-                          ("steps", 3), ("warmup", 1), ("lora-rank", 32), ("micro-batch-size", 32)):
-        ap.add_argument(f"--{name}", type=int, default=default)
-    a = ap.parse_args()
-    sizes = dict(prompts_per_step=a.prompts_per_step, group_size=a.group_size, prompt_len=a.prompt_len,
-                 new_tokens=a.new_tokens, steps=a.steps, warmup=a.warmup, lora_rank=a.lora_rank,
-                 micro_batch_size=a.micro_batch_size)
-    if a.worker:
-        from qerl_pipe.rl.distributed import group_lifetime
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--device", required=True, choices=["cuda", "cpu"])
+    for name in ("prompts-per-step", "group-size", "prompt-len", "new-tokens", "steps", "warmup", "lora-rank",
+                 "micro-batch-size"):
+        ap.add_argument(f"--{name}", type=int, required=True)
+    a = ap.parse_args(argv)
+    from qerl_pipe.rl.distributed import group_lifetime
 
-        with group_lifetime():
-            row = measure(a.shape, a.device, **sizes)
-            if row:
-                a.out.write_text(json.dumps(row) + "\n")
-        return
-    result = run_train_scaling_bench(a.shape, [int(n) for n in a.nproc.split(",")], a.device, **sizes)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    with group_lifetime():
+        row = measure(a.shape, a.device, prompts_per_step=a.prompts_per_step, group_size=a.group_size,
+                      prompt_len=a.prompt_len, new_tokens=a.new_tokens, steps=a.steps, warmup=a.warmup,
+                      lora_rank=a.lora_rank, micro_batch_size=a.micro_batch_size)
+        if row:
+            a.out.write_text(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    worker_main()

@@ -1,9 +1,7 @@
 """One full RL step (rollouts + training) at Qwen2.5 shapes, with a bf16, NF4 or NVFP4 base under LoRA.
 
-`qerl-pipe bench train-step --shape qwen2.5-7b --quant bf16 --quant nvfp4 --out FILE.json`, or
-`python3 -m qerl_pipe.bench.train_step --shape qwen2.5-7b --quant bf16 nvfp4 --out FILE.json`
-(no pydantic or typer needed: runs on the device image as is). Every (shape, quant) pair runs in this
-process, one after another, with the GPU memory freed in between.
+`qerl-pipe bench train-step --shape qwen2.5-7b --quant bf16,nvfp4 --out FILE.json`. Every (shape,
+quant) pair runs in this process, one after another, with the GPU memory freed in between.
 
 Each configuration: random weights of the exact shape built directly in the base format, LoRA on
 all seven projections, the rollout engine over that same model (KV cache for every sequence of the
@@ -21,7 +19,6 @@ one JSON line and the output file is rewritten after it, so a run cut short stil
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import string
@@ -32,7 +29,6 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,6 +42,7 @@ from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
+from qerl_pipe.recipe import TrainSection
 from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
 from qerl_pipe.rl.tasks import Problem
 from qerl_pipe.rl.trainer import Trainer
@@ -108,39 +105,23 @@ def _prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return torch.randint(0, min(vocab, 150000), (count, length), generator=gen).tolist()
 
 
-def train_config(s: StepSettings, micro: int, prompts: int, group: int, new_tokens: int) -> dict[str, Any]:
-    """Every key of the recipe's `train` section, as the trainer gets it from a recipe.
-
-    A plain tree because the device image has no pydantic to build `TrainSection` with; a test
-    checks that validating this tree as a `TrainSection` gives it back unchanged, key for key.
-    """
-    return {
-        "data": "arithmetic", "eval_data": None, "eval_limit": 0, "question_field": None, "answer_field": None,
-        "instruction": None, "steps": 1, "prompts_per_step": prompts, "group_size": group,
-        "max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "loss": "dapo",
-        "eps_low": 0.2, "eps_high": 0.28, "scale_rewards": "group", "kl_coef": 0.0, "mu": 1,
-        "micro_batch_size": micro, "lr": s.lr, "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
-        "gradient_checkpointing": True, "adapter": s.adapter,
-        "lora": {"rank": s.lora_rank, "alpha": 2.0 * s.lora_rank,
-                 "targets": ["q", "k", "v", "o", "gate", "up", "down"], "train_norms": False},
-        "aqn": {"schedule": "exponential", "sigma_start": 0.01, "sigma_end": 0.0005, "num_stages": 10,
-                "apply_in_training": False},
-        "overlong": {"mask": False, "soft_penalty": False, "buffer": None},
-        "dynamic_sampling": {"enabled": False, "max_draws": 3}, "tis_cap": None,
-        "rewards": {"accuracy": 0.0, "format": 0.0, "custom": [SYNTHETIC_REWARD]},
-        "checkpoint_every": 0, "seed": 0, "device": "auto",
-    }
+def train_config(s: StepSettings, micro: int, prompts: int, group: int, new_tokens: int) -> TrainSection:
+    """The recipe's `train` section the step runs, built and validated as a recipe's is: its
+    defaults, with the step's sizes, sampling at temperature 1 without top-p/top-k, the DAPO loss,
+    the synthetic reward alone, no evaluation and no checkpoints."""
+    return TrainSection(
+        eval_data=None, eval_limit=0, steps=1, prompts_per_step=prompts, group_size=group, max_new_tokens=new_tokens,
+        temperature=1.0, top_p=1.0, top_k=0, loss="dapo", micro_batch_size=micro, lr=s.lr,
+        gradient_checkpointing=True, adapter=s.adapter, lora={"rank": s.lora_rank, "alpha": 2.0 * s.lora_rank},
+        rewards={"accuracy": 0.0, "format": 0.0, "custom": [SYNTHETIC_REWARD]}, checkpoint_every=0, seed=0,
+    )
 
 
-def _namespace(tree: Mapping[str, Any]) -> SimpleNamespace:
-    return SimpleNamespace(**{k: _namespace(v) if isinstance(v, Mapping) else v for k, v in tree.items()})
-
-
-def _trainer(model: Decoder, engine: Engine, prompts: list[list[int]], cfg: Mapping[str, Any],
+def _trainer(model: Decoder, engine: Engine, prompts: list[list[int]], cfg: TrainSection,
              logprob_chunk: int) -> Trainer:
     problems = [Problem(f"synthetic:{i}", "", "0", "arithmetic") for i in range(len(prompts))]
     # No stop ids: every response runs to max_new_tokens.
-    return Trainer(model, engine, LetterTokenizer(), problems, prompts, _namespace(cfg), stop_token_ids=(),
+    return Trainer(model, engine, LetterTokenizer(), problems, prompts, cfg, stop_token_ids=(),
                    logprob_chunk=logprob_chunk)
 
 
@@ -383,39 +364,3 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(latest, indent=1) + "\n")
     return latest
-
-
-def split_values(values: Sequence[str]) -> list[str]:
-    """`a b`, `a,b` and repeated flags alike, each value once, in first-seen order: every shape runs
-    with every base format, so a repeated value would rerun whole configurations."""
-    return list(dict.fromkeys(v.strip() for item in values for v in item.split(",") if v.strip()))
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", nargs="+", action="extend", help=f"one or more of {sorted(QWEN25_SHAPES)}; each runs with every --quant")
-    ap.add_argument("--quant", nargs="+", action="extend", help=f"one or more of {list(QUANTS)}")
-    ap.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default per shape)")
-    ap.add_argument("--kv-slots", type=int, default=None, help="engine slots (default: all 64 sequences at once)")
-    ap.add_argument("--response-len", type=int, default=1024)
-    ap.add_argument("--adapter", choices=("lora", "full"), default="lora",
-                    help="lora (default), or full: every weight trains (bf16 base only)")
-    ap.add_argument("--memory-limit-gib", type=float, default=None,
-                    help="treat the GPU as having this much free memory (default: what is free)")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    s = StepSettings(micro_batch=args.micro_batch, kv_slots=args.kv_slots, response_len=args.response_len,
-                     adapter=args.adapter)
-    limit = int(args.memory_limit_gib * GIB) if args.memory_limit_gib else None
-    try:
-        shapes, quants = split_values(args.shape or ["qwen2.5-7b"]), split_values(args.quant or ["bf16", "nvfp4"])
-        result = run_train_step_bench(shapes, quants, s, memory_limit_bytes=limit, out=args.out)
-    except QerlError as e:
-        sys.exit(f"error: {e}")
-    for t in result["targets"]:
-        print(f"target {t['name']:80} {t['target']:<10} measured {t['measured']} {'MET' if t['met'] else 'MISSED'}",
-              file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()

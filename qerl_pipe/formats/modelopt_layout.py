@@ -18,27 +18,6 @@ PRODUCER_NAME = "qerl-pipe"
 # W4A4 (Blackwell) and weight-only W4A16 (what Hopper runs).
 QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
 
-# Llama-family projections that read the same input and are fused at inference. They must share
-# one `weight_scale_2` (and `input_scale`): TensorRT-LLM rejects a checkpoint where they differ,
-# vLLM takes the max and silently loses accuracy.
-FUSED_GROUPS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "gate_up": ("gate_proj", "up_proj"),
-}
-_GROUP_OF = {proj: group for group, projs in FUSED_GROUPS.items() for proj in projs}
-
-
-def fused_group_key(param_name: str) -> str | None:
-    """`model.layers.3.self_attn.k_proj(.weight)` -> `model.layers.3.self_attn.qkv`; else None."""
-    parts = param_name.split(".")
-    if parts[-1] == "weight":
-        parts = parts[:-1]
-    group = _GROUP_OF.get(parts[-1]) if parts else None
-    if group is None:
-        return None
-    return ".".join([*parts[:-1], group])
-
-
 def nvfp4_tensors(prefix: str, w: NVFP4Weight, input_scale: Tensor | None) -> dict[str, Tensor]:
     """The safetensors entries of one quantized linear `prefix` (a module name, no `.weight`)."""
     tensors = {

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,17 +21,16 @@ import torch
 import qerl_pipe
 from qerl_pipe.errors import QerlError, QuantizationError
 from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, list_shards, open_shard
-from qerl_pipe.formats.modelopt_layout import (
-    FUSED_GROUPS, config_quantization_config, fused_group_key, hf_quant_config, nvfp4_tensors,
-)
+from qerl_pipe.formats.hf_config import read_model_config
+from qerl_pipe.formats.modelopt_layout import config_quantization_config, hf_quant_config, nvfp4_tensors
+from qerl_pipe.formats.names import FUSED_GROUPS, HF_LINEAR_WEIGHT, fused_group_key
 from qerl_pipe.formats.nvfp4 import (
     BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4_in_row_chunks,
     shared_global_scale,
 )
 from qerl_pipe.log import progress
 
-# The linears of a Llama-family decoder layer; embeddings, norms and lm_head stay 16-bit.
-LINEAR = re.compile(r"^(.*\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj)\.weight$")
+
 # Tokenizer and generation files copied so the artifact loads as a model directory.
 COPY_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                   "*.model", "generation_config.json", "chat_template.*")
@@ -63,7 +61,7 @@ def plan_checkpoint(shards: list[Path], exclude: list[str]) -> WritePlan:
     for shard in progress(shards, "check weights", len(shards)):
         with open_shard(shard) as fh:
             for name in fh.keys():
-                match = LINEAR.match(name)
+                match = HF_LINEAR_WEIGHT.match(name)
                 if not match:
                     continue
                 module = match.group(1)
@@ -150,7 +148,7 @@ def plan_global_scale(plan: WritePlan, module: str) -> torch.Tensor:
 
 
 def write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: list[str], dtype: torch.dtype) -> None:
-    config = json.loads((source / "config.json").read_text())
+    config = read_model_config(source)
     config["quantization_config"] = config_quantization_config(quant_algo, exclude_modules, qerl_pipe.__version__)
     if "torch_dtype" in config or "dtype" not in config:
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -185,7 +183,7 @@ class NVFP4StreamWriter:
     excluded: set[str] = field(default_factory=set)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        match = LINEAR.match(name)
+        match = HF_LINEAR_WEIGHT.match(name)
         module = match.group(1) if match else None
         if module is None or is_excluded(module, self.exclude):
             if module is not None:
@@ -232,7 +230,7 @@ class NVFP4StreamWriter:
 
 def write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
     """config.json of a dense (16-bit) model made from `source`, and its tokenizer files."""
-    config = json.loads((source / "config.json").read_text())
+    config = read_model_config(source)
     config.pop("quantization_config", None)  # the weights are dense now
     key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
     config[key] = str(dtype).removeprefix("torch.")

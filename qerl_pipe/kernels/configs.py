@@ -3,8 +3,10 @@
 A key is `"{op}:{fmt}:m{bucket}"`, optionally specialised to one layer as
 `"{op}:{fmt}:m{bucket}:n{N}:k{K}"` (the specialised key wins). `op` is `fwd` (x @ W^T) or `dx`
 (dy @ W); `fmt` is `nvfp4` or `nf4`; the M bucket is the next power of two, capped at 1024 (past
-that the tiled GEMM's best shape no longer changes). The engine stage tunes on its GPU, saves the
-table with `save_table`, and loads it with `load_table` + `set_table`.
+that the tiled GEMM's best shape no longer changes). build-engine tunes on its GPU
+(`kernels.tuning`, called from `engine.build`) and keeps the table in the engine's `engine.json`
+(`table_to_json`); `engine.artifact.load_engine` installs it process-wide with `table_from_json`
++ `set_table`. `save_table` / `load_table` write and read a table as a file of its own.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from qerl_pipe.formats.names import FUSED_GROUPS
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.fused import fused_for_inference
 from qerl_pipe.model.linear import BaseFormat, QuantLinear
@@ -139,9 +140,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-        qkv_names = ("q_proj", "k_proj", "v_proj")
         self.qkv_proj = QuantLinear(
-            cfg.hidden_size, self.sizes, qkv_names, base_format, dtype, device, cfg.qkv_bias
+            cfg.hidden_size, self.sizes, FUSED_GROUPS["qkv"], base_format, dtype, device, cfg.qkv_bias
         )
         self.o_proj = QuantLinear(
             cfg.q_size, (cfg.hidden_size,), ("o_proj",), base_format, dtype, device, cfg.o_bias
@@ -175,7 +175,7 @@ class MLP(nn.Module):
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = QuantLinear(
-            cfg.hidden_size, (i, i), ("gate_proj", "up_proj"), base_format, dtype, device, cfg.mlp_bias
+            cfg.hidden_size, (i, i), FUSED_GROUPS["gate_up"], base_format, dtype, device, cfg.mlp_bias
         )
         self.down_proj = QuantLinear(
             i, (cfg.hidden_size,), ("down_proj",), base_format, dtype, device, cfg.mlp_bias

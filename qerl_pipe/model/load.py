@@ -7,7 +7,6 @@ model plus one fused layer, never the bf16 model next to its quantized copy.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -18,6 +17,8 @@ from torch import Tensor, nn
 
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.checkpoint import detect_quant_format, iter_quantized_checkpoint
+from qerl_pipe.formats.hf_config import CONFIG_NAME, read_model_config
+from qerl_pipe.formats.names import FUSED_INDEX, PROJECTIONS, from_hf_name
 from qerl_pipe.formats.nf4 import NF4Weight, quantize_nf4
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.model.config import DecoderConfig
@@ -27,15 +28,6 @@ from qerl_pipe.model.lora import LoraSpec, apply_lora
 
 log = logging.getLogger(__name__)
 
-# HF projection -> (our fused QuantLinear, index of the projection in it).
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_PROJECTIONS = (*_FUSED, "o_proj", "down_proj")
 # Tensors some checkpoints carry that the model recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -122,10 +114,9 @@ def _check_format(base_format: str) -> None:
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
-    if not path.is_file():
+    if not (model_dir / CONFIG_NAME).is_file():
         raise ModelSourceError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
-    return json.loads(path.read_text())
+    return read_model_config(model_dir)
 
 
 def _linears(model: Decoder) -> Iterator[tuple[str, QuantLinear]]:
@@ -179,15 +170,15 @@ class _Assembler:
     def add(self, hf_name: str, item: Tensor | NVFP4Weight) -> None:
         if hf_name.endswith(IGNORED_SUFFIXES):
             return
-        name = hf_name.removeprefix("model.")
+        name = from_hf_name(hf_name)
         if isinstance(item, NVFP4Weight):  # a quantized linear, by module name
-            if name.rpartition(".")[2] in _PROJECTIONS:
+            if name.rpartition(".")[2] in PROJECTIONS:
                 self._add_linear_part(name, "weight", item)
                 return
             # Something we keep dense (an lm_head quantized by an exporter without exclusions).
             name, item = f"{name}.weight", dequantize_nvfp4(item, self.dtype)
         module_name, _, kind = name.rpartition(".")
-        if module_name.rpartition(".")[2] in _PROJECTIONS:
+        if module_name.rpartition(".")[2] in PROJECTIONS:
             self._add_linear_part(module_name, kind, item)
             return
         if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
@@ -207,7 +198,7 @@ class _Assembler:
 
     def _add_linear_part(self, module_name: str, kind: str, part: Tensor | NVFP4Weight) -> None:
         parent, _, proj = module_name.rpartition(".")
-        fused, index = _FUSED.get(proj, (proj, 0))
+        fused, index = FUSED_INDEX.get(proj, (proj, 0))
         target = f"{parent}.{fused}"
         linear = self.linears.get(target)
         if linear is None or kind not in ("weight", "bias"):

@@ -9,10 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from qerl_pipe.formats.names import LORA_TARGETS, peft_name, projection
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
-
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class LoraSpec:
 def apply_lora(model: nn.Module, spec: LoraSpec, seed: int = 0) -> None:
     """Give every targeted projection a fresh adapter (B = 0: the model's outputs do not change)."""
     generator = torch.Generator(device=_device_of(model)).manual_seed(seed)
-    projections = {f"{t}_proj" for t in spec.targets}
+    projections = {projection(t) for t in spec.targets}
     for module in model.modules():
         if isinstance(module, QuantLinear):
             names = [n for n in module.names if n in projections]
@@ -59,11 +58,11 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
         if isinstance(module, QuantLinear):
             parent = name.rsplit(".", 1)[0]
             for proj in module.lora_A:
-                prefix = f"base_model.model.{_hf_name(parent)}.{proj}"
+                prefix = peft_name(f"{parent}.{proj}")
                 out[f"{prefix}.lora_A.weight"] = module.lora_A[proj].detach()
                 out[f"{prefix}.lora_B.weight"] = module.lora_B[proj].detach()
         elif isinstance(module, RMSNorm) and module.weight.requires_grad:
-            out[f"base_model.model.{_hf_name(name)}.weight"] = module.weight.detach()
+            out[f"{peft_name(name)}.weight"] = module.weight.detach()
     return out
 
 
@@ -97,11 +96,6 @@ def lora_inference_cache(model: nn.Module, dtype: torch.dtype | None = None) -> 
     finally:
         for m in linears:
             m.use_lora_cache = False
-
-
-def _hf_name(name: str) -> str:
-    # Our Decoder has no `model.` level between the root and `layers`/`norm`; HF does.
-    return f"model.{name}"
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -1,22 +1,29 @@
 """A checkpoint with a LoRA adapter merged in, as it streams: the tensors of a Hugging Face
 checkpoint (16-bit, or NVFP4 dequantized to the values our model computes with) one at a time,
 LoRA added in float32 and trained norms swapped in, so that memory holds one tensor, not a model.
+
+`write_merged` writes that stream as a dense Hugging Face model or through the NVFP4 checkpoint
+writer quantize uses (export's merged-bf16 and merged-nvfp4): output shards are written as they
+fill, so host memory stays near one output shard plus one fused group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import Tensor
 
 from qerl_pipe.errors import ArtifactError
-from qerl_pipe.formats.checkpoint import iter_quantized_checkpoint, list_shards, open_shard
+from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, iter_quantized_checkpoint, list_shards, open_shard
+from qerl_pipe.formats.modelopt_writer import NVFP4StreamWriter, write_configs, write_dense_config
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
 from qerl_pipe.model.load import IGNORED_SUFFIXES  # recomputed by every loader
 from qerl_pipe.model.lora import merge_lora
+from qerl_pipe.log import progress
 from qerl_pipe.model.peft import LoraTensors
-
 
 
 def _base_names(base_dir: Path) -> set[str]:
@@ -61,3 +68,38 @@ def merged_tensors(base_dir: Path, adapter: LoraTensors) -> Iterator[tuple[str, 
             yield name, adapter.norms[name].float(), True
         else:
             yield name, item, False
+
+
+def write_merged(base_dir: Path, adapter: LoraTensors, out: Path, dtype: torch.dtype,
+                 nvfp4_exclude: list[str] | None = None, input_scales: dict[str, Tensor] | None = None,
+                 full: bool = False) -> dict[str, Any]:
+    """Merge `adapter` into the checkpoint in `base_dir` and write it into `out`: dense in `dtype`,
+    or NVFP4 (modelopt's layout) when `nvfp4_exclude` lists the modules to keep 16-bit, with
+    `input_scales` for W4A4 (none: W4A16). With `full`, the base is a fully trained model and the
+    adapter empty: every tensor counts as changed. Returns the figures of the export's summary."""
+    input_scales = input_scales or {}
+    writer = ShardWriter(out)
+    sink = NVFP4StreamWriter(writer, nvfp4_exclude, dtype, input_scales) if nvfp4_exclude is not None else None
+    changed = 0
+    for name, tensor, was_changed in progress(merged_tensors(base_dir, adapter), "merge"):
+        changed += was_changed or full
+        if sink is not None:
+            sink.add(name, tensor)
+        else:
+            writer.add(name, cast_floating(tensor, dtype))
+    summary: dict[str, Any] = {
+        "dtype": str(dtype).removeprefix("torch."), "merged_linears": len(adapter.lora),
+        "trained_norms": len(adapter.norms), "changed_tensors": changed,
+    }
+    if sink is None:
+        writer.finish()
+        write_dense_config(base_dir, out, dtype)
+        return summary
+    sink.finish()
+    quant_algo = "NVFP4" if input_scales else "W4A16_NVFP4"
+    write_configs(base_dir, out, quant_algo, sorted({"lm_head", *sink.excluded}), dtype)
+    errors = sink.errors
+    summary.update({"quant_algo": quant_algo, "quantized_linears": len(errors),
+                    "mean_relative_error": sum(errors.values()) / max(1, len(errors)),
+                    "max_relative_error": max(errors.values(), default=0.0)})
+    return summary

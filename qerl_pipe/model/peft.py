@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,14 @@ from qerl_pipe.artifacts.manifest import sha256_file
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.lora import LORA_TARGETS, LoraSpec, lora_state_dict
+from qerl_pipe.formats.names import LORA_TARGETS, PEFT_LORA_KEY, PEFT_NORM_KEY, PEFT_PREFIX, peft_lora_prefix, projection
+from qerl_pipe.model.lora import LoraSpec, lora_state_dict
 from qerl_pipe.model.norm import RMSNorm
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-# What PEFT puts before a Hugging Face parameter name (`model.layers.0...`).
-PEFT_PREFIX = "base_model.model."
+# Where a train run keeps its adapter; `read_adapter` of the run's directory looks there too.
+ADAPTER_DIR = "adapter"
 
 
 def _norm_names(model: nn.Module) -> list[str]:
@@ -54,7 +56,7 @@ def adapter_config(model: nn.Module, spec: LoraSpec, base_model: str) -> dict[st
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": 0.0,
-        "target_modules": [f"{t}_proj" for t in spec.targets],
+        "target_modules": [projection(t) for t in spec.targets],
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -95,10 +97,6 @@ def load_adapter_weights(model: nn.Module, path: Path) -> None:
 
 # --- reading an adapter written by anyone (us, PEFT, another trainer) --------------------------
 
-# PEFT names of the LoRA tensors our decoder can hold: one A/B pair per projection per layer.
-_LORA_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])\.weight$")
-# Trainable RMSNorm weights (modules_to_save), as `save_adapter` names them.
-_NORM_KEY = re.compile(r"^base_model\.model\.model\.[\w.]*norm\.weight$")
 # adapter_config.json keys that change what the adapter computes in ways our LoRA does not
 # implement; loading such an adapter as plain LoRA would evaluate another model.
 _UNSUPPORTED = {
@@ -126,7 +124,7 @@ def find_adapter_dir(path: Path) -> Path | None:
     def holds(d: Path) -> bool:
         return (d / ADAPTER_WEIGHTS).is_file() and (d / ADAPTER_CONFIG).is_file()
 
-    for candidate in (path, path / "adapter"):
+    for candidate in (path, path / ADAPTER_DIR):
         if holds(candidate):
             return candidate
     found = [d for d in sorted(path.iterdir()) if d.is_dir() and holds(d)] if path.is_dir() else []
@@ -170,16 +168,16 @@ def read_adapter(path: Path) -> AdapterFiles:
         raise ArtifactError(f"{adapter_dir / ADAPTER_WEIGHTS}: not a readable safetensors file ({exc})") from None
     targets, ranks, norms, unknown = set(), set(), False, []
     for name, shape in shapes.items():
-        if m := _LORA_KEY.match(name):
+        if m := PEFT_LORA_KEY.match(name):
             targets.add(m.group(2))
             ranks.add(shape[0] if m.group(3) == "A" else shape[-1])
-        elif _NORM_KEY.match(name):
+        elif PEFT_NORM_KEY.match(name):
             norms = True
         else:
             unknown.append(name)
     bad_targets = sorted(targets - set(LORA_TARGETS))
     if unknown or bad_targets or not targets:
-        what = unknown[:2] or [f"{t}_proj" for t in bad_targets] or ["no LoRA tensors"]
+        what = unknown[:2] or [projection(t) for t in bad_targets] or ["no LoRA tensors"]
         raise ArtifactError(f"{adapter_dir / ADAPTER_WEIGHTS}: {what} cannot be applied to our decoder, which "
                             "takes LoRA on q/k/v/o/gate/up/down_proj (and norm weights) only")
     if ranks != {config["r"]}:
@@ -228,8 +226,7 @@ def expected_lora_shapes(hf_config: dict[str, Any], spec: LoraSpec) -> dict[str,
     shapes = {}
     for layer in range(cfg.num_layers):
         for t in spec.targets:
-            block = "self_attn" if t in ("q", "k", "v", "o") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{t}_proj"
+            prefix = peft_lora_prefix(layer, t)
             n_in, n_out = in_out[t]
             shapes[f"{prefix}.lora_A.weight"] = (spec.rank, n_in)
             shapes[f"{prefix}.lora_B.weight"] = (n_out, spec.rank)
@@ -239,7 +236,7 @@ def expected_lora_shapes(hf_config: dict[str, Any], spec: LoraSpec) -> dict[str,
 def check_adapter_fits(adapter: AdapterFiles, hf_config: dict[str, Any], model_name: str) -> None:
     """Refuse, before any weight is read, an adapter made for another model (layers or shapes)."""
     want = expected_lora_shapes(hf_config, adapter.spec)
-    have = {n: s for n, s in adapter.shapes.items() if _LORA_KEY.match(n)}
+    have = {n: s for n, s in adapter.shapes.items() if PEFT_LORA_KEY.match(n)}
     missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     wrong = [f"{n} {have[n]} (model: {want[n]})" for n in sorted(want.keys() & have.keys()) if have[n] != want[n]]
     if missing or extra or wrong:
@@ -247,3 +244,16 @@ def check_adapter_fits(adapter: AdapterFiles, hf_config: dict[str, Any], model_n
             f"missing {missing[0]}"
         raise ArtifactError(f"the adapter in {adapter.dir} does not fit {model_name} ({detail}); pass the model "
                             "it was trained on, or an adapter trained on this one")
+
+
+def copy_adapter(adapter_dir: Path, out: Path) -> dict[str, Any]:
+    """Copy a PEFT adapter's two files to `out` after checking that they parse (an export must
+    never hand on an adapter PEFT cannot load); returns what the export's summary says of it."""
+    adapter = read_adapter(adapter_dir)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        shutil.copy2(adapter_dir / name, out / name)
+    return {
+        "rank": adapter.config["r"], "alpha": adapter.config["lora_alpha"],
+        "lora_modules": sum(name.endswith(".lora_A.weight") for name in adapter.shapes),
+        "modules_to_save": adapter.config.get("modules_to_save"),
+    }

@@ -7,50 +7,29 @@ CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`)
 per GPU, so the GPU's name is part of the artifact's identity.
 
 The base comes from the quantize artifact (nvfp4) or from the original model (nf4, the QLoRA
-baseline; bf16). Later stages open the engine with `engine.artifact.load_engine`.
+baseline; bf16); choosing it and keying the artifact is this module, the build itself is
+`engine.build`. Later stages open the engine with `engine.artifact.load_engine`.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import qerl_pipe
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.dag import BUILD_ENGINE, check_kind, find_or_build, input_artifact
-from qerl_pipe.engine.artifact import ENGINE_FILE, ENGINE_FORMAT_VERSION, device_kind
-from qerl_pipe.engine.limits import EngineLimits, plan_limits
-from qerl_pipe.engine.weights import save_engine_model
+from qerl_pipe.engine.artifact import device_kind
+from qerl_pipe.engine.build import plan_engine, write_engine
 from qerl_pipe.errors import ModelSourceError, QerlError
 from qerl_pipe.formats.checkpoint import detect_quant_format
-from qerl_pipe.formats.modelopt_writer import copy_model_files
-from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, table_to_json
+from qerl_pipe.hf import pick_device
 from qerl_pipe.log import log
-from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.decoder import Decoder
-from qerl_pipe.model.linear import QuantLinear
-from qerl_pipe.model.load import load_model, model_memory_bytes
-from qerl_pipe.recipe import EngineSection, Recipe
-from qerl_pipe.sources import resolve_model
-from qerl_pipe.hf import compute_dtype, count_parameters, pick_device
-from qerl_pipe.stages.common import model_config_key
+from qerl_pipe.recipe import Recipe
+from qerl_pipe.formats.hf_config import read_model_config
+from qerl_pipe.sources import model_config_key, resolve_model
 
 STAGE = BUILD_ENGINE
-# Auto KV budget on CUDA: a share of what is free once the model is loaded; the rest is left for
-# activations, LoRA, optimizer state and the training step that shares the GPU with the engine.
-AUTO_KV_FRACTION = 0.4
-CPU_KV_BUDGET_BYTES = 2 * 2**30
-# Tuning covers the M buckets the engine decodes at (up to its max batch) and a training-sized M
-# (the M >= 1024 bucket: prefill and the training forward); dX runs only in training, so only
-# there. Tuning every bucket for both ops would take minutes on a 7B model for no use.
-PREFILL_TUNING_M = 4096
-TUNING_MS = (*M_BUCKETS[:-1], PREFILL_TUNING_M)
 
 
 @dataclass(frozen=True)
@@ -61,52 +40,6 @@ class _Base:
     hf_config: dict[str, Any]
     identity: dict[str, Any]
     parents: list[str]
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What is decided before any weight is read (so a bad value fails before any work)."""
-
-    config: DecoderConfig
-    dtype: torch.dtype
-    kv_budget_bytes: int | None  # None: measured on the GPU after loading the model
-    cuda_graphs: bool
-    tune: bool
-
-
-def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool:
-    if choice == "on" and not possible:
-        raise QerlError(f"engine.{key}: on {why}; set engine.{key}=auto or off")
-    return choice == "on" or (choice == "auto" and auto)
-
-
-def _plan(section: EngineSection, hf_config: dict[str, Any], device: torch.device) -> _Plan:
-    config = DecoderConfig.from_hf(hf_config)
-    if section.max_seq_len > config.max_position_embeddings:
-        raise QerlError(
-            f"engine.max_seq_len={section.max_seq_len} exceeds the model's max_position_embeddings "
-            f"({config.max_position_embeddings}); lower engine.max_seq_len"
-        )
-    cuda = device.type == "cuda"
-    four_bit = section.base_format != "bf16"
-    graphs = _switch(section.cuda_graphs, cuda, cuda, "cuda_graphs", "needs a CUDA device")
-    tune = _switch(section.tune_kernels, cuda and four_bit, cuda and four_bit, "tune_kernels",
-                   "needs a CUDA device and a 4-bit base (nvfp4 or nf4)")
-    dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
-    budget = None
-    if section.kv_budget_gib is not None:
-        budget = int(section.kv_budget_gib * 2**30)
-    elif not cuda:
-        budget = CPU_KV_BUDGET_BYTES
-    plan = _Plan(config, dtype, budget, graphs, tune)
-    if budget is not None:
-        _limits(plan, section, budget)  # raises now when not even one sequence fits
-    return plan
-
-
-def _limits(plan: _Plan, section: EngineSection, budget: int) -> EngineLimits:
-    return plan_limits(plan.config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
-                       kv_budget_bytes=budget, dtype=plan.dtype, cuda_graphs=plan.cuda_graphs)
 
 
 def _check_quantized(artifact: Artifact) -> None:
@@ -128,86 +61,8 @@ def _unused_quantized(artifact: Artifact, model_key: dict[str, Any], recipe: Rec
 
 
 def _quantized_base(artifact: Artifact) -> _Base:
-    hf_config = json.loads((artifact.path / "config.json").read_text())
+    hf_config = read_model_config(artifact.path)
     return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
-
-
-def _auto_cuda_budget(device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # blocks cached from loading are free for the engine too
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free * AUTO_KV_FRACTION)
-
-
-def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
-    """Distinct (N, K) of the fused linears, in model order."""
-    shapes = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantLinear)]
-    return list(dict.fromkeys(shapes))
-
-
-def _check_finite(model: torch.nn.Module) -> None:
-    """A bf16 (or NF4) base is built from the source's weights as they are: NaN or inf there would
-    give an engine whose every rollout is empty. (A 4-bit quantize already refuses them.)"""
-    for name, t in model.state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise QerlError(f"{name} has non-finite values (NaN or inf); the model's weights are damaged, "
-                            "re-download or re-convert it")
-
-
-def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.device, out: Path) -> dict[str, Any]:
-    """Write the engine into `out`; returns the manifest summary."""
-    from qerl_pipe.kernels.cuda_ext import available as cuda_kernels_available
-    from qerl_pipe.kernels.tuning import tune_kernels
-
-    started = time.perf_counter()
-    model = load_model(base.dir, section.base_format, plan.dtype, device)
-    _check_finite(model)
-    budget = plan.kv_budget_bytes if plan.kv_budget_bytes is not None else _auto_cuda_budget(device)
-    limits = _limits(plan, section, budget)
-    table: ConfigTable | None = None
-    if plan.tune and section.base_format == "nvfp4" and cuda_kernels_available(device):
-        # The table holds Triton configs; on this GPU NVFP4 runs the CUDA kernels instead, whose
-        # configs ship with the package (kernels/cuda/configs-h200.json).
-        log(f"build-engine: NVFP4 runs the CUDA kernels on {device_kind(device)}; no Triton tuning")
-    elif plan.tune:
-        log(f"build-engine: tuning {section.base_format} kernels on {device_kind(device)}")
-        decode_ms = [m for m in TUNING_MS if m <= limits.max_batch]
-        table = tune_kernels(_linear_shapes(model), decode_ms + [PREFILL_TUNING_M], section.base_format, device,
-                             dx_ms=[PREFILL_TUNING_M])
-    save_engine_model(model, out, hf_config=base.hf_config)
-    copy_model_files(base.dir, out)
-    seconds = round(time.perf_counter() - started, 2)
-    engine = {
-        "format_version": ENGINE_FORMAT_VERSION,
-        "base_format": section.base_format,
-        "dtype": str(plan.dtype).removeprefix("torch."),
-        "limits": limits.to_json(),
-        "kv_budget_bytes": budget,
-        "kernel_table": table_to_json(table) if table is not None else None,
-        "device": {"type": device.type, "name": device_kind(device)},
-        "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "build_seconds": seconds,
-        "qerl_pipe_version": qerl_pipe.__version__,
-    }
-    (out / ENGINE_FILE).write_text(json.dumps(engine, indent=2) + "\n")
-    summary = {
-        "base_format": section.base_format,
-        "dtype": engine["dtype"],
-        "device": engine["device"]["name"],
-        "max_batch": limits.max_batch,
-        "max_seq_len": limits.max_seq_len,
-        "kv_cache_mib": round(limits.kv_cache_bytes / 2**20, 1),
-        "kv_budget_mib": round(budget / 2**20, 1),
-        "model_mib": round(model_memory_bytes(model) / 2**20, 1),
-        "cuda_graph_sizes": list(limits.graph_batch_sizes),
-        "tuned_kernel_entries": len(table) if table is not None else 0,
-        "seconds": seconds,
-    }
-    log(f"build-engine: {section.base_format} base in {summary['dtype']} on {summary['device']}, "
-        f"{summary['model_mib']} MiB; max_batch {limits.max_batch} x max_seq_len {limits.max_seq_len} "
-        f"(KV cache {summary['kv_cache_mib']} of {summary['kv_budget_mib']} MiB); "
-        f"{summary['tuned_kernel_entries'] or 'default'} kernel configs; {seconds} s")
-    return summary
 
 
 def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifact | None = None,
@@ -221,7 +76,7 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
     device = pick_device(section.device)
     if section.base_format == "nvfp4":
         if quantized is None:
-            _plan(section, resolve_model(recipe.model, store).config, device)  # fail before quantizing
+            plan_engine(section, resolve_model(recipe.model, store).config, device)  # fail before quantizing
             quantized = input_artifact(STAGE.name, "--quantized", recipe, store, build_missing=build_missing,
                                        find_only=find_only)
         _check_quantized(quantized)
@@ -236,11 +91,11 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
             raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
-    plan = _plan(section, base.hf_config, device)
+    plan = plan_engine(section, base.hf_config, device)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
 
     def build(pending: PendingArtifact) -> None:
-        pending.summary.update(_build(base, plan, section, device, pending.dir))
+        pending.summary.update(write_engine(base.dir, base.hf_config, plan, section, device, pending.dir))
 
     return find_or_build(STAGE, store, config=config, parents=base.parents, build=build, force=force,
                          find_only=find_only)

@@ -22,9 +22,9 @@ from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.log import log, progress
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import Recipe
-from qerl_pipe.sources import resolve_model
 from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
-from qerl_pipe.stages.common import data_file_key, model_config_key
+from qerl_pipe.sources import model_config_key, resolve_model
+from qerl_pipe.userfiles import data_file_key
 from qerl_pipe.textdata import load_texts, pack_sequences
 
 # Version 2: per-channel mean squares of each linear's input (CHANNELS_FILE).

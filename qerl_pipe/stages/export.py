@@ -13,32 +13,32 @@ trained weights, and the merged formats stream those instead of base + adapter (
 `peft` is refused.
 
 Weights stream one tensor at a time from the memory-mapped base, are merged in float32 and cast
-once; output shards are written as they fill, so host memory stays near one output shard plus
-one fused group, never two copies of the model.
+once (`model.merge.write_merged`); this module checks the run, finds its base (`lineage`) and
+keys the artifact.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
-from qerl_pipe.dag import ADAPTER_DIR, EXPORT, MODEL_DIR, check_kind, find_or_build, input_artifact
+from qerl_pipe.dag import EXPORT, check_kind, find_or_build, input_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
-from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, list_shards
-from qerl_pipe.formats.modelopt_writer import NVFP4StreamWriter, read_input_scales, write_configs, write_dense_config
-from qerl_pipe.formats.modelopt_writer import out_dtype as checkpoint_dtype
-from qerl_pipe.lineage import Chain, MergeBase, find_merge_base, walk_chain
-from qerl_pipe.log import log, progress
-from qerl_pipe.model.merge import check_adapter_fits_checkpoint, merged_tensors
-from qerl_pipe.model.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraTensors, lora_tensors, read_adapter
-from qerl_pipe.recipe import ExportSection, Recipe
+from qerl_pipe.formats.checkpoint import list_shards
+from qerl_pipe.formats.hf_config import read_model_config
+from qerl_pipe.formats.modelopt_writer import out_dtype, read_input_scales
+from qerl_pipe.lineage import MergeBase, find_merge_base, walk_chain
+from qerl_pipe.log import log
+from qerl_pipe.model.merge import check_adapter_fits_checkpoint, write_merged
+from qerl_pipe.model.peft import (
+    ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, LoraTensors, copy_adapter, lora_tensors, read_adapter,
+)
+from qerl_pipe.recipe import Recipe
+from qerl_pipe.rl.run import MODEL_DIR
 
 STAGE = EXPORT
 KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}
@@ -64,57 +64,6 @@ def _check_run(run: Artifact) -> Path:
             raise ArtifactError(f"run {run.path} has no {ADAPTER_DIR}/{name}; re-create it with "
                                 "`qerl-pipe train --force`")
     return adapter
-
-
-def out_dtype(section: ExportSection, base: MergeBase) -> torch.dtype:
-    return checkpoint_dtype(section.dtype, json.loads((base.dir / "config.json").read_text()))
-
-
-def _export_peft(adapter_dir: Path, chain: Chain | None, out: Path) -> dict[str, Any]:
-    adapter = read_adapter(adapter_dir)  # checks it parses before copying
-    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-        shutil.copy2(adapter_dir / name, out / name)
-    return {
-        "rank": adapter.config["r"], "alpha": adapter.config["lora_alpha"],
-        "lora_modules": sum(name.endswith(".lora_A.weight") for name in adapter.shapes),
-        "modules_to_save": adapter.config.get("modules_to_save"),
-        "trained_over": chain.base_format if chain else None,
-    }
-
-
-def _export_merged(section: ExportSection, trained_over: str, base: MergeBase, adapter: LoraTensors,
-                   input_scales: dict[str, Tensor], out: Path, full: bool = False) -> dict[str, Any]:
-    """Merge `adapter` into `base` (with `full`, the base is the run's trained model and the
-    adapter empty: every tensor is trained) and write it dense or as NVFP4."""
-    dtype = out_dtype(section, base)
-    writer = ShardWriter(out)
-    nvfp4 = section.format == "merged-nvfp4"
-    sink = NVFP4StreamWriter(writer, sorted({"lm_head", *section.exclude}), dtype, input_scales) if nvfp4 else None
-    changed = 0
-    for name, tensor, was_changed in progress(merged_tensors(base.dir, adapter), "merge"):
-        changed += was_changed or full
-        if sink is not None:
-            sink.add(name, tensor)
-        else:
-            writer.add(name, cast_floating(tensor, dtype))
-    summary: dict[str, Any] = {
-        "base": base.description, "base_dequantized": base.dequantized, "trained_over": trained_over,
-        "adapter": "full" if full else "lora",
-        "dtype": str(dtype).removeprefix("torch."), "merged_linears": len(adapter.lora),
-        "trained_norms": len(adapter.norms), "changed_tensors": changed,
-    }
-    if sink is None:
-        writer.finish()
-        write_dense_config(base.dir, out, dtype)
-        return summary
-    sink.finish()
-    quant_algo = "NVFP4" if input_scales else "W4A16_NVFP4"
-    write_configs(base.dir, out, quant_algo, sorted({"lm_head", *sink.excluded}), dtype)
-    errors = sink.errors
-    summary.update({"quant_algo": quant_algo, "quantized_linears": len(errors),
-                    "mean_relative_error": sum(errors.values()) / max(1, len(errors)),
-                    "max_relative_error": max(errors.values(), default=0.0)})
-    return summary
 
 
 def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = None, force: bool = False,
@@ -158,16 +107,22 @@ def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = N
         if section.format == "merged-nvfp4":
             config.update({"exclude": sorted({"lm_head", *section.exclude}), "calibration": section.calibration})
             if section.calibration == "auto" and chain.quantized is not None:
-                input_scales = read_input_scales(load_artifact(chain.quantized.path, verify=True).path)
+                if base.identity.get("quantized") != chain.quantized.id:  # else find_merge_base re-hashed it
+                    load_artifact(chain.quantized.path, verify=True)
+                input_scales = read_input_scales(chain.quantized.path)
                 if input_scales and chain.quantized.id not in parents:
                     parents.append(chain.quantized.id)
     def build(pending: PendingArtifact) -> None:
         started = time.perf_counter()
         if section.format == "peft":
-            summary = _export_peft(adapter_dir, chain, pending.dir)
+            summary = {**copy_adapter(adapter_dir, pending.dir), "trained_over": chain.base_format if chain else None}
         else:
-            trained_over = "bf16" if full else chain.base_format
-            summary = _export_merged(section, trained_over, base, adapter, input_scales, pending.dir, full)
+            nvfp4 = section.format == "merged-nvfp4"
+            summary = {"base": base.description, "base_dequantized": base.dequantized,
+                       "trained_over": "bf16" if full else chain.base_format, "adapter": "full" if full else "lora",
+                       **write_merged(base.dir, adapter, pending.dir,
+                                      out_dtype(section.dtype, read_model_config(base.dir)),
+                                      sorted({"lm_head", *section.exclude}) if nvfp4 else None, input_scales, full)}
         summary["seconds"] = round(time.perf_counter() - started, 2)
         summary["size_mb"] = sum(p.stat().st_size for p in pending.dir.rglob("*") if p.is_file()) / 2**20
         pending.summary.update(summary)

@@ -1,6 +1,7 @@
 """`qerl-pipe run`: the recipe's stages in DAG order (`dag.run_pipeline`), each reusing its artifact
 when up to date. The one command that builds upstream artifacts without being asked to; it is not
-a stage, so it may check every stage's inputs before the first one starts."""
+a stage, so it checks the recipe as a whole (the stage settings a full fine-tuning run cannot
+have) before the first stage starts. It imports no stage: the DAG names them."""
 
 from __future__ import annotations
 
@@ -16,27 +17,10 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
     if launched_by_torchrun():  # every rank would run every stage against one store
         raise QerlError("`run` is one process; for several GPUs run the stages before train once, then "
                         "`qerl-pipe train --nproc N` (or torchrun ... -m qerl_pipe train), then export and eval")
-    # A bad data file or reward name fails before the first stage, not hours into the chain.
-    if "train" in recipe.stages:
-        from qerl_pipe.stages.train import check_train_inputs
-
-        check_train_inputs(recipe)
-    full = recipe.train.adapter == "full"
-    if full:
+    if recipe.train.adapter == "full":
         _check_full_run_stages(recipe)
-    if "eval" in recipe.stages:
-        from qerl_pipe.stages.evaluate import check_eval_inputs
-
-        check_eval_inputs(recipe)
-    if full and "train" in recipe.stages and "eval" in recipe.stages:
-        # A full run has no adapter: eval evaluates its merged-bf16 export (the trained model), with
-        # an engine built from it, instead of an adapter over the recipe's engine.
-        from qerl_pipe.stages.evaluate import run_eval
-
-        before_eval = recipe.model_copy(update={"stages": [s for s in recipe.stages if s != "eval"]})
-        made = dag.run_pipeline(before_eval, store, force=force)
-        made["eval"] = run_eval(recipe, store, model=made["export"], force=force, build_missing=True)
-        return made
+    # Each stage's declared check (data files, reward names) runs before the first stage, and a
+    # full run's eval of its export is declared in the DAG (`dag.full_run_eval`).
     return dag.run_pipeline(recipe, store, force=force)
 
 

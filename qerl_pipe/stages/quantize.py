@@ -28,8 +28,8 @@ from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.quality import perplexity_report
 from qerl_pipe.recipe import Recipe
-from qerl_pipe.sources import resolve_model
-from qerl_pipe.stages.common import model_config_key
+from qerl_pipe.sources import model_config_key, resolve_model
+
 
 STAGE = QUANTIZE
 
@@ -94,7 +94,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
         del quantize_key["method"]  # the default: artifacts made before the setting existed keep their ids
     config = {"model": model_key, "quantize": quantize_key, "calibrated": calibration is not None}
     parents = resolved.parents + ([calibration.id] if calibration else [])
-    check_output_dir(output, artifact_id(STAGE.name, STAGE.version, config, parents))  # before any work
+    output_done = check_output_dir(output, artifact_id(STAGE.name, STAGE.version, config, parents))  # before any work
 
     def build(pending: PendingArtifact) -> None:
         started = time.perf_counter()
@@ -133,7 +133,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
     artifact = find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
                              find_only=find_only)
     if output is not None:
-        if copy_to(artifact, output):
+        if not output_done and copy_to(artifact, output):
             log(f"quantize: the checkpoint is in {output}")
         else:
             log(f"quantize: {output} already holds this checkpoint")

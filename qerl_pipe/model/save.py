@@ -3,7 +3,9 @@
 The inverse of `model.load`'s assembly: `qkv_proj` / `gate_up_proj` are split back into
 `q_proj`, `k_proj`, `v_proj` / `gate_proj`, `up_proj` (weights and biases), every name gets HF's
 `model.` prefix, and a tied LM head is left out (HF ties it to `model.embed_tokens.weight`).
-Used to save a fully fine-tuned model; `AutoModelForCausalLM.from_pretrained` reads the result.
+It lives in model/ (not formats/) because it walks the Decoder's modules; the tensor files go
+through `formats.checkpoint.ShardWriter`. Used to save a fully fine-tuned model;
+`AutoModelForCausalLM.from_pretrained` reads the result.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.formats.checkpoint import SHARD_BYTES, ShardWriter
+from qerl_pipe.formats.names import hf_name
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 
@@ -30,12 +33,12 @@ def hf_tensors(model: Decoder) -> Iterator[tuple[str, Tensor]]:
         if linear is not None:
             parent = module_name.rpartition(".")[0]
             for proj, part in zip(linear.names, t.detach().split(linear.out_sizes)):
-                yield f"model.{parent}.{proj}.{kind}", part
+                yield hf_name(f"{parent}.{proj}.{kind}"), part
         elif name == "lm_head.weight":
             if not model.config.tie_word_embeddings:
                 yield name, t.detach()
         else:
-            yield f"model.{name}", t.detach()
+            yield hf_name(name), t.detach()
 
 
 def save_hf_weights(model: Decoder, out_dir: Path, dtype: torch.dtype | None = None,

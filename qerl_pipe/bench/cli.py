@@ -1,0 +1,187 @@
+"""`qerl-pipe bench ...`: the one entry point of every benchmark (docs/benchmarks.md).
+
+Each command prints its results file (JSON: command, commit, gpu, date, results, targets) to
+stdout and, with --out, writes it there too; the long-running ones also rewrite --out after each
+row, so a run cut short still leaves data. Lists take commas or repeated options alike. The
+commands import their benchmark only when run, so `qerl-pipe --help` stays cheap. The main CLI
+adds its error policy (a QerlError is one line and exit 1) to every command here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from qerl_pipe.errors import QerlError
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; results are JSON with a targets block.")
+
+OutOpt = Annotated[Optional[Path], typer.Option(help="Write the JSON here as well as to stdout.")]
+ShapesOpt = Annotated[list[str], typer.Option("--shapes", help="Model shapes (comma-separated or repeated): qwen2.5-7b, -14b, -32b, -72b.")]
+
+
+def values(items: list[str] | None, kind: type = str) -> list:
+    """`a,b`, `a b` and repeated options alike, each value once, in first-seen order."""
+    words = (w.strip() for item in items or [] for w in item.replace(",", " ").split())
+    return [kind(w) for w in dict.fromkeys(w for w in words if w)]
+
+
+def emit(result: dict, out: Path | None) -> None:
+    text = json.dumps(result, indent=2)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    print(text)
+
+
+@bench_app.command("kernels")
+def bench_kernels(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
+                  ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x).")] = ["1,8,16,64,256,1024,4096"]) -> None:
+    """NVFP4 / NF4 W4A16 Triton kernels vs cuBLAS bf16 and dequantize-then-matmul (needs a CUDA GPU)."""
+    from qerl_pipe.bench.kernels import run_kernel_bench
+
+    emit(run_kernel_bench(values(shapes), tuple(values(ms, int)), out), out)
+
+
+@bench_app.command("kernels-cuda")
+def bench_kernels_cuda(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"]) -> None:
+    """The CUDA W4A16 kernels (decode GEMM, dequantize + cuBLAS) vs cuBLAS bf16 (needs a Hopper GPU and nvcc)."""
+    from qerl_pipe.bench.kernels_cuda import run
+    from qerl_pipe.kernels import cuda_ext
+
+    why = cuda_ext.why_unavailable("cuda")
+    if why is not None:
+        raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); they need a Hopper GPU and nvcc. "
+                        "`qerl-pipe bench kernels` measures the Triton kernels")
+    emit(run(values(shapes), out), out)
+
+
+@bench_app.command("rollout")
+def bench_rollout(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b"],
+                  batches: Annotated[list[str], typer.Option(help="Batch sizes of our engine.")] = ["1,8,64,256"],
+                  hf_batches: Annotated[Optional[list[str]], typer.Option(help="Batch sizes for HF generate; '' skips HF.", show_default="--batches")] = None,
+                  prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 256,
+                  new_tokens: Annotated[int, typer.Option(help="Generated tokens per sequence (no early stop).")] = 512,
+                  hf_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence for HF generate (slow).")] = 64,
+                  lora_rank: Annotated[int, typer.Option(help="LoRA rank attached to our model.")] = 32,
+                  formats: Annotated[list[str], typer.Option(help="Base formats of our engine: bf16, nvfp4, nf4.")] = ["bf16,nvfp4"],
+                  hbm_tbps: Annotated[float, typer.Option(help="HBM bandwidth (TB/s) of the lower bound.")] = 4.2) -> None:
+    """Rollout speed: HF generate vs our engine (random weights, needs a CUDA GPU)."""
+    from qerl_pipe.bench.rollout import run_rollout_bench
+    from qerl_pipe.bench.shapes import QWEN25_SHAPES
+
+    unknown = [s for s in values(shapes) if s not in QWEN25_SHAPES]
+    if unknown:
+        raise QerlError(f"unknown shapes {unknown}; choose from {sorted(QWEN25_SHAPES)}")
+    emit(run_rollout_bench(values(shapes), values(batches, int), prompt_len, new_tokens, hf_new_tokens,
+                           None if hf_batches is None else values(hf_batches, int), lora_rank,
+                           tuple(values(formats)), hbm_tbps, partial=out), out)
+
+
+@bench_app.command("train-step")
+def bench_train_step(shape: Annotated[list[str], typer.Option("--shape", help="Model shapes (comma-separated or repeated): qwen2.5-7b, -14b, -32b, -72b.")] = ["qwen2.5-7b"],
+                     quant: Annotated[list[str], typer.Option("--quant", help="Base formats (comma-separated or repeated): bf16, nf4, nvfp4.")] = ["bf16,nvfp4"],
+                     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward.", show_default="8 for 7B/14B, 4 for 32B/72B")] = None,
+                     kv_slots: Annotated[Optional[int], typer.Option(help="Engine slots (KV cache rows).", show_default="all 64 sequences at once")] = None,
+                     response_len: Annotated[int, typer.Option(help="Sampled tokens per response (no early stop).")] = 1024,
+                     memory_limit_gib: Annotated[Optional[float], typer.Option(help="Treat the GPU as having this much free memory.", show_default="what is free")] = None,
+                     adapter: Annotated[str, typer.Option(help="lora, or full: every weight trains (with --quant bf16 only).")] = "lora",
+                     out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
+    """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format; needs a CUDA GPU."""
+    from qerl_pipe.bench.train_step import GIB, StepSettings, run_train_step_bench
+
+    settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len, adapter=adapter)
+    limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
+    emit(run_train_step_bench(values(shape), values(quant), settings, memory_limit_bytes=limit, out=out), out)
+
+
+@bench_app.command("train-scaling")
+def bench_train_scaling(out: OutOpt = None,
+                        shape: Annotated[str, typer.Option(help="Model shape (random weights): qwen2.5-7b, ... or tiny.")] = "qwen2.5-7b",
+                        nproc: Annotated[list[str], typer.Option(help="Process counts (one GPU each).")] = ["1,2"],
+                        device: Annotated[str, typer.Option(help="cuda, or cpu (gloo; a smoke test).")] = "cuda",
+                        prompts_per_step: Annotated[int, typer.Option(help="Global batch B (prompts per step).")] = 32,
+                        group_size: Annotated[int, typer.Option(help="Samples per prompt G.")] = 8,
+                        prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 128,
+                        new_tokens: Annotated[int, typer.Option(help="Generated tokens per sample (no early stop).")] = 256,
+                        steps: Annotated[int, typer.Option(help="Timed steps after the warm-up.")] = 3,
+                        warmup: Annotated[int, typer.Option(help="Warm-up steps (not timed).")] = 1,
+                        lora_rank: Annotated[int, typer.Option(help="LoRA rank.")] = 32,
+                        micro_batch_size: Annotated[int, typer.Option(help="Sequences per forward/backward.")] = 32) -> None:
+    """RL steps/s on 1 vs N GPUs at the same global batch, through torchrun (target: 2 GPUs >= 1.8x)."""
+    from qerl_pipe.bench.train_scaling import run_train_scaling_bench
+
+    emit(run_train_scaling_bench(shape, values(nproc, int), device, prompts_per_step, group_size, prompt_len,
+                                 new_tokens, steps, warmup, lora_rank, micro_batch_size), out)
+
+
+@bench_app.command("memory")
+def bench_memory(out: OutOpt = None) -> None:
+    """GPU memory of a Qwen2.5-32B-shaped model built directly in NVFP4 (target: under 20 GiB; needs a CUDA GPU)."""
+    from qerl_pipe.bench.memory import run_memory_bench
+
+    emit(run_memory_bench(), out)
+
+
+@bench_app.command("decode-profile")
+def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: qwen2.5-7b, -14b, -32b, -72b.")] = "qwen2.5-7b",
+                         format: Annotated[str, typer.Option("--format", help="Base format: bf16, nvfp4, nf4.")] = "nvfp4",
+                         batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 8,
+                         steps: Annotated[int, typer.Option(help="Decode steps profiled.")] = 16) -> None:
+    """Where a decode step's time goes: kernels per step and the top kernels (a table on stdout; needs a CUDA GPU)."""
+    from qerl_pipe.bench.decode_profile import profile_decode
+    from qerl_pipe.bench.shapes import QWEN25_SHAPES
+
+    if shape not in QWEN25_SHAPES or format not in ("bf16", "nvfp4", "nf4"):
+        raise QerlError(f"--shape is one of {sorted(QWEN25_SHAPES)} and --format one of bf16, nvfp4, nf4")
+    profile_decode(shape, format, batch, steps)
+
+
+@bench_app.command("quantize")
+def bench_quantize(model: Annotated[str, typer.Option(help="Model source for the quality figures.")] = "smollm2-135m-instruct",
+                   shard_mb: Annotated[int, typer.Option(help="Shard size of the synthetic multi-shard model.")] = 64,
+                   out: OutOpt = None) -> None:
+    """Quantize-stage time, peak host memory (streaming) and quality; runs on CPU."""
+    from qerl_pipe.bench.quantize import run_quantize_bench
+
+    emit(run_quantize_bench(model, shard_mb), out)
+
+
+@bench_app.command("quantize-methods")
+def bench_quantize_methods(model: Annotated[str, typer.Option(help="Model source.")] = "smollm2-135m-instruct",
+                           methods: Annotated[list[str], typer.Option(help="quantize.method values.")] = ["rtn,mse,act-mse"],
+                           out: OutOpt = None) -> None:
+    """Perplexity over bf16 for each NVFP4 block-scale method (rtn, mse, act-mse); runs on CPU."""
+    from qerl_pipe.bench.quantize import run_quantize_methods_bench
+
+    emit(run_quantize_methods_bench(model, values(methods)), out)
+
+
+@bench_app.command("arms")
+def bench_arms(arm: Annotated[list[str], typer.Option("--arm", help="NAME=RUN_DIR or NAME=RUN.log (repeat; order = legend order).")],
+               out_dir: Annotated[Path, typer.Option(help="Where arms.json and the plots go.")],
+               title: Annotated[str, typer.Option(help="Plot title.")] = "arms",
+               full: Annotated[str, typer.Option(help="The unquantized LoRA arm.")] = "bf16",
+               quantized: Annotated[str, typer.Option(help="Quantized arms without AQN, comma-separated.")] = "nvfp4,nf4",
+               aqn_pairs: Annotated[str, typer.Option(help="WITH:WITHOUT arms that differ only in AQN, comma-separated.")] = "qerl:nvfp4,bf16-aqn:bf16",
+               qlora_pairs: Annotated[str, typer.Option(help="ARM:QLORA pairs, each arm checked against the QLoRA (NF4) arm.")] = "qerl:nf4,nvfp4:nf4",
+               note: Annotated[str, typer.Option(help="Stored in the results file (how the arms were run).")] = "",
+               gpu: Annotated[Optional[str], typer.Option(help="The GPU the arms ran on, when summarised elsewhere.")] = None) -> None:
+    """Training arms side by side (bf16 LoRA, QLoRA, NVFP4, NVFP4 + AQN, ...): plots and the QeRL paper's claims."""
+    from qerl_pipe.bench.arms import summarize_arms
+
+    emit(summarize_arms(arm, out_dir, title, full, quantized, aqn_pairs, qlora_pairs, note, gpu), None)
+
+
+@bench_app.command("seeds")
+def bench_seeds(arms: Annotated[list[Path], typer.Argument(help="arms.json of each seed, in seed order.")],
+                out: Annotated[Path, typer.Option(help="The results file.")],
+                note: Annotated[str, typer.Option(help="Stored in the results file (what the seeds are).")] = "",
+                gpu: Annotated[Optional[str], typer.Option(help="The GPU the arms ran on, when summarised elsewhere.")] = None) -> None:
+    """The arms of several seeds side by side: each arm's figures over the seeds, how often each claim held."""
+    from qerl_pipe.bench.seeds import summarize_seeds
+
+    emit(summarize_seeds(arms, out, note, gpu), None)

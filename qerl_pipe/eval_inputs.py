@@ -1,0 +1,134 @@
+"""What `qerl-pipe eval` is pointed at, resolved before any engine is built or weight read.
+
+--model may name an engine artifact, a quantize checkpoint, a model-directory artifact (an
+imported GGUF, a merged export), or a model source; --adapter a train run, any artifact or
+directory holding a PEFT adapter, or a store reference to one. Turning those words into
+artifacts is the DAG's and the store's knowledge, so it lives here rather than in the eval stage,
+which only keys and seals the evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
+from qerl_pipe.artifacts.manifest import MANIFEST_NAME
+from qerl_pipe.dag import BUILD_ENGINE, EVAL, QUANTIZE, TRAIN, MissingArtifact, recipe_artifact
+from qerl_pipe.errors import ArtifactError, QerlError
+from qerl_pipe.formats.hf_config import read_model_config
+from qerl_pipe.lineage import engine_model_name
+from qerl_pipe.model.peft import AdapterFiles, read_adapter
+from qerl_pipe.recipe import Recipe
+from qerl_pipe.sources import ALIASES, resolve_model
+
+
+@dataclass(frozen=True)
+class AdapterInput:
+    """The adapter to apply: its checked files, and the artifact holding them when there is one."""
+
+    files: AdapterFiles
+    artifact: Artifact | None
+
+    def identity(self) -> dict[str, Any]:
+        """What names the adapter in the eval's id: the artifact (its manifest hashes every file),
+        or the content of a plain directory (so an edited adapter is never mistaken for the old one)."""
+        if self.artifact is not None:
+            return {"artifact": self.artifact.id, "subdir": self.files.dir.relative_to(self.artifact.path).as_posix()}
+        return {"sha256": self.files.sha256()}
+
+
+def open_adapter(adapter: Path | Artifact | str, store: ArtifactStore) -> AdapterInput:
+    """A train run, any artifact or directory holding a PEFT LoRA adapter (itself or `adapter/`),
+    or a store reference (id prefix, directory name) to one."""
+    if isinstance(adapter, str):
+        path = Path(adapter)
+        # A path-like reference is a directory; anything else may name an artifact in the store.
+        adapter = path if path.is_dir() or "/" in adapter or adapter.startswith(".") else store.resolve(adapter)
+    if isinstance(adapter, Path) and (adapter / MANIFEST_NAME).is_file():
+        adapter = load_artifact(adapter)  # an artifact given by path: verified, and it becomes a parent
+    if isinstance(adapter, Artifact):
+        if adapter.kind in (BUILD_ENGINE.kind, QUANTIZE.kind, EVAL.kind):
+            raise ArtifactError(f"{adapter.path} is a '{adapter.kind}' artifact, not an adapter; pass a train run "
+                                "(or an exported PEFT adapter) to --adapter")
+        if adapter.kind == TRAIN.kind and adapter.manifest["config"]["train"].get("adapter") == "full":
+            raise ArtifactError(f"{adapter.path} trained every weight (train.adapter=full) and has no adapter; "
+                                f"evaluate its model: `qerl-pipe export --run {adapter.path} --format merged-bf16`, "
+                                "then pass that export to --model")
+        return AdapterInput(read_adapter(adapter.path), adapter)
+    if not adapter.is_dir():
+        raise ArtifactError(f"adapter {adapter} does not exist; pass a train run or a directory with "
+                            "adapter_model.safetensors + adapter_config.json")
+    return AdapterInput(read_adapter(adapter), None)
+
+
+@dataclass(frozen=True)
+class ModelTarget:
+    """What --model named, before anything is built: an engine, or what the recipe builds one from."""
+
+    engine: Artifact | None
+    quantized: Artifact | None
+    recipe: Recipe  # with model.source set when a model source was named
+    hf_config: dict[str, Any]
+    name: str
+
+
+def _looks_like_source(ref: str) -> bool:
+    return ref in ALIASES or ref.startswith("pkg:") or ref.endswith(".gguf") or "/" in ref
+
+
+def _model_dir_artifact(artifact: Artifact) -> bool:
+    """An artifact that is itself a Hugging Face model directory (an imported GGUF, a merged export)."""
+    return (artifact.path / "config.json").is_file() and any(artifact.path.glob("*.safetensors"))
+
+
+def _source_target(recipe: Recipe, source: str | None, store: ArtifactStore) -> ModelTarget:
+    if source is not None:
+        recipe = recipe.model_copy(deep=True)
+        recipe.model.source = source
+    resolved = resolve_model(recipe.model, store)
+    return ModelTarget(None, None, recipe, resolved.config, recipe.model.source)
+
+
+def resolve_model_target(ref: str | Artifact | None, recipe: Recipe, store: ArtifactStore) -> ModelTarget:
+    """--model: an engine artifact; a quantize checkpoint or a model source (the recipe's engine
+    section builds, or reuses, the engine); None = the recipe's own model. Builds nothing."""
+    if ref is None:
+        return _source_target(recipe, None, store)
+    artifact = ref if isinstance(ref, Artifact) else None
+    if isinstance(ref, str):
+        path = Path(ref)
+        if path.is_dir() and (path / MANIFEST_NAME).is_file():
+            artifact = load_artifact(path)
+        elif path.is_dir() or _looks_like_source(ref):
+            return _source_target(recipe, ref, store)
+        else:
+            artifact = store.resolve(ref)
+    assert artifact is not None
+    if artifact.kind == BUILD_ENGINE.kind:
+        return ModelTarget(artifact, None, recipe, read_model_config(artifact.path), engine_model_name(artifact, store))
+    if artifact.kind == QUANTIZE.kind:
+        return ModelTarget(None, artifact, recipe, read_model_config(artifact.path), artifact.path.name)
+    if artifact.kind == TRAIN.kind:
+        raise ArtifactError(f"{artifact.path} is a train run (an adapter), not a model; pass it to --adapter and "
+                            "its engine to --model")
+    if _model_dir_artifact(artifact):
+        return _source_target(recipe, str(artifact.path), store)
+    raise ArtifactError(f"{artifact.path} is a '{artifact.kind}' artifact, not a model; --model takes an engine "
+                        "(build-engine), a quantize checkpoint, or a model source")
+
+
+def build_target_engine(target: ModelTarget, store: ArtifactStore, build_missing: bool = False) -> Artifact:
+    """The engine --model names, or the one the recipe builds from the checkpoint or model source it
+    names: found in the store, built (with its own missing inputs) only with `build_missing`."""
+    if target.engine is not None:
+        return target.engine
+    made = {"quantize": target.quantized} if target.quantized is not None else {}
+    try:
+        return recipe_artifact(BUILD_ENGINE.name, target.recipe, store, build=build_missing, made=made)
+    except MissingArtifact as exc:
+        first = f" (which needs `qerl-pipe {exc.stage}` first)" if exc.stage != BUILD_ENGINE.name else ""
+        raise QerlError(f"eval needs an engine for {target.name}, and the recipe's is not in {store.root}: run "
+                        f"`qerl-pipe build-engine` with the same recipe and model{first}, pass --model ENGINE, or "
+                        "add --build-missing") from None

@@ -1,0 +1,95 @@
+"""Tensor and module names, in one place: Hugging Face's, our Decoder's fused projections, PEFT's.
+
+Three naming schemes meet wherever weights cross a boundary (loading a checkpoint, saving an
+adapter, merging, writing NVFP4):
+- Hugging Face: `model.layers.N.self_attn.q_proj.weight`, one module per projection.
+- Our Decoder: no `model.` level (`layers.N.self_attn...`), and projections that read the same input
+  fused into one linear (`qkv_proj` = q/k/v, `gate_up_proj` = gate/up), so decode runs one GEMM.
+- PEFT: `base_model.model.` before the HF name, `.lora_A.weight` / `.lora_B.weight` after it.
+The fused groups are also modelopt's: projections of one group must share one NVFP4 global scale
+(and input scale), or TensorRT-LLM rejects the checkpoint and vLLM silently takes the max.
+
+Pure string work, no torch: every layer (formats, model, engine) may import it.
+"""
+
+from __future__ import annotations
+
+import re
+
+# What HF puts before our Decoder's names (`layers.0...`, `norm.weight`); lm_head has no prefix.
+HF_PREFIX = "model."
+# What PEFT puts before a Hugging Face parameter name.
+PEFT_PREFIX = "base_model.model."
+
+# LoRA targets as recipes and adapter configs name them (`q` is `q_proj`), in model order.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+ATTENTION_TARGETS = ("q", "k", "v", "o")
+
+# Fused group -> its HF projections, in the order their outputs are concatenated.
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "gate_up": ("gate_proj", "up_proj"),
+}
+_GROUP_OF = {proj: group for group, projs in FUSED_GROUPS.items() for proj in projs}
+# Every HF projection of a Llama-family decoder layer.
+PROJECTIONS = tuple(f"{t}_proj" for t in LORA_TARGETS)
+
+# The linears of a Llama-family decoder layer by HF weight name; embeddings, norms and lm_head
+# are not among them (they stay 16-bit in an NVFP4 checkpoint).
+HF_LINEAR_WEIGHT = re.compile(r"^(.*\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj)\.weight$")
+# PEFT names of the LoRA tensors our Decoder can hold: one A/B pair per projection per layer.
+PEFT_LORA_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])\.weight$")
+# Trainable RMSNorm weights (PEFT's modules_to_save), under PEFT's names.
+PEFT_NORM_KEY = re.compile(r"^base_model\.model\.model\.[\w.]*norm\.weight$")
+
+
+def fused_module(group: str) -> str:
+    """Our Decoder's linear for a fused group: `qkv` -> `qkv_proj`."""
+    return f"{group}_proj"
+
+
+# HF projection -> (our fused linear, index of the projection in it).
+FUSED_INDEX: dict[str, tuple[str, int]] = {
+    proj: (fused_module(group), i) for group, projs in FUSED_GROUPS.items() for i, proj in enumerate(projs)
+}
+
+
+def projection(target: str) -> str:
+    """A LoRA target's HF module name: `q` -> `q_proj`."""
+    return f"{target}_proj"
+
+
+def block_of(target: str) -> str:
+    """The HF sub-module of a decoder layer that holds a target's projection."""
+    return "self_attn" if target in ATTENTION_TARGETS else "mlp"
+
+
+def hf_name(name: str) -> str:
+    """Our Decoder's name of a module or parameter -> HF's (`layers.0...` -> `model.layers.0...`)."""
+    return f"{HF_PREFIX}{name}"
+
+
+def from_hf_name(name: str) -> str:
+    """HF's name -> our Decoder's (the inverse of `hf_name`; `lm_head.weight` stays as it is)."""
+    return name.removeprefix(HF_PREFIX)
+
+
+def peft_name(name: str) -> str:
+    """Our Decoder's name -> PEFT's (`layers.0.self_attn.q_proj` -> `base_model.model.model.layers...`)."""
+    return f"{PEFT_PREFIX}{hf_name(name)}"
+
+
+def peft_lora_prefix(layer: int, target: str) -> str:
+    """PEFT's module name of a target's projection in layer `layer` (no `.lora_A.weight`)."""
+    return f"{PEFT_PREFIX}{HF_PREFIX}layers.{layer}.{block_of(target)}.{projection(target)}"
+
+
+def fused_group_key(param_name: str) -> str | None:
+    """`model.layers.3.self_attn.k_proj(.weight)` -> `model.layers.3.self_attn.qkv`; else None."""
+    parts = param_name.split(".")
+    if parts[-1] == "weight":
+        parts = parts[:-1]
+    group = _GROUP_OF.get(parts[-1]) if parts else None
+    if group is None:
+        return None
+    return ".".join([*parts[:-1], group])

@@ -1,0 +1,200 @@
+"""One training run in a work directory: train (or resume from its last checkpoint), greedy
+evaluation before and after, the trained adapter (or for full fine-tuning the whole model), plots
+and the reports. The train stage keys the run, picks the work directory and seals it as the
+artifact; everything that happens inside the directory is here.
+
+The directory: `adapter/` (PEFT; a full run has `model/` instead, a Hugging Face model directory
+of the trained weights), `metrics.jsonl`, `plots/`, `report.json` / `report.md`,
+`eval/before.jsonl` / `eval/after.jsonl` (greedy completions), `checkpoints/step-N/`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_pipe.engine import Engine
+from qerl_pipe.engine.artifact import load_engine
+from qerl_pipe.formats.modelopt_writer import write_dense_config
+from qerl_pipe.hf import load_tokenizer
+from qerl_pipe.log import log
+from qerl_pipe.model.dense_copy import dense_base_copy
+from qerl_pipe.model.full import full_training_bytes
+from qerl_pipe.model.lora import LoraSpec, apply_lora
+from qerl_pipe.model.peft import ADAPTER_DIR, save_adapter
+from qerl_pipe.model.save import save_hf_weights
+from qerl_pipe.recipe import TrainSection
+from qerl_pipe.rl.distributed import Dist
+from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
+from qerl_pipe.rl.metrics import PLOTS_DIR, greedy_line, write_plots
+from qerl_pipe.rl.prompts import fit_prompts, stop_token_ids
+from qerl_pipe.rl.tasks import Problem, load_problems
+from qerl_pipe.rl.trainer import Trainer, fit
+
+# Where a full fine-tuning run keeps its trained weights, a Hugging Face model directory (a LoRA
+# run keeps its adapter in ADAPTER_DIR); export reads them there.
+MODEL_DIR = "model"
+EVAL_DIR = "eval"
+SECTION = "train"  # the recipe section, named in messages
+
+
+def load_train_problems(section: TrainSection) -> tuple[list[Problem], list[Problem]]:
+    """Training and evaluation problems (raises before any model work when a spec is bad)."""
+    def fields(spec: str) -> dict[str, Any]:
+        if not spec.endswith(".jsonl"):
+            return {}
+        return {"question_field": section.question_field, "answer_field": section.answer_field}
+
+    train = load_problems(section.data, seed=section.seed, **fields(section.data))
+    evaluation: list[Problem] = []
+    if section.eval_data and section.eval_limit:
+        # seed + 1: generated problems (arithmetic) differ from the training ones.
+        evaluation = load_problems(section.eval_data, limit=section.eval_limit, seed=section.seed + 1,
+                                   **fields(section.eval_data))
+    return train, evaluation
+
+
+def _write_eval(run_dir: Path, name: str, result: EvalResult) -> None:
+    out = run_dir / EVAL_DIR
+    out.mkdir(exist_ok=True)
+    (out / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in result.samples))
+    (out / f"{name}.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+
+
+def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]], before: dict | None,
+            after: dict | None, seconds: float, device: str) -> dict[str, Any]:
+    tenth = max(1, len(records) // 10)
+
+    def mean(key: str, rows: list[dict[str, Any]]) -> float:
+        return sum(r[key] for r in rows) / max(1, len(rows))
+
+    # A resumed run's records hold every step (metrics.jsonl is kept across sessions), so their step
+    # times add up to the whole run's RL time; this session's clock alone would show the last part.
+    report = {
+        "steps": len(records), "device": device, "step_seconds_total": round(sum(r["step_seconds"] for r in records), 1),
+        "seconds_this_session": round(seconds, 1),
+        "train_data": section.data, "eval_data": section.eval_data if before else None,
+        "eval_before": before, "eval_after": after,
+        "reward_first_tenth": mean("reward_mean", records[:tenth]),
+        "reward_last_tenth": mean("reward_mean", records[-tenth:]),
+        "accuracy_first_tenth": mean("accuracy", records[:tenth]),
+        "accuracy_last_tenth": mean("accuracy", records[-tenth:]),
+        "rollout_tokens_per_s": mean("rollout_tokens_per_s", records),
+        "step_seconds_mean": mean("step_seconds", records),
+    }
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# Training report ({len(records)} steps on {device}: {report['step_seconds_total']} s of RL steps in "
+             f"all sessions; this session {report['seconds_this_session']} s with loading and evaluation)", "",
+             f"Loss {section.loss}, B={section.prompts_per_step} prompts x G={section.group_size}, lr {section.lr}, "
+             f"{_what_trains(section)}, AQN {section.aqn.schedule} {section.aqn.sigma_start:g} -> "
+             f"{section.aqn.sigma_end:g}, data {section.data}.", ""]
+    if before and after:
+        lines += [f"Greedy accuracy on {before['total']} problems of {section.eval_data}:", "",
+                  "| | accuracy | mean length | truncated |", "|---|---|---|---|"]
+        for name, r in (("before", before), ("after", after)):
+            lines.append(f"| {name} | {r['accuracy']:.3f} ({r['correct']}/{r['total']}) | "
+                         f"{r['response_length_mean']:.1f} | {r['truncation_rate']:.2f} |")
+        lines.append("")
+    lines += [f"Training reward, first tenth of the steps: {report['reward_first_tenth']:.3f}; last tenth: "
+              f"{report['reward_last_tenth']:.3f} (accuracy {report['accuracy_first_tenth']:.3f} -> "
+              f"{report['accuracy_last_tenth']:.3f}).", ""]
+    (run_dir / "report.md").write_text("\n".join(lines))
+    return report
+
+
+def _what_trains(section: TrainSection) -> str:
+    return "full fine-tuning (every weight)" if section.adapter == "full" else f"LoRA r={section.lora.rank}"
+
+
+def _save_full_model(model: torch.nn.Module, engine_dir: Path, out: Path) -> None:
+    """The trained weights as a Hugging Face model directory: the engine's config.json (the
+    model's own, without quantization) in the weights' dtype, tokenizer files, safetensors."""
+    save_hf_weights(model, out)
+    write_dense_config(engine_dir, out, model.dtype)
+
+
+def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
+    """What full fine-tuning adds to the engine's memory, said before the first step."""
+    params = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    extra = full_training_bytes(params, model.dtype)  # the bf16 weights themselves are the engine's
+
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    masters = " and masters" if model.dtype != torch.float32 else ""  # a float32 weight is its own
+    line = (f"train: full fine-tuning of {params / 1e6:.1f}M parameters: weights {size(weights)}, plus "
+            f"{size(extra)} of float32 gradients and AdamW moments{masters}")
+    return line, {"trained_parameters": params, "train_state_gib": round(extra / 2**30, 3)}
+
+
+def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], eval_problems: list[Problem],
+              device: torch.device, run_dir: Path, base_model: str, trust_remote_code: bool = False,
+              dist: Dist = Dist()) -> dict[str, Any]:
+    """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary.
+
+    With several ranks all of them train; rank 0 alone evaluates and writes the files (the
+    others return {} once training is done).
+    """
+    started = time.perf_counter()
+    model, limits = load_engine(engine_dir, device)
+    spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
+    full = section.adapter == "full"
+    if not full:
+        apply_lora(model, spec, seed=section.seed)
+    tokenizer = load_tokenizer(engine_dir, trust_remote_code)
+    stops = stop_token_ids(tokenizer, engine_dir)
+    problems, prompts, _ = fit_prompts(tokenizer, problems, section.instruction, limits.max_seq_len,
+                                       section.max_new_tokens, "training", SECTION)
+    eval_problems, eval_prompts, _ = fit_prompts(tokenizer, eval_problems, section.instruction, limits.max_seq_len,
+                                                 section.max_new_tokens, "evaluation", SECTION)
+    engine_runner = Engine(model, limits)
+    # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
+    with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
+        if dense_bytes and dist.is_main:
+            log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
+        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, section, stops, dist=dist)
+        memory: dict[str, Any] = {}
+        if full and dist.is_main:
+            line, memory = _full_memory_line(model)
+            log(line)
+        before = after = None
+        if eval_prompts and dist.is_main:
+            before_file = run_dir / EVAL_DIR / "before.json"
+            if before_file.is_file():  # a resumed run evaluated the fresh adapter already
+                before = json.loads(before_file.read_text())
+            else:
+                result = greedy_eval(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens, stops)
+                _write_eval(run_dir, "before", result)
+                before = result.summary()
+                log(greedy_line("before", before, section.eval_data))
+        records = fit(trainer, run_dir, section.checkpoint_every)
+        if not dist.is_main:
+            return {}
+        if eval_prompts:
+            result = greedy_eval(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens, stops)
+            _write_eval(run_dir, "after", result)
+            after = result.summary()
+            log(f"{greedy_line('after', after, section.eval_data)}; before {before['accuracy']:.3f}")
+    if full:
+        _save_full_model(model, engine_dir, run_dir / MODEL_DIR)
+    else:
+        save_adapter(model, spec, run_dir / ADAPTER_DIR, base_model)
+    write_plots(records, run_dir / PLOTS_DIR)
+    report = write_report(run_dir, section, records, before, after, time.perf_counter() - started, str(device))
+    return {
+        "steps": len(records),
+        "accuracy_before": before["accuracy"] if before else None,
+        "accuracy_after": after["accuracy"] if after else None,
+        "reward_first_tenth": report["reward_first_tenth"],
+        "reward_last_tenth": report["reward_last_tenth"],
+        "device": str(device),
+        "adapter": section.adapter, **memory,
+        **({"processes": dist.world_size} if dist.enabled else {}),
+        "seconds_this_session": round(time.perf_counter() - started, 1),
+    }
