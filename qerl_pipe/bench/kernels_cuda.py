@@ -43,12 +43,17 @@ def copy_ceiling_tbps() -> float:
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[cuda_ext.GemmConfig]:
     """The default config, the other compiled variants with its tokens per pass (each with its
-    own `choose_splits`, and the staged ones also unsplit and at half that), and the default's K
+    own `choose_splits`, and the staged ones also unsplit and at half that), the wgmma variants
+    from M = 33 on (at 1, 2 and 4 splits and their own `choose_splits`), and the default's K
     splits halved, doubled and off."""
     base = cuda_ext.default_config(m, n, k, sms)
     out = [base]
     for c in cuda_ext.compiled_configs():
-        if c.nb == base.nb and replace(c, splits=base.splits) != base:
+        if c.mt == 1:  # wgmma: 64 or 128 tokens per pass, from M = 33 on
+            if m > 32 and 8 * c.nb <= max(64, m):
+                s = cuda_ext.choose_splits(m, n, k, c, sms, cuda_ext.blocks_per_sm(c))
+                out += [replace(c, splits=v) for v in sorted({1, 2, 4, s})]
+        elif c.nb == base.nb and replace(c, splits=base.splits) != base:
             s = cuda_ext.choose_splits(m, n, k, c, sms, cuda_ext.blocks_per_sm(c))
             out.append(replace(c, splits=s))
             if c.stages:

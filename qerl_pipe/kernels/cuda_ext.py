@@ -230,15 +230,17 @@ def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: 
 # (mt, warps, wk, depth, stages), the most frequent winner per M in the H200 sweep.
 _VARIANT = {1: (2, 8, 8, 4, 0), 2: (2, 8, 8, 4, 0), 4: (4, 4, 4, 2, 0), 8: (2, 4, 4, 2, 0)}
 # Measured best configs per (M, N, K) on a 132-SM H200 (bench/results/kernels-cuda-h200.json,
-# written there by `tuned_table`); used on GPUs with that many SMs.
+# written there by `tuned_table`); used on GPUs with that many SMs. Rows of M <= 64 are always
+# there; rows of M = 128 and 256 only where the GEMM beat dequantize + cuBLAS, so a row there is
+# what sends those M to the GEMM (`gemm_wins`).
 TABLE_FILE = SOURCE_DIR / "configs-h200.json"
-_TABLE_MS = (1, 8, 16, 32, 64)
+_TABLE_MS = (1, 8, 16, 32, 64, 128, 256)
 
 
 def _table_m(m: int) -> int:
-    """The table row that serves M tokens: the smallest measured M at or above it (per pass)."""
-    m = min(m, MAX_PASS_TOKENS)
-    return next(t for t in _TABLE_MS if t >= m)
+    """The table row that serves M tokens: the smallest measured M at or above it (the largest
+    for more; a config runs any M, in passes)."""
+    return next((t for t in _TABLE_MS if t >= m), _TABLE_MS[-1])
 
 
 def table_key(m: int, n: int, k: int) -> str:
@@ -246,9 +248,11 @@ def table_key(m: int, n: int, k: int) -> str:
 
 
 def tuned_table(rows: list[dict]) -> dict:
-    """The benchmark's fastest config per (M, N, K), keyed by `table_key` (rows of a measured M)."""
+    """The benchmark's fastest config per (M, N, K), keyed by `table_key` (rows of a measured M;
+    above MAX_PASS_TOKENS only where the GEMM beat dequantize + cuBLAS)."""
     return {table_key(r["M"], r["N"], r["K"]): r["gemm_config"]
-            for r in rows if "gemm_config" in r and r["M"] in _TABLE_MS}
+            for r in rows if "gemm_config" in r and r["M"] in _TABLE_MS
+            and (r["M"] <= MAX_PASS_TOKENS or r["gemm_us"] < r["dequant_matmul_us"])}
 
 
 @lru_cache(maxsize=1)
@@ -271,6 +275,18 @@ def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) 
     config = GemmConfig(mt, nb, warps, wk, depth, 1, stages=stages)
     per_sm = per_sm if per_sm is not None else blocks_per_sm(config)
     return replace(config, splits=choose_splits(m, n, k, config, sms, per_sm))
+
+
+def gemm_wins(m: int, n: int, k: int, sms: int) -> bool:
+    """Whether `[m, k] x [n, k]^T` should run as the decode GEMM rather than dequantize + cuBLAS:
+    always up to MAX_PASS_TOKENS rows; up to 256 rows where the measured table (same SM count) has
+    a row for the shape, i.e. the GEMM was faster there; never above."""
+    if m <= MAX_PASS_TOKENS:
+        return True
+    if m > _TABLE_MS[-1]:
+        return False
+    table_sms, configs = _table()
+    return sms == table_sms and table_key(m, n, k) in configs
 
 
 @torch.library.custom_op("qerl::w4a16_gemm", mutates_args=())

@@ -1,8 +1,9 @@
 """Public 4-bit linear ops: CUDA or Triton kernels on a GPU, the plain-torch references elsewhere.
 
 An NVFP4 weight in the tiled layout (`TiledNVFP4`, what models hold) runs the CUDA kernels on
-Hopper: the decode GEMM up to `CUDA_GEMM_MAX_M` rows, else one dequantize pass into bf16 and
-cuBLAS (the backward's dX always takes that path). On other GPUs it runs the Triton kernels on a
+Hopper: the decode GEMM where it wins (`cuda_ext.gemm_wins`: up to 64 rows, and up to 256 for the
+shapes where the H200 table measured it faster), else one dequantize pass into bf16 and cuBLAS
+(the backward's dX always takes that path). On other GPUs it runs the Triton kernels on a
 repacked copy, made once per weight.
 """
 
@@ -28,11 +29,6 @@ from qerl_pipe.kernels.packing import (
     unprepare_nvfp4,
 )
 from qerl_pipe.kernels.tiled import TiledNVFP4, untile_nvfp4
-
-# Up to this many rows the decode GEMM beats dequantize + cuBLAS on the H200
-# (bench/results/kernels-cuda-h200.json).
-CUDA_GEMM_MAX_M = 64
-
 
 def _rows(t: Tensor, width: int, what: str) -> Tensor:
     if t.shape[-1] != width:
@@ -84,7 +80,8 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any) -> Tensor:
         from qerl_pipe.kernels import cuda_ext
 
         x2 = _rows(x, w.in_features, "x")
-        if x2.shape[0] <= CUDA_GEMM_MAX_M:
+        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
+        if cuda_ext.gemm_wins(x2.shape[0], w.out_features, w.in_features, sms):
             if x2.data_ptr() % 16 or x2.stride(0) % 8:
                 x2 = x2.clone()  # the kernel loads 16-byte pieces of x; a fresh copy is aligned
             out = cuda_ext.gemm(x2, w)
