@@ -205,6 +205,13 @@ class TrainSection(_Section):
     gradient_checkpointing: bool = Field(
         True, description="Recompute each layer's activations in backward (less memory, ~1/3 more compute)."
     )
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="GPU memory one training process may use, in GB (10^9 bytes). The planner "
+        "(qerl_pipe/memory/plan.py) picks the most KV slots (rollout waves), the largest micro-batch (up to "
+        "micro_batch_size) and LM-head chunk whose estimated step peak fits, and on CUDA the process is capped to "
+        "it (on a CPU it is planned to, not enforced). null = the GPU's free memory at start, not capped; on a "
+        "CPU, none. A budget no plan meets is an error before any work, naming the smallest that fits.",
+    )
     adapter: Literal["lora", "full"] = Field(
         "lora", description="What trains: lora = adapters over the frozen base (section lora); full = every "
         "weight (embeddings, norms, LM head included) by AdamW with float32 master weights, on a bf16 base only.",

@@ -12,7 +12,7 @@ import torch
 
 from qerl_pipe.bench import train_step
 from qerl_pipe.bench.shapes import QWEN25_SHAPES
-from qerl_pipe.bench.step_memory import StepSize, estimate_step_bytes
+from qerl_pipe.memory.step import StepSize, estimate_step_bytes
 from qerl_pipe.bench.train_step import StepSettings, run_train_step_bench, targets
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
@@ -158,7 +158,7 @@ def test_repeated_values_run_once():
 def test_full_fine_tuning_is_estimated_and_measured_like_the_lora_arms(tmp_path):
     from dataclasses import replace
 
-    from qerl_pipe.bench.step_memory import full_bytes, weight_elements
+    from qerl_pipe.memory.step import full_bytes, weight_elements
     from qerl_pipe.errors import QerlError
     from qerl_pipe.model.full import make_fully_trainable
 

@@ -2,7 +2,8 @@
 
 Everything that can be done once per (model, GPU) is done here and stored, so that train and
 eval start in seconds: the base is converted to the kernels' layout (`engine.weights`), the
-KV-cache limits are planned from a memory budget on the target device (`engine.limits`), and on
+KV-cache limits are planned from a memory budget on the target device (`engine.limits`: the KV
+bytes the step planner, `memory.plan`, gives train's step under `train.memory_budget_gb`), and on
 CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`). Tuning is
 per GPU, so the GPU's name is part of the artifact's identity.
 
@@ -32,19 +33,20 @@ from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.formats.modelopt_writer import copy_model_files
 from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, table_to_json
 from qerl_pipe.log import log
+from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_engine
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model, model_memory_bytes
-from qerl_pipe.recipe import EngineSection, Recipe
+from qerl_pipe.recipe import EngineSection, Recipe, TrainSection
 from qerl_pipe.sources import resolve_model
 from qerl_pipe.hf import compute_dtype, count_parameters, pick_device
 from qerl_pipe.stages.common import model_config_key
 
 STAGE = BUILD_ENGINE
-# Auto KV budget on CUDA: a share of what is free once the model is loaded; the rest is left for
-# activations, LoRA, optimizer state and the training step that shares the GPU with the engine.
-AUTO_KV_FRACTION = 0.4
+# Without engine.kv_budget_gib the KV cache is what the step planner (memory.plan) gives train's
+# step under train.memory_budget_gb (on CUDA, by default, the memory free at start); on a CPU
+# without a budget, this.
 CPU_KV_BUDGET_BYTES = 2 * 2**30
 # Tuning covers the M buckets the engine decodes at (up to its max batch) and a training-sized M
 # (the M >= 1024 bucket: prefill and the training forward); dX runs only in training, so only
@@ -69,9 +71,11 @@ class _Plan:
 
     config: DecoderConfig
     dtype: torch.dtype
-    kv_budget_bytes: int | None  # None: measured on the GPU after loading the model
+    kv_budget_bytes: int
     cuda_graphs: bool
     tune: bool
+    memory_plan: MemoryPlan | None = None  # train's step, when it sized the KV cache
+    enforce: bool = False  # cap the process at the plan's budget (CUDA, train.memory_budget_gb)
 
 
 def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool:
@@ -80,7 +84,7 @@ def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool
     return choice == "on" or (choice == "auto" and auto)
 
 
-def _plan(section: EngineSection, hf_config: dict[str, Any], device: torch.device) -> _Plan:
+def _plan(section: EngineSection, hf_config: dict[str, Any], device: torch.device, train: TrainSection) -> _Plan:
     config = DecoderConfig.from_hf(hf_config)
     if section.max_seq_len > config.max_position_embeddings:
         raise QerlError(
@@ -93,14 +97,14 @@ def _plan(section: EngineSection, hf_config: dict[str, Any], device: torch.devic
     tune = _switch(section.tune_kernels, cuda and four_bit, cuda and four_bit, "tune_kernels",
                    "needs a CUDA device and a 4-bit base (nvfp4 or nf4)")
     dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
-    budget = None
+    memory_plan, enforce = None, False
     if section.kv_budget_gib is not None:
         budget = int(section.kv_budget_gib * 2**30)
-    elif not cuda:
-        budget = CPU_KV_BUDGET_BYTES
-    plan = _Plan(config, dtype, budget, graphs, tune)
-    if budget is not None:
-        _limits(plan, section, budget)  # raises now when not even one sequence fits
+    else:
+        memory_plan, enforce = plan_engine(train, section, config, device, dtype)  # refuses a step that cannot fit
+        budget = memory_plan.estimate["kv_cache"] if memory_plan is not None else CPU_KV_BUDGET_BYTES
+    plan = _Plan(config, dtype, budget, graphs, tune, memory_plan, enforce)
+    _limits(plan, section, budget)  # raises now when not even one sequence fits
     return plan
 
 
@@ -132,13 +136,6 @@ def _quantized_base(artifact: Artifact) -> _Base:
     return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
 
 
-def _auto_cuda_budget(device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # blocks cached from loading are free for the engine too
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free * AUTO_KV_FRACTION)
-
-
 def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
     """Distinct (N, K) of the fused linears, in model order."""
     shapes = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantLinear)]
@@ -160,9 +157,11 @@ def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.devic
     from qerl_pipe.kernels.tuning import tune_kernels
 
     started = time.perf_counter()
+    if plan.enforce:
+        enforce_budget(plan.memory_plan.budget_bytes, device)
     model = load_model(base.dir, section.base_format, plan.dtype, device)
     _check_finite(model)
-    budget = plan.kv_budget_bytes if plan.kv_budget_bytes is not None else _auto_cuda_budget(device)
+    budget = plan.kv_budget_bytes
     limits = _limits(plan, section, budget)
     table: ConfigTable | None = None
     if plan.tune and section.base_format == "nvfp4" and cuda_kernels_available(device):
@@ -183,6 +182,7 @@ def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.devic
         "dtype": str(plan.dtype).removeprefix("torch."),
         "limits": limits.to_json(),
         "kv_budget_bytes": budget,
+        "memory_plan": plan.memory_plan.to_json() if plan.memory_plan is not None else None,
         "kernel_table": table_to_json(table) if table is not None else None,
         "device": {"type": device.type, "name": device_kind(device)},
         "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -202,7 +202,10 @@ def _build(base: _Base, plan: _Plan, section: EngineSection, device: torch.devic
         "cuda_graph_sizes": list(limits.graph_batch_sizes),
         "tuned_kernel_entries": len(table) if table is not None else 0,
         "seconds": seconds,
+        **({"memory_plan": engine["memory_plan"]} if plan.memory_plan is not None else {}),
     }
+    if plan.memory_plan is not None:
+        log(f"build-engine: KV cache from train's memory plan: {plan.memory_plan.describe()}")
     log(f"build-engine: {section.base_format} base in {summary['dtype']} on {summary['device']}, "
         f"{summary['model_mib']} MiB; max_batch {limits.max_batch} x max_seq_len {limits.max_seq_len} "
         f"(KV cache {summary['kv_cache_mib']} of {summary['kv_budget_mib']} MiB); "
@@ -221,7 +224,7 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
     device = pick_device(section.device)
     if section.base_format == "nvfp4":
         if quantized is None:
-            _plan(section, resolve_model(recipe.model, store).config, device)  # fail before quantizing
+            _plan(section, resolve_model(recipe.model, store).config, device, recipe.train)  # fail before quantizing
             quantized = input_artifact(STAGE.name, "--quantized", recipe, store, build_missing=build_missing,
                                        find_only=find_only)
         _check_quantized(quantized)
@@ -236,8 +239,10 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
             raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
-    plan = _plan(section, base.hf_config, device)
+    plan = _plan(section, base.hf_config, device, recipe.train)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
+    if plan.memory_plan is not None and recipe.train.memory_budget_gb is not None:
+        config["memory_budget_gb"] = recipe.train.memory_budget_gb  # sized the KV cache (engines without one keep their ids)
 
     def build(pending: PendingArtifact) -> None:
         pending.summary.update(_build(base, plan, section, device, pending.dir))

@@ -21,6 +21,9 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
         from qerl_pipe.stages.train import check_train_inputs
 
         check_train_inputs(recipe)
+        from qerl_pipe.memory.preflight import check_recipe_step
+
+        check_recipe_step(recipe)  # a step no plan fits its memory budget: refused before the first stage
     full = recipe.train.adapter == "full"
     if full:
         _check_full_run_stages(recipe)

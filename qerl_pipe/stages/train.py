@@ -37,6 +37,7 @@ from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.hf_model import save_hf_weights
 from qerl_pipe.model.peft import save_adapter
 from qerl_pipe.log import log
+from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_train, with_slots
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.full import full_training_bytes
 from qerl_pipe.model.lora import LoraSpec, apply_lora
@@ -149,7 +150,7 @@ def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
 
 def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: list[Problem],
            eval_problems: list[Problem], device: torch.device, run_dir: Path, base_model: str,
-           dist: Dist = Dist()) -> dict[str, Any]:
+           plan: MemoryPlan, dist: Dist = Dist()) -> dict[str, Any]:
     """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary.
 
     With several ranks all of them train; rank 0 alone evaluates and writes the files (the
@@ -157,6 +158,7 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
     """
     started = time.perf_counter()
     model, limits = load_engine(engine.path, device)
+    limits = with_slots(limits, plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
     full = section.adapter == "full"
     if not full:
@@ -172,7 +174,9 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
     with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
         if dense_bytes and dist.is_main:
             log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
-        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, section, stops, dist=dist)
+        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts,
+                          section.model_copy(update={"micro_batch_size": plan.micro_batch}), stops,
+                          logprob_chunk=plan.logprob_chunk, dist=dist)
         memory: dict[str, Any] = {}
         if full and dist.is_main:
             line, memory = _full_memory_line(model)
@@ -208,7 +212,7 @@ def _train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: li
         "reward_first_tenth": report["reward_first_tenth"],
         "reward_last_tenth": report["reward_last_tenth"],
         "device": str(device),
-        "adapter": section.adapter, **memory,
+        "adapter": section.adapter, **memory, "memory_plan": plan.to_json(),
         **({"processes": dist.world_size} if dist.enabled else {}),
         "seconds_this_session": round(time.perf_counter() - started, 1),
     }
@@ -229,6 +233,9 @@ def _link_tree(src: Path, dst: Path) -> None:
 def train_key(section: TrainSection) -> dict[str, Any]:
     """The train section as the run's id sees it."""
     key = section.model_dump()
+    # The budget changes the plan, not the method (same sampling, whole-batch loss normalisation):
+    # a run resumed on a smaller GPU, or under another budget, is the same run.
+    del key["memory_budget_gb"]
     if key["adapter"] == "lora":
         del key["adapter"]  # the default: runs made before the setting existed keep their ids
     else:
@@ -277,6 +284,11 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         path = dist.broadcast(found.path if found is not None else None)
         engine = found if found is not None else load_artifact(path, verify=False)
     check_engine_for(engine, "train", section.max_new_tokens, "--engine")
+    plan, enforced = plan_train(section, engine.path, device, dist.world_size)  # refuses before any work
+    if dist.is_main:
+        log(f"train: memory plan: {plan.describe()}")
+    if enforced:
+        enforce_budget(plan.budget_bytes, device)
     config = {"train": train_key(section), "device": device.type}
     for key, spec in (("data_sha256", section.data), ("eval_data_sha256", section.eval_data)):
         digest = data_file_key(spec)
@@ -288,7 +300,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
     if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
         config["processes"] = dist.world_size
     if not dist.is_main:
-        return _follow_train(recipe, section, engine, problems, eval_problems, device, store, dist)
+        return _follow_train(recipe, section, engine, problems, eval_problems, device, store, plan, dist)
     built: list[Path] = []
 
     def build(pending: PendingArtifact) -> None:
@@ -297,10 +309,11 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         if force and run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_FILE).write_text(json.dumps({"id": pending.id, "engine": engine.id, **config}, indent=2) + "\n")
+        (run_dir / RUN_FILE).write_text(json.dumps({"id": pending.id, "engine": engine.id, **config,
+                                                    "memory_plan": plan.to_json()}, indent=2) + "\n")
         dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
         summary = _train(recipe, section, engine, problems, eval_problems, device, run_dir,
-                         engine_model_name(engine, store), dist)
+                         engine_model_name(engine, store), plan, dist)
         _link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
         built.append(run_dir)
@@ -317,7 +330,8 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
 
 
 def _follow_train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: list[Problem],
-                  eval_problems: list[Problem], device: torch.device, store: ArtifactStore, dist: Dist) -> Artifact:
+                  eval_problems: list[Problem], device: torch.device, store: ArtifactStore, plan: MemoryPlan,
+                  dist: Dist) -> Artifact:
     """A rank other than 0: train in the run directory rank 0 chose, then return the artifact it sealed.
 
     Rank 0 raising (say, a locked or damaged store) ends the whole torchrun group, so the
@@ -327,5 +341,5 @@ def _follow_train(recipe: Recipe, section: TrainSection, engine: Artifact, probl
     if existing is not None:
         return load_artifact(Path(existing), verify=False)
     dist.barrier()
-    _train(recipe, section, engine, problems, eval_problems, device, Path(run_dir), "", dist)
+    _train(recipe, section, engine, problems, eval_problems, device, Path(run_dir), "", plan, dist)
     return load_artifact(Path(dist.broadcast(None)), verify=False)
