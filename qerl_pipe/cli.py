@@ -295,14 +295,20 @@ def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape
                      response_len: Annotated[int, typer.Option(help="Sampled tokens per response (no early stop).")] = 1024,
                      memory_limit_gib: Annotated[Optional[float], typer.Option(help="Treat the GPU as having this much free memory.", show_default="what is free")] = None,
                      adapter: Annotated[str, typer.Option(help="lora, or full: every weight trains (with --quant bf16 only).")] = "lora",
+                     memory_budget_gb: Annotated[Optional[float], typer.Option(help="Plan each --shape step to this budget (GB, 10^9 bytes) and cap the process to it.", show_default="no budget")] = None,
+                     recipe: Annotated[Optional[list[Path]], typer.Option("--recipe", help="Run each recipe's step (recipes/ladder/*.yaml) under its train.memory_budget_gb (repeatable).")] = None,
+                     unconstrained: Annotated[bool, typer.Option(help="Run the recipes without their budgets (the time with the whole GPU).")] = False,
+                     append: Annotated[bool, typer.Option(help="Keep the rows already in --out.")] = False,
                      out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
-    """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format; needs a CUDA GPU."""
+    """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format, or per recipe; needs a CUDA GPU."""
     from qerl_pipe.bench.train_step import GIB, StepSettings, run_train_step_bench, split_values
 
     settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len, adapter=adapter)
     limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
-    _emit(run_train_step_bench(split_values(shape or ["qwen2.5-7b"]), split_values(quant or ["bf16", "nvfp4"]),
-                               settings, memory_limit_bytes=limit, out=out), out)
+    _emit(run_train_step_bench(split_values(shape or ([] if recipe else ["qwen2.5-7b"])),
+                               split_values(quant or ["bf16", "nvfp4"]), settings, memory_limit_bytes=limit, out=out,
+                               memory_budget_gb=memory_budget_gb, recipes=recipe or (), unconstrained=unconstrained,
+                               append=append), out)
 
 
 @bench_app.command("train-scaling")

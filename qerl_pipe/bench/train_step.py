@@ -262,7 +262,8 @@ def _warm_up(model: Decoder, engine: Engine, prompts: list[list[int]], s: StepSe
     tokens by default) lies past 512 rows like the timed one's, in the 4-bit kernels' last M
     bucket, so the Triton kernels the timed prefill and training use are compiled here; the
     captures cover every (batch, length) the timed rollout decodes at."""
-    cfg = train_config(s, size.micro_batch, s.warmup_prompts, s.warmup_group_size, s.warmup_tokens)
+    tokens = min(s.warmup_tokens, s.response_len)  # a step of short responses: no longer than them
+    cfg = train_config(s, size.micro_batch, s.warmup_prompts, s.warmup_group_size, tokens)
     t0 = time.perf_counter()
     _trainer(model, engine, prompts, cfg, size.logprob_chunk).step()  # its optimizer goes with it
     _sync(device)
@@ -271,7 +272,7 @@ def _warm_up(model: Decoder, engine: Engine, prompts: list[list[int]], s: StepSe
     _sync(device)
     return {
         "what": (f"one trainer step of {s.warmup_prompts} prompt x {s.warmup_group_size} samples x "
-                 f"{s.warmup_tokens} new tokens (prefill, decode, scoring, logprobs, backward, AdamW), "
+                 f"{tokens} new tokens (prefill, decode, scoring, logprobs, backward, AdamW), "
                  "then capture of every decode CUDA graph (batch size x attention length)"),
         "step_s": t1 - t0, "graphs_captured": graphs, "capture_s": time.perf_counter() - t1,
         "peak_allocated_bytes_since_build": _peaks(device)["allocated"],
