@@ -58,7 +58,8 @@ class Stage:
     when the output for the same inputs changes), kind, inputs and entry point (`module:function`,
     called as `fn(recipe, store, *, <input keywords>, force, build_missing, find_only)`). `check`
     (`module:function`, called as `fn(recipe)`) refuses, without a model, what would fail hours
-    into a `run` (data files, reward names); `run` calls it before the first stage."""
+    into a `run` (data files, reward names, a train step no plan fits into train.memory_budget_gb);
+    `run` calls it before the first stage."""
 
     name: str
     version: int
@@ -101,7 +102,7 @@ BUILD_ENGINE = Stage("build-engine", 1, "engine", "engine",
                      (Input("--quantized", "quantize", used=lambda r: r.engine.base_format == "nvfp4"),),
                      "qerl_pipe.stages.build_engine:run_build_engine")
 TRAIN = Stage("train", 2, "run", "run", (Input("--engine", "build-engine"),), "qerl_pipe.stages.train:run_train",
-              check="qerl_pipe.stages.train:check_train_inputs")
+              check="qerl_pipe.stages.train:check_train_recipe")
 # export's kind is export-<format> (export-peft, export-merged-bf16, export-merged-nvfp4)
 EXPORT = Stage("export", 1, "export-peft", "export", (Input("--run", "train"),), "qerl_pipe.stages.export:run_export")
 # eval's --model is the engine (not a model source), or after a full run the trained model's export;

@@ -88,8 +88,9 @@ class EngineSection(_Section):
     max_seq_len: int = Field(1024, ge=2, description="Prompt + generated tokens per sequence (KV-cache length).")
     max_batch: int = Field(64, ge=1, description="Most sequences decoded at once (fewer if the KV budget is smaller).")
     kv_budget_gib: float | None = Field(
-        None, gt=0, description="KV-cache memory budget in GiB; null = auto: on CUDA 40% of the memory free "
-        "after loading the model, on CPU 2 GiB.",
+        None, gt=0, description="KV-cache memory budget in GiB; null = auto: the KV cache the step planner "
+        "(qerl_pipe/memory/plan.py) gives train's step under train.memory_budget_gb (on CUDA without a budget, the "
+        "memory free at start), on a CPU without a budget 2 GiB.",
     )
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="Capture the decode step as CUDA graphs; auto = on for CUDA."
@@ -205,6 +206,13 @@ class TrainSection(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null = off.")
     gradient_checkpointing: bool = Field(
         True, description="Recompute each layer's activations in backward (less memory, ~1/3 more compute)."
+    )
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="GPU memory one training process may use, in GB (10^9 bytes). The planner "
+        "(qerl_pipe/memory/plan.py) picks the most KV slots (rollout waves), the largest micro-batch (up to "
+        "micro_batch_size) and LM-head chunk whose estimated step peak fits, and on CUDA the process is capped to "
+        "it (on a CPU it is planned to, not enforced). null = the GPU's free memory at start, not capped; on a "
+        "CPU, none. A budget no plan meets is an error before any work, naming the smallest that fits.",
     )
     adapter: Literal["lora", "full"] = Field(
         "lora", description="What trains: lora = adapters over the frozen base (section lora); full = every "

@@ -172,3 +172,23 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: 
 def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
     """The part of a stage's config that names the model: recipe values plus the content fingerprint."""
     return {"source": section.model_dump(), "content": resolved.fingerprint}
+
+
+def peek_model_config(section: ModelSection) -> dict[str, Any] | None:
+    """The source's config.json without importing or downloading weights: a local directory's, or a
+    hub id's (that one file); None for a GGUF file (read only by its import) or when the hub cannot
+    provide it (the stage that resolves the source reports that)."""
+    spec = ALIASES.get(section.source, section.source)
+    if spec.startswith("pkg:") or spec.endswith(".gguf"):
+        return None
+    path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        return read_model_config(path) if (path / "config.json").is_file() else None
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return read_model_config(Path(hf_hub_download(spec, "config.json", revision=section.revision)).parent)
+    except Exception:  # noqa: BLE001 - offline, gated, missing: resolve_model words those errors
+        return None

@@ -9,10 +9,11 @@ import torch
 
 from qerl_pipe.bench import train_step
 from qerl_pipe.bench.shapes import QWEN25_SHAPES
-from qerl_pipe.bench.step_memory import StepSize, estimate_step_bytes
+from qerl_pipe.memory.step import StepSize, estimate_step_bytes
 from qerl_pipe.bench.train_step import StepSettings, run_train_step_bench, targets
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
+from qerl_pipe.recipe import load_recipe
 
 TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -150,7 +151,7 @@ def test_repeated_values_run_once():
 def test_full_fine_tuning_is_estimated_and_measured_like_the_lora_arms(tmp_path):
     from dataclasses import replace
 
-    from qerl_pipe.bench.step_memory import full_bytes, weight_elements
+    from qerl_pipe.memory.step import full_bytes, weight_elements
     from qerl_pipe.errors import QerlError
     from qerl_pipe.model.full import make_fully_trainable
 
@@ -178,3 +179,77 @@ def test_full_fine_tuning_is_estimated_and_measured_like_the_lora_arms(tmp_path)
     # bf16 weights: AdamW's two float32 moments and the float32 masters, 12 bytes per weight.
     assert row["optimizer_state_bytes"] >= 12 * numel and row["grad_norm"] > 0
     assert train_step.train_config(full, 2, 2, 2, 6).adapter == "full"
+
+
+def _tiny_recipe(tmp_path, budget_gb, quant="nvfp4"):
+    path = tmp_path / f"tiny-{quant}-{budget_gb}.yaml"
+    path.write_text(f"model:\n  source: Qwen/Qwen2.5-7B-Instruct\nengine:\n  base_format: {quant}\n  max_seq_len: 14\n"
+                    f"  max_batch: 4\ntrain:\n  prompts_per_step: 2\n  group_size: 2\n  max_new_tokens: 6\n"
+                    f"  micro_batch_size: 2\n  memory_budget_gb: {budget_gb}\n  adapter: lora\n  lora:\n    rank: 2\n")
+    return path
+
+
+def test_recipes_run_under_their_budget_or_are_refused(tmp_path):
+    """--recipe on CPU with the 7B shape swapped for a tiny one: the plan, the refusal, --unconstrained
+    and --append; the rows carry what the ladder's targets and summary read."""
+    out = tmp_path / "ladder.json"
+    run = dict(device="cpu", out=out, shape_configs={"qwen2.5-7b": TINY}, emit=lambda line: None)
+    fits, refused = _tiny_recipe(tmp_path, 2), _tiny_recipe(tmp_path, 0.5, "bf16")
+    rows = run_train_step_bench([], [], recipes=[fits, refused], **run)["results"]
+    assert [(r["recipe"], r["status"]) for r in rows] == [(fits.name, "ok"), (refused.name, "refused")]
+    ok, no = rows
+    assert ok["memory_budget_gb"] == 2 and ok["memory_plan"]["budget_gb"] == 2 and ok["kv_slots"] == 4
+    assert ok["estimate_bytes"]["total"] <= 2e9 and ok["grad_norm"] > 0 and ok["train_tokens"] == 4 * 14
+    assert no["needed_gb"] > 1 and "The smallest budget that fits is" in no["error"] and "build_s" not in no
+    again = run_train_step_bench([], [], recipes=[fits], unconstrained=True, append=True, **run)
+    assert [r["memory_budget_gb"] for r in again["results"]] == [2, 0.5, None]
+    (entry, refused_entry) = again["ladder"]
+    assert entry["recipe"] == fits.name and entry["unconstrained_step_s"] == again["results"][2]["step_s"]
+    assert refused_entry["status"] == "refused" and refused_entry["needed_gb"] == no["needed_gb"]
+
+
+def test_ladder_targets():
+    def row(shape, quant, gb, **kw):
+        return {"recipe": f"{shape}.yaml", "shape": shape, "quant": quant, "memory_budget_gb": gb, **kw}
+
+    rows = [row("qwen2.5-7b", "nvfp4", 16, status="ok", peak_reserved_gb=15.1, peak_under_budget=True,
+                estimate_over_peak=0.03),
+            row("qwen2.5-32b", "nvfp4", 40, status="ok", peak_reserved_gb=36.0, peak_under_budget=True,
+                estimate_over_peak=0.09),
+            row("qwen2.5-72b", "nvfp4", 80, status="oom"),
+            row("qwen2.5-72b", "bf16", 80, status="refused", needed_gb=157.8)]
+    got = {t["name"]: (t["measured"], t["met"]) for t in targets(rows)}
+    assert got == {
+        "ladder: qwen2.5-7b NVFP4 at 16 GB: one RL step completes, peak reserved under the budget (ok)": (15.1, True),
+        "ladder: qwen2.5-7b NVFP4 at 16 GB: planner's estimate vs measured peak reserved": (3.0, True),
+        "ladder: qwen2.5-32b NVFP4 at 40 GB: one RL step completes, peak reserved under the budget (ok)": (36.0, True),
+        "ladder: qwen2.5-32b NVFP4 at 40 GB: planner's estimate vs measured peak reserved": (9.0, False),
+        "ladder: qwen2.5-72b NVFP4 at 80 GB: one RL step completes, peak reserved under the budget (oom)": (None, False),
+        "ladder: qwen2.5-72b NVFP4 at 80 GB: planner's estimate vs measured peak reserved": (None, False),
+        "ladder: qwen2.5-72b bf16 at 80 GB: refused before any work (measured: GB it says it needs)": (157.8, True),
+    }
+
+
+def test_recipe_errors_name_the_file_and_key(tmp_path):
+    from qerl_pipe.errors import QerlError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  source: Qwen/Qwen2.5-7B\ntrain:\n  memory_budget_gb: -1\n")
+    with pytest.raises(QerlError, match="'train.memory_budget_gb'"):  # validated as `run` validates it
+        train_step.read_recipe(bad)
+    # What a recipe leaves out is the recipe's default, as for `run`.
+    bad.write_text("model:\n  source: Qwen/Qwen2.5-7B\nengine:\n  max_seq_len: 1280\ntrain:\n  max_new_tokens: 1024\n")
+    step = train_step.read_recipe(bad)
+    defaults = load_recipe(None)
+    assert (step.quant, step.budget_gb, step.settings.prompt_len) == (defaults.engine.base_format, None, 256)
+    assert (step.settings.kv_slots, step.settings.lora_rank) == (defaults.engine.max_batch, defaults.train.lora.rank)
+    other = _tiny_recipe(tmp_path, 2)
+    other.write_text(other.read_text().replace("Qwen/Qwen2.5-7B-Instruct", "meta-llama/Llama-3.1-8B"))
+    with pytest.raises(QerlError, match="not a Qwen2.5 shape"):
+        train_step.read_recipe(other)
+    from typer.testing import CliRunner
+
+    from qerl_pipe.cli import app
+
+    help_text = CliRunner().invoke(app, ["bench", "train-step", "--help"]).output
+    assert "--recipe" in help_text and "--memory-budget-gb" in help_text and "--unconstrained" in help_text

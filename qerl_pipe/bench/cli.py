@@ -82,20 +82,28 @@ def bench_rollout(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b"],
 
 
 @bench_app.command("train-step")
-def bench_train_step(shape: Annotated[list[str], typer.Option("--shape", help="Model shapes (comma-separated or repeated): qwen2.5-7b, -14b, -32b, -72b.")] = ["qwen2.5-7b"],
-                     quant: Annotated[list[str], typer.Option("--quant", help="Base formats (comma-separated or repeated): bf16, nf4, nvfp4.")] = ["bf16,nvfp4"],
-                     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward.", show_default="8 for 7B/14B, 4 for 32B/72B")] = None,
-                     kv_slots: Annotated[Optional[int], typer.Option(help="Engine slots (KV cache rows).", show_default="all 64 sequences at once")] = None,
+def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape", help="Model shapes (comma-separated or repeated): qwen2.5-7b, -14b, -32b, -72b.", show_default="qwen2.5-7b, none with --recipe")] = None,
+                     quant: Annotated[list[str], typer.Option("--quant", help="Base formats of the --shape steps (comma-separated or repeated): bf16, nf4, nvfp4.")] = ["bf16,nvfp4"],
+                     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward (under a budget: at most).", show_default="8 for 7B/14B, 4 for 32B/72B")] = None,
+                     kv_slots: Annotated[Optional[int], typer.Option(help="Engine slots (KV cache rows; under a budget: at most).", show_default="all 64 sequences at once")] = None,
                      response_len: Annotated[int, typer.Option(help="Sampled tokens per response (no early stop).")] = 1024,
                      memory_limit_gib: Annotated[Optional[float], typer.Option(help="Treat the GPU as having this much free memory.", show_default="what is free")] = None,
                      adapter: Annotated[str, typer.Option(help="lora, or full: every weight trains (with --quant bf16 only).")] = "lora",
+                     memory_budget_gb: Annotated[Optional[float], typer.Option(help="Plan each --shape step to this budget (GB, 10^9 bytes) and cap the process to it.", show_default="no budget")] = None,
+                     recipe: Annotated[Optional[list[str]], typer.Option("--recipe", help="Recipe files (comma-separated or repeated; recipes/ladder/*.yaml): run each one's step under its train.memory_budget_gb.")] = None,
+                     unconstrained: Annotated[bool, typer.Option(help="Run the --recipe steps without their budgets (the time with the whole GPU).")] = False,
+                     append: Annotated[bool, typer.Option(help="Keep the rows already in --out.")] = False,
                      out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
-    """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format; needs a CUDA GPU."""
+    """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format, or per recipe (--recipe); needs a CUDA GPU."""
     from qerl_pipe.bench.train_step import GIB, StepSettings, run_train_step_bench
 
     settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len, adapter=adapter)
     limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
-    emit(run_train_step_bench(values(shape), values(quant), settings, memory_limit_bytes=limit, out=out), out)
+    recipes = [Path(p) for p in dict.fromkeys(p.strip() for item in recipe or [] for p in item.split(",")) if p]
+    shapes = values(shape) if shape is not None else ([] if recipes else ["qwen2.5-7b"])
+    emit(run_train_step_bench(shapes, values(quant), settings, memory_limit_bytes=limit, out=out,
+                              memory_budget_gb=memory_budget_gb, recipes=recipes, unconstrained=unconstrained,
+                              append=append), out)
 
 
 @bench_app.command("train-scaling")

@@ -26,3 +26,10 @@ QWEN25_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8),
     "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8),
 }
+
+
+def shape_for_source(source: str) -> str | None:
+    """The shape of a Qwen2.5 model named as a recipe's model.source names it (`Qwen/Qwen2.5-7B`,
+    `Qwen/Qwen2.5-72B-Instruct`, a local directory of that name), or None."""
+    name = source.rstrip("/").split("/")[-1].lower().removesuffix("-instruct")
+    return name if name in QWEN25_SHAPES else None

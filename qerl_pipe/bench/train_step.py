@@ -11,10 +11,21 @@ token (every response runs to the end), DAPO loss, logprobs through the LM head 
 backward with gradient checkpointing, AdamW on the adapter. One small warm-up step and the capture
 of every decode CUDA graph come first, so compilation and capture stay out of the timed step.
 
-Before building, the bytes the step needs are estimated (`step_memory`); a configuration that
-cannot fit is reported with `fits: false` and what it asked for. A CUDA out-of-memory error, or
-any other failure, is recorded in its row and the next configuration runs. Each row is printed as
-one JSON line and the output file is rewritten after it, so a run cut short still leaves data.
+Before building, the step planner (`memory.plan`) chooses the KV slots, micro-batch and LM-head
+chunk: the given ones (`--kv-slots`, `--micro-batch`), or under a memory budget
+(`--memory-budget-gb`, or a recipe's `train.memory_budget_gb`) the largest that fit it, with the
+process capped to the budget (`torch.cuda.set_per_process_memory_fraction`), so the step proves the
+budget on a larger GPU; a budget no plan meets is a `refused` row naming the budget it needs. A
+configuration whose estimate exceeds the free memory is reported with `fits: false` and what it
+asked for. A CUDA out-of-memory error, or any other failure, is recorded in its row and the next
+configuration runs. Each row is printed as one JSON line and the output file is rewritten after
+it, so a run cut short still leaves data.
+
+`--recipe FILE` (repeatable) runs a recipe's step instead of a shape: the Qwen2.5 shape its
+model.source names, its base format, prompts x samples, lengths, LoRA rank, micro-batch and slot
+bounds and budget (read and validated as `qerl-pipe run` reads it, defaults included). The
+ladder (recipes/ladder/) is run this way; `--unconstrained` runs the same recipes without their
+budgets, for the time a step costs with the whole GPU, and `--append` adds rows to the `--out` file.
 """
 
 from __future__ import annotations
@@ -34,15 +45,16 @@ from typing import Any
 import torch
 
 from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.bench.shapes import QWEN25_SHAPES
-from qerl_pipe.bench.step_memory import StepSize, estimate_step_bytes
+from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
+from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budget, plan_step, release_budget
+from qerl_pipe.memory.step import StepSize
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
-from qerl_pipe.recipe import TrainSection
+from qerl_pipe.recipe import TrainSection, load_recipe
 from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
 from qerl_pipe.rl.tasks import Problem
 from qerl_pipe.rl.trainer import Trainer
@@ -53,6 +65,12 @@ QUANTS = ("bf16", "nf4", "nvfp4")
 # larger hidden sizes and layer counts of 32B/72B want 4.
 DEFAULT_MICRO_BATCH = {"qwen2.5-7b": 8, "qwen2.5-14b": 8, "qwen2.5-32b": 4, "qwen2.5-72b": 4}
 SYNTHETIC_REWARD = "qerl_pipe.bench.train_step:synthetic_reward"
+# The ladder of issue 20 (shape, base, budget GB): each rung's step completes under its budget,
+# except those in LADDER_REFUSED, which must be refused before any work.
+LADDER = (("qwen2.5-7b", "nvfp4", 16), ("qwen2.5-14b", "nvfp4", 24), ("qwen2.5-32b", "nvfp4", 40),
+          ("qwen2.5-72b", "nvfp4", 80), ("qwen2.5-72b", "bf16", 80))
+LADDER_REFUSED = {("qwen2.5-72b", "bf16", 80)}
+ESTIMATE_ERROR_TARGET = 0.05
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,42 @@ class StepSettings:
         micro = self.micro_batch or DEFAULT_MICRO_BATCH.get(shape, 4)
         return StepSize(self.sequences, self.prompt_len + self.response_len, self.prompt_len, self.prompts,
                         self.kv_slots or self.sequences, micro, self.lora_rank, self.logprob_chunk)
+
+    def shape(self, shape: str) -> StepShape:
+        """The step for the planner: these settings are the upper bounds it chooses under."""
+        return StepShape(self.sequences, self.prompts, self.prompt_len + self.response_len, self.prompt_len,
+                         self.lora_rank, self.kv_slots or self.sequences,
+                         self.micro_batch or DEFAULT_MICRO_BATCH.get(shape, 4), self.logprob_chunk, self.adapter)
+
+
+@dataclass(frozen=True)
+class RecipeStep:
+    """One recipe as the bench runs it: random weights of its model's Qwen2.5 shape."""
+
+    name: str  # the recipe file's name
+    shape: str
+    quant: str
+    settings: StepSettings
+    budget_gb: float | None
+
+
+def read_recipe(path: Path) -> RecipeStep:
+    """The step a recipe describes, read and validated as `qerl-pipe run` reads it (the recipe's
+    defaults fill what it leaves out); its model.source must name a Qwen2.5 shape."""
+    recipe = load_recipe(path)  # a RecipeError names the file and the key
+    shape = shape_for_source(recipe.model.source)
+    if shape is None:
+        raise QerlError(f"{path.name}: model.source {recipe.model.source!r} is not a Qwen2.5 shape the bench can build "
+                        f"random weights of ({', '.join(sorted(QWEN25_SHAPES))})")
+    train, engine = recipe.train, recipe.engine
+    if engine.max_seq_len <= train.max_new_tokens:
+        raise QerlError(f"{path.name}: engine.max_seq_len ({engine.max_seq_len}) leaves no room for a prompt beside "
+                        f"train.max_new_tokens ({train.max_new_tokens})")
+    settings = StepSettings(prompts=train.prompts_per_step, group_size=train.group_size,
+                            prompt_len=engine.max_seq_len - train.max_new_tokens, response_len=train.max_new_tokens,
+                            lora_rank=train.lora.rank, micro_batch=train.micro_batch_size, kv_slots=engine.max_batch,
+                            adapter=train.adapter)
+    return RecipeStep(path.name, shape, engine.base_format, settings, train.memory_budget_gb)
 
 
 # ---------------------------------------------------------------------- the synthetic task
@@ -165,22 +219,23 @@ def _gib(n: int | None) -> float | None:
 # ---------------------------------------------------------------------- one configuration
 
 
-def _warm_up(model: Decoder, engine: Engine, prompts: list[list[int]], s: StepSettings, micro: int,
+def _warm_up(model: Decoder, engine: Engine, prompts: list[list[int]], s: StepSettings, size: StepSize,
              device: str) -> dict[str, Any]:
     """A small trainer step, then every decode graph. The step's training micro-batch (2 x 288
     tokens by default) lies past 512 rows like the timed one's, in the 4-bit kernels' last M
     bucket, so the Triton kernels the timed prefill and training use are compiled here; the
     captures cover every (batch, length) the timed rollout decodes at."""
-    cfg = train_config(s, micro, s.warmup_prompts, s.warmup_group_size, s.warmup_tokens)
+    tokens = min(s.warmup_tokens, s.response_len)  # a step of short responses: no longer than them
+    cfg = train_config(s, size.micro_batch, s.warmup_prompts, s.warmup_group_size, tokens)
     t0 = time.perf_counter()
-    _trainer(model, engine, prompts, cfg, s.logprob_chunk).step()  # its optimizer goes with it
+    _trainer(model, engine, prompts, cfg, size.logprob_chunk).step()  # its optimizer goes with it
     _sync(device)
     t1 = time.perf_counter()
     graphs = engine.capture_graphs()
     _sync(device)
     return {
         "what": (f"one trainer step of {s.warmup_prompts} prompt x {s.warmup_group_size} samples x "
-                 f"{s.warmup_tokens} new tokens (prefill, decode, scoring, logprobs, backward, AdamW), "
+                 f"{tokens} new tokens (prefill, decode, scoring, logprobs, backward, AdamW), "
                  "then capture of every decode CUDA graph (batch size x attention length)"),
         "step_s": t1 - t0, "graphs_captured": graphs, "capture_s": time.perf_counter() - t1,
         "peak_allocated_bytes_since_build": _peaks(device)["allocated"],
@@ -212,10 +267,10 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
                          cuda_graphs=_cuda(device))
     engine = Engine(model, limits)
     prompts = _prompts(s.prompts, s.prompt_len, model.config.vocab_size)
-    warmup = _warm_up(model, engine, prompts, s, size.micro_batch, device)
+    warmup = _warm_up(model, engine, prompts, s, size, device)
 
     cfg = train_config(s, size.micro_batch, s.prompts, s.group_size, s.response_len)
-    trainer = _trainer(model, engine, prompts, cfg, s.logprob_chunk)
+    trainer = _trainer(model, engine, prompts, cfg, size.logprob_chunk)
     _sync(device)
     t0 = time.perf_counter()
     m = trainer.step()  # resets the peak counters at its start
@@ -245,37 +300,69 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
 
 
 def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettings, device: str = "cuda",
-                 memory_limit_bytes: int | None = None) -> dict[str, Any]:
-    """One row: measured, or why not (does not fit, out of memory, another error)."""
+                 memory_limit_bytes: int | None = None, budget_gb: float | None = None,
+                 recipe: str | None = None) -> dict[str, Any]:
+    """One row: measured, or why not (refused by the planner, does not fit, out of memory, another
+    error). Under `budget_gb` the planner chooses the settings and the process is capped to it."""
     _free(device)
-    size = s.size(name)
-    estimate = estimate_step_bytes(DecoderConfig.from_hf(config), quant, size, s.adapter)
+    budget = None if budget_gb is None else int(budget_gb * GB)
+    row: dict[str, Any] = {"shape": name, "quant": quant, "adapter": s.adapter,
+                           **({"recipe": recipe} if recipe is not None else {}),
+                           "memory_budget_gb": budget_gb, "memory_budget_bytes": budget}
+    try:
+        plan = plan_step(DecoderConfig.from_hf(config), quant, s.shape(name), budget,
+                         budget_source="train.memory_budget_gb" if recipe else "--memory-budget-gb",
+                         what=f"the {name} {quant} step")
+    except MemoryBudgetError as e:  # before anything is allocated
+        return {**row, "fits": False, "status": "refused", "needed_bytes": e.needed_bytes,
+                "needed_gb": round(e.needed_bytes / GB, 2), "error": str(e)}
+    size, estimate = plan.size, plan.estimate
     limit = memory_limit_bytes if memory_limit_bytes is not None else _free_bytes(device)
-    row: dict[str, Any] = {"shape": name, "quant": quant, "adapter": s.adapter, "micro_batch": size.micro_batch,
-                           "kv_slots": size.kv_slots, "estimate_bytes": estimate,
-                           "estimate_gib": _gib(estimate["total"]), "memory_limit_bytes": limit}
+    row.update({"micro_batch": size.micro_batch, "kv_slots": size.kv_slots, "logprob_chunk": size.logprob_chunk,
+                "memory_plan": plan.to_json(), "estimate_bytes": estimate, "estimate_gib": _gib(estimate["total"]),
+                "memory_limit_bytes": limit})
     if limit is not None and estimate["total"] > limit:
         return {**row, "fits": False, "status": "does-not-fit", "asked_bytes": estimate["total"]}
     try:
-        return {**row, "fits": True, "status": "ok", **measure_step(config, quant, s, size, device)}
+        if budget is not None:
+            row["memory_fraction"] = enforce_budget(budget, torch.device(device))
+        measured = measure_step(config, quant, s, size, device)
+        return {**row, "fits": True, "status": "ok", **measured, **_against_estimate(measured, estimate["total"], budget)}
     except torch.cuda.OutOfMemoryError as e:
         failed = {**row, "fits": False, "status": "oom", "error": str(e).splitlines()[0][:500],
                   "asked_bytes": estimate["total"]}
     except Exception as e:  # noqa: BLE001 - one broken configuration must not lose the others' data
         failed = {**row, "fits": None, "status": "error", "error": f"{type(e).__name__}: {e}"[:1000],
                   "traceback": traceback.format_exc()[-3000:]}
+    finally:
+        if budget is not None:
+            release_budget(torch.device(device))
     # Outside the except block: the traceback, and with it the model, is released by now.
     _free(device)
     return failed
+
+
+def _against_estimate(measured: Mapping[str, Any], estimate: int, budget: int | None) -> dict[str, Any]:
+    """The step's peak reserved against the estimate (and the budget): what the planner relied on."""
+    peak = measured["peak_reserved_bytes"]
+    if peak is None:  # CPU: no CUDA statistics
+        return {}
+    out: dict[str, Any] = {"peak_reserved_gb": round(peak / GB, 3),
+                           "estimate_over_peak": round((estimate - peak) / peak, 4)}
+    if budget is not None:
+        out["peak_under_budget"] = peak <= budget
+    return out
 
 
 # ---------------------------------------------------------------------- targets and the run
 
 
 def _row(rows: list[dict], shape: str, quant: str) -> dict | None:
-    """The LoRA row of (shape, quant): the targets compare LoRA arms (full fine-tuning rows are extra)."""
+    """The LoRA row of (shape, quant) run by --shape without a budget: the targets compare LoRA arms
+    (full fine-tuning rows are extra; recipe and budget rows have targets of their own)."""
     return next((r for r in rows if r["shape"] == shape and r["quant"] == quant
-                 and r.get("adapter", "lora") == "lora"), None)
+                 and r.get("adapter", "lora") == "lora" and r.get("recipe") is None
+                 and r.get("memory_budget_bytes") is None), None)
 
 
 def _gb(gib: float | None) -> float | None:
@@ -295,6 +382,59 @@ def _peak_target(rows: list[dict], shape: str, limit_gb: float, what: str) -> li
                    peak is not None and peak < limit_gb)]
 
 
+def _ladder_row(rows: list[dict], shape: str, quant: str, budget_gb: float | None) -> dict | None:
+    """The last recipe row of (shape, quant) at `budget_gb` (None: run --unconstrained)."""
+    found = [r for r in rows if r.get("recipe") is not None and r["shape"] == shape and r["quant"] == quant
+             and r.get("memory_budget_gb") == budget_gb]
+    return found[-1] if found else None
+
+
+def ladder_targets(rows: list[dict]) -> list[dict]:
+    """Issue 20's ladder, for the rungs that ran: each step completes under its budget (peak
+    reserved, GB) with the estimate within 5% of that peak; the bf16 72B step is refused before any
+    work, naming the budget it needs."""
+    out = []
+    for shape, quant, gb in LADDER:
+        r = _ladder_row(rows, shape, quant, gb)
+        if r is None:
+            continue
+        what = f"ladder: {shape} {quant.upper() if quant == 'nvfp4' else quant} at {gb} GB"
+        if (shape, quant, gb) in LADDER_REFUSED:
+            out.append(target(f"{what}: refused before any work (measured: GB it says it needs)", "refused",
+                              r.get("needed_gb"), "GB", r["status"] == "refused"))
+            continue
+        ok = r["status"] == "ok" and r.get("peak_reserved_gb") is not None
+        peak = r.get("peak_reserved_gb") if ok else None
+        out.append(target(f"{what}: one RL step completes, peak reserved under the budget ({r['status']})",
+                          f"<= {gb} GB", peak, "GB", ok and r["peak_under_budget"]))
+        error = r.get("estimate_over_peak") if ok else None
+        out.append(target(f"{what}: planner's estimate vs measured peak reserved", "within 5%",
+                          None if error is None else round(100 * error, 2), "%",
+                          error is not None and abs(error) < ESTIMATE_ERROR_TARGET))
+    return out
+
+
+def ladder(rows: list[dict]) -> list[dict]:
+    """Per recipe run under its budget: the plan, estimate, peak and step time, next to the same
+    recipe run --unconstrained (what the smaller card costs in speed), when both ran."""
+    out = []
+    for r in rows:
+        if r.get("recipe") is None or r.get("memory_budget_gb") is None:
+            continue
+        free = _ladder_row(rows, r["shape"], r["quant"], None)
+        plan = r.get("memory_plan") or {}
+        entry = {"recipe": r["recipe"], "shape": r["shape"], "quant": r["quant"], "budget_gb": r["memory_budget_gb"],
+                 "status": r["status"], "needed_gb": r.get("needed_gb"),
+                 **{k: plan.get(k) for k in ("kv_slots", "waves", "micro_batch", "logprob_chunk", "estimate_gb")},
+                 "peak_reserved_gb": r.get("peak_reserved_gb"), "step_s": r.get("step_s"),
+                 "unconstrained_step_s": free.get("step_s") if free else None,
+                 "unconstrained_peak_reserved_gb": free.get("peak_reserved_gb") if free else None}
+        if entry["step_s"] and entry["unconstrained_step_s"]:
+            entry["slowdown"] = round(entry["step_s"] / entry["unconstrained_step_s"], 3)
+        out.append(entry)
+    return out
+
+
 def targets(rows: list[dict]) -> list[dict]:
     out = _peak_target(rows, "qwen2.5-32b", 40, "peak GPU memory")
     out += _peak_target(rows, "qwen2.5-72b", 135, "fits on one H200")
@@ -303,7 +443,7 @@ def targets(rows: list[dict]) -> list[dict]:
         ratio = bf16["step_s"] / fp4["step_s"]
         out.append(target("qwen2.5-7b RL step: NVFP4 over bf16 LoRA (step time, same run)", ">= 1.5x",
                           round(ratio, 3), "x", ratio >= 1.5))
-    return out
+    return out + ladder_targets(rows)
 
 
 def speedups(rows: list[dict]) -> list[dict]:
@@ -327,9 +467,15 @@ def _settings(s: StepSettings) -> dict[str, Any]:
 
 
 def _summary(r: dict) -> str:
+    what = f"{r.get('recipe') or r['shape']} {r['quant']}"
+    if r["status"] == "refused":
+        return f"{what}: refused: {r['error']}"
+    plan = (f"{r['kv_slots']} KV slots ({r['memory_plan']['waves']} waves), micro-batch {r['micro_batch']}, "
+            f"chunk {r['logprob_chunk']}, estimate {r['memory_plan']['estimate_gb']} GB"
+            + (f" of {r['memory_budget_gb']} GB" if r.get("memory_budget_gb") is not None else ""))
     if r["status"] != "ok":
-        return f"{r['shape']} {r['quant']}: {r['status']} (needs ~{r['estimate_gib']} GiB) {r.get('error', '')}"
-    return (f"{r['shape']} {r['quant']}: step {r['step_s']:.1f} s = rollout {r['rollout_s']:.1f} s "
+        return f"{what}: {r['status']} ({plan}) {r.get('error', '')}"
+    return (f"{what}: {plan}: step {r['step_s']:.1f} s = rollout {r['rollout_s']:.1f} s "
             f"({r['rollout_tokens_per_s']:.0f} tok/s) + train {r['train_s']:.1f} s "
             f"({r['train_tokens_per_s']:.0f} tok/s), peak {r['peak_reserved_gib']} GiB reserved")
 
@@ -337,30 +483,45 @@ def _summary(r: dict) -> str:
 def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSettings = StepSettings(),
                          device: str = "cuda", memory_limit_bytes: int | None = None, out: Path | None = None,
                          shape_configs: Mapping[str, Mapping[str, Any]] = QWEN25_SHAPES,
-                         emit: Callable[[str], None] = lambda line: print(line, flush=True)) -> dict[str, Any]:
-    """Every (shape, quant) in order; after each, `emit` gets its JSON line and `out` is rewritten."""
+                         emit: Callable[[str], None] = lambda line: print(line, flush=True), *,
+                         memory_budget_gb: float | None = None, recipes: Sequence[Path] = (),
+                         unconstrained: bool = False, append: bool = False) -> dict[str, Any]:
+    """Every recipe, then every (shape, quant), in order; after each, `emit` gets its JSON line and
+    `out` is rewritten (`append`: after the rows it already holds). `memory_budget_gb` applies to
+    the shapes; recipes bring their own budgets, which `unconstrained` drops."""
     unknown = [q for q in quants if q not in QUANTS] + [n for n in shapes if n not in shape_configs]
     if unknown:
         raise QerlError(f"unknown {unknown}: shapes are {sorted(shape_configs)}, quants {list(QUANTS)}")
-    if s.adapter not in ("lora", "full") or (s.adapter == "full" and set(quants) != {"bf16"}):
+    if shapes and (s.adapter not in ("lora", "full") or (s.adapter == "full" and set(quants) != {"bf16"})):
         raise QerlError(f"--adapter {s.adapter} with --quant {','.join(quants)}: the adapter is lora or full, and "
                         "full fine-tuning trains a bf16 base only (pass --quant bf16)")
+    steps = [read_recipe(Path(r)) for r in recipes]  # every recipe read before the first build
+    for step in steps:
+        if step.quant not in QUANTS or step.settings.adapter != "lora":
+            raise QerlError(f"{step.name}: the bench runs LoRA over a {'/'.join(QUANTS)} base, not "
+                            f"{step.settings.adapter} over {step.quant}")
     if _cuda(device) and not torch.cuda.is_available():
         raise QerlError("bench train-step measures a GPU training step and needs a CUDA GPU; none is visible here")
     rows: list[dict] = []
+    if append and out is not None and out.is_file():
+        rows = list(json.loads(out.read_text()).get("results", []))
 
     def result() -> dict[str, Any]:
-        return results_file(rows, targets(rows), settings=_settings(s), torch=torch.__version__,
-                            nvfp4_over_bf16=speedups(rows))
+        settings = _settings(s) if shapes else None
+        return results_file(rows, targets(rows), settings=settings, torch=torch.__version__,
+                            nvfp4_over_bf16=speedups(rows), ladder=ladder(rows),
+                            recipe_settings={st.name: _settings(st.settings) for st in steps})
 
     latest = result()
-    for name in shapes:
-        for quant in quants:
-            rows.append(bench_config(name, shape_configs[name], quant, s, device, memory_limit_bytes))
-            print(_summary(rows[-1]), file=sys.stderr, flush=True)
-            emit(json.dumps(rows[-1]))
-            latest = result()  # one dict for the file and the caller: its date is taken once
-            if out is not None:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(latest, indent=1) + "\n")
+    cases = [(st.shape, st.quant, st.settings, None if unconstrained else st.budget_gb, st.name) for st in steps]
+    cases += [(name, quant, s, memory_budget_gb, None) for name in shapes for quant in quants]
+    for name, quant, settings, budget_gb, recipe in cases:
+        config = shape_configs[name] if name in shape_configs else QWEN25_SHAPES[name]
+        rows.append(bench_config(name, config, quant, settings, device, memory_limit_bytes, budget_gb, recipe))
+        print(_summary(rows[-1]), file=sys.stderr, flush=True)
+        emit(json.dumps(rows[-1]))
+        latest = result()  # one dict for the file and the caller: its date is taken once
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(latest, indent=1) + "\n")
     return latest

@@ -1,11 +1,13 @@
 """Building an engine directory: what build-engine stores so that train and eval start in seconds.
 
-`plan_engine` decides, before any weight is read, the compute dtype, the KV budget (or that it is
-measured on the GPU once the model is loaded), CUDA graphs and kernel tuning, so a bad setting
-fails before any work. `write_engine` then loads the base in the kernels' layout, plans the
-KV-cache limits, tunes the 4-bit kernels for the model's layer shapes on CUDA, and writes the
-weights (`engine.weights`), the model's files and `engine.json`, which `engine.artifact.load_engine`
-reads. The stage (`stages/build_engine.py`) only chooses the base and keys the artifact.
+`plan_engine` decides, before any weight is read, the compute dtype, the KV budget, CUDA graphs
+and kernel tuning, so a bad setting fails before any work. Without `engine.kv_budget_gib` the KV
+budget is the KV cache the step planner (`memory.plan`) gives train's step under
+`train.memory_budget_gb` (on CUDA, by default, the memory free at start), so a step that cannot
+fit is refused here too. `write_engine` then (capped to an explicit budget on CUDA) loads the base
+in the kernels' layout, plans the KV-cache limits, tunes the 4-bit kernels for the model's layer
+shapes on CUDA, and writes the weights (`engine.weights`), the model's files and `engine.json`
+(with the memory plan), which `engine.artifact.load_engine` reads. The stage (`stages/build_engine.py`) only chooses the base and keys the artifact.
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ from qerl_pipe.formats.modelopt_writer import copy_model_files
 from qerl_pipe.hf import compute_dtype, count_parameters
 from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, table_to_json
 from qerl_pipe.log import log
+from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_engine_step
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model, model_memory_bytes
-from qerl_pipe.recipe import EngineSection
+from qerl_pipe.recipe import EngineSection, TrainSection
 
-# Auto KV budget on CUDA: a share of what is free once the model is loaded; the rest is left for
-# activations, LoRA, optimizer state and the training step that shares the GPU with the engine.
-AUTO_KV_FRACTION = 0.4
+# Without engine.kv_budget_gib the KV cache is what the step planner (memory.plan) gives train's
+# step under train.memory_budget_gb (on CUDA, by default, the memory free at start); on a CPU
+# without a budget, this.
 CPU_KV_BUDGET_BYTES = 2 * 2**30
 # Tuning covers the M buckets the engine decodes at (up to its max batch) and a training-sized M
 # (the M >= 1024 bucket: prefill and the training forward); dX runs only in training, so only
@@ -51,9 +54,11 @@ class EnginePlan:
 
     config: DecoderConfig
     dtype: torch.dtype
-    kv_budget_bytes: int | None  # None: measured on the GPU after loading the model
+    kv_budget_bytes: int
     cuda_graphs: bool
     tune: bool
+    memory_plan: MemoryPlan | None = None  # train's step, when it sized the KV cache
+    enforce: bool = False  # cap the process at the plan's budget (CUDA, train.memory_budget_gb)
 
 
 def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool:
@@ -62,10 +67,12 @@ def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool
     return choice == "on" or (choice == "auto" and auto)
 
 
-def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch.device) -> EnginePlan:
-    """What the engine section and the model's config.json decide alone. Raises, before any weight
-    is read, on a setting that cannot work: sequences longer than the model's positions, CUDA
-    graphs or tuning forced on where they cannot run, a KV budget that holds not one sequence."""
+def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch.device,
+                train: TrainSection) -> EnginePlan:
+    """What the engine section, train's step (its memory budget) and the model's config.json
+    decide. Raises, before any weight is read, on a setting that cannot work: sequences longer than
+    the model's positions, CUDA graphs or tuning forced on where they cannot run, a KV budget that
+    holds not one sequence, a train step that no plan fits into train.memory_budget_gb."""
     config = DecoderConfig.from_hf(hf_config)
     if section.max_seq_len > config.max_position_embeddings:
         raise QerlError(
@@ -78,27 +85,20 @@ def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch
     tune = _switch(section.tune_kernels, cuda and four_bit, cuda and four_bit, "tune_kernels",
                    "needs a CUDA device and a 4-bit base (nvfp4 or nf4)")
     dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
-    budget = None
+    memory_plan, enforce = None, False
     if section.kv_budget_gib is not None:
         budget = int(section.kv_budget_gib * 2**30)
-    elif not cuda:
-        budget = CPU_KV_BUDGET_BYTES
-    plan = EnginePlan(config, dtype, budget, graphs, tune)
-    if budget is not None:
-        _limits(plan, section, budget)  # raises now when not even one sequence fits
+    else:
+        memory_plan, enforce = plan_engine_step(train, section, config, device, dtype)  # refuses a step that cannot fit
+        budget = memory_plan.estimate["kv_cache"] if memory_plan is not None else CPU_KV_BUDGET_BYTES
+    plan = EnginePlan(config, dtype, budget, graphs, tune, memory_plan, enforce)
+    _limits(plan, section, budget)  # raises now when not even one sequence fits
     return plan
 
 
 def _limits(plan: EnginePlan, section: EngineSection, budget: int) -> EngineLimits:
     return plan_limits(plan.config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
                        kv_budget_bytes=budget, dtype=plan.dtype, cuda_graphs=plan.cuda_graphs)
-
-
-def _auto_cuda_budget(device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # blocks cached from loading are free for the engine too
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free * AUTO_KV_FRACTION)
 
 
 def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
@@ -123,9 +123,11 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
     from qerl_pipe.kernels.tuning import tune_kernels
 
     started = time.perf_counter()
+    if plan.enforce and plan.memory_plan is not None:
+        enforce_budget(plan.memory_plan.budget_bytes, device)
     model = load_model(base_dir, section.base_format, plan.dtype, device)
     _check_finite(model)
-    budget = plan.kv_budget_bytes if plan.kv_budget_bytes is not None else _auto_cuda_budget(device)
+    budget = plan.kv_budget_bytes
     limits = _limits(plan, section, budget)
     table: ConfigTable | None = None
     if plan.tune and section.base_format == "nvfp4" and cuda_kernels_available(device):
@@ -146,6 +148,7 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
         "dtype": str(plan.dtype).removeprefix("torch."),
         "limits": limits.to_json(),
         "kv_budget_bytes": budget,
+        "memory_plan": plan.memory_plan.to_json() if plan.memory_plan is not None else None,
         "kernel_table": table_to_json(table) if table is not None else None,
         "device": {"type": device.type, "name": device_kind(device)},
         "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -165,7 +168,10 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
         "cuda_graph_sizes": list(limits.graph_batch_sizes),
         "tuned_kernel_entries": len(table) if table is not None else 0,
         "seconds": seconds,
+        **({"memory_plan": engine["memory_plan"]} if plan.memory_plan is not None else {}),
     }
+    if plan.memory_plan is not None:
+        log(f"build-engine: KV cache from train's memory plan: {plan.memory_plan.describe()}")
     log(f"build-engine: {section.base_format} base in {summary['dtype']} on {summary['device']}, "
         f"{summary['model_mib']} MiB; max_batch {limits.max_batch} x max_seq_len {limits.max_seq_len} "
         f"(KV cache {summary['kv_cache_mib']} of {summary['kv_budget_mib']} MiB); "

@@ -3,6 +3,10 @@ evaluation before and after, the trained adapter (or for full fine-tuning the wh
 and the reports. The train stage keys the run, picks the work directory and seals it as the
 artifact; everything that happens inside the directory is here.
 
+The step's memory is planned here too (`plan_run`: `memory.plan` over the engine, to
+`train.memory_budget_gb`, the process capped to it on CUDA): the plan's KV slots, micro-batch and
+LM-head chunk are what the run uses.
+
 The directory: `adapter/` (PEFT; a full run has `model/` instead, a Hugging Face model directory
 of the trained weights), `metrics.jsonl`, `plots/`, `report.json` / `report.md`,
 `eval/before.jsonl` / `eval/after.jsonl` (greedy completions), `checkpoints/step-N/`.
@@ -18,21 +22,26 @@ from typing import Any
 
 import torch
 
+from qerl_pipe.artifacts import Artifact
 from qerl_pipe.engine import Engine
 from qerl_pipe.engine.artifact import load_engine
+from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer
 from qerl_pipe.log import log
+from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_train, with_slots
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.full import full_training_bytes
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.peft import ADAPTER_DIR, save_adapter
 from qerl_pipe.model.save import save_hf_weights
-from qerl_pipe.recipe import TrainSection
+from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.distributed import Dist
 from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
+from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
 from qerl_pipe.rl.metrics import PLOTS_DIR, greedy_line, write_plots
 from qerl_pipe.rl.prompts import fit_prompts, stop_token_ids
+from qerl_pipe.rl.rewards import load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
 
@@ -57,6 +66,37 @@ def load_train_problems(section: TrainSection) -> tuple[list[Problem], list[Prob
         evaluation = load_problems(section.eval_data, limit=section.eval_limit, seed=section.seed + 1,
                                    **fields(section.eval_data))
     return train, evaluation
+
+
+def check_train_inputs(recipe: Recipe, engine: Artifact | None = None) -> tuple[list[Problem], list[Problem]]:
+    """Everything about the train section that can fail without a model: data files, fields,
+    custom reward names, full fine-tuning over a 4-bit base (that of `engine`, else the one the
+    recipe's engine section builds). train calls it before any model work, `run` before its
+    first stage."""
+    if recipe.train.adapter == "full":
+        base = engine.summary.get("base_format") if engine is not None else recipe.engine.base_format
+        if base not in (None, "bf16"):
+            source = f"the engine {engine.path.name}" if engine is not None else "engine.base_format"
+            fix = ("pass a bf16 engine to --engine" if engine is not None
+                   else "set engine.base_format=bf16 (--set engine.base_format=bf16)")
+            raise QerlError(f"train.adapter=full trains every weight, which needs a bf16 base, but {source} is "
+                            f"{base} (4-bit codes cannot take gradient updates): {fix}, or train LoRA over the "
+                            "4-bit base with train.adapter=lora")
+    problems, eval_problems = load_train_problems(recipe.train)
+    load_custom_rewards(recipe.train.rewards.custom)
+    return problems, eval_problems
+
+
+def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist: Dist = Dist()) -> MemoryPlan:
+    """The plan of each rank's step over the engine in `engine_dir` (`memory.plan.plan_train`), said
+    by rank 0; under train.memory_budget_gb on CUDA the process is capped to the budget. Raises
+    MemoryBudgetError, naming the smallest budget that fits, before anything is loaded."""
+    plan, enforced = plan_train(section, engine_dir, device, dist.world_size)
+    if dist.is_main:
+        log(f"train: memory plan: {plan.describe()}")
+    if enforced:
+        enforce_budget(plan.budget_bytes, device)
+    return plan
 
 
 def _write_eval(run_dir: Path, name: str, result: EvalResult) -> None:
@@ -135,14 +175,18 @@ def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
 
 def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], eval_problems: list[Problem],
               device: torch.device, run_dir: Path, base_model: str, trust_remote_code: bool = False,
-              dist: Dist = Dist()) -> dict[str, Any]:
-    """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary.
+              dist: Dist = Dist(), plan: MemoryPlan | None = None) -> dict[str, Any]:
+    """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary. `plan`
+    (`plan_run`) sets the KV slots, micro-batch and LM-head chunk; without one, the engine's slots
+    and the section's micro-batch.
 
     With several ranks all of them train; rank 0 alone evaluates and writes the files (the
     others return {} once training is done).
     """
     started = time.perf_counter()
     model, limits = load_engine(engine_dir, device)
+    if plan is not None:
+        limits = with_slots(limits, plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
     full = section.adapter == "full"
     if not full:
@@ -158,7 +202,9 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
     with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
         if dense_bytes and dist.is_main:
             log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
-        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, section, stops, dist=dist)
+        cfg, chunk = (section, DEFAULT_CHUNK) if plan is None else (
+            section.model_copy(update={"micro_batch_size": plan.micro_batch}), plan.logprob_chunk)
+        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, cfg, stops, chunk, dist=dist)
         memory: dict[str, Any] = {}
         if full and dist.is_main:
             line, memory = _full_memory_line(model)
@@ -195,6 +241,7 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
         "reward_last_tenth": report["reward_last_tenth"],
         "device": str(device),
         "adapter": section.adapter, **memory,
+        **({"memory_plan": plan.to_json()} if plan is not None else {}),
         **({"processes": dist.world_size} if dist.enabled else {}),
         "seconds_this_session": round(time.perf_counter() - started, 1),
     }

@@ -2,7 +2,8 @@
 
 Everything that can be done once per (model, GPU) is done here and stored, so that train and
 eval start in seconds: the base is converted to the kernels' layout (`engine.weights`), the
-KV-cache limits are planned from a memory budget on the target device (`engine.limits`), and on
+KV-cache limits are planned from a memory budget on the target device (`engine.limits`: the KV
+bytes the step planner, `memory.plan`, gives train's step under `train.memory_budget_gb`), and on
 CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`). Tuning is
 per GPU, so the GPU's name is part of the artifact's identity.
 
@@ -76,7 +77,7 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
     device = pick_device(section.device)
     if section.base_format == "nvfp4":
         if quantized is None:
-            plan_engine(section, resolve_model(recipe.model, store).config, device)  # fail before quantizing
+            plan_engine(section, resolve_model(recipe.model, store).config, device, recipe.train)  # fail before quantizing
             quantized = input_artifact(STAGE.name, "--quantized", recipe, store, build_missing=build_missing,
                                        find_only=find_only)
         _check_quantized(quantized)
@@ -91,8 +92,10 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
             raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
-    plan = plan_engine(section, base.hf_config, device)
+    plan = plan_engine(section, base.hf_config, device, recipe.train)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
+    if plan.memory_plan is not None and recipe.train.memory_budget_gb is not None:
+        config["memory_budget_gb"] = recipe.train.memory_budget_gb  # sized the KV cache (engines without one keep their ids)
 
     def build(pending: PendingArtifact) -> None:
         pending.summary.update(write_engine(base.dir, base.hf_config, plan, section, device, pending.dir))

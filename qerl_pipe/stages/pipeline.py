@@ -19,8 +19,9 @@ def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -
                         "`qerl-pipe train --nproc N` (or torchrun ... -m qerl_pipe train), then export and eval")
     if recipe.train.adapter == "full":
         _check_full_run_stages(recipe)
-    # Each stage's declared check (data files, reward names) runs before the first stage, and a
-    # full run's eval of its export is declared in the DAG (`dag.full_run_eval`).
+    # Each stage's declared check (data files, reward names, train's step against its memory
+    # budget) runs before the first stage, and a full run's eval of its export is declared in the
+    # DAG (`dag.full_run_eval`).
     return dag.run_pipeline(recipe, store, force=force)
 
 

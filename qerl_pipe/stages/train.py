@@ -7,7 +7,8 @@ started again with the same inputs resumes from its last checkpoint. When the la
 it evaluates, exports the adapter, and the whole work directory becomes the artifact (hard links
 into the store's pending directory, sealed by its manifest; the work directory is removed after).
 What happens inside the work directory, and its layout, is `rl.run`; this module keys the run,
-finds its engine and seals the result (plus `run.json`).
+finds its engine, plans its step to `train.memory_budget_gb` (`rl.run.plan_run`, before any
+work) and seals the result (plus `run.json`, which holds the plan).
 
 Under torchrun (WORLD_SIZE > 1) every rank trains (rl/distributed.py); rank 0 alone resolves the
 engine, holds the store's lock, evaluates and writes the artifact, and tells the other ranks the
@@ -27,14 +28,15 @@ from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_a
 from qerl_pipe.artifacts.store import link_tree
 from qerl_pipe.dag import TRAIN, find_or_build, input_artifact
 from qerl_pipe.engine.artifact import check_engine_for
-from qerl_pipe.errors import QerlError
 from qerl_pipe.hf import pick_device
 from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.log import log
+from qerl_pipe.memory.plan import MemoryPlan
+from qerl_pipe.memory.preflight import check_recipe_step
 from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.distributed import Dist, init_distributed
 from qerl_pipe.rl.rewards import custom_reward_digests, load_custom_rewards
-from qerl_pipe.rl.run import load_train_problems, train_run
+from qerl_pipe.rl.run import check_train_inputs, plan_run, train_run
 from qerl_pipe.rl.tasks import Problem
 from qerl_pipe.userfiles import data_file_key
 
@@ -46,6 +48,7 @@ RUN_FILE = "run.json"
 def train_key(section: TrainSection) -> dict[str, Any]:
     """The train section as the run's id sees it."""
     key = section.model_dump()
+    del key["memory_budget_gb"]  # it changes the plan, not the method: the same run on a smaller GPU
     if key["adapter"] == "lora":
         del key["adapter"]  # the default: runs made before the setting existed keep their ids
     else:
@@ -57,22 +60,11 @@ def run_dir_for(store: ArtifactStore, art_id: str) -> Path:
     return store.work_dir_for(STAGE.name, art_id)
 
 
-def check_train_inputs(recipe: Recipe, engine: Artifact | None = None) -> tuple[list[Problem], list[Problem]]:
-    """Everything about the train section that can fail without a model: data files, fields,
-    custom reward names, full fine-tuning over a 4-bit base (that of `engine`, else the one the
-    recipe's engine section builds). `run` calls it before its first stage."""
-    if recipe.train.adapter == "full":
-        base = engine.summary.get("base_format") if engine is not None else recipe.engine.base_format
-        if base not in (None, "bf16"):
-            source = f"the engine {engine.path.name}" if engine is not None else "engine.base_format"
-            fix = ("pass a bf16 engine to --engine" if engine is not None
-                   else "set engine.base_format=bf16 (--set engine.base_format=bf16)")
-            raise QerlError(f"train.adapter=full trains every weight, which needs a bf16 base, but {source} is "
-                            f"{base} (4-bit codes cannot take gradient updates): {fix}, or train LoRA over the "
-                            "4-bit base with train.adapter=lora")
-    problems, eval_problems = load_train_problems(recipe.train)
-    load_custom_rewards(recipe.train.rewards.custom)
-    return problems, eval_problems
+def check_train_recipe(recipe: Recipe) -> None:
+    """`run`'s check before its first stage: the train inputs (`check_train_inputs`) and the step
+    against train.memory_budget_gb, from the model's config.json alone (`memory.preflight`)."""
+    check_train_inputs(recipe)
+    check_recipe_step(recipe)
 
 
 def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None = None, force: bool = False,
@@ -94,6 +86,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         path = dist.broadcast(found.path if found is not None else None)
         engine = found if found is not None else load_artifact(path, verify=False)
     check_engine_for(engine, "train", section.max_new_tokens, "--engine")
+    plan = plan_run(section, engine.path, device, dist)  # over train.memory_budget_gb: refused now
     config = {"train": train_key(section), "device": device.type}
     for key, spec in (("data_sha256", section.data), ("eval_data_sha256", section.eval_data)):
         digest = data_file_key(spec)
@@ -105,7 +98,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
     if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
         config["processes"] = dist.world_size
     if not dist.is_main:
-        return _follow_train(recipe, section, engine, problems, eval_problems, device, store, dist)
+        return _follow_train(recipe, section, engine, problems, eval_problems, device, plan, dist)
     built: list[Path] = []
 
     def build(pending: PendingArtifact) -> None:
@@ -114,10 +107,11 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         if force and run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_FILE).write_text(json.dumps({"id": pending.id, "engine": engine.id, **config}, indent=2) + "\n")
+        run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
+        (run_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
         dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
         summary = train_run(section, engine.path, problems, eval_problems, device, run_dir,
-                            engine_model_name(engine, store), recipe.model.trust_remote_code, dist)
+                            engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
         link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
         built.append(run_dir)
@@ -134,7 +128,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
 
 
 def _follow_train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: list[Problem],
-                  eval_problems: list[Problem], device: torch.device, store: ArtifactStore, dist: Dist) -> Artifact:
+                  eval_problems: list[Problem], device: torch.device, plan: MemoryPlan, dist: Dist) -> Artifact:
     """A rank other than 0: train in the run directory rank 0 chose, then return the artifact it sealed.
 
     Rank 0 raising (say, a locked or damaged store) ends the whole torchrun group, so the
@@ -145,5 +139,5 @@ def _follow_train(recipe: Recipe, section: TrainSection, engine: Artifact, probl
         return load_artifact(Path(existing), verify=False)
     dist.barrier()
     train_run(section, engine.path, problems, eval_problems, device, Path(run_dir), "",
-              recipe.model.trust_remote_code, dist)
+              recipe.model.trust_remote_code, dist, plan)
     return load_artifact(Path(dist.broadcast(None)), verify=False)

@@ -1,11 +1,14 @@
 """What one RL step of a model asks of the GPU, estimated from the config before anything is allocated.
 
-`bench train-step` checks this against the free GPU memory first, so a configuration that cannot
-fit (72B with a bf16 base: ~145 GB of weights alone) is reported as `fits: false` with the bytes
-it would need, instead of dying halfway through the build. Weights, LoRA state (or, for full
-fine-tuning, 16 bytes per weight: float32 master, gradient, AdamW moments) and the KV cache
-are exact counts; activations are a deliberate over-estimate of what gradient checkpointing keeps
-(every layer's input) plus one layer's recompute and one LM-head chunk, the peak of the backward.
+The step model the planner (`memory.plan`) chooses settings with, and that `bench train-step`
+checks on the GPU: estimated before the build, it was 1-9% above every measured peak reserved
+(7B to 72B, bf16 and NVFP4 bases). Weights, LoRA state (or, for full fine-tuning, 16 bytes per
+weight: float32 master, gradient, AdamW moments) and the KV cache are exact counts; activations
+are a deliberate over-estimate of what gradient checkpointing keeps (every layer's input) plus
+one layer's recompute and one LM-head chunk, the peak of the backward.
+
+`dtype` is the model's compute dtype (activations, KV cache, embedding, LM head and a bf16
+base's linears); the GPU runs bf16, a small model on a CPU float32.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from qerl_pipe.formats.nvfp4 import BLOCK_SIZE
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.full import full_training_bytes
 
-BF16 = 2
 # Stored bytes per base-weight element: 4-bit codes plus one scale per block (NVFP4: an fp8
-# scale per 16; NF4: an fp32 absmax per 64).
+# scale per 16; NF4: an fp32 absmax per 64); a "bf16" base holds its linears in the model dtype.
 BASE_BYTES = {"bf16": 2.0, "nvfp4": 0.5 + 1 / BLOCK_SIZE, "nf4": 0.5 + 4 / NF4_BLOCK}
+BASE_FORMATS = tuple(BASE_BYTES)
 # And per linear: NVFP4's fp32 global scale, NF4's table of 16 fp32 levels.
 PER_LINEAR_BYTES = {"bf16": 0, "nvfp4": 4, "nf4": 16 * 4}
 # A LoRA parameter costs its fp32 value, its fp32 gradient and AdamW's two fp32 moments.
@@ -53,15 +56,21 @@ def _linears(c: DecoderConfig) -> list[tuple[int, tuple[int, ...]]]:
             (c.hidden_size, (i, i)), (i, (c.hidden_size,))]
 
 
-def weight_bytes(c: DecoderConfig, base_format: str) -> int:
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def weight_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch.bfloat16) -> int:
     """The model without LoRA: base linears, embedding, LM head, norms, biases."""
+    e = element_bytes(dtype)
     linear = sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers
-    tables = c.vocab_size * c.hidden_size * BF16 * (1 if c.tie_word_embeddings else 2)
-    # Norm weights in bf16 with their fp32 AQN noise buffers; q/k/v biases for Qwen2.
-    norms = (2 * c.num_layers + 1) * c.hidden_size * (BF16 + 4)
-    bias = c.num_layers * (c.q_size + 2 * c.kv_size) * BF16 if c.qkv_bias else 0
+    tables = c.vocab_size * c.hidden_size * e * (1 if c.tie_word_embeddings else 2)
+    # Norm weights in the model dtype with their fp32 AQN noise buffers; q/k/v biases for Qwen2.
+    norms = (2 * c.num_layers + 1) * c.hidden_size * (e + 4)
+    bias = c.num_layers * (c.q_size + 2 * c.kv_size) * e if c.qkv_bias else 0
     per_linear = len(_linears(c)) * c.num_layers * PER_LINEAR_BYTES[base_format]
-    return int(linear * BASE_BYTES[base_format]) + tables + norms + bias + per_linear
+    base = e if base_format == "bf16" else BASE_BYTES[base_format]
+    return int(linear * base) + tables + norms + bias + per_linear
 
 
 def lora_params(c: DecoderConfig, rank: int) -> int:
@@ -69,10 +78,11 @@ def lora_params(c: DecoderConfig, rank: int) -> int:
     return c.num_layers * sum(rank * (k + n) for k, outs in _linears(c) for n in outs)
 
 
-def lora_bytes(c: DecoderConfig, rank: int) -> int:
-    """LoRA values, gradients and AdamW moments, plus the engine's fused bf16 copy (its B is
-    block-diagonal over a layer's projections, so it is larger than the adapter itself)."""
-    cache = sum(rank * len(outs) * (k + sum(outs)) for k, outs in _linears(c)) * c.num_layers * BF16
+def lora_bytes(c: DecoderConfig, rank: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """LoRA values, gradients and AdamW moments, plus the engine's fused copy in the model dtype
+    (its B is block-diagonal over a layer's projections, so it is larger than the adapter itself)."""
+    e = element_bytes(dtype)
+    cache = sum(rank * len(outs) * (k + sum(outs)) for k, outs in _linears(c)) * c.num_layers * e
     return lora_params(c, rank) * LORA_TRAIN_BYTES + cache
 
 
@@ -88,47 +98,49 @@ def weight_elements(c: DecoderConfig) -> int:
     return linear + tables + norms + bias
 
 
-def full_bytes(c: DecoderConfig) -> int:
+def full_bytes(c: DecoderConfig, dtype: torch.dtype = torch.bfloat16) -> int:
     """Full fine-tuning of a bf16 model: a float32 master, gradient and two AdamW moments per weight
     (16 bytes), plus the bf16 gradient of the largest weight, alive until it is added to its master."""
     largest = max(c.vocab_size * c.hidden_size, max(k * sum(outs) for k, outs in _linears(c)))
-    return full_training_bytes(weight_elements(c), torch.bfloat16) + largest * BF16
+    return full_training_bytes(weight_elements(c), dtype) + largest * element_bytes(dtype)
 
 
-def activation_bytes(c: DecoderConfig, s: StepSize) -> int:
+def activation_bytes(c: DecoderConfig, s: StepSize, dtype: torch.dtype = torch.bfloat16) -> int:
     """Peak of the training pass of one micro-batch (larger than any rollout activation here)."""
+    e = element_bytes(dtype)
     tokens = s.micro_batch * s.seq_len
     h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-    kept = (c.num_layers + 1) * tokens * h * BF16  # checkpointing keeps each layer's input
+    kept = (c.num_layers + 1) * tokens * h * e  # checkpointing keeps each layer's input
     # One layer recomputed in backward: norms, q/k/v (k/v also repeated to every query head),
     # attention, the gate/up product and SiLU; x1.5 for the gradients alive beside them.
-    layer = int(1.5 * tokens * BF16 * (6 * h + 2 * (q + 2 * kv) + 3 * q + 4 * i))
-    # LM head chunk: bf16 logits, fp32 logits, softmax and one fp32 temporary (x 152k vocab).
-    chunk = min(s.logprob_chunk, tokens) * c.vocab_size * (BF16 + 3 * 4)
-    mask = s.micro_batch * s.seq_len * s.seq_len * (1 + BF16)
-    return kept + layer + chunk + mask + 2 * tokens * h * BF16  # + the gathered hidden states
+    layer = int(1.5 * tokens * e * (6 * h + 2 * (q + 2 * kv) + 3 * q + 4 * i))
+    # LM head chunk: logits in the model dtype, fp32 logits, softmax and one fp32 temporary (x 152k vocab).
+    chunk = min(s.logprob_chunk, tokens) * c.vocab_size * (e + 3 * 4)
+    mask = s.micro_batch * s.seq_len * s.seq_len * (1 + e)
+    return kept + layer + chunk + mask + 2 * tokens * h * e  # + the gathered hidden states
 
 
-def scratch_bytes(c: DecoderConfig, base_format: str) -> int:
-    """The 4-bit large-M path decodes the largest linear into one shared bf16 buffer."""
+def scratch_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The 4-bit large-M path decodes the largest linear into one shared buffer of the model dtype."""
     if base_format == "bf16":
         return 0
-    return max(k * sum(outs) for k, outs in _linears(c)) * BF16
+    return max(k * sum(outs) for k, outs in _linears(c)) * element_bytes(dtype)
 
 
-def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter: str = "lora") -> dict[str, int]:
+def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter: str = "lora",
+                        dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Each part of the step's peak and their `total`, in bytes. `adapter`: "lora", or "full"
     (every weight trains; a bf16 base only)."""
     if adapter == "full" and base_format != "bf16":
         raise ValueError(f"full fine-tuning needs a bf16 base, not {base_format}")
-    trained = {"full_and_optimizer": full_bytes(c)} if adapter == "full" else {
-        "lora_and_optimizer": lora_bytes(c, s.lora_rank)}
+    trained = {"full_and_optimizer": full_bytes(c, dtype)} if adapter == "full" else {
+        "lora_and_optimizer": lora_bytes(c, s.lora_rank, dtype)}
     parts = {
-        "weights": weight_bytes(c, base_format),
+        "weights": weight_bytes(c, base_format, dtype),
         **trained,
-        "kv_cache": kv_bytes_per_token(c) * s.kv_slots * s.seq_len,
-        "activations": activation_bytes(c, s),
-        "dequant_scratch": scratch_bytes(c, base_format),
+        "kv_cache": kv_bytes_per_token(c, dtype) * s.kv_slots * s.seq_len,
+        "activations": activation_bytes(c, s, dtype),
+        "dequant_scratch": scratch_bytes(c, base_format, dtype),
         "slack": SLACK_BYTES,
     }
     return {**parts, "total": sum(parts.values())}

@@ -1,0 +1,274 @@
+"""Plan one RL step to a memory budget: the settings whose estimated peak (`memory.step`) fits.
+
+What the recipe fixes (model, base format, LoRA rank, prompts x samples, prompt + completion
+length) sets most of the step's memory; three settings trade memory for speed and are the
+planner's to choose, each bounded above by the recipe:
+
+- the KV slots: sequences decoded at once (`engine.max_batch`); the step's sequences run in
+  `waves = ceil(sequences / slots)` when every response runs to the end, and with responses that
+  stop early every freed slot takes the next sequence, so each slot counts;
+- the training micro-batch (`train.micro_batch_size`): sequences per forward/backward;
+- the LM-head chunk: response tokens whose logits exist at once (`rl.logprobs`), 1024 by default.
+
+The candidates form one chain from the recipe's settings down to (1 slot, micro-batch 1, chunk
+128): first the chunk halves (the LM head is ~2% of a step's FLOPs, so its chunk costs little),
+then the micro-batch halves (a micro-batch of one sequence of ~1k tokens still gives the matmuls
+1k rows), and only then do the slots shrink, one at a time: each extra wave repeats the whole
+memory-bound decode (the 32B NVFP4 rollout took 100.6 s in four waves of 16 on the H200, the
+larger 72B's 114 s in one wave of 64). The plan is the first candidate whose estimate is under
+the budget. Every candidate is at most its predecessor in each setting, so a smaller budget never
+gives a larger setting; the price is that memory a slot reduction frees is not handed back to the
+micro-batch or the chunk (any rule with that guarantee and slots first must do the same).
+
+A budget that not even the last candidate meets raises `MemoryBudgetError`, which names the
+smallest budget that fits (that candidate's estimate, rounded up to 0.1 GB). Budgets are in GB,
+10^9 bytes, as GPU memory is sold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_pipe.engine.limits import EngineLimits
+from qerl_pipe.errors import QerlError
+from qerl_pipe.formats.hf_config import read_model_config
+from qerl_pipe.memory.step import BASE_FORMATS, StepSize, estimate_step_bytes
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
+
+GB = 10**9
+MIN_LOGPROB_CHUNK = 128
+BUDGET_KEY = "train.memory_budget_gb"
+# What each part of the estimate is called in messages.
+PART_NAMES = {"weights": "weights", "lora_and_optimizer": "LoRA + AdamW", "full_and_optimizer": "masters + AdamW",
+              "kv_cache": "KV cache", "activations": "activations", "dequant_scratch": "dequant scratch",
+              "slack": "slack"}
+
+
+class MemoryBudgetError(QerlError):
+    """No plan of the step fits the budget; `needed_bytes` is the smallest budget that does."""
+
+    def __init__(self, message: str, needed_bytes: int, budget_bytes: int):
+        super().__init__(message)
+        self.needed_bytes, self.budget_bytes = needed_bytes, budget_bytes
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the recipe fixes about one process's step; `max_*` bound what the planner may choose."""
+
+    sequences: int  # prompts x samples this process rolls out per step
+    prompts: int
+    seq_len: int  # prompt + completion tokens per sequence: each KV slot's length
+    prompt_len: int
+    lora_rank: int
+    max_kv_slots: int  # engine.max_batch (no more than `sequences` are ever used)
+    max_micro_batch: int  # train.micro_batch_size
+    max_logprob_chunk: int = DEFAULT_CHUNK
+    adapter: str = "lora"  # or "full" (every weight trains; a bf16 base only)
+
+    def __post_init__(self) -> None:
+        for key in ("sequences", "prompts", "seq_len", "max_kv_slots", "max_micro_batch", "max_logprob_chunk"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"StepShape.{key} must be at least 1, got {getattr(self, key)}")
+
+    def size(self, kv_slots: int, micro_batch: int, logprob_chunk: int) -> StepSize:
+        return StepSize(self.sequences, self.seq_len, self.prompt_len, self.prompts, kv_slots, micro_batch,
+                        self.lora_rank, logprob_chunk)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The settings chosen for a step and the estimate they were chosen by (bytes)."""
+
+    kv_slots: int
+    micro_batch: int
+    logprob_chunk: int
+    budget_bytes: int | None  # None: nothing to fit (the recipe's own settings)
+    budget_source: str  # what set the budget: the recipe key, a flag, "free GPU memory", "none"
+    estimate: dict[str, int]
+    shape: StepShape
+    base_format: str
+    dtype: str
+
+    @property
+    def waves(self) -> int:
+        return math.ceil(self.shape.sequences / self.kv_slots)
+
+    @property
+    def estimate_bytes(self) -> int:
+        return self.estimate["total"]
+
+    @property
+    def size(self) -> StepSize:
+        return self.shape.size(self.kv_slots, self.micro_batch, self.logprob_chunk)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kv_slots": self.kv_slots, "waves": self.waves, "micro_batch": self.micro_batch,
+            "logprob_chunk": self.logprob_chunk, "budget_bytes": self.budget_bytes,
+            "budget_gb": None if self.budget_bytes is None else round(self.budget_bytes / GB, 3),
+            "budget_source": self.budget_source, "estimate_bytes": self.estimate,
+            "estimate_gb": round(self.estimate_bytes / GB, 3), "estimate_gib": round(self.estimate_bytes / 2**30, 3),
+            "base_format": self.base_format, "dtype": self.dtype, "step": asdict(self.shape),
+        }
+
+    def describe(self) -> str:
+        """One line: the settings, the estimate and the budget."""
+        s = self.shape
+        budget = ("no budget" if self.budget_bytes is None
+                  else f"budget {self.budget_bytes / GB:.1f} GB ({self.budget_source})")
+        return (f"{s.sequences} sequences of {s.seq_len} tokens in {self.waves} wave(s) of {self.kv_slots} KV slots, "
+                f"micro-batch {self.micro_batch}, LM-head chunk {self.logprob_chunk}: estimated peak "
+                f"{self.estimate_bytes / GB:.1f} GB ({_parts(self.estimate)}), {budget}")
+
+
+def _gb_up(n: int) -> float:
+    """Bytes as GB, rounded up to 0.1 GB: a budget of that many GB holds `n` bytes."""
+    return math.ceil(n / (GB / 10)) / 10
+
+
+def _parts(estimate: dict[str, int]) -> str:
+    return ", ".join(f"{PART_NAMES.get(k, k)} {v / GB:.1f}" for k, v in estimate.items() if k != "total" and v)
+
+
+def _halvings(start: int, floor: int) -> list[int]:
+    """start, start // 2, ... down to `floor` (the last step lands on it), each once."""
+    out = [start]
+    while out[-1] > floor:
+        out.append(max(floor, out[-1] // 2))
+    return out
+
+
+def candidates(shape: StepShape) -> list[tuple[int, int, int]]:
+    """(kv_slots, micro_batch, logprob_chunk), from the recipe's settings down to the smallest
+    plan; each at most its predecessor in every setting (see the module's docstring)."""
+    slots = min(shape.max_kv_slots, shape.sequences)
+    micro = min(shape.max_micro_batch, shape.sequences)
+    chunks = _halvings(shape.max_logprob_chunk, min(MIN_LOGPROB_CHUNK, shape.max_logprob_chunk))
+    out = [(slots, micro, c) for c in chunks]
+    chunk = chunks[-1]
+    out += [(slots, m, chunk) for m in _halvings(micro, 1)[1:]]
+    out += [(k, 1, chunk) for k in range(slots - 1, 0, -1)]
+    return out
+
+
+def plan_step(config: DecoderConfig, base_format: str, shape: StepShape, budget_bytes: int | None, *,
+              dtype: torch.dtype = torch.bfloat16, budget_source: str = BUDGET_KEY,
+              what: str = "the RL step") -> MemoryPlan:
+    """The largest settings (first of `candidates`) whose estimated peak is at most `budget_bytes`
+    (None: the recipe's settings, whatever they need). Raises MemoryBudgetError, naming the
+    smallest budget that fits, when none is; `budget_source` names the knob in that message."""
+    if base_format not in BASE_FORMATS:
+        raise ValueError(f"unknown base format {base_format!r}; one of {BASE_FORMATS}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    estimate: dict[str, int] = {}
+    chain = candidates(shape)
+    for slots, micro, chunk in chain:
+        estimate = estimate_step_bytes(config, base_format, shape.size(slots, micro, chunk), shape.adapter, dtype)
+        if budget_bytes is None or estimate["total"] <= budget_bytes:
+            return MemoryPlan(slots, micro, chunk, budget_bytes, budget_source if budget_bytes is not None else "none",
+                              estimate, shape, base_format, dtype_name)
+    assert budget_bytes is not None
+    needed = _gb_up(estimate["total"])
+    slots, micro, chunk = chain[-1]
+    fix = ("a 4-bit base (engine.base_format=nvfp4) holds the weights in about a quarter of the bytes; "
+           if base_format == "bf16" else "")
+    raise MemoryBudgetError(
+        f"{what} does not fit {budget_source}={budget_bytes / GB:g} GB: even its smallest plan ({slots} KV slot(s), "
+        f"{math.ceil(shape.sequences / slots)} waves, micro-batch {micro}, LM-head chunk {chunk}) needs "
+        f"{estimate['total'] / GB:.1f} GB ({base_format} base, {dtype_name}: {_parts(estimate)}). "
+        f"The smallest budget that fits is {needed:g} GB: set {budget_source}={needed:g} or more on a GPU that "
+        f"has it, or shrink the step ({fix}shorter sequences, a lower LoRA rank)",
+        needed_bytes=estimate["total"], budget_bytes=budget_bytes)
+
+
+# ---------------------------------------------------------------------------- budgets
+
+
+def budget_bytes(gb: float) -> int:
+    return int(gb * GB)
+
+
+def step_budget(gb: float | None, device: torch.device) -> tuple[int | None, str, bool]:
+    """(budget bytes, what set it, enforced): the recipe's `memory_budget_gb`, enforced on CUDA;
+    without one, on CUDA the memory free now (not capped: the GPU is the cap), on CPU none."""
+    if gb is not None:
+        return budget_bytes(gb), BUDGET_KEY, device.type == "cuda"
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], "free GPU memory", False
+    return None, "none", False
+
+
+def enforce_budget(budget: int, device: torch.device) -> float | None:
+    """Cap this process's CUDA caching allocator at `budget` bytes of `device` (allocations past it
+    raise out-of-memory, as on a card of that size); returns the fraction set (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, budget / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def release_budget(device: torch.device) -> None:
+    """Lift `enforce_budget`'s cap."""
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+# ---------------------------------------------------------------------------- recipes and engines
+
+
+def train_step_shape(train: Any, max_seq_len: int, max_batch: int, processes: int = 1) -> StepShape:
+    """The step a recipe's `train` section (a TrainSection, or anything with its keys) asks of each
+    of `processes` ranks over an engine of `max_batch` slots of `max_seq_len` tokens."""
+    prompts = max(1, train.prompts_per_step // processes)
+    return StepShape(sequences=prompts * train.group_size, prompts=prompts, seq_len=max_seq_len,
+                     prompt_len=max(0, max_seq_len - train.max_new_tokens), lora_rank=train.lora.rank,
+                     max_kv_slots=max_batch, max_micro_batch=train.micro_batch_size,
+                     adapter=getattr(train, "adapter", "lora"))
+
+
+def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: int = 1) -> tuple[MemoryPlan, bool]:
+    """The plan of `train`'s step over the engine artifact in `engine_dir` (its config.json,
+    base format, dtype and limits), to `train.memory_budget_gb` (see `step_budget`), and whether
+    the budget is to be enforced. Raises MemoryBudgetError before anything is loaded."""
+    from qerl_pipe.engine.artifact import ENGINE_FILE
+
+    spec = json.loads((engine_dir / ENGINE_FILE).read_text())
+    config = DecoderConfig.from_hf(read_model_config(engine_dir))
+    limits = EngineLimits.from_json(spec["limits"])
+    budget, source, enforced = step_budget(train.memory_budget_gb, device)
+    plan = plan_step(config, spec["base_format"], train_step_shape(train, limits.max_seq_len, limits.max_batch, processes),
+                     budget, dtype=getattr(torch, spec["dtype"]), budget_source=source,
+                     what=f"train's step over the engine {engine_dir.name}")
+    return plan, enforced
+
+
+def with_slots(limits: EngineLimits, slots: int) -> EngineLimits:
+    """`limits` with `slots` decode slots (at most its own): a smaller KV cache, the same length."""
+    if slots >= limits.max_batch:
+        return limits
+    graphs = tuple(b for b in limits.graph_batch_sizes if b < slots) + (slots,) if limits.graph_batch_sizes else ()
+    return replace(limits, max_batch=slots, kv_cache_bytes=limits.kv_cache_bytes // limits.max_batch * slots,
+                   graph_batch_sizes=graphs)
+
+
+def plan_engine_step(train: Any, engine: Any, config: DecoderConfig, device: torch.device,
+                     dtype: torch.dtype) -> tuple[MemoryPlan | None, bool]:
+    """The plan of `train`'s step over the engine a recipe's `engine` section builds (its base
+    format, max_seq_len, max_batch) and whether to enforce it; (None, False) when there is no budget
+    (a CPU and no `train.memory_budget_gb`). Raises MemoryBudgetError before anything is loaded."""
+    budget, source, enforced = step_budget(train.memory_budget_gb, device)
+    if budget is None:
+        return None, False
+    shape = train_step_shape(train, engine.max_seq_len, engine.max_batch)
+    return plan_step(config, engine.base_format, shape, budget, dtype=dtype, budget_source=source,
+                     what=f"train's step ({engine.base_format} base)"), enforced
