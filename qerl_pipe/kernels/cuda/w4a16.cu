@@ -796,7 +796,7 @@ const void* wgmma_ready() {
 #define QERL_W4A16_STAGED(X)                                                                        \
   X(1, 4, 1, 8) X(1, 1, 4, 8) X(1, 1, 8, 6) X(2, 4, 1, 8) X(2, 1, 4, 8) X(2, 2, 2, 8)             \
   X(4, 4, 1, 6) X(4, 2, 2, 6) X(4, 1, 4, 6) X(8, 4, 1, 5) X(8, 2, 2, 4) X(8, 2, 1, 6)
-#define QERL_W4A16_WGMMA(X) X(1, 1, 4) X(1, 1, 6) X(1, 2, 4) X(2, 1, 4) X(2, 2, 4) X(2, 2, 6)
+#define QERL_W4A16_WGMMA(X) X(1, 1, 4) X(1, 1, 6) X(1, 2, 4) X(1, 2, 6) X(2, 1, 4) X(2, 1, 6) X(2, 2, 4) X(2, 2, 6)
 
 int gemm_blocks_per_sm(const GemmConfig& c) {
   int blocks = 0;
