@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from qerl_pipe.bench.kernels import LAYER_SHAPES
+from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4
@@ -88,7 +89,29 @@ def main() -> None:
             del tqs, wbs
             torch.cuda.empty_cache()
     if args.out:
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "rows": rows}, indent=1) + "\n")
+        args.out.write_text(json.dumps(results_file(rows, targets(rows)), indent=1) + "\n")
+
+
+def best_ratio(row: dict) -> float:
+    """bf16 time over the fastest NVFP4 path of the row (decode GEMM, wgmma, dequantize + cuBLAS)."""
+    times = [row["dequant_matmul_us"], row["default_us"]] + ([row["wgmma_best_us"]] if row["wgmma_best_us"] else [])
+    return row["bf16_us"] / min(times)
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's M = 64 and 256 targets over the rows measured here (best path per row)."""
+    out = []
+    for m, goal in ((64, 1.3), (256, 1.0)):
+        sel = [r for r in rows if r["M"] == m]
+        if sel:
+            v = min(best_ratio(r) for r in sel)
+            out.append(target(f"NVFP4 vs bf16, every layer, M {m}", f">= {goal}", v, "x (min)", v >= goal))
+    for model in sorted({r["model"] for r in rows}):
+        sel = [r for r in rows if r["M"] == 64 and r["model"] == model]
+        if sel:
+            v = sum(r["bf16_us"] for r in sel) / sum(r["bf16_us"] / best_ratio(r) for r in sel)
+            out.append(target(f"NVFP4 vs bf16, {model} layer-weighted, M 64", ">= 1.8", v, "x", v >= 1.8))
+    return out
 
 
 if __name__ == "__main__":
