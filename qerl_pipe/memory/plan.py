@@ -206,11 +206,17 @@ def step_budget(gb: float | None, device: torch.device) -> tuple[int | None, str
     return None, "none", False
 
 
+def _indexed(device: torch.device) -> torch.device:
+    # set_per_process_memory_fraction refuses a bare "cuda" (it needs the index): seen on the H200.
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def enforce_budget(budget: int, device: torch.device) -> float | None:
     """Cap this process's CUDA caching allocator at `budget` bytes of `device` (allocations past it
     raise out-of-memory, as on a card of that size); returns the fraction set (None on CPU)."""
     if device.type != "cuda":
         return None
+    device = _indexed(device)
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = min(1.0, budget / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
@@ -220,7 +226,7 @@ def enforce_budget(budget: int, device: torch.device) -> float | None:
 def release_budget(device: torch.device) -> None:
     """Lift `enforce_budget`'s cap."""
     if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, _indexed(device))
 
 
 # ---------------------------------------------------------------------------- recipes and engines
