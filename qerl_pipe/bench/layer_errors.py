@@ -89,7 +89,7 @@ def print_comparison(comparison: dict[str, Any]) -> None:
 
     fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
     summary = Table(title="per-layer relative error over layers (weight / expected output)")
-    for column in ("method", "weight mean", "weight max", "output mean", "output max", "layers better/worse vs rtn (output)"):
+    for column in ("method", "weight mean", "weight max", "output mean", "output max", "output vs rtn: better/worse"):
         summary.add_column(column, justify="left" if column == "method" else "right")
     for method, f in comparison["methods"].items():
         vs = f.get("vs_rtn", {})
@@ -99,9 +99,9 @@ def print_comparison(comparison: dict[str, Any]) -> None:
     console.print(summary)
     methods = list(comparison["methods"])
     worst = Table(title="worst layers: weight / output error per method")
-    worst.add_column("module")
+    worst.add_column("layer.module", no_wrap=True)  # without "model.layers.", to fit 80 columns
     for method in methods:
         worst.add_column(method, justify="right")
     for module, row in comparison["worst_layers"].items():
-        worst.add_row(module, *(f"{fmt(row[m][0])} / {fmt(row[m][1])}" for m in methods))
+        worst.add_row(module.removeprefix("model.layers."), *(f"{fmt(row[m][0])} / {fmt(row[m][1])}" for m in methods))
     console.print(worst)
