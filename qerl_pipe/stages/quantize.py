@@ -23,11 +23,10 @@ from qerl_pipe.formats.checkpoint import list_shards
 from qerl_pipe.formats.modelopt_writer import (
     WritePlan, input_scales, out_dtype, plan_checkpoint, write_configs, write_shards,
 )
-from qerl_pipe.formats.quant_error import LayerError, summarize
-from qerl_pipe.log import console, log
+from qerl_pipe.log import log
 from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.quality import perplexity_report
+from qerl_pipe.quality import layer_error_report, perplexity_report, print_quality_report
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import model_config_key, resolve_model
 
@@ -57,42 +56,6 @@ def _check_calibration(calibration: Artifact, model_key: dict) -> None:
     if calibration.manifest["config"].get("model") != model_key:
         raise QerlError(f"calibration {calibration.path.name} was made for another model (or another version of it); "
                         "run `qerl-pipe calibrate` with the same model first")
-
-
-def _report(errors: dict[str, LayerError], ppl: dict | None, summary: dict, output_basis: str) -> None:
-    from rich.table import Table
-
-    layers = summarize(errors)
-    table = Table(title=f"NVFP4 quantization error, {summary['method']} (worst layers)", show_lines=False)
-    table.add_column("module")
-    table.add_column("weight ‖ΔW‖/‖W‖", justify="right")
-    table.add_column("output (calibration)", justify="right")
-    for row in layers["worst_layers"]:
-        output = "-" if row["output_error"] is None else f"{row['output_error']:.4f}"
-        table.add_row(row["module"], f"{row['weight_error']:.4f}", output)
-    console.print(table)
-    log(f"quantize: {summary['quantized_linears']} linears ({summary['method']}), relative error mean/max: "
-        f"weight {layers['mean_weight_error']:.4f}/{layers['max_weight_error']:.4f}, " + (
-            f"output {layers['mean_output_error']:.4f}/{layers['max_output_error']:.4f}"
-            if layers["mean_output_error"] is not None else output_basis))
-    log(f"quantize: {summary['size_mb']['in']:.1f} MB -> {summary['size_mb']['out']:.1f} MB, "
-        f"peak host memory +{summary['peak_host_memory_mb']:.0f} MB over {summary['seconds']} s")
-    if ppl and "skipped" not in ppl:
-        log(f"quantize: perplexity on {ppl['tokens']} tokens of {ppl['data']}: bf16 {ppl['bf16']:.3f} -> "
-            f"NVFP4 (W4A16) {ppl['nvfp4_w4a16']:.3f} ({ppl['increase_pct']:+.2f}%)")
-
-
-def quality_file(method: str, errors: dict[str, LayerError], output_basis: str) -> dict:
-    """quality.json's per-layer part: `relative_error` (the weight's, the key older artifacts have
-    too), `output_relative_error` (None without calibration statistics) and their summary."""
-    has_output = all(e.output is not None for e in errors.values())
-    return {
-        "method": method,
-        "relative_error": {m: e.weight for m, e in errors.items()},
-        "output_relative_error": {m: e.output for m, e in errors.items()} if has_output else None,
-        "output_error_basis": output_basis,
-        "summary": summarize(errors),
-    }
 
 
 def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact | None = None,
@@ -134,7 +97,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
                                   channel_ms if section.method == "act-mse" else {}, channel_ms)
         quant_algo = "NVFP4" if calibration else "W4A16_NVFP4"
         write_configs(resolved.dir, pending.dir, quant_algo, sorted({"lm_head", *plan.excluded}), dtype)
-        quality = quality_file(section.method, errors, output_basis)
+        quality = layer_error_report(section.method, errors, output_basis)
         (pending.dir / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
         ppl = perplexity_report(resolved, pending.dir, section.quality, recipe.model.trust_remote_code)
         size_in = sum(p.stat().st_size for p in shards)
@@ -155,7 +118,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
             "perplexity": ppl,
             "seconds": round(time.perf_counter() - started, 2),
         })
-        _report(errors, ppl, pending.summary, output_basis)
+        print_quality_report(errors, ppl, pending.summary, output_basis)
 
     artifact = find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
                              find_only=find_only)
