@@ -1,4 +1,5 @@
-"""How much quantization costs on held-out text: bf16 vs NVFP4 perplexity."""
+"""The quantize stage's quality report: per-layer weight and expected output error (quality.json),
+bf16 vs NVFP4 perplexity on held-out text, and the console summary of both."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.checkpoint import iter_quantized_checkpoint
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
+from qerl_pipe.formats.quant_error import LayerError, summarize
 from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
-from qerl_pipe.log import log, progress
+from qerl_pipe.log import console, log, progress
 from qerl_pipe.recipe import QualitySection
 from qerl_pipe.sources import ResolvedModel
 from qerl_pipe.textdata import load_texts, pack_available
@@ -88,4 +90,42 @@ def _measure_perplexity(resolved: ResolvedModel, checkpoint: Path, q: QualitySec
         "data": q.data, "tokens": ids.numel(), "compute_dtype": str(dtype).removeprefix("torch."),
         "bf16": round(reference, 4), "nvfp4_w4a16": round(quantized, 4),
         "increase_pct": round(100 * (quantized / reference - 1), 3),
+    }
+
+
+def print_quality_report(errors: dict[str, LayerError], ppl: dict | None, summary: dict, output_basis: str) -> None:
+    """The stage's console report: the worst layers with both errors, the means and maxima, size,
+    memory, time and the perplexities."""
+    from rich.table import Table
+
+    layers = summarize(errors)
+    table = Table(title=f"NVFP4 quantization error, {summary['method']} (worst layers)", show_lines=False)
+    table.add_column("module")
+    table.add_column("weight ‖ΔW‖/‖W‖", justify="right")
+    table.add_column("output (calibration)", justify="right")
+    for row in layers["worst_layers"]:
+        output = "-" if row["output_error"] is None else f"{row['output_error']:.4f}"
+        table.add_row(row["module"], f"{row['weight_error']:.4f}", output)
+    console.print(table)
+    log(f"quantize: {summary['quantized_linears']} linears ({summary['method']}), relative error mean/max: "
+        f"weight {layers['mean_weight_error']:.4f}/{layers['max_weight_error']:.4f}, " + (
+            f"output {layers['mean_output_error']:.4f}/{layers['max_output_error']:.4f}"
+            if layers["mean_output_error"] is not None else output_basis))
+    log(f"quantize: {summary['size_mb']['in']:.1f} MB -> {summary['size_mb']['out']:.1f} MB, "
+        f"peak host memory +{summary['peak_host_memory_mb']:.0f} MB over {summary['seconds']} s")
+    if ppl and "skipped" not in ppl:
+        log(f"quantize: perplexity on {ppl['tokens']} tokens of {ppl['data']}: bf16 {ppl['bf16']:.3f} -> "
+            f"NVFP4 (W4A16) {ppl['nvfp4_w4a16']:.3f} ({ppl['increase_pct']:+.2f}%)")
+
+
+def layer_error_report(method: str, errors: dict[str, LayerError], output_basis: str) -> dict:
+    """quality.json's per-layer part: `relative_error` (the weight's, the key older artifacts have
+    too), `output_relative_error` (None without calibration statistics) and their summary."""
+    has_output = all(e.output is not None for e in errors.values())
+    return {
+        "method": method,
+        "relative_error": {m: e.weight for m, e in errors.items()},
+        "output_relative_error": {m: e.output for m, e in errors.items()} if has_output else None,
+        "output_error_basis": output_basis,
+        "summary": summarize(errors),
     }

@@ -49,6 +49,8 @@ def test_default_smollm2_quickstart_end_to_end(tmp_path):
     ckpt = tmp_path / f"quantize-{parent}"
     summary = json.loads((ckpt / "manifest.json").read_text())["summary"]
     assert summary["quant_algo"] == "NVFP4" and summary["quantized_linears"] == 30 * 7
+    # `run` chains the calibration, so the quality report has each layer's expected output error.
+    assert 0 < summary["mean_output_relative_error"] <= summary["max_output_relative_error"] < 0.5
     ppl = summary["perplexity"]
     # A working 135M instruct model reads GSM8K questions at a perplexity in the tens; NVFP4 costs some.
     assert 2 < ppl["bf16"] < 60 and ppl["bf16"] < ppl["nvfp4_w4a16"] < 1.6 * ppl["bf16"]

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from qerl_pipe.bench.layer_errors import compare_methods, print_comparison, read_layer_errors
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.errors import QerlError
 
@@ -50,21 +51,26 @@ def _stage(stage: str, source: str, store: Path, options: list[str]) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
+def _quantize(source: str, store: Path, overrides: list[str], force: bool = False,
+              calibration: Path | None = None) -> Path:
+    """One `qerl-pipe quantize` in a fresh process; the artifact."""
+    options = (["--force"] if force else []) + (["--calibration", str(calibration)] if calibration else [])
+    for override in overrides:
+        options += ["--set", override]
+    return _stage("quantize", source, store, options)
+
+
+def _row(source: str, artifact: Path) -> dict[str, Any]:
+    s = json.loads((artifact / "manifest.json").read_text())["summary"]
+    return {"source": source, **{k: s.get(k) for k in (
+        "method", "quantized_linears", "mean_relative_error", "max_relative_error", "mean_output_relative_error",
+        "max_output_relative_error", "size_mb", "shards", "largest_shard_mb", "peak_host_memory_mb", "perplexity",
+        "seconds")}}
+
+
 def _quantize_row(source: str, store: Path, overrides: list[str], force: bool = False,
                   calibration: Path | None = None) -> dict[str, Any]:
-    command = [sys.executable, "-m", "qerl_pipe", "quantize", "--model", source, "--artifacts", str(store)]
-    command += ["--force"] if force else []
-    command += ["--calibration", str(calibration)] if calibration else []
-    for override in overrides:
-        command += ["--set", override]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise QerlError(f"bench quantize: the stage failed on {source}: {done.stderr.strip().splitlines()[-1]}")
-    artifact = Path(done.stdout.strip().splitlines()[-1])
-    s = json.loads((artifact / "manifest.json").read_text())["summary"]
-    return {"source": source, **{k: s[k] for k in (
-        "method", "quantized_linears", "mean_relative_error", "max_relative_error", "size_mb", "shards",
-        "largest_shard_mb", "peak_host_memory_mb", "perplexity", "seconds")}}
+    return _row(source, _quantize(source, store, overrides, force, calibration))
 
 
 def _sharded_model(out: Path, shard_mb: int) -> Path:
@@ -111,19 +117,34 @@ METHODS_TARGET_PCT = 12.0
 
 def run_quantize_methods_bench(source: str, methods: list[str]) -> dict[str, Any]:
     """Each block-scale method on one model: perplexity vs bf16 (the quality section's held-out
-    text), weight error and time. One calibrate run (default recipe: gsm8k:train) serves the
-    methods that need statistics; each quantize is a fresh process."""
+    text), time, and per-layer weight and expected output error side by side with rtn's. One
+    calibrate run (default recipe: gsm8k:train) serves every method: act-mse's search and every
+    method's output error (the weights of rtn and mse do not depend on it); each quantize is a
+    fresh process."""
+    if "rtn" not in methods:
+        methods = ["rtn", *methods]  # the baseline of the per-layer comparison
     rows = []
+    layers = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "artifacts"
-        calibration = _stage("calibrate", source, store, []) if "act-mse" in methods else None
+        calibration = _stage("calibrate", source, store, [])
         for method in methods:
-            rows.append(_quantize_row(source, store, ["quantize.quality.perplexity=always", f"quantize.method={method}"],
-                                      calibration=calibration if method == "act-mse" else None))
+            artifact = _quantize(source, store, ["quantize.quality.perplexity=always", f"quantize.method={method}"],
+                                 calibration=calibration)
+            rows.append(_row(source, artifact))
+            layers[method] = read_layer_errors(artifact)
+    comparison = compare_methods(layers)
+    print_comparison(comparison)
     targets = []
     for row in rows:
         if row["method"] != "rtn":
             pct = row["perplexity"]["increase_pct"]
             targets.append(target(f"{row['method']}: perplexity increase over bf16", f"<= +{METHODS_TARGET_PCT}%",
                                   pct, "%", pct <= METHODS_TARGET_PCT))
-    return results_file(rows, targets, calibration="default calibrate recipe (128 x 256 tokens of gsm8k:train)")
+    if "act-mse" in layers:
+        # What act-mse minimises per block, summed per layer: it can only match or beat rtn.
+        worse = comparison["methods"]["act-mse"]["vs_rtn"]["layers_output_worse"]
+        targets.append(target("act-mse: layers whose expected output error is above rtn's", "0", worse, "layers",
+                              worse == 0))
+    return results_file(rows, targets, calibration="default calibrate recipe (128 x 256 tokens of gsm8k:train)",
+                        layer_errors=comparison)

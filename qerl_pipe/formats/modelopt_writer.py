@@ -28,6 +28,7 @@ from qerl_pipe.formats.nvfp4 import (
     BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4_in_row_chunks,
     shared_global_scale,
 )
+from qerl_pipe.formats.quant_error import ErrorSums, LayerError
 from qerl_pipe.log import progress
 
 
@@ -106,9 +107,14 @@ def out_dtype(choice: str, config: dict) -> torch.dtype:
 
 
 def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: dict[str, torch.Tensor],
-                  dtype: torch.dtype, method: str, channel_weights: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Pass 2: quantize and write one output shard per input shard; returns per-module relative error."""
-    errors: dict[str, float] = {}
+                  dtype: torch.dtype, method: str, channel_weights: dict[str, torch.Tensor],
+                  channel_mean_square: dict[str, torch.Tensor] | None = None) -> dict[str, LayerError]:
+    """Pass 2: quantize and write one output shard per input shard; returns each module's errors.
+
+    `channel_weights` steer `act-mse`'s search; `channel_mean_square` (calibration statistics, any
+    method) only measures: with it each module's output error is reported, without it none is.
+    """
+    errors: dict[str, LayerError] = {}
     writer = ShardWriter(out, max_bytes=float("inf"), shards=len(shards))  # shards end where the source's do
     for shard in progress(shards, "quantize", len(shards)):
         with open_shard(shard) as fh:
@@ -118,8 +124,9 @@ def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: d
                 if module is None:
                     writer.add(name, cast_floating(tensor, dtype))
                     continue
-                w, errors[module] = quantize_in_row_chunks(tensor, plan_global_scale(plan, module), name, method,
-                                                           channel_weights.get(module))
+                w, errors[module] = quantize_in_row_chunks(
+                    tensor, plan_global_scale(plan, module), name, method, channel_weights.get(module),
+                    (channel_mean_square or {}).get(module))
                 for key, t in nvfp4_tensors(module, w, input_scales.get(module)).items():
                     writer.add(key, t)
                 del tensor
@@ -129,18 +136,15 @@ def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: d
 
 
 def quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, name: str, method: str = "rtn",
-                           channel_weight: torch.Tensor | None = None) -> tuple[NVFP4Weight, float]:
-    """NVFP4 of `weight` and its relative error ‖W − deq(Q(W))‖ / ‖W‖, a bounded block of rows at a time."""
-    sums = [0.0, 0.0]  # squared error, squared reference
-
-    def measure(chunk: torch.Tensor, q: NVFP4Weight) -> None:
-        ref = chunk.float()
-        sums[0] += float((dequantize_nvfp4(q) - ref).pow(2).sum())
-        sums[1] += float(ref.pow(2).sum())
-
+                           channel_weight: torch.Tensor | None = None,
+                           channel_mean_square: torch.Tensor | None = None) -> tuple[NVFP4Weight, LayerError]:
+    """NVFP4 of `weight` and its errors (`quant_error`), a bounded block of rows at a time: the
+    weight error always, the output error when `channel_mean_square` is given."""
+    sums = ErrorSums(channel_mean_square, name)
     packed = quantize_nvfp4_in_row_chunks(weight, global_scale, name=name, chunk_elements=_CHUNK_ELEMENTS,
-                                          on_chunk=measure, method=method, channel_weight=channel_weight)
-    return packed, (sums[0] / sums[1]) ** 0.5 if sums[1] > 0 else 0.0
+                                          on_chunk=lambda chunk, q: sums.add(chunk, dequantize_nvfp4(q)),
+                                          method=method, channel_weight=channel_weight)
+    return packed, sums.result()
 
 
 def plan_global_scale(plan: WritePlan, module: str) -> torch.Tensor:
@@ -216,7 +220,8 @@ class NVFP4StreamWriter:
             input_scale = self.input_scales[key]
         for module, weight in modules:
             # Own copies of the shared scales: safetensors refuses tensors that share memory.
-            packed, self.errors[module] = quantize_in_row_chunks(weight, scale.clone(), f"{module}.weight")
+            packed, error = quantize_in_row_chunks(weight, scale.clone(), f"{module}.weight")
+            self.errors[module] = error.weight
             own_input_scale = None if input_scale is None else input_scale.clone()
             for n, t in nvfp4_tensors(module, packed, own_input_scale).items():
                 self.writer.add(n, t)

@@ -18,15 +18,15 @@ from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, artifa
 from qerl_pipe.artifacts.store import check_output_dir, copy_to
 from qerl_pipe.dag import QUANTIZE, check_kind, find_or_build
 from qerl_pipe.errors import ModelSourceError, QerlError, RecipeError
-from qerl_pipe.formats.calibration import read_channel_mean_square, read_input_amax
+from qerl_pipe.formats.calibration import CHANNELS_FILE, read_channel_mean_square, read_input_amax
 from qerl_pipe.formats.checkpoint import list_shards
 from qerl_pipe.formats.modelopt_writer import (
     WritePlan, input_scales, out_dtype, plan_checkpoint, write_configs, write_shards,
 )
-from qerl_pipe.log import console, log
+from qerl_pipe.log import log
 from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.quality import perplexity_report
+from qerl_pipe.quality import layer_error_report, perplexity_report, print_quality_report
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import model_config_key, resolve_model
 
@@ -34,19 +34,21 @@ from qerl_pipe.sources import model_config_key, resolve_model
 STAGE = QUANTIZE
 
 
-def _channel_weights(method: str, calibration: Artifact | None, plan: WritePlan) -> dict[str, torch.Tensor]:
-    """Per quantized module, the input channels' mean squares that act-mse weighs errors by."""
-    if method != "act-mse":
-        return {}
-    assert calibration is not None  # run_quantize refuses act-mse without one
+def _channel_stats(method: str, calibration: Artifact | None, plan: WritePlan) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """Per quantized module, its input channels' mean squares (what act-mse weighs errors by, and
+    what the report's output error needs), or None and why there are none."""
+    if calibration is None:
+        return None, "no calibration artifact (--calibration): output error not reported"
     try:
         stats = read_channel_mean_square(calibration.path)
     except FileNotFoundError as exc:
-        raise QerlError(f"{exc} (an older calibrate made it): re-run `qerl-pipe calibrate --force`") from None
+        if method == "act-mse":
+            raise QerlError(f"{exc} (an older calibrate made it): re-run `qerl-pipe calibrate --force`") from None
+        return None, "the calibration has no per-channel statistics (an older calibrate made it): output error not reported"
     missing = sorted(set(plan.quantized.values()) - set(stats))
     if missing:
         raise QerlError(f"calibration {calibration.path} has no statistics for {missing[:3]}; it is of another model")
-    return stats
+    return stats, f"from {CHANNELS_FILE} of calibration {calibration.id}"
 
 
 def _check_calibration(calibration: Artifact, model_key: dict) -> None:
@@ -54,23 +56,6 @@ def _check_calibration(calibration: Artifact, model_key: dict) -> None:
     if calibration.manifest["config"].get("model") != model_key:
         raise QerlError(f"calibration {calibration.path.name} was made for another model (or another version of it); "
                         "run `qerl-pipe calibrate` with the same model first")
-
-
-def _report(errors: dict[str, float], ppl: dict | None, summary: dict) -> None:
-    from rich.table import Table
-
-    table = Table(title="NVFP4 quantization error (worst layers)", show_lines=False)
-    table.add_column("module")
-    table.add_column("‖W−Q(W)‖/‖W‖", justify="right")
-    for module, err in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
-        table.add_row(module, f"{err:.4f}")
-    console.print(table)
-    log(f"quantize: {summary['quantized_linears']} linears, mean relative error {summary['mean_relative_error']:.4f}, "
-        f"{summary['size_mb']['in']:.1f} MB -> {summary['size_mb']['out']:.1f} MB, "
-        f"peak host memory +{summary['peak_host_memory_mb']:.0f} MB over {summary['seconds']} s")
-    if ppl and "skipped" not in ppl:
-        log(f"quantize: perplexity on {ppl['tokens']} tokens of {ppl['data']}: bf16 {ppl['bf16']:.3f} -> "
-            f"NVFP4 (W4A16) {ppl['nvfp4_w4a16']:.3f} ({ppl['increase_pct']:+.2f}%)")
 
 
 def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact | None = None,
@@ -107,11 +92,13 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
             if not plan.quantized:
                 raise ModelSourceError(f"{resolved.dir} has no Llama-family linear weights to quantize")
             scales = input_scales(plan, read_input_amax(calibration.path) if calibration else None)
+            channel_ms, output_basis = _channel_stats(section.method, calibration, plan)
             errors = write_shards(shards, pending.dir, plan, scales, dtype, section.method,
-                                  _channel_weights(section.method, calibration, plan))
+                                  channel_ms if section.method == "act-mse" else {}, channel_ms)
         quant_algo = "NVFP4" if calibration else "W4A16_NVFP4"
         write_configs(resolved.dir, pending.dir, quant_algo, sorted({"lm_head", *plan.excluded}), dtype)
-        (pending.dir / "quality.json").write_text(json.dumps({"relative_error": errors}, indent=2) + "\n")
+        quality = layer_error_report(section.method, errors, output_basis)
+        (pending.dir / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
         ppl = perplexity_report(resolved, pending.dir, section.quality, recipe.model.trust_remote_code)
         size_in = sum(p.stat().st_size for p in shards)
         size_out = sum(p.stat().st_size for p in pending.dir.glob("*.safetensors"))
@@ -119,8 +106,11 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
             "quant_algo": quant_algo,
             "method": section.method,
             "quantized_linears": len(errors),
-            "mean_relative_error": sum(errors.values()) / len(errors),
-            "max_relative_error": max(errors.values()),
+            "mean_relative_error": quality["summary"]["mean_weight_error"],
+            "max_relative_error": quality["summary"]["max_weight_error"],
+            # Expected output error from the calibration's channel statistics; None without them.
+            "mean_output_relative_error": quality["summary"]["mean_output_error"],
+            "max_output_relative_error": quality["summary"]["max_output_error"],
             "size_mb": {"in": size_in / 2**20, "out": size_out / 2**20},
             "shards": len(shards),
             "largest_shard_mb": max(p.stat().st_size for p in shards) / 2**20,
@@ -128,7 +118,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
             "perplexity": ppl,
             "seconds": round(time.perf_counter() - started, 2),
         })
-        _report(errors, ppl, pending.summary)
+        print_quality_report(errors, ppl, pending.summary, output_basis)
 
     artifact = find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
                              find_only=find_only)
