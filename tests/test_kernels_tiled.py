@@ -177,6 +177,61 @@ def emulate_gemm(t: TiledNVFP4, x: torch.Tensor, mt: int, nb: int, wk: int, stag
     return out[:, : t.out_features] * scale
 
 
+def _x_slot(row: int, pair: int) -> int:
+    """w4a16.cu's x_slot: the byte of a stage's activation tile where column pair `pair` (0-31) of a
+    two-chunk group lands for token row `row` (the A fragments' k order, then the 128-byte swizzle)."""
+    h, t, j, hi = pair >> 4, (pair >> 2) & 3, (pair >> 1) & 1, pair & 1
+    byte = 64 * h + 32 * j + 4 * t + 16 * hi
+    return row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15))
+
+
+def emulate_wgmma(t: TiledNVFP4, x: torch.Tensor, blocks: int) -> torch.Tensor:
+    """out = x @ W^T as the wgmma kernel computes it: per pass of 64 * `blocks` tokens and group of
+    two chunks, the copy scatters x's column pairs to `_x_slot` (rows past M copy row M - 1; columns
+    past K zero-filled), wgmma reads B[k, token] at byte 32 * step + 2k of the token's swizzled row
+    (K-major, 128-byte swizzle: 16-byte unit u of row r at u ^ (r % 8)), and warp wq of the block's
+    warpgroup supplies the A fragment of m16 tile wq (`_fragments`' tile 2p + i, as the kernel's
+    shared-memory read at ((wq >> 1) * 32 + lane) * 16 + (wq & 1) * 8 takes it) for step 2h + j."""
+    frag = _fragments(t)
+    n_blocks, kc = t.qweight.shape[:2]
+    m, k = x.shape
+    tokens = 64 * blocks
+    g, tt = torch.arange(32) // 4, torch.arange(32) % 4
+    out = torch.zeros(m, n_blocks * tiled.ROWS, dtype=torch.float64)
+    for m0 in range(0, m, tokens):
+        for nblock in range(n_blocks):
+            acc = torch.zeros(tiled.ROWS, tokens, dtype=torch.float64)
+            for c in range(-(-kc // 2)):
+                tile = torch.zeros(tokens * 64, dtype=torch.float64)  # bf16 elements of the stage
+                for row in range(tokens):
+                    token = min(m0 + row, m - 1)
+                    for pair in range(32):
+                        chunk, col = 2 * c + (pair >> 4), (2 * c + (pair >> 4)) * tiled.COLS + 2 * (pair & 15)
+                        if chunk < kc and col < k:
+                            e = _x_slot(row, pair) // 2
+                            tile[e:e + 2] = x[token, col:col + 2]
+                for step in range(4):
+                    h, j = divmod(step, 2)
+                    if 2 * c + h >= kc:
+                        continue  # zero-filled weights
+                    b = torch.zeros(16, tokens, dtype=torch.float64)
+                    for n in range(tokens):
+                        for kappa in range(16):
+                            byte = 32 * step + 2 * kappa
+                            phys = n * 128 + ((((byte >> 4) ^ (n & 7)) << 4) | (byte & 15))
+                            b[kappa, n] = tile[phys // 2]
+                    for wq in range(4):
+                        a = torch.zeros(16, 16, dtype=torch.float64)
+                        f = frag[nblock, 2 * c + h, :, wq, j]  # [32, 4, 2]
+                        for half in range(2):
+                            for r, (row_off, k_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                                a[g + row_off, 2 * tt + k_off + half] = f[:, r, half]
+                        acc[16 * wq:16 * wq + 16] += a @ b
+            valid = min(tokens, m - m0)
+            out[m0:m0 + valid, nblock * tiled.ROWS:(nblock + 1) * tiled.ROWS] = acc[:, :valid].T
+    return out[:, : t.out_features] * float(t.global_scale) * 2.0**tiled.PRODUCT_SHIFT
+
+
 def _popcount(t: torch.Tensor, bits: int) -> int:
     v = t.to(torch.int64) & ((1 << bits) - 1)
     return int(sum(((v >> b) & 1).sum() for b in range(bits)))
@@ -237,6 +292,25 @@ def test_emulated_lanes_compute_the_product(mt: int, nb: int, wk: int, staged: b
     got = emulate_gemm(tile_nvfp4(w), x, mt, nb, wk, staged)
     ref = x @ _exact(w).T
     assert float((got - ref).abs().max()) <= 1e-9 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize(("m", "k", "blocks"), [(3, 112, 1), (67, 80, 1), (130, 48, 2)])
+def test_emulated_wgmma_computes_the_product(m: int, k: int, blocks: int) -> None:
+    """The wgmma kernel's activation scatter and swizzled B reads agree with its A fragments' k
+    order: with an M tail (clamped rows), N padded to 64, K % 32 == 16 and an odd chunk count (a
+    half-empty last group)."""
+    w = _random_weight(100, k, 13, odd_scales=True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).double()
+    got = emulate_wgmma(tile_nvfp4(w), x, blocks)
+    ref = x @ _exact(w).T
+    assert float((got - ref).abs().max()) <= 1e-9 * float(ref.abs().max())
+
+
+def test_wgmma_slots_tile_each_row_once() -> None:
+    """Every 4-byte slot of a 128-byte row is written by exactly one column pair, in every swizzle phase."""
+    for row in range(8):
+        slots = sorted(_x_slot(row, pair) - 128 * row for pair in range(32))
+        assert slots == list(range(0, 128, 4))
 
 
 def test_every_code_times_every_scale_byte() -> None:
