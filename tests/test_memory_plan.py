@@ -241,3 +241,23 @@ def test_a_budget_that_fits_is_planned_and_stored(tiny_llama, store_dir):
     assert plan["estimate_bytes"]["total"] <= 2e9 and plan["dtype"] == "float32"
     assert read_json(run / "run.json")["memory_plan"] == plan
     assert "train: memory plan: 8 sequences of 64 tokens in 1 wave(s) of 8 KV slots, micro-batch 4" in result.stderr
+
+
+def test_a_budget_above_the_gpu_is_refused_and_free_memory_counts_the_cache(monkeypatch) -> None:
+    """CUDA branch of step_budget, with the device queries faked: a budget past the card is an
+    error naming the card's size; without one, memory this process caches but does not use counts
+    as free (an earlier stage of `run` in the same process left it there)."""
+    from types import SimpleNamespace
+
+    from qerl_pipe.errors import QerlError
+    from qerl_pipe.memory import plan as plan_mod
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=24 * 10**9))
+    with pytest.raises(QerlError, match=r"memory_budget_gb=40 GB is more than this GPU has \(24.0 GB\)"):
+        plan_mod.step_budget(40.0, gpu)
+    assert plan_mod.step_budget(16.0, gpu) == (16 * 10**9, plan_mod.BUDGET_KEY, True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (5 * 10**9, 24 * 10**9))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 9 * 10**9)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 2 * 10**9)
+    assert plan_mod.step_budget(None, gpu) == (12 * 10**9, "free GPU memory", False)

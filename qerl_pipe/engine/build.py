@@ -30,7 +30,7 @@ from qerl_pipe.formats.modelopt_writer import copy_model_files
 from qerl_pipe.hf import compute_dtype, count_parameters
 from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, table_to_json
 from qerl_pipe.log import log
-from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_engine_step
+from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_engine_step, release_budget
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
@@ -118,13 +118,23 @@ def _check_finite(model: torch.nn.Module) -> None:
 
 def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, section: EngineSection, device: torch.device, out: Path) -> dict[str, Any]:
     """Write the engine of the base in `base_dir` (its config.json as `hf_config`) into `out`;
-    returns the manifest summary."""
+    returns the manifest summary. Under an enforced budget the process is capped while it builds."""
+    started = time.perf_counter()
+    capped = plan.enforce and plan.memory_plan is not None
+    if capped:
+        enforce_budget(plan.memory_plan.budget_bytes, device)
+    try:
+        return _write_engine(base_dir, hf_config, plan, section, device, out, started)
+    finally:
+        if capped:  # later stages of `run` in this process set their own cap
+            release_budget(device)
+
+
+def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, section: EngineSection,
+                  device: torch.device, out: Path, started: float) -> dict[str, Any]:
     from qerl_pipe.kernels.cuda_ext import available as cuda_kernels_available
     from qerl_pipe.kernels.tuning import tune_kernels
 
-    started = time.perf_counter()
-    if plan.enforce and plan.memory_plan is not None:
-        enforce_budget(plan.memory_plan.budget_bytes, device)
     model = load_model(base_dir, section.base_format, plan.dtype, device)
     _check_finite(model)
     budget = plan.kv_budget_bytes

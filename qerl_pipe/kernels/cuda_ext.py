@@ -279,6 +279,16 @@ def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) 
     return replace(config, splits=choose_splits(m, n, k, config, sms, per_sm))
 
 
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (looked up once: linears ask on every call)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def gemm_wins(m: int, n: int, k: int, sms: int) -> bool:
     """Whether `[m, k] x [n, k]^T` should run as the decode GEMM rather than dequantize + cuBLAS:
     always up to MAX_PASS_TOKENS rows; up to 256 rows where the measured table (same SM count) has
@@ -331,8 +341,7 @@ def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: Gem
     """`x @ W^T (+ bias)` for bf16 `x [M, K]`, M <= 64 per pass (more runs as several passes)."""
     m = x.shape[0]
     if config is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        config = default_config(m, w.out_features, w.in_features, sms)
+        config = default_config(m, w.out_features, w.in_features, sm_count(x.device))
     else:
         check_config(config)
     return _gemm_op(x, w.qweight, w.scales, w.global_scale, bias, w.out_features, w.in_features,

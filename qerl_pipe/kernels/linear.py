@@ -80,8 +80,7 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any) -> Tensor:
         from qerl_pipe.kernels import cuda_ext
 
         x2 = _rows(x, w.in_features, "x")
-        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
-        if cuda_ext.gemm_wins(x2.shape[0], w.out_features, w.in_features, sms):
+        if cuda_ext.gemm_wins(x2.shape[0], w.out_features, w.in_features, cuda_ext.sm_count(x2.device)):
             if x2.data_ptr() % 16 or x2.stride(0) % 8:
                 x2 = x2.clone()  # the kernel loads 16-byte pieces of x; a fresh copy is aligned
             out = cuda_ext.gemm(x2, w)

@@ -184,8 +184,10 @@ def plan_step(config: DecoderConfig, base_format: str, shape: StepShape, budget_
         f"{what} does not fit {budget_source}={budget_bytes / GB:g} GB: even its smallest plan ({slots} KV slot(s), "
         f"{math.ceil(shape.sequences / slots)} waves, micro-batch {micro}, LM-head chunk {chunk}) needs "
         f"{estimate['total'] / GB:.1f} GB ({base_format} base, {dtype_name}: {_parts(estimate)}). "
-        f"The smallest budget that fits is {needed:g} GB: set {budget_source}={needed:g} or more on a GPU that "
-        f"has it, or shrink the step ({fix}shorter sequences, a lower LoRA rank)",
+        f"The smallest budget that fits is {needed:g} GB: "
+        + (f"set {budget_source}={needed:g} or more on a GPU that has it"
+           if budget_source == BUDGET_KEY else f"a GPU with that much free ({budget_source} is the budget now)")
+        + f", or shrink the step ({fix}shorter sequences, a lower LoRA rank)",
         needed_bytes=estimate["total"], budget_bytes=budget_bytes)
 
 
@@ -200,9 +202,19 @@ def step_budget(gb: float | None, device: torch.device) -> tuple[int | None, str
     """(budget bytes, what set it, enforced): the recipe's `memory_budget_gb`, enforced on CUDA;
     without one, on CUDA the memory free now (not capped: the GPU is the cap), on CPU none."""
     if gb is not None:
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            if budget_bytes(gb) > total:
+                raise QerlError(
+                    f"{BUDGET_KEY}={gb:g} GB is more than this GPU has ({total / GB:.1f} GB): a plan for it would run "
+                    f"out of memory mid-run; set {BUDGET_KEY} to {total / GB:.1f} or less, or leave it unset to plan "
+                    "for the memory free now")
         return budget_bytes(gb), BUDGET_KEY, device.type == "cuda"
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0], "free GPU memory", False
+        # The driver's free figure leaves out what this process's caching allocator holds but no
+        # longer uses (an earlier stage of `run` in the same process): that is ours to plan with.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached, "free GPU memory", False
     return None, "none", False
 
 
