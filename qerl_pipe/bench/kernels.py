@@ -222,6 +222,7 @@ def run_kernel_bench(shapes: list[str] | None = None,
             result = results_file(rows, _targets(rows), **versions, correctness=correctness,
                                   tuned_table=table_to_json(tuned))
             if out:
+                out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(result, indent=1) + "\n")
             torch.cuda.empty_cache()
     for t in result["targets"]:

@@ -204,6 +204,7 @@ def run(shapes: list[str], out: Path | None) -> dict:
             result = results_file(rows, _targets(rows, ceiling), torch=torch.__version__,
                                   copy_ceiling_tbps=ceiling, sms=sms, tuned_table=cuda_ext.tuned_table(rows))
             if out:
+                out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(result, indent=1) + "\n")
             torch.cuda.empty_cache()
     for t in result["targets"]:

@@ -213,6 +213,7 @@ def run_rollout_bench(shapes: list[str], batches: list[int], prompt_len: int = 2
         def emit(row: dict, shape: str = shape) -> None:
             rows.append({"shape": shape, **row})
             if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps(result(), indent=1) + "\n")
 
         if hf_batches != []:
