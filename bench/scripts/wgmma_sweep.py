@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 
 from qerl_pipe.bench.kernels import LAYER_SHAPES
+from qerl_pipe.bench.kernels_cuda import _copies
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels import cuda_ext
-from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4
+from qerl_pipe.kernels.tiled import tile_nvfp4
 from qerl_pipe.kernels.tuning import rel_err, time_graph, weight_copies
 
 REPS = 30
@@ -44,8 +45,7 @@ def main() -> None:
             tq = tile_nvfp4(q)
             r_q = weight_copies(tq.qweight.numel() * 4 + tq.scales.numel())
             r_b = weight_copies(wb.numel() * 2)
-            tqs = [tq] + [TiledNVFP4(tq.qweight.clone(), tq.scales.clone(), tq.global_scale.clone(), n, k)
-                          for _ in range(r_q - 1)]
+            tqs = _copies(tq, r_q)
             wbs = [wb] + [wb.clone() for _ in range(r_b - 1)]
             for m in ms:
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)

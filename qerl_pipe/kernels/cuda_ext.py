@@ -37,7 +37,8 @@ SOURCES = ("w4a16.cuh", "w4a16.cu", "binding.cpp")
 CUDA_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas=-v")
 # Split-K tickets: one int per CTA column slice; 64k covers N up to 4M rows at 64 rows per CTA.
 _COUNTERS = 1 << 16
-# Most tokens one GEMM pass takes (8 n8 blocks); larger M runs in several passes.
+# Most tokens one pass of the mma.sync kernels takes (8 n8 blocks; the wgmma kernel takes up to
+# 128); larger M runs in several passes. Up to this M the GEMM always beats dequantize + cuBLAS.
 MAX_PASS_TOKENS = 64
 
 
@@ -229,8 +230,8 @@ def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: 
 
 
 # The variant for each tokens-per-pass count (n8 blocks), for shapes the table below lacks:
-# (mt, warps, wk, depth, stages), the most frequent winner per M in the H200 sweep.
-_VARIANT = {1: (2, 8, 8, 4, 0), 2: (2, 8, 8, 4, 0), 4: (4, 4, 4, 2, 0), 8: (2, 4, 4, 2, 0)}
+# (mt, warps, wk, depth) of the register-ring kernel, the most frequent winner per M in the H200 sweep.
+_VARIANT = {1: (2, 8, 8, 4), 2: (2, 8, 8, 4), 4: (4, 4, 4, 2), 8: (2, 4, 4, 2)}
 # Measured best configs per (M, N, K) on a 132-SM H200 (bench/results/kernels-cuda-h200.json,
 # written there by `tuned_table`); used on GPUs with that many SMs. Rows of M <= 64 are always
 # there; rows of M = 128 and 256 only where the GEMM beat dequantize + cuBLAS, so a row there is
@@ -273,8 +274,8 @@ def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) 
         return GemmConfig(**hit)
     tokens = min(m, MAX_PASS_TOKENS)
     nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
-    mt, warps, wk, depth, stages = _VARIANT[nb]
-    config = GemmConfig(mt, nb, warps, wk, depth, 1, stages=stages)
+    mt, warps, wk, depth = _VARIANT[nb]
+    config = GemmConfig(mt, nb, warps, wk, depth, 1)
     per_sm = per_sm if per_sm is not None else blocks_per_sm(config)
     return replace(config, splits=choose_splits(m, n, k, config, sms, per_sm))
 
@@ -338,7 +339,7 @@ def check_config(config: GemmConfig) -> None:
 
 
 def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: GemmConfig | None = None) -> Tensor:
-    """`x @ W^T (+ bias)` for bf16 `x [M, K]`, M <= 64 per pass (more runs as several passes)."""
+    """`x @ W^T (+ bias)` for bf16 `x [M, K]`, in passes of the config's tokens (8 * nb)."""
     m = x.shape[0]
     if config is None:
         config = default_config(m, w.out_features, w.in_features, sm_count(x.device))
