@@ -18,7 +18,7 @@ from qerl_pipe.artifacts.manifest import MANIFEST_NAME
 from qerl_pipe.dag import BUILD_ENGINE, EVAL, QUANTIZE, TRAIN, MissingArtifact, recipe_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.hf_config import read_model_config
-from qerl_pipe.lineage import engine_model_name
+from qerl_pipe.lineage import engine_model_name, is_full_run
 from qerl_pipe.model.peft import AdapterFiles, read_adapter
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import ALIASES, resolve_model
@@ -52,7 +52,7 @@ def open_adapter(adapter: Path | Artifact | str, store: ArtifactStore) -> Adapte
         if adapter.kind in (BUILD_ENGINE.kind, QUANTIZE.kind, EVAL.kind):
             raise ArtifactError(f"{adapter.path} is a '{adapter.kind}' artifact, not an adapter; pass a train run "
                                 "(or an exported PEFT adapter) to --adapter")
-        if adapter.kind == TRAIN.kind and adapter.manifest["config"]["train"].get("adapter") == "full":
+        if adapter.kind == TRAIN.kind and is_full_run(adapter):
             raise ArtifactError(f"{adapter.path} trained every weight (train.adapter=full) and has no adapter; "
                                 f"evaluate its model: `qerl-pipe export --run {adapter.path} --format merged-bf16`, "
                                 "then pass that export to --model")

@@ -41,6 +41,11 @@ class MergeBase:
     description: str
 
 
+def is_full_run(run: Artifact) -> bool:
+    """Whether the run trained every weight (`train.adapter: full`) rather than an adapter."""
+    return run.manifest.get("config", {}).get("train", {}).get("adapter") == "full"
+
+
 def _stored(store: ArtifactStore, stage: str, art_id: str, what: str, run: Artifact) -> Artifact:
     """A parent of the run by id, its manifest only (files are re-hashed when they are read)."""
     path = store.path_for(stage, art_id)

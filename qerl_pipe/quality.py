@@ -93,12 +93,11 @@ def _measure_perplexity(resolved: ResolvedModel, checkpoint: Path, q: QualitySec
     }
 
 
-def print_quality_report(errors: dict[str, LayerError], ppl: dict | None, summary: dict, output_basis: str) -> None:
-    """The stage's console report: the worst layers with both errors, the means and maxima, size,
-    memory, time and the perplexities."""
+def print_quality_report(layers: dict, ppl: dict | None, summary: dict, output_basis: str) -> None:
+    """The stage's console report: the worst layers with both errors, the means and maxima (`layers`:
+    the report's `summarize` of them), size, memory, time and the perplexities."""
     from rich.table import Table
 
-    layers = summarize(errors)
     table = Table(title=f"NVFP4 quantization error, {summary['method']} (worst layers)", show_lines=False)
     table.add_column("module")
     table.add_column("weight ‖ΔW‖/‖W‖", justify="right")

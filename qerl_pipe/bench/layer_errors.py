@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qerl_pipe.formats.quant_error import LayerError
+from qerl_pipe.formats.quant_error import LayerError, summarize
 
 BASELINE = "rtn"
 # Relative slack for "no worse than rtn": the figures are sums of fp32 column sums.
@@ -29,13 +29,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _figures(errors: dict[str, LayerError]) -> dict[str, float | None]:
-    weight = [e.weight for e in errors.values()]
-    output = [e.output for e in errors.values() if e.output is not None]
-    complete = len(output) == len(errors)
-    return {"mean_weight_error": _mean(weight), "max_weight_error": max(weight),
-            "mean_output_error": _mean(output) if complete else None,
-            "max_output_error": max(output) if complete else None}
+_FIGURES = ("mean_weight_error", "max_weight_error", "mean_output_error", "max_output_error")
 
 
 def _against_baseline(errors: dict[str, LayerError], base: dict[str, LayerError]) -> dict[str, Any]:
@@ -68,7 +62,7 @@ def compare_methods(errors: dict[str, dict[str, LayerError]], worst: int = 5) ->
     for method, layer in errors.items():
         if set(layer) != set(base):
             raise ValueError(f"{method} quantized other layers than {BASELINE}")
-        methods[method] = _figures(layer)
+        methods[method] = {k: v for k, v in summarize(layer).items() if k in _FIGURES}
         if method != BASELINE:
             methods[method]["vs_rtn"] = _against_baseline(layer, base)
     chosen: list[str] = []

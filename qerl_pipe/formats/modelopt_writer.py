@@ -107,13 +107,14 @@ def out_dtype(choice: str, config: dict) -> torch.dtype:
 
 
 def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: dict[str, torch.Tensor],
-                  dtype: torch.dtype, method: str, channel_weights: dict[str, torch.Tensor],
+                  dtype: torch.dtype, method: str,
                   channel_mean_square: dict[str, torch.Tensor] | None = None) -> dict[str, LayerError]:
     """Pass 2: quantize and write one output shard per input shard; returns each module's errors.
 
-    `channel_weights` steer `act-mse`'s search; `channel_mean_square` (calibration statistics, any
-    method) only measures: with it each module's output error is reported, without it none is.
+    `channel_mean_square` (calibration statistics) steers `act-mse`'s search; for any method it
+    measures: with it each module's output error is reported, without it none is.
     """
+    ms = channel_mean_square or {}
     errors: dict[str, LayerError] = {}
     writer = ShardWriter(out, max_bytes=float("inf"), shards=len(shards))  # shards end where the source's do
     for shard in progress(shards, "quantize", len(shards)):
@@ -125,8 +126,8 @@ def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: d
                     writer.add(name, cast_floating(tensor, dtype))
                     continue
                 w, errors[module] = quantize_in_row_chunks(
-                    tensor, plan_global_scale(plan, module), name, method, channel_weights.get(module),
-                    (channel_mean_square or {}).get(module))
+                    tensor, plan_global_scale(plan, module), name, method,
+                    ms.get(module) if method == "act-mse" else None, ms.get(module))
                 for key, t in nvfp4_tensors(module, w, input_scales.get(module)).items():
                     writer.add(key, t)
                 del tensor

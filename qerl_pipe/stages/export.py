@@ -31,7 +31,7 @@ from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.checkpoint import list_shards
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.formats.modelopt_writer import out_dtype, read_input_scales
-from qerl_pipe.lineage import MergeBase, find_merge_base, walk_chain
+from qerl_pipe.lineage import MergeBase, find_merge_base, is_full_run, walk_chain
 from qerl_pipe.log import log
 from qerl_pipe.model.merge import check_adapter_fits_checkpoint, write_merged
 from qerl_pipe.model.peft import (
@@ -42,11 +42,6 @@ from qerl_pipe.rl.run import MODEL_DIR
 
 STAGE = EXPORT
 KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}
-
-
-def is_full_run(run: Artifact) -> bool:
-    """Whether the run trained every weight (`train.adapter: full`) rather than an adapter."""
-    return run.manifest.get("config", {}).get("train", {}).get("adapter") == "full"
 
 
 def _check_run(run: Artifact) -> Path:

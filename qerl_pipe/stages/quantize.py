@@ -93,8 +93,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
                 raise ModelSourceError(f"{resolved.dir} has no Llama-family linear weights to quantize")
             scales = input_scales(plan, read_input_amax(calibration.path) if calibration else None)
             channel_ms, output_basis = _channel_stats(section.method, calibration, plan)
-            errors = write_shards(shards, pending.dir, plan, scales, dtype, section.method,
-                                  channel_ms if section.method == "act-mse" else {}, channel_ms)
+            errors = write_shards(shards, pending.dir, plan, scales, dtype, section.method, channel_ms)
         quant_algo = "NVFP4" if calibration else "W4A16_NVFP4"
         write_configs(resolved.dir, pending.dir, quant_algo, sorted({"lm_head", *plan.excluded}), dtype)
         quality = layer_error_report(section.method, errors, output_basis)
@@ -118,7 +117,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
             "perplexity": ppl,
             "seconds": round(time.perf_counter() - started, 2),
         })
-        print_quality_report(errors, ppl, pending.summary, output_basis)
+        print_quality_report(quality["summary"], ppl, pending.summary, output_basis)
 
     artifact = find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
                              find_only=find_only)
