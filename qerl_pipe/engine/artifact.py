@@ -44,7 +44,8 @@ def check_engine_for(engine: Artifact, stage: str, max_new_tokens: int, option: 
                         "engine.max_seq_len")
 
 
-def _read_engine_json(path: Path) -> dict[str, Any]:
+def read_engine_json(path: Path) -> dict[str, Any]:
+    """The engine's engine.json, checked: unreadable or of another format is an ArtifactError."""
     try:
         engine = json.loads((path / ENGINE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -67,7 +68,7 @@ def load_engine(artifact_dir: Path | str, device: torch.device | str | None = No
     artifact = load_artifact(path, verify=False)
     if artifact.kind != KIND:
         raise ArtifactError(f"{path} is a '{artifact.kind}' artifact, not an engine; run `qerl-pipe build-engine`")
-    engine = _read_engine_json(path)
+    engine = read_engine_json(path)
     built = engine["device"]
     if device is None and built["type"] == "cuda" and not torch.cuda.is_available():
         raise QerlError(f"{path.name} was built for {built['name']} but no CUDA GPU is visible; "

@@ -120,7 +120,7 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
     """Write the engine of the base in `base_dir` (its config.json as `hf_config`) into `out`;
     returns the manifest summary. Under an enforced budget the process is capped while it builds."""
     started = time.perf_counter()
-    capped = plan.enforce and plan.memory_plan is not None
+    capped = plan.enforce  # only set when a step plan was made
     if capped:
         enforce_budget(plan.memory_plan.budget_bytes, device)
     try:

@@ -27,7 +27,6 @@ smallest budget that fits (that candidate's estimate, rounded up to 0.1 GB). Bud
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -258,9 +257,9 @@ def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: in
     """The plan of `train`'s step over the engine artifact in `engine_dir` (its config.json,
     base format, dtype and limits), to `train.memory_budget_gb` (see `step_budget`), and whether
     the budget is to be enforced. Raises MemoryBudgetError before anything is loaded."""
-    from qerl_pipe.engine.artifact import ENGINE_FILE
+    from qerl_pipe.engine.artifact import read_engine_json
 
-    spec = json.loads((engine_dir / ENGINE_FILE).read_text())
+    spec = read_engine_json(engine_dir)
     config = DecoderConfig.from_hf(read_model_config(engine_dir))
     limits = EngineLimits.from_json(spec["limits"])
     budget, source, enforced = step_budget(train.memory_budget_gb, device)

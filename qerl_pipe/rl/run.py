@@ -38,7 +38,6 @@ from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.distributed import Dist
 from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
-from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
 from qerl_pipe.rl.metrics import PLOTS_DIR, greedy_line, write_plots
 from qerl_pipe.rl.prompts import fit_prompts, stop_token_ids
 from qerl_pipe.rl.rewards import load_custom_rewards
@@ -174,19 +173,17 @@ def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
 
 
 def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], eval_problems: list[Problem],
-              device: torch.device, run_dir: Path, base_model: str, trust_remote_code: bool = False,
-              dist: Dist = Dist(), plan: MemoryPlan | None = None) -> dict[str, Any]:
+              device: torch.device, run_dir: Path, base_model: str, trust_remote_code: bool,
+              dist: Dist, plan: MemoryPlan) -> dict[str, Any]:
     """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary. `plan`
-    (`plan_run`) sets the KV slots, micro-batch and LM-head chunk; without one, the engine's slots
-    and the section's micro-batch.
+    (`plan_run`) sets the KV slots, micro-batch and LM-head chunk.
 
     With several ranks all of them train; rank 0 alone evaluates and writes the files (the
     others return {} once training is done).
     """
     started = time.perf_counter()
     model, limits = load_engine(engine_dir, device)
-    if plan is not None:
-        limits = with_slots(limits, plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
+    limits = with_slots(limits, plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
     full = section.adapter == "full"
     if not full:
@@ -202,8 +199,7 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
     with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
         if dense_bytes and dist.is_main:
             log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
-        cfg, chunk = (section, DEFAULT_CHUNK) if plan is None else (
-            section.model_copy(update={"micro_batch_size": plan.micro_batch}), plan.logprob_chunk)
+        cfg, chunk = section.model_copy(update={"micro_batch_size": plan.micro_batch}), plan.logprob_chunk
         trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, cfg, stops, chunk, dist=dist)
         memory: dict[str, Any] = {}
         if full and dist.is_main:
@@ -241,7 +237,7 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
         "reward_last_tenth": report["reward_last_tenth"],
         "device": str(device),
         "adapter": section.adapter, **memory,
-        **({"memory_plan": plan.to_json()} if plan is not None else {}),
+        "memory_plan": plan.to_json(),
         **({"processes": dist.world_size} if dist.enabled else {}),
         "seconds_this_session": round(time.perf_counter() - started, 1),
     }
