@@ -15,12 +15,10 @@ from pathlib import Path
 import torch
 
 from qerl_pipe.bench.kernels import LAYER_SHAPES
-from qerl_pipe.bench.kernels_cuda import _copies
+from qerl_pipe.bench.kernels_cuda import layer_operands
 from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels import cuda_ext
-from qerl_pipe.kernels.tiled import tile_nvfp4
-from qerl_pipe.kernels.tuning import rel_err, time_graph, weight_copies
+from qerl_pipe.kernels.tuning import rel_err, time_graph
 
 REPS = 30
 SPLITS = (1, 2, 4, 8)
@@ -37,16 +35,9 @@ def main() -> None:
     rows = []
     for model, layers in LAYER_SHAPES.items():
         for layer, (n, k) in layers.items():
-            w = torch.randn(n, k, device="cuda") * 0.02
-            wb = w.to(torch.bfloat16)
-            q = quantize_nvfp4_in_row_chunks(w, name=layer)
-            del w
-            dense = dequantize_nvfp4(q, torch.float32)
-            tq = tile_nvfp4(q)
-            r_q = weight_copies(tq.qweight.numel() * 4 + tq.scales.numel())
-            r_b = weight_copies(wb.numel() * 2)
-            tqs = _copies(tq, r_q)
-            wbs = [wb] + [wb.clone() for _ in range(r_b - 1)]
+            gen = torch.Generator(device="cuda").manual_seed(n * 31 + k)
+            dense, tqs, wbs = layer_operands(model, layer, n, k, gen)
+            tq, r_q, r_b = tqs[0], len(tqs), len(wbs)
             for m in ms:
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 ref = x.float() @ dense.T

@@ -69,10 +69,10 @@ def _copies(q: TiledNVFP4, r: int) -> list[TiledNVFP4]:
                              q.in_features) for _ in range(r - 1)]
 
 
-def bench_layer(model: str, layer: str, n: int, k: int, sms: int) -> list[dict]:
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(n * 31 + k)
-    w = torch.randn(n, k, device=dev, generator=gen) * 0.02
+def layer_operands(model: str, layer: str, n: int, k: int, gen: torch.Generator) -> tuple:
+    """A random `[n, k]` layer as the benchmarks time it: (its NVFP4 weight dequantized to fp32, the
+    tiled NVFP4 copies, the bf16 copies), as many copies of each as keep the L2 cold."""
+    w = torch.randn(n, k, device=gen.device, generator=gen) * 0.02
     wb = w.to(torch.bfloat16)
     q = quantize_nvfp4_in_row_chunks(w, name=f"{model} {layer}")
     del w
@@ -80,8 +80,14 @@ def bench_layer(model: str, layer: str, n: int, k: int, sms: int) -> list[dict]:
     tq = tile_nvfp4(q)
     r_q = weight_copies(tq.qweight.numel() * 4 + tq.scales.numel())
     r_b = weight_copies(wb.numel() * 2)
-    tqs = _copies(tq, r_q)
-    wbs = [wb] + [wb.clone() for _ in range(r_b - 1)]
+    return dense, _copies(tq, r_q), [wb] + [wb.clone() for _ in range(r_b - 1)]
+
+
+def bench_layer(model: str, layer: str, n: int, k: int, sms: int) -> list[dict]:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n * 31 + k)
+    dense, tqs, wbs = layer_operands(model, layer, n, k, gen)
+    tq, r_q, r_b = tqs[0], len(tqs), len(wbs)
     rows = []
     for m in sorted(set(GEMM_MS) | set(DEQUANT_MS)):
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
