@@ -18,6 +18,7 @@ from qerl_pipe.engine import (
     SamplingParamsError,
     plan_limits,
 )
+from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.sampling import gumbel_noise, hash32, sample, sequence_key, truncate_logits
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
@@ -386,7 +387,7 @@ def test_graph_bookkeeping_with_a_fake_cuda_graph(llama32, monkeypatch):
     def capture(self, b, length):
         entry = original(self, b, length)
         tokens, positions, view = self.tokens[:b], self.positions[:b], self._view(b, length)
-        entry.graph.replay_fn = lambda: self._logits[:b].copy_(self.model.decode_step(tokens, positions, view))
+        entry.graph.replay_fn = lambda: self._logits[:b].copy_(decode_step(self.model, tokens, positions, view))
         captures.append((b, length))
         return entry
 

@@ -1,5 +1,10 @@
 """The Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against the torch reference.
 
+The matmuls take bf16 activations. The decode step's kernels (decode attention, add + RMSNorm)
+run in fp32 here: the interpreter rounds fp32 -> bf16 toward zero and its tl.dot on bf16 inputs
+returns garbage (seen with triton 3.9), so their bf16 path is tested on the GPU
+(tests/test_decode_kernels_gpu.py).
+
 Triton decides at import time whether `@triton.jit` functions (its own `tl.cdiv`, `tl.sum` too)
 run in the interpreter, and a test session may have imported Triton already. So one subprocess
 with the variable set runs every case (this file run as a script) and prints each case's relative
@@ -92,6 +97,63 @@ def _run_case(case: tuple, seed: int) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
+# Decode attention: (batch, q heads, kv heads, head_dim, attention length); a length past one
+# split, GQA groups of 1, 2 and 7, the smallest head_dim.
+ATTENTION_CASES = [(3, 4, 2, 16, 300), (2, 5, 1, 32, 64), (1, 7, 1, 64, 200), (2, 2, 2, 16, 129)]
+
+
+def _attention_id(case: tuple) -> str:
+    return "attention-b{}-hq{}-hkv{}-d{}-len{}".format(*case)
+
+
+def _run_attention_case(case: tuple, seed: int) -> dict:
+    """Max abs error vs the reference, whether both wrote the same cache, and whether row 1 alone
+    gives row 1's bits of the batch (batch independence)."""
+    from qerl_pipe.kernels import decode_ops, triton_decode
+
+    b, hq, hkv, d, length = case
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+    # A cache with more slots and positions than the view the step attends over (strided view).
+    k_cache = torch.randn(2, b + 1, hkv, length + 5, d, generator=gen)
+    v_cache = torch.randn(k_cache.shape, generator=gen)
+    positions = torch.randint(0, length, (b,), generator=gen)
+    positions[0] = length - 1
+    angles = positions[:, None].float() * torch.rand(d // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+
+    def view(c: torch.Tensor, rows: slice) -> torch.Tensor:
+        return c[1, rows, :, :length]
+
+    ref = decode_ops.decode_attention_reference(q, k, v, cos, sin, view(caches[0][0], slice(0, b)),
+                                        view(caches[0][1], slice(0, b)), positions, d ** -0.5)
+    out = triton_decode.launch_decode_attention(q, k, v, cos, sin, view(caches[1][0], slice(0, b)),
+                                     view(caches[1][1], slice(0, b)), positions, d ** -0.5)
+    row = slice(1, 2) if b > 1 else slice(0, 1)
+    alone = triton_decode.launch_decode_attention(q[row], k[row], v[row], cos[row], sin[row], view(caches[2][0], row),
+                                       view(caches[2][1], row), positions[row], d ** -0.5)
+    return {"max_err": float((out - ref).abs().max()),
+            "same_cache": bool(torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])),
+            "batch_independent": bool(torch.equal(alone, out[row]))}
+
+
+def _run_norm_case(seed: int) -> dict:
+    from qerl_pipe.kernels import decode_ops, triton_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    x, r = torch.randn(3, 100, generator=gen), torch.randn(3, 100, generator=gen)
+    weight, noise = torch.rand(100, generator=gen), torch.randn(100, generator=gen) * 1e-2
+    out = {}
+    for name, residual in (("no-residual", None), ("residual", r)):
+        ref, ref_h = decode_ops.add_rms_norm_reference(x, residual, weight, noise, 1e-6)
+        got, got_h = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6)
+        out[name] = {"max_err": float((got - ref).abs().max()), "same_h": bool(torch.equal(got_h, ref_h))}
+    return out
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
     if importlib.util.find_spec("triton") is None:
@@ -111,6 +173,22 @@ def test_kernel_matches_reference(results: dict[str, dict], case: tuple) -> None
     assert r["rel_err"] < 1e-2, f"seed {r['seed']}: relative error {r['rel_err']:.3g}"
 
 
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=_attention_id)
+def test_decode_attention_matches_reference(results: dict[str, dict], case: tuple) -> None:
+    r = results[_attention_id(case)]
+    assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
+    assert r["max_err"] < 1e-5, f"seed {r['seed']}: max error {r['max_err']:.3g}"
+    assert r["same_cache"], f"seed {r['seed']}: the kernel wrote the KV cache differently from the reference"
+    assert r["batch_independent"], f"seed {r['seed']}: a row alone differs from the same row in the batch"
+
+
+@pytest.mark.parametrize("residual", ["no-residual", "residual"])
+def test_add_rms_norm_matches_reference(results: dict[str, dict], residual: str) -> None:
+    r = results["add-rms-norm"]
+    assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
+    assert r[residual]["max_err"] < 1e-5 and r[residual]["same_h"], f"seed {r['seed']}: {r[residual]}"
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through the tests (sets TRITON_INTERPRET)"
     out: dict[str, dict] = {}
@@ -120,4 +198,15 @@ if __name__ == "__main__":
             out[_case_id(case)] = {"seed": seed, "rel_err": _run_case(case, seed)}
         except Exception as e:  # noqa: BLE001 - reported per case by the test
             out[_case_id(case)] = {"seed": seed, "error": repr(e)}
+    for attention in ATTENTION_CASES:
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        try:
+            out[_attention_id(attention)] = {"seed": seed, **_run_attention_case(attention, seed)}
+        except Exception as e:  # noqa: BLE001 - reported per case by the test
+            out[_attention_id(attention)] = {"seed": seed, "error": repr(e)}
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    try:
+        out["add-rms-norm"] = {"seed": seed, **_run_norm_case(seed)}
+    except Exception as e:  # noqa: BLE001
+        out["add-rms-norm"] = {"seed": seed, "error": repr(e)}
     print(json.dumps(out))

@@ -136,16 +136,23 @@ def bench_memory(out: OutOpt = None) -> None:
 
 @bench_app.command("decode-profile")
 def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: qwen2.5-7b, -14b, -32b, -72b.")] = "qwen2.5-7b",
-                         format: Annotated[str, typer.Option("--format", help="Base format: bf16, nvfp4, nf4.")] = "nvfp4",
+                         formats: Annotated[list[str], typer.Option("--formats", help="Base formats (comma-separated or repeated): bf16, nvfp4, nf4.")] = ["bf16,nvfp4"],
                          batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 8,
-                         steps: Annotated[int, typer.Option(help="Decode steps profiled.")] = 16) -> None:
-    """Where a decode step's time goes: kernels per step and the top kernels (a table on stdout; needs a CUDA GPU)."""
-    from qerl_pipe.bench.decode_profile import profile_decode
+                         context: Annotated[int, typer.Option(help="Cache positions each sequence has already.")] = 512,
+                         steps: Annotated[int, typer.Option(help="Decode steps profiled.")] = 8,
+                         out: OutOpt = None) -> None:
+    """Kernels per decode step and per layer, and GPU time per kernel kind (needs a CUDA GPU)."""
+    from qerl_pipe.bench.decode_profile import run
     from qerl_pipe.bench.shapes import QWEN25_SHAPES
 
-    if shape not in QWEN25_SHAPES or format not in ("bf16", "nvfp4", "nf4"):
-        raise QerlError(f"--shape is one of {sorted(QWEN25_SHAPES)} and --format one of bf16, nvfp4, nf4")
-    profile_decode(shape, format, batch, steps)
+    import torch
+
+    chosen = values(formats)
+    if shape not in QWEN25_SHAPES or not set(chosen) <= {"bf16", "nvfp4", "nf4"}:
+        raise QerlError(f"--shape is one of {sorted(QWEN25_SHAPES)} and --formats of bf16, nvfp4, nf4")
+    if not torch.cuda.is_available():
+        raise QerlError("bench decode-profile profiles CUDA kernels and needs a CUDA GPU; none is visible here")
+    emit(run(shape, chosen, batch, context, steps), out)
 
 
 @bench_app.command("quantize")

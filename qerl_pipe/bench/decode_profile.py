@@ -1,42 +1,77 @@
-"""Where a decode step's time goes: kernels per step and the top kernels by GPU time.
+"""Where a decode step's time goes: kernels per step and per layer, and GPU time per kernel kind.
 
-`qerl-pipe bench decode-profile --shape qwen2.5-7b --format nvfp4 --batch 8` builds a
-random model of the shape (LoRA attached), decodes eagerly (no CUDA graphs, so the profiler sees
-each kernel) under torch.profiler, and prints the kernel count per step and the top kernels.
-A development tool: the figures to quote come from `bench rollout`.
+`qerl-pipe bench decode-profile --shape qwen2.5-7b --formats bf16,nvfp4 --batch 8 --out FILE.json`
+builds a random model of the shape with LoRA r32 on all seven projections (the adapter's fused
+inference copy, as the engine decodes), fills a KV cache to `--context` positions and runs the
+engine's decode step eagerly under torch.profiler, so the profiler sees every kernel that a
+captured CUDA graph would replay. Per format: kernels per step, per layer ((step - 3) / layers:
+the embedding, the RoPE tables and the LM head are the step's own), GPU busy time per step, and the
+kernel kinds by GPU time with their count per step. The `targets` block holds the lean-step
+target: at most 12 kernels per layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import sys
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.bench.shapes import QWEN25_SHAPES
-from qerl_pipe.engine import Engine, SamplingParams
-from qerl_pipe.engine.limits import plan_limits
-from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.model.load import init_random_model
-from qerl_pipe.model.lora import LoraSpec
+from qerl_pipe.model.lora import LoraSpec, lora_inference_cache
+
+KERNELS_PER_LAYER_TARGET = 12
 
 
-def profile_decode(shape: str, base_format: str, batch: int, steps: int = 16, lora_rank: int = 32) -> None:
-    config = QWEN25_SHAPES[shape]
-    model = init_random_model(config, base_format=base_format, device="cuda",
+def profile_format(shape: str, base_format: str, batch: int, context: int, steps: int,
+                   lora_rank: int = 32) -> dict[str, Any]:
+    """One format's decode step under the profiler (see the module doc)."""
+    model = init_random_model(QWEN25_SHAPES[shape], base_format=base_format, device="cuda",
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
-    limits = plan_limits(DecoderConfig.from_hf(config), max_seq_len=512, max_batch=batch)
-    engine = Engine(model, limits, cuda_graphs=False)
-    prompts = torch.randint(0, 150000, (batch, 64), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=1.0, max_new_tokens=steps, seed=0)
-    engine.generate(prompts, 1, params)  # compile kernels
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = engine.generate(prompts, 1, params)
+    cache = model.make_cache(batch, context + steps)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    tokens = torch.randint(0, model.config.vocab_size, (batch,), generator=gen, device="cuda")
+    positions = torch.full((batch,), context, device="cuda")
+    with lora_inference_cache(model):
+        for _ in range(2):  # compile and autotune outside the profile
+            decode_step(model, tokens, positions, cache)
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
-    gpu_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
-    per_step = out.decode_steps + 1  # plus the prefill
-    print(f"{shape} {base_format} batch {batch}: {kernels} kernels over {per_step} forward passes "
-          f"(~{kernels / per_step:.0f} per pass), GPU busy {gpu_us / 1e3:.1f} ms, "
-          f"decode wall {1e3 * out.decode_seconds / max(out.decode_steps, 1):.2f} ms/step")
-    print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                decode_step(model, tokens, positions, cache)
+            torch.cuda.synchronize()
+    kinds = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count > 0]
+    kernels = sum(e.count for e in kinds) / steps
+    layers = model.config.num_layers
+    row = {"shape": shape, "format": base_format, "batch": batch, "context": context, "lora_rank": lora_rank,
+           "kernels_per_step": kernels, "kernels_per_layer": round((kernels - 3) / layers, 2),
+           "gpu_busy_ms_per_step": round(sum(e.self_device_time_total for e in kinds) / steps / 1e3, 3),
+           "kinds": [{"kernel": e.key[:120], "per_step": round(e.count / steps, 2),
+                      "us_per_step": round(e.self_device_time_total / steps, 2)}
+                     for e in sorted(kinds, key=lambda e: -e.self_device_time_total)]}
+    del model, cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def run(shape: str, formats: Sequence[str], batch: int, context: int, steps: int) -> dict[str, Any]:
+    rows = []
+    for fmt in formats:
+        rows.append(profile_format(shape, fmt, batch, context, steps))
+        r = rows[-1]
+        print(f"{shape} {fmt} batch {batch}: {r['kernels_per_step']:.0f} kernels per decode step "
+              f"({r['kernels_per_layer']} per layer), GPU busy {r['gpu_busy_ms_per_step']} ms per step", file=sys.stderr, flush=True)
+        for kind in r["kinds"][:12]:
+            print(f"  {kind['us_per_step']:9.1f} us  x{kind['per_step']:<6} {kind['kernel'][:90]}", file=sys.stderr, flush=True)
+    targets = [target(f"{r['shape']} {r['format']} batch {r['batch']}: kernels per layer in the decode step",
+                      f"<= {KERNELS_PER_LAYER_TARGET}", r["kernels_per_layer"], "kernels",
+                      r["kernels_per_layer"] <= KERNELS_PER_LAYER_TARGET) for r in rows]
+    return results_file(rows, targets, torch=torch.__version__)

@@ -7,7 +7,7 @@ Scheduling in short (docs/engine.md has the whole story):
   is prefilled once, in right-padded batches bounded by a token budget, into the slot of its first
   sample; its KV rows are copied into the slots of the other samples, and every sample draws its
   first token from the same prefill logits with its own random stream.
-- Decode steps run `Decoder.decode_step` on the first b slots, b the smallest CUDA-graph size
+- Decode steps run the engine's `decode_step` (engine/decode_step.py) on the first b slots, b the smallest CUDA-graph size
   covering the highest active slot, and the first L positions, L the smallest length bucket
   covering every active sequence. When the active sequences would fit a smaller size they are
   moved (KV rows included) into low free slots, so the tail runs on small graphs.

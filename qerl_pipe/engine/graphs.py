@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.model.decoder import Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
 
@@ -44,7 +45,7 @@ def length_buckets(max_len: int, smallest: int = 256) -> tuple[int, ...]:
 
 
 class DecodeRunner:
-    """Runs `Decoder.decode_step` on slots 0..b-1 and positions 0..L-1 of `cache`, with inputs
+    """Runs the engine's `decode_step` on slots 0..b-1 and positions 0..L-1 of `cache`, with inputs
     taken from the first b entries of the engine's static `tokens` / `positions` [max_batch]."""
 
     def __init__(
@@ -101,7 +102,7 @@ class DecodeRunner:
         if self.use_graphs and b in self.sizes:
             self.ensure_captured(b, length).graph.replay()
             return self._logits[:b]
-        return self.model.decode_step(self.tokens[:b], self.positions[:b], self._view(b, length))
+        return decode_step(self.model, self.tokens[:b], self.positions[:b], self._view(b, length))
 
     def ensure_captured(self, b: int, length: int) -> _Graph:
         """The graph for (b, length), captured now if it does not exist yet."""
@@ -133,12 +134,12 @@ class DecodeRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model.decode_step(tokens, positions, view)
+                decode_step(self.model, tokens, positions, view)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                self._logits[:b].copy_(self.model.decode_step(tokens, positions, view))
+                self._logits[:b].copy_(decode_step(self.model, tokens, positions, view))
         except Exception as e:
             raise RuntimeError(
                 f"capturing the decode step as a CUDA graph (batch {b}, length {length}) failed: {e}. Run "

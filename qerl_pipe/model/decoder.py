@@ -1,4 +1,4 @@
-"""The Llama-family decoder: training forward (autograd, LoRA) and the KV-cache path for rollouts.
+"""The Llama-family decoder: training forward (autograd, LoRA), the KV cache and the prompt prefill for rollouts (the engine owns the decode step: engine/decode_step.py).
 
 Module names follow Hugging Face (`layers.N.self_attn`, `mlp`, `input_layernorm`, ...) with the
 fused projections named `qkv_proj` and `gate_up_proj`, so mapping to checkpoint and PEFT names is
@@ -32,7 +32,7 @@ class KVCache:
     """Preallocated keys/values [layers, batch, kv_heads, max_len, head_dim] in the model dtype.
 
     A row ("slot") holds one sequence; its length is tracked by the caller (the engine), which
-    passes the write position of each slot to `Decoder.decode_step`.
+    passes the write position of each slot to the engine's `decode_step`.
     """
 
     def __init__(
@@ -72,7 +72,7 @@ class KVCache:
         """A cache over slots 0..batch_size-1 and positions 0..length-1 sharing this one's storage.
 
         The engine decodes on the smallest prefix holding its active slots, and attends only over
-        the positions its sequences have reached (decode_step masks the rest anyway, so the
+        the positions its sequences have reached (decode_step stops at each position anyway, so the
         result is the same but the step reads less of the cache). Positions passed to
         decode_step must then be below `length`.
         """
@@ -109,30 +109,6 @@ def attend_prefill(
     k_cache[slots, :, :t] = k
     v_cache[slots, :, :t] = v
     return attend_full(q, k, v, None)
-
-
-def decode_mask(positions: Tensor, length: int) -> Tensor:
-    """[B, 1, 1, length] bool: slot b attends to cache positions 0..positions[b] (built once per step)."""
-    b = positions.shape[0]
-    return (torch.arange(length, device=positions.device) <= positions.view(b, 1)).view(b, 1, 1, length)
-
-
-def attend_decode(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, mask: Tensor
-) -> Tensor:
-    """One new token per slot: scatter its k/v at `positions`, attend over the cache row under `mask`.
-
-    Shapes never depend on the positions (scatter plus a length mask), so the step can be captured
-    in a CUDA graph. GQA without copying the cache: the G query heads sharing a kv head become G
-    "query rows" of that head.
-    """
-    b, hq, _, d = q.shape
-    hkv = k_cache.shape[1]
-    index = positions.view(b, 1, 1, 1).expand(b, hkv, 1, d)
-    k_cache.scatter_(2, index, k)
-    v_cache.scatter_(2, index, v)
-    out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k_cache, v_cache, attn_mask=mask)
-    return out.reshape(b, hq, 1, d)
 
 
 class Attention(nn.Module):
@@ -293,24 +269,3 @@ class Decoder(nn.Module):
         hidden = self._run_layers(input_ids, positions, attends)
         last = (lengths - 1) if lengths is not None else torch.full((n,), t - 1, device=input_ids.device)
         return self.lm_head(hidden[torch.arange(n, device=hidden.device), last])
-
-    @torch.inference_mode()
-    def decode_step(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
-        """One token for every cache slot: tokens [B], their positions [B] (B = cache.batch_size).
-
-        Returns logits [B, vocab]. Idle slots compute garbage that nobody reads: keeping every
-        shape fixed is what lets the engine replay this step as a CUDA graph. Positions must be
-        below cache.max_len (an index past it is an out-of-bounds scatter).
-        """
-        if tokens.shape != (cache.batch_size,) or positions.shape != tokens.shape:
-            raise ValueError(
-                f"decode_step needs tokens and positions of shape ({cache.batch_size},), one per cache "
-                f"slot; got {tuple(tokens.shape)} and {tuple(positions.shape)}"
-            )
-        mask = decode_mask(positions, cache.max_len)  # one mask for every layer
-        attends = [
-            partial(attend_decode, k_cache=cache.k[i], v_cache=cache.v[i], positions=positions, mask=mask)
-            for i in range(len(self.layers))
-        ]
-        hidden = self._run_layers(tokens[:, None], positions[:, None], attends)
-        return self.lm_head(hidden[:, 0])

@@ -1,0 +1,58 @@
+"""The engine's decode step: one new token for every cache slot, over the shared training model.
+
+It runs the model's own modules and tensors (embedding, norms and their AQN noise, the QuantLinear
+projections with their base and LoRA, the LM head), so rollouts always see the current weights,
+but not the model's forward: the step is written for a batch of single tokens, in as few kernels
+as the fused pieces allow:
+- residual add + RMSNorm in one kernel (`kernels.decode_ops.add_rms_norm`), which also carries
+  the residual stream, so the decoder layer has no separate add;
+- RoPE, the KV-cache write and split-KV attention in two (`kernels.decode_ops.decode_attention`),
+  writing the [B, heads * head_dim] layout o_proj reads, with no mask tensor and no transpose copy.
+On CPU both are their plain-torch references (same structure, same math), which the tests use.
+
+Shapes never depend on the positions (the new k/v go where `positions` says, attention stops
+there), so the engine can capture the step as a CUDA graph per (batch, attention length).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention
+from qerl_pipe.model.decoder import Decoder, KVCache
+from qerl_pipe.model.norm import RMSNorm
+from qerl_pipe.model.rope import rope_cos_sin
+
+
+def _norm(x: Tensor, residual: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+    return add_rms_norm(x, residual, norm.weight, norm.noise, norm.eps)
+
+
+@torch.inference_mode()
+def decode_step(model: Decoder, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+    """Logits [B, vocab] for tokens [B] at positions [B], one per slot of `cache` (B = its batch).
+
+    Idle slots compute garbage that nobody reads (fixed shapes are what a CUDA graph needs); their
+    positions must still be below cache.max_len, where their k/v are written.
+    """
+    b = cache.batch_size
+    if tokens.shape != (b,) or positions.shape != (b,):
+        raise ValueError(f"decode_step needs tokens and positions of shape ({b},), one per cache slot; "
+                         f"got {tuple(tokens.shape)} and {tuple(positions.shape)}")
+    cfg = model.config
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = rope_cos_sin(positions, model.inv_freq, model.dtype)  # [B, head_dim] each
+    layers = model.layers
+    normed, residual = _norm(model.embed_tokens(tokens), None, layers[0].input_layernorm)
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        q, k, v = attn.qkv_proj(normed).split(attn.sizes, dim=-1)
+        q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+        if attn.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        out = decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, d ** -0.5)
+        normed, residual = _norm(attn.o_proj(out), residual, layer.post_attention_layernorm)
+        following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        normed, residual = _norm(layer.mlp(normed), residual, following)
+    return model.lm_head(normed)

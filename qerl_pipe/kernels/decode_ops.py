@@ -1,0 +1,74 @@
+"""The decode step's fused operations: residual add + RMSNorm, and decode attention.
+
+Each has a plain-torch reference (CPU, and the tests' oracle) and Triton kernels for CUDA
+(`triton_decode`, imported only there: Triton is a Linux-only dependency).
+
+**add_rms_norm(x, residual, weight, noise, eps)** returns (normed, h) with h = residual + x
+rounded to x's dtype once (as a bf16 add is) and normed = h / rms(h) * (weight + noise), computed in
+fp32 and rounded once: the numbers of `model.norm.rms_norm(residual + x, ...)`, up to the order of
+the mean's sum. `residual=None` normalises x alone (h is x). The decode step chains it between
+sublayers, so the residual stream needs no add kernel of its own.
+
+**decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale)** takes the new token's
+q [B, Hq, D] and k, v [B, Hkv, D] (strided views of the q/k/v projection's output are fine),
+rotates q and k (rotate-half RoPE, as Hugging Face Llama), writes k and v at `positions` of each
+cache row and returns softmax(q·K^T·scale)·V over cache positions 0..positions[b] as [B, Hq * D],
+the layout o_proj reads. In the eager step this was RoPE twice, two scatters, a mask, SDPA and a
+transpose copy; on CUDA it is two kernels (split-KV, then a merge; see `triton_decode`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def add_rms_norm_reference(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor,
+                           eps: float) -> tuple[Tensor, Tensor]:
+    h = x if residual is None else residual + x
+    h32 = h.float()
+    normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (weight.float() + noise)).to(x.dtype), h
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE of x [B, H, D] by cos/sin [B, D], computed in fp32 and rounded once."""
+    x32, half = x.float(), x.shape[-1] // 2
+    rot = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return (x32 * cos.float()[:, None] + rot * sin.float()[:, None]).to(x.dtype)
+
+
+def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                               v_cache: Tensor, positions: Tensor, scale: float) -> Tensor:
+    """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    index = positions.view(b, 1, 1, 1).expand(b, hkv, 1, d)
+    k_cache.scatter_(2, index, k[:, :, None])
+    v_cache.scatter_(2, index, v[:, :, None].to(v_cache.dtype))
+    scores = q.float().view(b, hkv, hq // hkv, d) @ k_cache.float().transpose(-1, -2) * scale
+    visible = torch.arange(k_cache.shape[2], device=q.device) <= positions.view(b, 1, 1, 1)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (probs @ v_cache.float()).to(q.dtype).reshape(b, hq * d)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """See the module doc: the Triton kernel on CUDA, else the torch reference."""
+    if x.is_cuda:
+        from qerl_pipe.kernels.triton_decode import launch_add_rms_norm
+
+        return launch_add_rms_norm(x, residual, weight, noise, eps)
+    return add_rms_norm_reference(x, residual, weight, noise, eps)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                     v_cache: Tensor, positions: Tensor, scale: float) -> Tensor:
+    """See the module doc: the Triton kernels on CUDA where they apply, else the torch reference."""
+    if q.is_cuda:
+        from qerl_pipe.kernels.triton_decode import launch_decode_attention, supports
+
+        if supports(q, k_cache):
+            return launch_decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale)
+    return decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, positions, scale)

@@ -1,0 +1,176 @@
+"""Triton kernels of the decode step (`decode_ops` has what they compute and the references).
+
+**Decode attention**, two kernels:
+1. `_partial`: grid (B, Hkv, S). Program (b, h, s) takes the G = Hq / Hkv query heads of kv head
+   h together (GQA without repeating the cache) and cache positions [s * SPLIT, (s + 1) * SPLIT)
+   below positions[b]: flash-decoding's split-KV (Dao et al., 2023), so a batch of one still has
+   B * Hkv * S programs to spread over the SMs. The split holding positions[b] also writes the new
+   k, v there and adds the new token's score from registers (no other program reads that position).
+2. `_merge`: grid (B * Hq). Sums the S partial (max, sum, acc) in split order.
+SPLIT is fixed and the merge runs in split order, so a sequence's output depends only on its own
+position and cache, never on the batch it runs in or the attention length (splits past the
+position add exact zeros): rollouts stay independent of batch placement.
+
+**Residual add + RMSNorm**: one program per row, so a row's result never depends on its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+SPLIT = 128  # cache positions per program
+BLOCK_N = 64  # positions per inner step (a tl.dot tile)
+
+
+def supports(q: Tensor, k_cache: Tensor) -> bool:
+    """Head sizes the attention kernels take: a power of two from 16 (a tl.dot side) to 256."""
+    d = q.shape[-1]
+    return 16 <= d <= 256 and d & (d - 1) == 0 and k_cache.stride(-1) == 1 and q.dtype == k_cache.dtype
+
+
+@triton.jit
+def _rope_rows(ptr, rows, row_stride, row_mask, c, s, offs_d, D: tl.constexpr, HALF: tl.constexpr):
+    """RoPE of rows [R, D] at ptr + rows * row_stride, in fp32: x * cos + rotate_half(x) * sin."""
+    base = ptr + rows[:, None] * row_stride
+    x = tl.load(base + offs_d[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    partner = tl.load(base + ((offs_d + HALF) % D)[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    rot = tl.where(offs_d[None, :] < HALF, -partner, partner)
+    return x * c[None, :] + rot * s[None, :]
+
+
+@triton.jit
+def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+             sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, s_cos, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
+             Hq, S, scale,
+             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT_LEN: tl.constexpr,
+             BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dtype = kc_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    offs_d = tl.arange(0, D)
+    offs_g = tl.arange(0, GP)
+    g_ok = offs_g < G
+    c = tl.load(cos_ptr + b * s_cos + offs_d).to(tl.float32)
+    sn = tl.load(sin_ptr + b * s_cos + offs_d).to(tl.float32)
+    # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
+    q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, D, D // 2).to(dtype)
+
+    m_i = tl.full((GP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
+    lo = s * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, pos)  # cached positions before the new token
+    kc = kc_ptr + b * skc_b + h * skc_h
+    vc = vc_ptr + b * svc_b + h * svc_h
+    for start in range(lo, hi, BLOCK):
+        offs_n = start + tl.arange(0, BLOCK)
+        n_ok = offs_n < hi
+        keys = tl.load(kc + offs_n[:, None] * skc_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
+        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        vals = tl.load(vc + offs_n[:, None] * svc_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vals, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    if (pos >= lo) & (pos < lo + SPLIT_LEN):
+        # The new token: rotate k, write k and v at pos, add its score from registers.
+        one = tl.arange(0, 1)
+        k_new = _rope_rows(k_ptr + b * sk_b, h + one, sk_h, one < 1, c, sn, offs_d, D, D // 2).to(dtype)
+        v_new = tl.load(v_ptr + b * sv_b + h * sv_h + offs_d[None, :] + one[:, None] * 0).to(dtype)
+        tl.store(kc + pos * skc_t + offs_d[None, :] + one[:, None] * 0, k_new)
+        tl.store(vc + pos * svc_t + offs_d[None, :] + one[:, None] * 0, v_new)
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
+        m_new = tl.maximum(m_i, score)
+        p_new = tl.exp(score - m_new)
+        alpha = tl.exp(m_i - m_new)
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
+        l_i = l_i * alpha + p_new
+        m_i = m_new
+
+    row = (b * Hq + h * G + offs_g) * S + s
+    tl.store(m_ptr + row, m_i, mask=g_ok)
+    tl.store(l_ptr + row, l_i, mask=g_ok)
+    tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr):
+    row = tl.program_id(0)  # b * Hq + head
+    offs_d = tl.arange(0, D)
+    top = tl.load(m_ptr + row * S)
+    for s in range(1, S):
+        top = tl.maximum(top, tl.load(m_ptr + row * S + s))
+    total = tl.zeros((D,), tl.float32)
+    norm = top * 0.0  # a float32 scalar (top is finite: the split holding the new token has it)
+    for s in range(0, S):  # in split order: the same sum whatever the batch or attention length
+        w = tl.exp(tl.load(m_ptr + row * S + s) - top)
+        total += w * tl.load(acc_ptr + (row * S + s) * D + offs_d)
+        norm += w * tl.load(l_ptr + row * S + s)
+    tl.store(out_ptr + row * D + offs_d, (total / norm).to(out_ptr.dtype.element_ty))
+
+
+def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                            v_cache: Tensor, positions: Tensor, scale: float) -> Tensor:
+    """The two Triton kernels (any device Triton runs on, the interpreter included)."""
+    b, hq, d = q.shape
+    hkv, length = k_cache.shape[1], k_cache.shape[2]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("decode_attention needs q, k, v, cos and sin contiguous in their last dimension")
+    splits = triton.cdiv(length, SPLIT)
+    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    g = hq // hkv
+    _partial[(b, hkv, splits)](
+        q, k, v, cos, sin, k_cache, v_cache, positions, m, l_sum, acc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        hq, splits, scale,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, SPLIT_LEN=SPLIT, BLOCK=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
+    _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1)
+    return out
+
+
+@triton.jit
+def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, H, sx, sr, so, sh, eps,
+                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    x = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * sr + offs, mask=ok, other=0.0)
+        h = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+        tl.store(h_ptr + row * sh + offs, h, mask=ok)
+    else:
+        h = x
+    h32 = h.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(h32 * h32, 0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(z_ptr + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + row * so + offs, (h32 * inv_rms * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor,
+                        eps: float) -> tuple[Tensor, Tensor]:
+    """The Triton kernel (any device Triton runs on, the interpreter included); x [rows, H]."""
+    rows, hidden = x.shape
+    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("add_rms_norm needs rows contiguous in their last dimension")
+    out = torch.empty_like(x)
+    h = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm[(rows,)](x, r, weight, noise, out, h, hidden, x.stride(0), r.stride(0), out.stride(0),
+                           h.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                           num_warps=max(1, min(16, block // 256)))
+    return out, h
