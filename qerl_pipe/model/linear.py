@@ -249,7 +249,9 @@ class QuantLinear(nn.Module):
         if self.lora_enabled and len(self.lora_A) > 0:
             if self.use_lora_cache and self.lora_cache is not None:
                 a, b = self.lora_cache
-                y = torch.addmm(y, x2 @ a.t(), b.t())
+                # In place: y is this call's own output, and an out-of-place addmm first copies
+                # it (one device-to-device copy per adapted linear, 4 per layer in the decode step).
+                y = y.addmm_(x2 @ a.t(), b.t())
             else:
                 y = self._add_lora(x2, y)
         return y.reshape(*lead, self.out_features)
