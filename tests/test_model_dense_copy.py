@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from qerl_pipe.model.dense_copy import dense_base_copy
-from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import init_random_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_parameters
 from tests.conftest import TINY_DIMS
@@ -26,7 +25,7 @@ def _forward_backward(model, ids):
 
 @pytest.mark.parametrize("base_format", ["nvfp4", "nf4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_dense_copy_gives_the_reference_numbers_bit_for_bit(base_format, dtype):
+def test_the_dense_copy_gives_the_reference_numbers_bit_for_bit(base_format, dtype, monkeypatch):
     model = init_random_model(CONFIG, base_format, dtype=dtype, seed=5)
     apply_lora(model, LoraSpec(rank=4, alpha=8.0), seed=1)
     with torch.no_grad():  # nonzero B, so LoRA's gradients reach A through the base's output
@@ -34,9 +33,16 @@ def test_the_dense_copy_gives_the_reference_numbers_bit_for_bit(base_format, dty
             p.add_(0.01)
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
     reference = _forward_backward(model, ids)
-    with dense_base_copy(model) as nbytes:
+    from qerl_pipe.kernels import reference as ref_ops
+
+    with dense_base_copy(model) as nbytes, monkeypatch.context() as patch:
         assert nbytes > 0
+        for name in ("nvfp4_linear_ref", "nvfp4_linear_dx_ref", "nf4_linear_ref", "nf4_linear_dx_ref"):
+            # The copies serve every matmul of the scope: the per-call dequantizing path never runs.
+            patch.setattr(ref_ops, name, lambda *a, name=name: pytest.fail(f"{name} ran inside the scope"))
         copied = _forward_backward(model, ids)
     assert torch.equal(reference[0], copied[0])
     assert all(torch.equal(a, b) for a, b in zip(reference[1], copied[1]))
-    assert all(m.dense_base is None for m in model.modules() if isinstance(m, QuantLinear))
+    from qerl_pipe.kernels import linear as kernel_linear
+
+    assert kernel_linear._dense_copies is None  # the copies are gone after the scope

@@ -11,7 +11,7 @@ from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import init_random_model
 from qerl_pipe.model.lora import (
-    LoraSpec, apply_lora, lora_disabled, lora_inference_cache, lora_parameters, lora_state_dict,
+    LoraSpec, apply_lora, lora_disabled, lora_parameters, lora_state_dict,
 )
 from qerl_pipe.model.norm import RMSNorm
 
@@ -182,24 +182,31 @@ def test_targets_norms_and_checkpointing():
 
 
 @pytest.mark.parametrize("targets", [("q", "k", "v", "o", "gate", "up", "down"), ("k", "up")])
-def test_fused_inference_cache_equals_per_projection_lora(targets):
+def test_the_engines_fused_lora_equals_per_projection_lora(targets):
+    from qerl_pipe.engine.fused_lora import FusedLora
+
     model = _model("nvfp4", LoraSpec(rank=4, alpha=8, targets=targets))
     _randomize_b(model)
-    ids = _ids()
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    gen = torch.Generator().manual_seed(3)
+    xs = {m: torch.randn(5, m.in_features, generator=gen) for m in linears}
+    lora = FusedLora(model, torch.float32)
     with torch.no_grad():
-        want = model.logits(ids)
-        with lora_inference_cache(model, torch.float32):
-            got = model.logits(ids)
-        # Refreshed in place on the next entry: an optimizer step is seen, the buffers are reused.
+        lora.refresh()
+        for m in linears:
+            torch.testing.assert_close(lora.project(m, xs[m]), m(xs[m]), rtol=1e-5, atol=1e-5)
+        # Refreshed in place: an optimizer step is seen, and the buffers keep their addresses.
+        addresses = lora.addresses()
         linear = model.layers[0].mlp.gate_up_proj
-        buffers = linear.lora_cache
         for b in linear.lora_B.values():
             b.mul_(2)
-        want2 = model.logits(ids)
-        with lora_inference_cache(model, torch.float32):
-            got2 = model.logits(ids)
-        assert linear.lora_cache[0] is buffers[0] and linear.lora_cache[1] is buffers[1]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(want, want2)
-    assert not linear.use_lora_cache  # the scope ends with the context
+        stale = lora.project(linear, xs[linear])
+        lora.refresh()
+        assert lora.addresses() == addresses
+        fresh = lora.project(linear, xs[linear])
+        torch.testing.assert_close(fresh, linear(xs[linear]), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(stale, fresh)
+        # With the adapters switched off, the base alone, as the model's own forward.
+        with lora_disabled(model):
+            for m in linears:
+                torch.testing.assert_close(lora.project(m, xs[m]), m(xs[m]), rtol=0, atol=0)

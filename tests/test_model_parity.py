@@ -18,6 +18,7 @@ from qerl_pipe.formats.modelopt_layout import config_quantization_config, nvfp4_
 from qerl_pipe.formats.nf4 import dequantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4, shared_global_scale
 from qerl_pipe.engine.decode_step import decode_step
+from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.model.decoder import KVCache
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import init_random_model, load_model, model_memory_bytes
@@ -143,15 +144,16 @@ def test_kv_cache_decode_matches_full_forward(hf_models, arch, base_format):
         torch.testing.assert_close(first[i], full[i, n - 1], atol=1e-4, rtol=1e-4)
     positions = torch.zeros(4, dtype=torch.long)
     tokens = torch.zeros(4, dtype=torch.long)
+    lora = FusedLora(model, model.dtype)  # the model has no adapter: the bases alone
     for step in range(steps):
         for i, n in enumerate(lengths):
             positions[slots[i]] = n + step
             tokens[slots[i]] = seqs[i, n + step]
-        logits = decode_step(model, tokens, positions, cache)
+        logits = decode_step(model, lora, tokens, positions, cache)
         for i, n in enumerate(lengths):
             torch.testing.assert_close(logits[slots[i]], full[i, n + step], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="one per cache slot"):
-        decode_step(model, tokens[:2], positions[:2], cache)
+        decode_step(model, lora, tokens[:2], positions[:2], cache)
 
 
 def test_copy_slots_shares_one_prefill(hf_models):
@@ -162,7 +164,7 @@ def test_copy_slots_shares_one_prefill(hf_models):
     model.prefill(prompt, cache, torch.tensor([0]))
     cache.copy_slots(torch.tensor([0, 0]), torch.tensor([1, 2]))
     nxt = torch.tensor([7, 8, 9])
-    logits = decode_step(model, nxt, torch.full((3,), 6), cache)
+    logits = decode_step(model, FusedLora(model, model.dtype), nxt, torch.full((3,), 6), cache)
     with torch.no_grad():
         for i in range(3):
             full = model.logits(torch.cat([prompt[0], nxt[i : i + 1]])[None])

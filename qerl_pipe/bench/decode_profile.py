@@ -23,8 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.bench.shapes import QWEN25_SHAPES
 from qerl_pipe.engine.decode_step import decode_step
+from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.model.load import init_random_model
-from qerl_pipe.model.lora import LoraSpec, lora_inference_cache
+from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
 
@@ -40,14 +41,15 @@ def profile_format(shape: str, base_format: str, batch: int, context: int, steps
     cache.v.normal_(generator=gen)
     tokens = torch.randint(0, model.config.vocab_size, (batch,), generator=gen, device="cuda")
     positions = torch.full((batch,), context, device="cuda")
-    with lora_inference_cache(model):
-        for _ in range(2):  # compile and autotune outside the profile
-            decode_step(model, tokens, positions, cache)
+    lora = FusedLora(model, model.dtype)
+    lora.refresh()
+    for _ in range(2):  # compile and autotune outside the profile
+        decode_step(model, lora, tokens, positions, cache)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decode_step(model, lora, tokens, positions, cache)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                decode_step(model, tokens, positions, cache)
-            torch.cuda.synchronize()
     kinds = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count > 0]
     kernels = sum(e.count for e in kinds) / steps
     layers = model.config.num_layers

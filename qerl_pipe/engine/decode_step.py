@@ -1,9 +1,9 @@
 """The engine's decode step: one new token for every cache slot, over the shared training model.
 
 It runs the model's own modules and tensors (embedding, norms and their AQN noise, the QuantLinear
-projections with their base and LoRA, the LM head), so rollouts always see the current weights,
-but not the model's forward: the step is written for a batch of single tokens, in as few kernels
-as the fused pieces allow:
+projections' bases, the LM head) and the engine's fused copy of the adapters (`FusedLora`), so
+rollouts always see the current weights, but not the model's forward: the step is written for a
+batch of single tokens, in as few kernels as the fused pieces allow:
 - residual add + RMSNorm in one kernel (`kernels.decode_ops.add_rms_norm`), which also carries
   the residual stream, so the decoder layer has no separate add;
 - RoPE, the KV-cache write and split-KV attention in two (`kernels.decode_ops.decode_attention`),
@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention
-from qerl_pipe.model.decoder import Decoder, KVCache
+from qerl_pipe.model.decoder import Decoder, KVCache, silu_gate
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import rope_cos_sin
 
@@ -30,7 +31,7 @@ def _norm(x: Tensor, residual: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Te
 
 
 @torch.inference_mode()
-def decode_step(model: Decoder, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
     """Logits [B, vocab] for tokens [B] at positions [B], one per slot of `cache` (B = its batch).
 
     Idle slots compute garbage that nobody reads (fixed shapes are what a CUDA graph needs); their
@@ -47,12 +48,14 @@ def decode_step(model: Decoder, tokens: Tensor, positions: Tensor, cache: KVCach
     normed, residual = _norm(model.embed_tokens(tokens), None, layers[0].input_layernorm)
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        q, k, v = attn.qkv_proj(normed).split(attn.sizes, dim=-1)
+        q, k, v = lora.project(attn.qkv_proj, normed).split(attn.sizes, dim=-1)
         q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
         if attn.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         out = decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, d ** -0.5)
-        normed, residual = _norm(attn.o_proj(out), residual, layer.post_attention_layernorm)
+        normed, residual = _norm(lora.project(attn.o_proj, out), residual, layer.post_attention_layernorm)
+        mlp = layer.mlp
+        down = lora.project(mlp.down_proj, silu_gate(lora.project(mlp.gate_up_proj, normed)))
         following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-        normed, residual = _norm(layer.mlp(normed), residual, following)
+        normed, residual = _norm(down, residual, following)
     return model.lm_head(normed)

@@ -22,19 +22,17 @@ import os
 import time
 from collections import deque
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.engine.graphs import DecodeRunner, model_fingerprint
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.engine.sampling import SamplingParams, sample, sequence_key
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.decoder import Decoder
-from qerl_pipe.model.linear import QuantLinear
-from qerl_pipe.model.lora import lora_inference_cache
 
 # Refill when at least this fraction of the slots is free (or the next prompt's remaining samples
 # fit): each refill costs a prefill, so refilling one slot per step would prefill the same prompt
@@ -102,9 +100,9 @@ class Engine:
     `cuda_graphs=False` or the environment sets QERL_ENGINE_CUDA_GRAPHS=0. `prefill_tokens`
     bounds the padded tokens of one prefill batch (its activation memory).
 
-    The model runs as it is: unmerged LoRA (through its fused inference copy,
-    `lora_inference_cache`, refreshed from the parameters at every `generate`) and the AQN noise
-    in its RMSNorm buffers. Update noise in place (`noise.copy_`); graphs are recaptured
+    The model runs as it is: unmerged LoRA (decode steps through the engine's fused copy,
+    `FusedLora`, refreshed from the parameters at every `generate`; prefill through the model's
+    own forward) and the AQN noise in its RMSNorm buffers. Update noise in place (`noise.copy_`); graphs are recaptured
     automatically when a parameter or buffer has been rebound or a LoRA switch changed, and
     `reset_graphs()` forces it.
     """
@@ -137,8 +135,9 @@ class Engine:
         self._vocab = torch.arange(model.config.vocab_size, device=self.device)
         want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
         use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes)
+        self._lora = FusedLora(model, model.dtype)
         self._runner = DecodeRunner(
-            model, self.cache, self._tokens, self._positions, limits.graph_batch_sizes, use_graphs
+            model, self._lora, self.cache, self._tokens, self._positions, limits.graph_batch_sizes, use_graphs
         )
         self._fingerprint: tuple | None = None
 
@@ -165,7 +164,8 @@ class Engine:
         """
         if not self._runner.use_graphs:
             return 0
-        with self._lora_scope(), torch.inference_mode():
+        self._lora.refresh()
+        with torch.inference_mode():
             self._check_graphs()  # the same model state generate() will see
             self._live.zero_()
             self._positions.zero_()
@@ -192,8 +192,9 @@ class Engine:
         if isinstance(first_sequence_id, bool) or not isinstance(first_sequence_id, int) or first_sequence_id < 0:
             raise PromptError(f"first_sequence_id must be an integer >= 0; got {first_sequence_id!r}")
         # The fused adapter copy is refreshed in place from the current LoRA parameters on entry
-        # (outside inference mode, so the trainer may refresh the same buffers later).
-        with self._lora_scope(), torch.inference_mode():
+        # (outside inference mode: tensors made inside it could not be updated in place later).
+        self._lora.refresh()
+        with torch.inference_mode():
             return _Run(self, prompt_lists, n, sampling, first_sequence_id).run()
 
     # ------------------------------------------------------------------ helpers
@@ -233,18 +234,10 @@ class Engine:
             out.append(ids)
         return out
 
-    def _lora_scope(self) -> AbstractContextManager:
-        """`lora_inference_cache` (two matmuls per adapted linear instead of a dozen kernels)
-        unless the model has no adapter or the caller already entered that scope."""
-        linears = [m for m in self.model.modules() if isinstance(m, QuantLinear) and len(m.lora_A) > 0]
-        if not linears or any(m.use_lora_cache for m in linears):
-            return nullcontext()
-        return lora_inference_cache(self.model)
-
     def _check_graphs(self) -> None:
         if not self._runner.use_graphs:
             return
-        fingerprint = model_fingerprint(self.model)
+        fingerprint = (model_fingerprint(self.model), self._lora.addresses())
         if self._fingerprint is not None and fingerprint != self._fingerprint:
             self._runner.reset()  # a captured graph would read stale addresses / LoRA switches
         self._fingerprint = fingerprint

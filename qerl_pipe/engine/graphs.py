@@ -3,10 +3,10 @@
 At batch 1-8 a 7B decode step is 2-4 ms of GPU work but hundreds of kernel launches; replaying a
 captured graph turns them into one launch. A graph records tensor addresses, so everything it
 reads is static: the token and position buffers (the engine writes into them in place), the
-KV cache, and the model's parameters and buffers (LoRA A/B or their fused inference copy, AQN
-noise, base weights). Updating those in place (optimizer steps, `noise.copy_`, the engine's
-refresh of the LoRA copy) is seen by the next replay; rebinding them to new tensors is not, hence
-`reset()` (the engine also notices rebinding, see `model_fingerprint`).
+KV cache, the model's parameters and buffers (AQN noise, base weights) and the engine's fused
+LoRA copy. Updating those in place (optimizer steps, `noise.copy_`, the engine's refresh of the
+LoRA copy) is seen by the next replay; rebinding them to new tensors is not, hence `reset()`
+(the engine also notices rebinding, see `model_fingerprint` and `FusedLora.addresses`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from qerl_pipe.engine.decode_step import decode_step
+from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.model.decoder import Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
 
@@ -51,13 +52,14 @@ class DecodeRunner:
     def __init__(
         self,
         model: Decoder,
+        lora: FusedLora,
         cache: KVCache,
         tokens: Tensor,
         positions: Tensor,
         graph_sizes: tuple[int, ...],
         use_graphs: bool,
     ):
-        self.model, self.cache, self.tokens, self.positions = model, cache, tokens, positions
+        self.model, self.lora, self.cache, self.tokens, self.positions = model, lora, cache, tokens, positions
         self.use_graphs = use_graphs
         # Batch-size buckets. Without graphs they are dropped (eager runs exactly the rows
         # needed); tests set them on CPU to exercise the bucketed schedule.
@@ -102,7 +104,7 @@ class DecodeRunner:
         if self.use_graphs and b in self.sizes:
             self.ensure_captured(b, length).graph.replay()
             return self._logits[:b]
-        return decode_step(self.model, self.tokens[:b], self.positions[:b], self._view(b, length))
+        return decode_step(self.model, self.lora, self.tokens[:b], self.positions[:b], self._view(b, length))
 
     def ensure_captured(self, b: int, length: int) -> _Graph:
         """The graph for (b, length), captured now if it does not exist yet."""
@@ -134,12 +136,12 @@ class DecodeRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                decode_step(self.model, tokens, positions, view)
+                decode_step(self.model, self.lora, tokens, positions, view)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                self._logits[:b].copy_(decode_step(self.model, tokens, positions, view))
+                self._logits[:b].copy_(decode_step(self.model, self.lora, tokens, positions, view))
         except Exception as e:
             raise RuntimeError(
                 f"capturing the decode step as a CUDA graph (batch {b}, length {length}) failed: {e}. Run "
@@ -156,12 +158,6 @@ def model_fingerprint(model: nn.Module) -> tuple:
     About a microsecond per tensor: once per `generate`, not per step.
     """
     tensors = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-    switches = []
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            # The fused inference copy of the adapter (`lora_inference_cache`) is a plain attribute.
-            cache = getattr(m, "lora_cache", None)
-            cache_ptrs = tuple(t.data_ptr() for t in cache) if cache is not None else ()
-            use_cache = getattr(m, "use_lora_cache", False)
-            switches.append((m.lora_enabled, m.lora_scaling, len(m.lora_A), use_cache, cache_ptrs))
-    return tensors, tuple(switches)
+    switches = tuple((m.lora_enabled, m.lora_scaling, len(m.lora_A))
+                     for m in model.modules() if isinstance(m, QuantLinear))
+    return tensors, switches

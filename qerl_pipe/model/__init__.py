@@ -5,7 +5,7 @@ pulling in the kernels):
 
 - `config`: `DecoderConfig.from_hf(config_json_dict)`
 - `load`: `load_model`, `init_random_model`, `model_memory_bytes`
-- `decoder`: `Decoder` (forward / logits / prefill / decode_step), `KVCache`
+- `decoder`: `Decoder` (forward / logits / prefill), `KVCache` (the decode step is the engine's)
 - `lora`: `LoraSpec`, `apply_lora`, `lora_parameters`, `lora_state_dict`, `lora_disabled`
 - `linear`: `QuantLinear`; `norm`: `RMSNorm` (AQN noise); `rope`
 """

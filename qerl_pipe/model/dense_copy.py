@@ -1,11 +1,9 @@
-"""CPU only: run 4-bit bases from a dequantized copy instead of dequantizing on every call.
+"""CPU only: run a model's 4-bit bases from copies dequantized once (`kernels.linear.dequantized_once`).
 
-On CPU the 4-bit matmul is the plain-torch reference, `x @ dequantize(W, x.dtype)^T`, which
-rebuilds every weight at every call: for SmolLM2-135M that is 0.7 s per forward pass against
-0.07 s of matmuls at decode batch sizes. Inside `dense_base_copy(model)` each 4-bit QuantLinear
-keeps `dequantize(W, model.dtype)` instead (4 bytes per weight in float32, so this is for small
-models), and the results are the same numbers the reference computes. GPUs run the CUDA or
-Triton kernels and never use this.
+On CPU the 4-bit matmul is the plain-torch reference, which rebuilds every weight at every call;
+inside `dense_base_copy(model)` the kernels' reference path uses `dequantize(W, model.dtype)` made
+once per weight instead (4 bytes per weight in float32, so this is for small models), with the
+same numbers. GPUs run the CUDA or Triton kernels and never make the copies.
 """
 
 from __future__ import annotations
@@ -16,32 +14,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from qerl_pipe.formats.nf4 import dequantize_nf4, NF4Weight
-from qerl_pipe.formats.nvfp4 import dequantize_nvfp4
+from qerl_pipe.kernels.linear import dequantized_once
 from qerl_pipe.model.linear import QuantLinear
-
-
-def _dequantized(module: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
-    base = module.base_weight()
-    return dequantize_nf4(base, dtype) if isinstance(base, NF4Weight) else dequantize_nvfp4(base, dtype)
 
 
 @contextmanager
 def dense_base_copy(model: nn.Module) -> Iterator[int]:
-    """Within this scope, 4-bit bases on the CPU run from a dequantized copy; yields its bytes.
-
-    No-op (0 bytes) on other devices and for bf16 bases. The copies are dropped on exit.
-    """
-    linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.base_format != "bf16"
-               and m.qweight.device.type == "cpu"]
-    dtype = getattr(model, "dtype", torch.float32)
-    nbytes = 0
-    try:
-        with torch.no_grad():
-            for m in linears:
-                m.dense_base = _dequantized(m, dtype)
-                nbytes += m.dense_base.numel() * m.dense_base.element_size()
+    """Within this scope the model's 4-bit bases on the CPU run from dequantized copies; yields
+    their bytes (0 on other devices and for bf16 bases). The copies are dropped on exit."""
+    weights = [m.kernel_weight for m in model.modules() if isinstance(m, QuantLinear) and m.base_format != "bf16"]
+    with dequantized_once(weights, getattr(model, "dtype", torch.float32)) as nbytes:
         yield nbytes
-    finally:
-        for m in linears:
-            m.dense_base = None

@@ -128,15 +128,6 @@ class QuantLinear(nn.Module):
         self.lora_rank = 0
         self.lora_scaling = 0.0
         self.lora_enabled = True
-        # Inference-only fused copy of the adapter (see `refresh_lora_cache`): A of every adapted
-        # projection stacked [R, K], B block-diagonal with the scaling folded in [N, R], in the
-        # activation dtype. Used only while `use_lora_cache` is set (the rollout engine's scope).
-        self.lora_cache: tuple[Tensor, Tensor] | None = None
-        self.use_lora_cache = False
-        # CPU only: a dequantized copy of a 4-bit base (`model.dense_copy.dense_base_copy`). The
-        # plain-torch reference dequantizes the whole weight on every call, which dominates a CPU
-        # decode step ~10x; the copy gives the same numbers (x @ dequantize(W)^T) without that.
-        self.dense_base: Tensor | None = None
 
     @property
     def kernel_weight(self) -> Tensor | KernelWeight:
@@ -202,58 +193,24 @@ class QuantLinear(nn.Module):
         self.lora_rank = rank
         self.lora_scaling = alpha / rank
 
-    @torch.no_grad()
-    def refresh_lora_cache(self, dtype: torch.dtype) -> None:
-        """Copy the current LoRA A/B into the fused inference buffers, in place once they exist.
-
-        Decoding one token per sequence makes the per-projection adapter path (a cat, a cast, one
-        small matmul and one add per projection) a dozen tiny kernels per layer, which costs more
-        than the 4-bit matmul itself at batch 1-8. The fused form is two: h = x @ A_all^T, then
-        y += h @ B_blockdiag^T. In place, so CUDA graphs captured over the buffers stay valid
-        across optimizer steps.
-        """
-        names = [n for n in self.names if n in self.lora_A]
-        if not names:
-            self.lora_cache = None
-            return
-        r = self.lora_rank
-        if self.lora_cache is None or self.lora_cache[0].dtype != dtype:
-            device = self.lora_A[names[0]].device
-            a = torch.empty(r * len(names), self.in_features, dtype=dtype, device=device)
-            b = torch.zeros(self.out_features, r * len(names), dtype=dtype, device=device)
-            self.lora_cache = (a, b)
-        a, b = self.lora_cache
-        offsets = [0]
-        for size in self.out_sizes:
-            offsets.append(offsets[-1] + size)
-        for j, name in enumerate(names):
-            i = self.names.index(name)
-            a[j * r:(j + 1) * r].copy_(self.lora_A[name])
-            b[offsets[i]:offsets[i + 1], j * r:(j + 1) * r].copy_(self.lora_B[name] * self.lora_scaling)
-
     def _base_device(self) -> torch.device:
         return getattr(self, _BASE_BUFFERS[self.base_format][0]).device
+
+    def base_forward(self, x: Tensor) -> Tensor:
+        """x [M, in_features] @ W^T (+ bias): the frozen part, without any adapter."""
+        if self.base_format == "bf16":
+            y = x @ self.weight.t()
+        else:
+            matmul, matmul_dx = _KERNELS[self.base_format]
+            y = _FrozenQuantMatmul.apply(x, self.kernel_weight, matmul, matmul_dx)
+        return y if self.bias is None else y + self.bias
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.base_format == "bf16":
-            y = x2 @ self.weight.t()
-        elif self.dense_base is not None and self.dense_base.dtype == x2.dtype:
-            y = x2 @ self.dense_base.t()
-        else:
-            matmul, matmul_dx = _KERNELS[self.base_format]
-            y = _FrozenQuantMatmul.apply(x2, self.kernel_weight, matmul, matmul_dx)
-        if self.bias is not None:
-            y = y + self.bias
+        y = self.base_forward(x2)
         if self.lora_enabled and len(self.lora_A) > 0:
-            if self.use_lora_cache and self.lora_cache is not None:
-                a, b = self.lora_cache
-                # In place: y is this call's own output, and an out-of-place addmm first copies
-                # it (one device-to-device copy per adapted linear, 4 per layer in the decode step).
-                y = y.addmm_(x2 @ a.t(), b.t())
-            else:
-                y = self._add_lora(x2, y)
+            y = self._add_lora(x2, y)
         return y.reshape(*lead, self.out_features)
 
     def _add_lora(self, x: Tensor, y: Tensor) -> Tensor:

@@ -79,25 +79,6 @@ def lora_disabled(model: nn.Module) -> Iterator[None]:
             m.lora_enabled = True
 
 
-@contextmanager
-def lora_inference_cache(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[None]:
-    """Within this scope every adapted linear uses its fused, no-grad copy of the adapter.
-
-    The copy is refreshed from the current LoRA parameters on entry (so each rollout sees the
-    latest optimizer step) and is never differentiated: use it for generation only.
-    """
-    dtype = dtype or getattr(model, "dtype", torch.bfloat16)
-    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    for m in linears:
-        m.refresh_lora_cache(dtype)
-        m.use_lora_cache = True
-    try:
-        yield
-    finally:
-        for m in linears:
-            m.use_lora_cache = False
-
-
 def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 

@@ -1,0 +1,71 @@
+"""The engine's inference copy of the model's LoRA adapters, fused per linear.
+
+Decoding one token per sequence makes the training path's per-projection adapter (a cat, a cast,
+one small matmul and one add per projection) a dozen tiny kernels per layer, more than the 4-bit
+matmul itself at batch 1-8. Here each adapted QuantLinear gets two: u = x @ A_all^T, with A of
+every adapted projection stacked [R, K], then y += u @ B_all^T in place, with B block-diagonal
+[N, R] and the scaling folded in, both in the activation dtype.
+
+The copy belongs to the engine, not to the model (the model has no inference mode to switch):
+`refresh()` copies the current parameters in place at every `generate`, so each rollout sees the
+latest optimizer step and CUDA graphs captured over the copy stay valid. It is never
+differentiated. A linear whose adapter is switched off (`model.lora.lora_disabled`) runs its base
+alone, as its own forward does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from qerl_pipe.model.linear import QuantLinear
+
+
+class FusedLora:
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+        self._copies: dict[QuantLinear, tuple[Tensor, Tensor]] = {}
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy every adapter's current A/B into the fused buffers: in place where the adapter's
+        shape is unchanged, new buffers where it is new (a fresh adapter, another rank)."""
+        seen = set()
+        for m in self.model.modules():
+            if not isinstance(m, QuantLinear) or len(m.lora_A) == 0:
+                continue
+            seen.add(m)
+            names = [n for n in m.names if n in m.lora_A]
+            r = m.lora_rank
+            a_shape, b_shape = (r * len(names), m.in_features), (m.out_features, r * len(names))
+            pair = self._copies.get(m)
+            if pair is None or pair[0].shape != a_shape or pair[1].shape != b_shape:
+                device = m.lora_A[names[0]].device
+                pair = self._copies[m] = (torch.empty(a_shape, dtype=self.dtype, device=device),
+                                          torch.zeros(b_shape, dtype=self.dtype, device=device))
+            a, b = pair
+            start = 0
+            offsets = {}
+            for name, size in zip(m.names, m.out_sizes):
+                offsets[name] = (start, start + size)
+                start += size
+            for j, name in enumerate(names):
+                lo, hi = offsets[name]
+                a[j * r:(j + 1) * r].copy_(m.lora_A[name])
+                b[lo:hi, j * r:(j + 1) * r].copy_(m.lora_B[name] * m.lora_scaling)
+        for m in [m for m in self._copies if m not in seen]:
+            del self._copies[m]
+
+    def project(self, linear: QuantLinear, x: Tensor) -> Tensor:
+        """x [M, in_features] through the linear: its base (+ bias), then its adapter fused."""
+        y = linear.base_forward(x)
+        pair = self._copies.get(linear) if linear.lora_enabled else None
+        if pair is not None:
+            a, b = pair
+            # In place: y is this call's own output, and an out-of-place addmm first copies it.
+            y = y.addmm_(x @ a.t(), b.t())
+        return y
+
+    def addresses(self) -> tuple[int, ...]:
+        """Where the copies live: a captured CUDA graph is valid only while these are unchanged."""
+        return tuple(t.data_ptr() for pair in self._copies.values() for t in pair)
