@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from qerl_pipe.artifacts import ArtifactStore
 from qerl_pipe.errors import ModelSourceError
@@ -146,27 +146,51 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
         ) from None
 
 
-def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: bool = False) -> ResolvedModel:
-    """Turn a recipe's model source into a local HF directory (importing GGUF files once)."""
+@dataclass(frozen=True)
+class _Source:
+    """What kind of source a recipe names, decided once for `resolve_model` and `peek_model_config`."""
+
+    kind: Literal["package", "gguf", "dir", "hub"]
+    spec: str  # the alias expanded: `pkg:DIST/PATH`, a path as written, or a hub id
+
+    @property
+    def path(self) -> Path:
+        return Path(os.path.expanduser(self.spec))
+
+
+def _classify(section: ModelSection) -> _Source:
+    """The kind of `section.source`; a value that is none of them is a ModelSourceError."""
     spec = ALIASES.get(section.source, section.source)
     if spec.startswith("pkg:"):
-        return _import_gguf(_packaged_file(spec), store, section, force_import)
+        return _Source("package", spec)
     path = Path(os.path.expanduser(spec))
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelSourceError(f"GGUF file {path} does not exist")
-        return _import_gguf(path, store, section, force_import)
+        return _Source("gguf", spec)
     if path.is_dir():
-        _check_hf_dir(path)
-        return ResolvedModel(dir=path, fingerprint=dir_fingerprint(path))
+        return _Source("dir", spec)
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise ModelSourceError(
             f"model source '{section.source}' is not a model directory, a .gguf file, a hub id (org/name) "
             f"or a built-in alias ({', '.join(ALIASES)})"
         )
-    snapshot = _hub_snapshot(spec, section.revision)
+    return _Source("hub", spec)
+
+
+def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: bool = False) -> ResolvedModel:
+    """Turn a recipe's model source into a local HF directory (importing GGUF files once)."""
+    source = _classify(section)
+    if source.kind == "package":
+        return _import_gguf(_packaged_file(source.spec), store, section, force_import)
+    if source.kind == "gguf":
+        if not source.path.is_file():
+            raise ModelSourceError(f"GGUF file {source.path} does not exist")
+        return _import_gguf(source.path, store, section, force_import)
+    if source.kind == "dir":
+        _check_hf_dir(source.path)
+        return ResolvedModel(dir=source.path, fingerprint=dir_fingerprint(source.path))
+    snapshot = _hub_snapshot(source.spec, section.revision)
     _check_hf_dir(snapshot)
-    return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": spec})
+    return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": source.spec})
 
 
 def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
@@ -176,19 +200,19 @@ def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
 
 def peek_model_config(section: ModelSection) -> dict[str, Any] | None:
     """The source's config.json without importing or downloading weights: a local directory's, or a
-    hub id's (that one file); None for a GGUF file (read only by its import) or when the hub cannot
-    provide it (the stage that resolves the source reports that)."""
-    spec = ALIASES.get(section.source, section.source)
-    if spec.startswith("pkg:") or spec.endswith(".gguf"):
+    hub id's (that one file); None for a GGUF file (read only by its import), for a value that names
+    no source, or when the hub cannot provide it (the stage that resolves the source reports those)."""
+    try:
+        source = _classify(section)
+    except ModelSourceError:
         return None
-    path = Path(os.path.expanduser(spec))
-    if path.is_dir():
-        return read_model_config(path) if (path / "config.json").is_file() else None
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    if source.kind in ("package", "gguf"):
         return None
+    if source.kind == "dir":
+        return read_model_config(source.path) if (source.path / "config.json").is_file() else None
     try:
         from huggingface_hub import hf_hub_download
 
-        return read_model_config(Path(hf_hub_download(spec, "config.json", revision=section.revision)).parent)
+        return read_model_config(Path(hf_hub_download(source.spec, "config.json", revision=section.revision)).parent)
     except Exception:  # noqa: BLE001 - offline, gated, missing: resolve_model words those errors
         return None
