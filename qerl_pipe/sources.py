@@ -11,11 +11,10 @@ import importlib.metadata
 import json
 import os
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from qerl_pipe.artifacts import ArtifactStore
+from qerl_pipe.artifacts import Artifact, ArtifactStore
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log, quiet_transformers
@@ -36,12 +35,8 @@ class ResolvedModel:
 
     dir: Path
     fingerprint: dict[str, Any]
+    config: dict[str, Any]  # config.json, read and checked once (stages ask for it several times)
     parents: list[str] = field(default_factory=list)
-
-    @cached_property
-    def config(self) -> dict[str, Any]:
-        """config.json, read and checked once (stages ask for it several times)."""
-        return read_model_config(self.dir)
 
 
 def dir_fingerprint(path: Path) -> dict[str, Any]:
@@ -53,10 +48,11 @@ def dir_fingerprint(path: Path) -> dict[str, Any]:
     }
 
 
-def _check_hf_dir(path: Path) -> None:
+def _check_hf_dir(path: Path) -> dict[str, Any]:
+    """The directory's config.json, once it is known to hold a model (its config and safetensors)."""
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"{path} has no config.json: it is not a Hugging Face model directory")
-    read_model_config(path)
+    config = read_model_config(path)
     has_weights = any(path.glob("*.safetensors"))
     if not has_weights:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
@@ -65,6 +61,7 @@ def _check_hf_dir(path: Path) -> None:
             "convert them to safetensors first)" if pickles else ""
         )
         raise ModelSourceError(f"{path} has no *.safetensors weights{hint}")
+    return config
 
 
 def _packaged_file(spec: str) -> Path:
@@ -90,12 +87,16 @@ def _import_gguf(gguf: Path, store: ArtifactStore, section: ModelSection, force:
                       config=config, parents=[], force=force) as (pending, existing):
         if existing is not None:
             log(f"import: reusing {existing.path} (bf16 copy of {gguf.name})")
-            return ResolvedModel(dir=existing.path, fingerprint={"artifact": existing.id}, parents=[existing.id])
+            return _imported(existing)
         log(f"import: converting {gguf.name} to a bf16 safetensors directory (once)")
         _write_gguf_as_hf(gguf, pending.dir, section.trust_remote_code)
         pending.summary["source"] = gguf.name
-    artifact = store.find_existing(IMPORT_STAGE, pending.id)
-    return ResolvedModel(dir=artifact.path, fingerprint={"artifact": artifact.id}, parents=[artifact.id])
+    return _imported(store.find_existing(IMPORT_STAGE, pending.id))
+
+
+def _imported(artifact: Artifact) -> ResolvedModel:
+    return ResolvedModel(dir=artifact.path, fingerprint={"artifact": artifact.id},
+                         config=read_model_config(artifact.path), parents=[artifact.id])
 
 
 def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
@@ -186,11 +187,11 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: 
             raise ModelSourceError(f"GGUF file {source.path} does not exist")
         return _import_gguf(source.path, store, section, force_import)
     if source.kind == "dir":
-        _check_hf_dir(source.path)
-        return ResolvedModel(dir=source.path, fingerprint=dir_fingerprint(source.path))
+        config = _check_hf_dir(source.path)
+        return ResolvedModel(dir=source.path, fingerprint=dir_fingerprint(source.path), config=config)
     snapshot = _hub_snapshot(source.spec, section.revision)
-    _check_hf_dir(snapshot)
-    return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": source.spec})
+    config = _check_hf_dir(snapshot)
+    return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": source.spec}, config=config)
 
 
 def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
