@@ -14,7 +14,7 @@ from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.memory.plan import (GB, MIN_LOGPROB_CHUNK, MemoryBudgetError, StepShape, candidates, enforce_budget,
-                                   plan_step, train_step_shape, with_slots)
+                                   plan_step, train_step_shape)
 from qerl_pipe.memory.step import estimate_step_bytes
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import load_recipe
@@ -150,13 +150,14 @@ def test_full_fine_tuning_and_float32_are_planned_too():
     assert fp32["kv_cache"] == 2 * bf16["kv_cache"] and fp32["weights"] > 1.9 * bf16["weights"]
 
 
-def test_with_slots_shrinks_the_kv_cache():
+def test_with_batch_shrinks_the_kv_cache():
+    # train's plan may give the engine fewer slots than it was built with
     limits = EngineLimits(64, 1280, 64 * 1000, (1, 2, 4, 8, 16, 32, 64))
-    assert with_slots(limits, 64) is limits and with_slots(limits, 100) is limits
-    fewer = with_slots(limits, 20)
+    assert limits.with_batch(64) is limits and limits.with_batch(100) is limits
+    fewer = limits.with_batch(20)
     assert (fewer.max_batch, fewer.max_seq_len, fewer.kv_cache_bytes, fewer.graph_batch_sizes) == (
         20, 1280, 20 * 1000, (1, 2, 4, 8, 16, 20))
-    assert with_slots(EngineLimits(8, 16, 800), 3).graph_batch_sizes == ()  # CPU: no graphs
+    assert EngineLimits(8, 16, 800).with_batch(3).graph_batch_sizes == ()  # CPU: no graphs
 
 
 def test_train_step_shape_splits_prompts_over_ranks():

@@ -28,7 +28,7 @@ smallest budget that fits (that candidate's estimate, rounded up to 0.1 GB). Bud
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -267,15 +267,6 @@ def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: in
                      budget, dtype=getattr(torch, spec["dtype"]), budget_source=source,
                      what=f"train's step over the engine {engine_dir.name}")
     return plan, enforced
-
-
-def with_slots(limits: EngineLimits, slots: int) -> EngineLimits:
-    """`limits` with `slots` decode slots (at most its own): a smaller KV cache, the same length."""
-    if slots >= limits.max_batch:
-        return limits
-    graphs = tuple(b for b in limits.graph_batch_sizes if b < slots) + (slots,) if limits.graph_batch_sizes else ()
-    return replace(limits, max_batch=slots, kv_cache_bytes=limits.kv_cache_bytes // limits.max_batch * slots,
-                   graph_batch_sizes=graphs)
 
 
 def plan_engine_step(train: Any, engine: Any, config: DecoderConfig, device: torch.device,

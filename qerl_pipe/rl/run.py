@@ -29,7 +29,7 @@ from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer
 from qerl_pipe.log import log
-from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_train, with_slots
+from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_train
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.full import full_training_bytes
 from qerl_pipe.model.lora import LoraSpec, apply_lora
@@ -183,7 +183,7 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
     """
     started = time.perf_counter()
     model, limits = load_engine(engine_dir, device)
-    limits = with_slots(limits, plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
+    limits = limits.with_batch(plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
     full = section.adapter == "full"
     if not full:
