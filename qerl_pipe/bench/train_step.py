@@ -93,11 +93,6 @@ class StepSettings:
     def sequences(self) -> int:
         return self.prompts * self.group_size
 
-    def size(self, shape: str) -> StepSize:
-        micro = self.micro_batch or DEFAULT_MICRO_BATCH.get(shape, 4)
-        return StepSize(self.sequences, self.prompt_len + self.response_len, self.prompt_len, self.prompts,
-                        self.kv_slots or self.sequences, micro, self.lora_rank, self.logprob_chunk)
-
     def shape(self, shape: str) -> StepShape:
         """The step for the planner: these settings are the upper bounds it chooses under."""
         return StepShape(self.sequences, self.prompts, self.prompt_len + self.response_len, self.prompt_len,
