@@ -210,6 +210,21 @@ def test_recipes_run_under_their_budget_or_are_refused(tmp_path):
     assert refused_entry["status"] == "refused" and refused_entry["needed_gb"] == no["needed_gb"]
 
 
+def test_append_keeps_the_settings_of_the_earlier_rows(tmp_path):
+    """--append adds rows under the file's top-level fields: the earlier rows' shape settings stay when
+    the new run has no shapes, and the recipe settings of both runs are kept (the ladder's docs append
+    one recipe per command)."""
+    out = tmp_path / "ladder.json"
+    run = dict(device="cpu", out=out, shape_configs={"tiny": TINY, "qwen2.5-7b": TINY}, emit=lambda line: None,
+               memory_limit_bytes=1000)  # rows refused or not fitting: nothing is built
+    first, second = _tiny_recipe(tmp_path, 0.5, "bf16"), _tiny_recipe(tmp_path, 0.6, "bf16")
+    before = run_train_step_bench(["tiny"], ["bf16"], SMALL, recipes=[first], **run)
+    after = run_train_step_bench([], [], recipes=[second], append=True, **run)
+    assert [r["status"] for r in after["results"]] == ["refused", "does-not-fit", "refused"]
+    assert after["settings"] == before["settings"] and after["settings"]["prompts"] == SMALL.prompts
+    assert set(after["recipe_settings"]) == {first.name, second.name}
+
+
 def test_ladder_targets():
     def row(shape, quant, gb, **kw):
         return {"recipe": f"{shape}.yaml", "shape": shape, "quant": quant, "memory_budget_gb": gb, **kw}
