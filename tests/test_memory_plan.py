@@ -244,6 +244,24 @@ def test_a_budget_that_fits_is_planned_and_stored(tiny_llama, store_dir):
     assert "train: memory plan: 8 sequences of 64 tokens in 1 wave(s) of 8 KV slots, micro-batch 4" in result.stderr
 
 
+def test_build_engine_under_torchrun_plans_one_rank_share_of_the_step(tiny_llama, store_dir, monkeypatch):
+    """`train --nproc 2 --build-missing`: rank 0 builds the engine for each rank's half of the step
+    (4 of the 8 sequences), as train then plans it, not for the whole step on one GPU."""
+    import json
+
+    from qerl_pipe.artifacts import ArtifactStore
+    from qerl_pipe.rl.distributed import Dist
+    from qerl_pipe.stages import build_engine
+    from tests.conftest import read_json
+
+    monkeypatch.setattr(build_engine, "current_dist", lambda: Dist(0, 2))
+    overrides = [a for a in ENGINE if a != "--set"] + [
+        f"model.source={json.dumps(str(tiny_llama))}", "engine.base_format=bf16", "train.memory_budget_gb=2"]
+    engine = build_engine.run_build_engine(load_recipe(None, overrides), ArtifactStore(store_dir))
+    spec = read_json(engine.path / "engine.json")
+    assert spec["memory_plan"]["step"]["sequences"] == 4 and spec["limits"]["max_batch"] == 4
+
+
 def test_a_budget_above_the_gpu_is_refused_and_free_memory_counts_the_cache(monkeypatch) -> None:
     """CUDA branch of step_budget, with the device queries faked: a budget past the card is an
     error naming the card's size; without one, memory this process caches but does not use counts

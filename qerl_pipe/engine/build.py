@@ -70,11 +70,12 @@ def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool
 
 
 def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch.device,
-                train: TrainSection) -> EnginePlan:
-    """What the engine section, train's step (its memory budget) and the model's config.json
-    decide. Raises, before any weight is read, on a setting that cannot work: sequences longer than
-    the model's positions, CUDA graphs or tuning forced on where they cannot run, a KV budget that
-    holds not one sequence, a train step that no plan fits into train.memory_budget_gb."""
+                train: TrainSection, processes: int = 1) -> EnginePlan:
+    """What the engine section, train's step (its memory budget; each of `processes` ranks runs its
+    share of the step over its own copy of the engine) and the model's config.json decide. Raises,
+    before any weight is read, on a setting that cannot work: sequences longer than the model's
+    positions, CUDA graphs or tuning forced on where they cannot run, a KV budget that holds not one
+    sequence, a train step that no plan fits into train.memory_budget_gb."""
     config = DecoderConfig.from_hf(hf_config)
     if section.max_seq_len > config.max_position_embeddings:
         raise QerlError(
@@ -91,7 +92,8 @@ def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch
     if section.kv_budget_gib is not None:
         budget = int(section.kv_budget_gib * 2**30)
     else:
-        memory_plan, enforce = plan_engine_step(train, section, config, device, dtype)  # refuses a step that cannot fit
+        # Refuses a step that cannot fit.
+        memory_plan, enforce = plan_engine_step(train, section, config, device, dtype, processes)
         budget = memory_plan.estimate["kv_cache"] if memory_plan is not None else CPU_KV_BUDGET_BYTES
     # Raises now when not even one sequence fits.
     limits = plan_limits(config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,

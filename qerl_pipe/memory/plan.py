@@ -278,13 +278,14 @@ def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: in
 
 
 def plan_engine_step(train: Any, engine: Any, config: DecoderConfig, device: torch.device,
-                     dtype: torch.dtype) -> tuple[MemoryPlan | None, bool]:
-    """The plan of `train`'s step over the engine a recipe's `engine` section builds (its base
-    format, max_seq_len, max_batch) and whether to enforce it; (None, False) when there is no budget
-    (a CPU and no `train.memory_budget_gb`). Raises MemoryBudgetError before anything is loaded."""
+                     dtype: torch.dtype, processes: int = 1) -> tuple[MemoryPlan | None, bool]:
+    """The plan of `train`'s step on each of `processes` ranks over the engine a recipe's `engine`
+    section builds (its base format, max_seq_len, max_batch) and whether to enforce it; (None, False)
+    when there is no budget (a CPU and no `train.memory_budget_gb`). Raises MemoryBudgetError before
+    anything is loaded."""
     budget, source, enforced = step_budget(train.memory_budget_gb, device)
     if budget is None:
         return None, False
-    plan = _plan_train_step(train, config, engine.base_format, dtype, engine.max_seq_len, engine.max_batch, 1,
-                            budget, source, f"({engine.base_format} base)")
+    plan = _plan_train_step(train, config, engine.base_format, dtype, engine.max_seq_len, engine.max_batch,
+                            processes, budget, source, f"({engine.base_format} base)")
     return plan, enforced
