@@ -11,11 +11,10 @@ import importlib.metadata
 import json
 import os
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from qerl_pipe.artifacts import ArtifactStore
+from qerl_pipe.artifacts import Artifact, ArtifactStore
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log, quiet_transformers
@@ -36,12 +35,8 @@ class ResolvedModel:
 
     dir: Path
     fingerprint: dict[str, Any]
+    config: dict[str, Any]  # config.json, read and checked once (stages ask for it several times)
     parents: list[str] = field(default_factory=list)
-
-    @cached_property
-    def config(self) -> dict[str, Any]:
-        """config.json, read and checked once (stages ask for it several times)."""
-        return read_model_config(self.dir)
 
 
 def dir_fingerprint(path: Path) -> dict[str, Any]:
@@ -53,10 +48,11 @@ def dir_fingerprint(path: Path) -> dict[str, Any]:
     }
 
 
-def _check_hf_dir(path: Path) -> None:
+def _check_hf_dir(path: Path) -> dict[str, Any]:
+    """The directory's config.json, once it is known to hold a model (its config and safetensors)."""
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"{path} has no config.json: it is not a Hugging Face model directory")
-    read_model_config(path)
+    config = read_model_config(path)
     has_weights = any(path.glob("*.safetensors"))
     if not has_weights:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
@@ -65,6 +61,7 @@ def _check_hf_dir(path: Path) -> None:
             "convert them to safetensors first)" if pickles else ""
         )
         raise ModelSourceError(f"{path} has no *.safetensors weights{hint}")
+    return config
 
 
 def _packaged_file(spec: str) -> Path:
@@ -90,12 +87,16 @@ def _import_gguf(gguf: Path, store: ArtifactStore, section: ModelSection, force:
                       config=config, parents=[], force=force) as (pending, existing):
         if existing is not None:
             log(f"import: reusing {existing.path} (bf16 copy of {gguf.name})")
-            return ResolvedModel(dir=existing.path, fingerprint={"artifact": existing.id}, parents=[existing.id])
+            return _imported(existing)
         log(f"import: converting {gguf.name} to a bf16 safetensors directory (once)")
         _write_gguf_as_hf(gguf, pending.dir, section.trust_remote_code)
         pending.summary["source"] = gguf.name
-    artifact = store.find_existing(IMPORT_STAGE, pending.id)
-    return ResolvedModel(dir=artifact.path, fingerprint={"artifact": artifact.id}, parents=[artifact.id])
+    return _imported(store.find_existing(IMPORT_STAGE, pending.id))
+
+
+def _imported(artifact: Artifact) -> ResolvedModel:
+    return ResolvedModel(dir=artifact.path, fingerprint={"artifact": artifact.id},
+                         config=read_model_config(artifact.path), parents=[artifact.id])
 
 
 def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
@@ -146,27 +147,51 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
         ) from None
 
 
-def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: bool = False) -> ResolvedModel:
-    """Turn a recipe's model source into a local HF directory (importing GGUF files once)."""
+@dataclass(frozen=True)
+class _Source:
+    """What kind of source a recipe names, decided once for `resolve_model` and `peek_model_config`."""
+
+    kind: Literal["package", "gguf", "dir", "hub"]
+    spec: str  # the alias expanded: `pkg:DIST/PATH`, a path as written, or a hub id
+
+    @property
+    def path(self) -> Path:
+        return Path(os.path.expanduser(self.spec))
+
+
+def _classify(section: ModelSection) -> _Source:
+    """The kind of `section.source`; a value that is none of them is a ModelSourceError."""
     spec = ALIASES.get(section.source, section.source)
     if spec.startswith("pkg:"):
-        return _import_gguf(_packaged_file(spec), store, section, force_import)
+        return _Source("package", spec)
     path = Path(os.path.expanduser(spec))
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelSourceError(f"GGUF file {path} does not exist")
-        return _import_gguf(path, store, section, force_import)
+        return _Source("gguf", spec)
     if path.is_dir():
-        _check_hf_dir(path)
-        return ResolvedModel(dir=path, fingerprint=dir_fingerprint(path))
+        return _Source("dir", spec)
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise ModelSourceError(
             f"model source '{section.source}' is not a model directory, a .gguf file, a hub id (org/name) "
             f"or a built-in alias ({', '.join(ALIASES)})"
         )
-    snapshot = _hub_snapshot(spec, section.revision)
-    _check_hf_dir(snapshot)
-    return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": spec})
+    return _Source("hub", spec)
+
+
+def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: bool = False) -> ResolvedModel:
+    """Turn a recipe's model source into a local HF directory (importing GGUF files once)."""
+    source = _classify(section)
+    if source.kind == "package":
+        return _import_gguf(_packaged_file(source.spec), store, section, force_import)
+    if source.kind == "gguf":
+        if not source.path.is_file():
+            raise ModelSourceError(f"GGUF file {source.path} does not exist")
+        return _import_gguf(source.path, store, section, force_import)
+    if source.kind == "dir":
+        config = _check_hf_dir(source.path)
+        return ResolvedModel(dir=source.path, fingerprint=dir_fingerprint(source.path), config=config)
+    snapshot = _hub_snapshot(source.spec, section.revision)
+    config = _check_hf_dir(snapshot)
+    return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": source.spec}, config=config)
 
 
 def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
@@ -176,19 +201,19 @@ def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
 
 def peek_model_config(section: ModelSection) -> dict[str, Any] | None:
     """The source's config.json without importing or downloading weights: a local directory's, or a
-    hub id's (that one file); None for a GGUF file (read only by its import) or when the hub cannot
-    provide it (the stage that resolves the source reports that)."""
-    spec = ALIASES.get(section.source, section.source)
-    if spec.startswith("pkg:") or spec.endswith(".gguf"):
+    hub id's (that one file); None for a GGUF file (read only by its import), for a value that names
+    no source, or when the hub cannot provide it (the stage that resolves the source reports those)."""
+    try:
+        source = _classify(section)
+    except ModelSourceError:
         return None
-    path = Path(os.path.expanduser(spec))
-    if path.is_dir():
-        return read_model_config(path) if (path / "config.json").is_file() else None
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    if source.kind in ("package", "gguf"):
         return None
+    if source.kind == "dir":
+        return read_model_config(source.path) if (source.path / "config.json").is_file() else None
     try:
         from huggingface_hub import hf_hub_download
 
-        return read_model_config(Path(hf_hub_download(spec, "config.json", revision=section.revision)).parent)
+        return read_model_config(Path(hf_hub_download(source.spec, "config.json", revision=section.revision)).parent)
     except Exception:  # noqa: BLE001 - offline, gated, missing: resolve_model words those errors
         return None

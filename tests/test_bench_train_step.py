@@ -9,6 +9,7 @@ import torch
 
 from qerl_pipe.bench import train_step
 from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from qerl_pipe.memory.plan import plan_step
 from qerl_pipe.memory.step import StepSize, estimate_step_bytes
 from qerl_pipe.bench.train_step import StepSettings, run_train_step_bench, targets
 from qerl_pipe.model.config import DecoderConfig
@@ -99,9 +100,9 @@ def test_memory_estimate():
     assert estimate_step_bytes(DecoderConfig.from_hf(TINY), "nvfp4", size)["weights"] == model_memory_bytes(model) \
         - sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n == "inv_freq")
     # The real step: 72B does not fit on a 141 GB GPU in bf16, does in NVFP4; 32B NVFP4 ~50 GiB.
-    step = StepSettings()
-    gib = {(shape, q): estimate_step_bytes(DecoderConfig.from_hf(QWEN25_SHAPES[shape]), q,
-                                           step.size(shape))["total"] / 2**30
+    step = StepSettings()  # planned without a budget: the settings as given, as bench_config runs them
+    gib = {(shape, q): plan_step(DecoderConfig.from_hf(QWEN25_SHAPES[shape]), q, step.shape(shape),
+                                 None).estimate_bytes / 2**30
            for shape in ("qwen2.5-32b", "qwen2.5-72b") for q in ("bf16", "nvfp4")}
     assert gib["qwen2.5-72b", "bf16"] > 141 and gib["qwen2.5-72b", "nvfp4"] < 100
     assert 40 < gib["qwen2.5-32b", "nvfp4"] < 60
@@ -167,7 +168,8 @@ def test_full_fine_tuning_is_estimated_and_measured_like_the_lora_arms(tmp_path)
         estimate_step_bytes(c, "nvfp4", size, "full")
     # Qwen2.5-7B: 7.6B weights x 16 bytes of training state: the step does not fit one H200.
     seven = DecoderConfig.from_hf(QWEN25_SHAPES["qwen2.5-7b"])
-    gib = estimate_step_bytes(seven, "bf16", StepSettings().size("qwen2.5-7b"), "full")["total"] / 2**30
+    full_step = replace(StepSettings(), adapter="full").shape("qwen2.5-7b")
+    gib = plan_step(seven, "bf16", full_step, None).estimate_bytes / 2**30
     assert 7.5e9 < weight_elements(seven) < 7.7e9 and gib > 139
 
     full = replace(SMALL, adapter="full")
@@ -206,6 +208,21 @@ def test_recipes_run_under_their_budget_or_are_refused(tmp_path):
     (entry, refused_entry) = again["ladder"]
     assert entry["recipe"] == fits.name and entry["unconstrained_step_s"] == again["results"][2]["step_s"]
     assert refused_entry["status"] == "refused" and refused_entry["needed_gb"] == no["needed_gb"]
+
+
+def test_append_keeps_the_settings_of_the_earlier_rows(tmp_path):
+    """--append adds rows under the file's top-level fields: the earlier rows' shape settings stay when
+    the new run has no shapes, and the recipe settings of both runs are kept (the ladder's docs append
+    one recipe per command)."""
+    out = tmp_path / "ladder.json"
+    run = dict(device="cpu", out=out, shape_configs={"tiny": TINY, "qwen2.5-7b": TINY}, emit=lambda line: None,
+               memory_limit_bytes=1000)  # rows refused or not fitting: nothing is built
+    first, second = _tiny_recipe(tmp_path, 0.5, "bf16"), _tiny_recipe(tmp_path, 0.6, "bf16")
+    before = run_train_step_bench(["tiny"], ["bf16"], SMALL, recipes=[first], **run)
+    after = run_train_step_bench([], [], recipes=[second], append=True, **run)
+    assert [r["status"] for r in after["results"]] == ["refused", "does-not-fit", "refused"]
+    assert after["settings"] == before["settings"] and after["settings"]["prompts"] == SMALL.prompts
+    assert set(after["recipe_settings"]) == {first.name, second.name}
 
 
 def test_ladder_targets():

@@ -14,7 +14,7 @@ from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.memory.plan import (GB, MIN_LOGPROB_CHUNK, MemoryBudgetError, StepShape, candidates, enforce_budget,
-                                   plan_step, train_step_shape, with_slots)
+                                   plan_step, train_step_shape)
 from qerl_pipe.memory.step import estimate_step_bytes
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import load_recipe
@@ -150,13 +150,14 @@ def test_full_fine_tuning_and_float32_are_planned_too():
     assert fp32["kv_cache"] == 2 * bf16["kv_cache"] and fp32["weights"] > 1.9 * bf16["weights"]
 
 
-def test_with_slots_shrinks_the_kv_cache():
+def test_with_batch_shrinks_the_kv_cache():
+    # train's plan may give the engine fewer slots than it was built with
     limits = EngineLimits(64, 1280, 64 * 1000, (1, 2, 4, 8, 16, 32, 64))
-    assert with_slots(limits, 64) is limits and with_slots(limits, 100) is limits
-    fewer = with_slots(limits, 20)
+    assert limits.with_batch(64) is limits and limits.with_batch(100) is limits
+    fewer = limits.with_batch(20)
     assert (fewer.max_batch, fewer.max_seq_len, fewer.kv_cache_bytes, fewer.graph_batch_sizes) == (
         20, 1280, 20 * 1000, (1, 2, 4, 8, 16, 20))
-    assert with_slots(EngineLimits(8, 16, 800), 3).graph_batch_sizes == ()  # CPU: no graphs
+    assert EngineLimits(8, 16, 800).with_batch(3).graph_batch_sizes == ()  # CPU: no graphs
 
 
 def test_train_step_shape_splits_prompts_over_ranks():
@@ -241,6 +242,24 @@ def test_a_budget_that_fits_is_planned_and_stored(tiny_llama, store_dir):
     assert plan["estimate_bytes"]["total"] <= 2e9 and plan["dtype"] == "float32"
     assert read_json(run / "run.json")["memory_plan"] == plan
     assert "train: memory plan: 8 sequences of 64 tokens in 1 wave(s) of 8 KV slots, micro-batch 4" in result.stderr
+
+
+def test_build_engine_under_torchrun_plans_one_rank_share_of_the_step(tiny_llama, store_dir, monkeypatch):
+    """`train --nproc 2 --build-missing`: rank 0 builds the engine for each rank's half of the step
+    (4 of the 8 sequences), as train then plans it, not for the whole step on one GPU."""
+    import json
+
+    from qerl_pipe.artifacts import ArtifactStore
+    from qerl_pipe.rl.distributed import Dist
+    from qerl_pipe.stages import build_engine
+    from tests.conftest import read_json
+
+    monkeypatch.setattr(build_engine, "current_dist", lambda: Dist(0, 2))
+    overrides = [a for a in ENGINE if a != "--set"] + [
+        f"model.source={json.dumps(str(tiny_llama))}", "engine.base_format=bf16", "train.memory_budget_gb=2"]
+    engine = build_engine.run_build_engine(load_recipe(None, overrides), ArtifactStore(store_dir))
+    spec = read_json(engine.path / "engine.json")
+    assert spec["memory_plan"]["step"]["sequences"] == 4 and spec["limits"]["max_batch"] == 4
 
 
 def test_a_budget_above_the_gpu_is_refused_and_free_memory_counts_the_cache(monkeypatch) -> None:

@@ -92,7 +92,7 @@ def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape
                      memory_budget_gb: Annotated[Optional[float], typer.Option(help="Plan each --shape step to this budget (GB, 10^9 bytes) and cap the process to it.", show_default="no budget")] = None,
                      recipe: Annotated[Optional[list[str]], typer.Option("--recipe", help="Recipe files (comma-separated or repeated; recipes/ladder/*.yaml): run each one's step under its train.memory_budget_gb.")] = None,
                      unconstrained: Annotated[bool, typer.Option(help="Run the --recipe steps without their budgets (the time with the whole GPU).")] = False,
-                     append: Annotated[bool, typer.Option(help="Keep the rows already in --out.")] = False,
+                     append: Annotated[bool, typer.Option(help="Keep the rows already in --out, and the settings that describe them.")] = False,
                      out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
     """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format, or per recipe (--recipe); needs a CUDA GPU."""
     from qerl_pipe.bench.train_step import GIB, StepSettings, run_train_step_bench

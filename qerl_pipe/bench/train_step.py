@@ -25,7 +25,8 @@ it, so a run cut short still leaves data.
 model.source names, its base format, prompts x samples, lengths, LoRA rank, micro-batch and slot
 bounds and budget (read and validated as `qerl-pipe run` reads it, defaults included). The
 ladder (recipes/ladder/) is run this way; `--unconstrained` runs the same recipes without their
-budgets, for the time a step costs with the whole GPU, and `--append` adds rows to the `--out` file.
+budgets, for the time a step costs with the whole GPU, and `--append` adds rows to the `--out` file
+(keeping the settings that describe the rows already there).
 """
 
 from __future__ import annotations
@@ -92,11 +93,6 @@ class StepSettings:
     @property
     def sequences(self) -> int:
         return self.prompts * self.group_size
-
-    def size(self, shape: str) -> StepSize:
-        micro = self.micro_batch or DEFAULT_MICRO_BATCH.get(shape, 4)
-        return StepSize(self.sequences, self.prompt_len + self.response_len, self.prompt_len, self.prompts,
-                        self.kv_slots or self.sequences, micro, self.lora_rank, self.logprob_chunk)
 
     def shape(self, shape: str) -> StepShape:
         """The step for the planner: these settings are the upper bounds it chooses under."""
@@ -487,7 +483,8 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
                          memory_budget_gb: float | None = None, recipes: Sequence[Path] = (),
                          unconstrained: bool = False, append: bool = False) -> dict[str, Any]:
     """Every recipe, then every (shape, quant), in order; after each, `emit` gets its JSON line and
-    `out` is rewritten (`append`: after the rows it already holds). `memory_budget_gb` applies to
+    `out` is rewritten (`append`: after the rows it already holds, keeping its recipe settings, and
+    its shape settings when this run has no shapes). `memory_budget_gb` applies to
     the shapes; recipes bring their own budgets, which `unconstrained` drops."""
     unknown = [q for q in quants if q not in QUANTS] + [n for n in shapes if n not in shape_configs]
     if unknown:
@@ -503,14 +500,16 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
     if _cuda(device) and not torch.cuda.is_available():
         raise QerlError("bench train-step measures a GPU training step and needs a CUDA GPU; none is visible here")
     rows: list[dict] = []
+    earlier: dict[str, Any] = {}  # the file appended to: its settings describe the rows it holds
     if append and out is not None and out.is_file():
-        rows = list(json.loads(out.read_text()).get("results", []))
+        earlier = json.loads(out.read_text())
+        rows = list(earlier.get("results", []))
+    recipe_settings = {**(earlier.get("recipe_settings") or {}), **{st.name: _settings(st.settings) for st in steps}}
 
     def result() -> dict[str, Any]:
-        settings = _settings(s) if shapes else None
+        settings = _settings(s) if shapes else earlier.get("settings")
         return results_file(rows, targets(rows), settings=settings, torch=torch.__version__,
-                            nvfp4_over_bf16=speedups(rows), ladder=ladder(rows),
-                            recipe_settings={st.name: _settings(st.settings) for st in steps})
+                            nvfp4_over_bf16=speedups(rows), ladder=ladder(rows), recipe_settings=recipe_settings)
 
     latest = result()
     cases = [(st.shape, st.quant, st.settings, None if unconstrained else st.budget_gb, st.name) for st in steps]

@@ -1,13 +1,14 @@
 """Building an engine directory: what build-engine stores so that train and eval start in seconds.
 
-`plan_engine` decides, before any weight is read, the compute dtype, the KV budget, CUDA graphs
-and kernel tuning, so a bad setting fails before any work. Without `engine.kv_budget_gib` the KV
-budget is the KV cache the step planner (`memory.plan`) gives train's step under
-`train.memory_budget_gb` (on CUDA, by default, the memory free at start), so a step that cannot
-fit is refused here too. `write_engine` then (capped to an explicit budget on CUDA) loads the base
-in the kernels' layout, plans the KV-cache limits, tunes the 4-bit kernels for the model's layer
-shapes on CUDA, and writes the weights (`engine.weights`), the model's files and `engine.json`
-(with the memory plan), which `engine.artifact.load_engine` reads. The stage (`stages/build_engine.py`) only chooses the base and keys the artifact.
+`plan_engine` decides, before any weight is read, the compute dtype, the KV budget and the KV-cache
+limits it gives, CUDA graphs and kernel tuning, so a bad setting fails before any work. Without
+`engine.kv_budget_gib` the KV budget is the KV cache the step planner (`memory.plan`) gives train's
+step under `train.memory_budget_gb` (on CUDA, by default, the memory free at start), so a step that
+cannot fit is refused here too. `write_engine` then (capped to an explicit budget on CUDA) loads the
+base in the kernels' layout, tunes the 4-bit kernels for the model's layer shapes on CUDA, and
+writes the weights (`engine.weights`), the model's files and `engine.json` (with the memory plan),
+which `engine.artifact.load_engine` reads. The stage (`stages/build_engine.py`) only chooses the
+base and keys the artifact.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class EnginePlan:
     config: DecoderConfig
     dtype: torch.dtype
     kv_budget_bytes: int
+    limits: EngineLimits  # the KV cache and graphs that budget gives
     cuda_graphs: bool
     tune: bool
     memory_plan: MemoryPlan | None = None  # train's step, when it sized the KV cache
@@ -68,11 +70,12 @@ def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool
 
 
 def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch.device,
-                train: TrainSection) -> EnginePlan:
-    """What the engine section, train's step (its memory budget) and the model's config.json
-    decide. Raises, before any weight is read, on a setting that cannot work: sequences longer than
-    the model's positions, CUDA graphs or tuning forced on where they cannot run, a KV budget that
-    holds not one sequence, a train step that no plan fits into train.memory_budget_gb."""
+                train: TrainSection, processes: int = 1) -> EnginePlan:
+    """What the engine section, train's step (its memory budget; each of `processes` ranks runs its
+    share of the step over its own copy of the engine) and the model's config.json decide. Raises,
+    before any weight is read, on a setting that cannot work: sequences longer than the model's
+    positions, CUDA graphs or tuning forced on where they cannot run, a KV budget that holds not one
+    sequence, a train step that no plan fits into train.memory_budget_gb."""
     config = DecoderConfig.from_hf(hf_config)
     if section.max_seq_len > config.max_position_embeddings:
         raise QerlError(
@@ -89,16 +92,13 @@ def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch
     if section.kv_budget_gib is not None:
         budget = int(section.kv_budget_gib * 2**30)
     else:
-        memory_plan, enforce = plan_engine_step(train, section, config, device, dtype)  # refuses a step that cannot fit
+        # Refuses a step that cannot fit.
+        memory_plan, enforce = plan_engine_step(train, section, config, device, dtype, processes)
         budget = memory_plan.estimate["kv_cache"] if memory_plan is not None else CPU_KV_BUDGET_BYTES
-    plan = EnginePlan(config, dtype, budget, graphs, tune, memory_plan, enforce)
-    _limits(plan, section, budget)  # raises now when not even one sequence fits
-    return plan
-
-
-def _limits(plan: EnginePlan, section: EngineSection, budget: int) -> EngineLimits:
-    return plan_limits(plan.config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
-                       kv_budget_bytes=budget, dtype=plan.dtype, cuda_graphs=plan.cuda_graphs)
+    # Raises now when not even one sequence fits.
+    limits = plan_limits(config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
+                         kv_budget_bytes=budget, dtype=dtype, cuda_graphs=graphs)
+    return EnginePlan(config, dtype, budget, limits, graphs, tune, memory_plan, enforce)
 
 
 def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
@@ -137,8 +137,7 @@ def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, s
 
     model = load_model(base_dir, section.base_format, plan.dtype, device)
     _check_finite(model)
-    budget = plan.kv_budget_bytes
-    limits = _limits(plan, section, budget)
+    budget, limits = plan.kv_budget_bytes, plan.limits
     table: ConfigTable | None = None
     if plan.tune and section.base_format == "nvfp4" and cuda_kernels_available(device):
         # The table holds Triton configs; on this GPU NVFP4 runs the CUDA kernels instead, whose

@@ -7,7 +7,7 @@ stage plans them once on the target GPU and stores them in the engine artifact.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,6 +46,14 @@ class EngineLimits:
         data = asdict(self)
         data["graph_batch_sizes"] = list(self.graph_batch_sizes)
         return data
+
+    def with_batch(self, slots: int) -> "EngineLimits":
+        """These limits with `slots` decode slots (at most max_batch): a smaller KV cache, the same length."""
+        if slots >= self.max_batch:
+            return self
+        graphs = tuple(b for b in self.graph_batch_sizes if b < slots) + (slots,) if self.graph_batch_sizes else ()
+        return replace(self, max_batch=slots, kv_cache_bytes=self.kv_cache_bytes // self.max_batch * slots,
+                       graph_batch_sizes=graphs)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "EngineLimits":

@@ -38,8 +38,9 @@ class ErrorSums:
 
     def __init__(self, channel_mean_square: Tensor | None = None, name: str = "tensor") -> None:
         self.name = name
-        # float64: the weighted sums span many decades of activation scale across channels.
-        self.ms = None if channel_mean_square is None else channel_mean_square.detach().double().cpu()
+        # float64: the weighted sums span many decades of activation scale across channels. It moves
+        # to the weight's device at the first chunk, so each chunk's sums reach the host in one copy.
+        self.ms = None if channel_mean_square is None else channel_mean_square.detach().double()
         self.error_sq = 0.0
         self.ref_sq = 0.0
         self.weighted_error_sq = 0.0
@@ -49,15 +50,20 @@ class ErrorSums:
         """Account for rows `reference` [n, K] and their dequantized quantization (same shape)."""
         ref = reference.float()
         err_cols = (dequantized.float() - ref).pow_(2).sum(0)  # per input channel ‖ΔW[:, j]‖² over these rows
-        ref_cols = ref.pow(2).sum(0)
-        self.error_sq += float(err_cols.double().sum())
-        self.ref_sq += float(ref_cols.double().sum())
+        cols = torch.stack((err_cols, ref.pow(2).sum(0))).double()
+        sums = cols.sum(1)
         if self.ms is not None:
             if self.ms.shape != err_cols.shape:
                 raise QerlError(f"{self.name}: the calibration has {self.ms.numel()} input channels, the weight "
                                 f"{err_cols.numel()}; it was made for another model")
-            self.weighted_error_sq += float(err_cols.cpu().double() @ self.ms)
-            self.weighted_ref_sq += float(ref_cols.cpu().double() @ self.ms)
+            self.ms = self.ms.to(cols.device)  # once: later chunks find it there
+            sums = torch.cat((sums, cols @ self.ms))
+        values = sums.tolist()  # the chunk's one device-to-host copy
+        self.error_sq += values[0]
+        self.ref_sq += values[1]
+        if self.ms is not None:
+            self.weighted_error_sq += values[2]
+            self.weighted_ref_sq += values[3]
 
     def result(self) -> LayerError:
         weight = _ratio(self.error_sq, self.ref_sq)

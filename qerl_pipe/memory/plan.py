@@ -28,7 +28,7 @@ smallest budget that fits (that candidate's estimate, rounded up to 0.1 GB). Bud
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +253,15 @@ def train_step_shape(train: Any, max_seq_len: int, max_batch: int, processes: in
                      adapter=getattr(train, "adapter", "lora"))
 
 
+def _plan_train_step(train: Any, config: DecoderConfig, base_format: str, dtype: torch.dtype, max_seq_len: int,
+                     max_batch: int, processes: int, budget: int | None, budget_source: str, what: str) -> MemoryPlan:
+    """The plan of `train`'s step on each of `processes` ranks over an engine of `max_batch` slots
+    of `max_seq_len` tokens, to `budget` (from `step_budget`): what train and build-engine share."""
+    shape = train_step_shape(train, max_seq_len, max_batch, processes)
+    return plan_step(config, base_format, shape, budget, dtype=dtype, budget_source=budget_source,
+                     what=f"train's step {what}")
+
+
 def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: int = 1) -> tuple[MemoryPlan, bool]:
     """The plan of `train`'s step over the engine artifact in `engine_dir` (its config.json,
     base format, dtype and limits), to `train.memory_budget_gb` (see `step_budget`), and whether
@@ -263,29 +272,20 @@ def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: in
     config = DecoderConfig.from_hf(read_model_config(engine_dir))
     limits = EngineLimits.from_json(spec["limits"])
     budget, source, enforced = step_budget(train.memory_budget_gb, device)
-    plan = plan_step(config, spec["base_format"], train_step_shape(train, limits.max_seq_len, limits.max_batch, processes),
-                     budget, dtype=getattr(torch, spec["dtype"]), budget_source=source,
-                     what=f"train's step over the engine {engine_dir.name}")
+    plan = _plan_train_step(train, config, spec["base_format"], getattr(torch, spec["dtype"]), limits.max_seq_len,
+                            limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}")
     return plan, enforced
 
 
-def with_slots(limits: EngineLimits, slots: int) -> EngineLimits:
-    """`limits` with `slots` decode slots (at most its own): a smaller KV cache, the same length."""
-    if slots >= limits.max_batch:
-        return limits
-    graphs = tuple(b for b in limits.graph_batch_sizes if b < slots) + (slots,) if limits.graph_batch_sizes else ()
-    return replace(limits, max_batch=slots, kv_cache_bytes=limits.kv_cache_bytes // limits.max_batch * slots,
-                   graph_batch_sizes=graphs)
-
-
 def plan_engine_step(train: Any, engine: Any, config: DecoderConfig, device: torch.device,
-                     dtype: torch.dtype) -> tuple[MemoryPlan | None, bool]:
-    """The plan of `train`'s step over the engine a recipe's `engine` section builds (its base
-    format, max_seq_len, max_batch) and whether to enforce it; (None, False) when there is no budget
-    (a CPU and no `train.memory_budget_gb`). Raises MemoryBudgetError before anything is loaded."""
+                     dtype: torch.dtype, processes: int = 1) -> tuple[MemoryPlan | None, bool]:
+    """The plan of `train`'s step on each of `processes` ranks over the engine a recipe's `engine`
+    section builds (its base format, max_seq_len, max_batch) and whether to enforce it; (None, False)
+    when there is no budget (a CPU and no `train.memory_budget_gb`). Raises MemoryBudgetError before
+    anything is loaded."""
     budget, source, enforced = step_budget(train.memory_budget_gb, device)
     if budget is None:
         return None, False
-    shape = train_step_shape(train, engine.max_seq_len, engine.max_batch)
-    return plan_step(config, engine.base_format, shape, budget, dtype=dtype, budget_source=source,
-                     what=f"train's step ({engine.base_format} base)"), enforced
+    plan = _plan_train_step(train, config, engine.base_format, dtype, engine.max_seq_len, engine.max_batch,
+                            processes, budget, source, f"({engine.base_format} base)")
+    return plan, enforced

@@ -29,7 +29,7 @@ from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer
 from qerl_pipe.log import log
-from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_train, with_slots
+from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_train
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.full import full_training_bytes
 from qerl_pipe.model.lora import LoraSpec, apply_lora
@@ -40,7 +40,7 @@ from qerl_pipe.rl.distributed import Dist
 from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
 from qerl_pipe.rl.metrics import PLOTS_DIR, greedy_line, write_plots
 from qerl_pipe.rl.prompts import fit_prompts, stop_token_ids
-from qerl_pipe.rl.rewards import load_custom_rewards
+from qerl_pipe.rl.rewards import CustomReward, load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
 
@@ -67,11 +67,12 @@ def load_train_problems(section: TrainSection) -> tuple[list[Problem], list[Prob
     return train, evaluation
 
 
-def check_train_inputs(recipe: Recipe, engine: Artifact | None = None) -> tuple[list[Problem], list[Problem]]:
+def check_train_inputs(recipe: Recipe, engine: Artifact | None = None
+                       ) -> tuple[list[Problem], list[Problem], list[tuple[str, CustomReward]]]:
     """Everything about the train section that can fail without a model: data files, fields,
     custom reward names, full fine-tuning over a 4-bit base (that of `engine`, else the one the
     recipe's engine section builds). train calls it before any model work, `run` before its
-    first stage."""
+    first stage. Returns the training and evaluation problems and the imported custom rewards."""
     if recipe.train.adapter == "full":
         base = engine.summary.get("base_format") if engine is not None else recipe.engine.base_format
         if base not in (None, "bf16"):
@@ -82,8 +83,7 @@ def check_train_inputs(recipe: Recipe, engine: Artifact | None = None) -> tuple[
                             f"{base} (4-bit codes cannot take gradient updates): {fix}, or train LoRA over the "
                             "4-bit base with train.adapter=lora")
     problems, eval_problems = load_train_problems(recipe.train)
-    load_custom_rewards(recipe.train.rewards.custom)
-    return problems, eval_problems
+    return problems, eval_problems, load_custom_rewards(recipe.train.rewards.custom)
 
 
 def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist: Dist = Dist()) -> MemoryPlan:
@@ -183,7 +183,7 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
     """
     started = time.perf_counter()
     model, limits = load_engine(engine_dir, device)
-    limits = with_slots(limits, plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
+    limits = limits.with_batch(plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
     full = section.adapter == "full"
     if not full:

@@ -27,6 +27,7 @@ from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.hf import pick_device
 from qerl_pipe.log import log
 from qerl_pipe.recipe import Recipe
+from qerl_pipe.rl.distributed import current_dist
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.sources import model_config_key, resolve_model
 
@@ -75,9 +76,12 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
     """
     section = recipe.engine
     device = pick_device(section.device)
+    # Under `train --nproc N` (rank 0 building a missing engine) each rank runs 1/N of the step.
+    processes = current_dist().world_size
     if section.base_format == "nvfp4":
         if quantized is None:
-            plan_engine(section, resolve_model(recipe.model, store).config, device, recipe.train)  # fail before quantizing
+            # Fails before quantizing when the engine cannot be built.
+            plan_engine(section, resolve_model(recipe.model, store).config, device, recipe.train, processes)
             quantized = input_artifact(STAGE.name, "--quantized", recipe, store, build_missing=build_missing,
                                        find_only=find_only)
         _check_quantized(quantized)
@@ -92,7 +96,7 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
             raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
-    plan = plan_engine(section, base.hf_config, device, recipe.train)
+    plan = plan_engine(section, base.hf_config, device, recipe.train, processes)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
     if plan.memory_plan is not None and recipe.train.memory_budget_gb is not None:
         config["memory_budget_gb"] = recipe.train.memory_budget_gb  # sized the KV cache (engines without one keep their ids)

@@ -35,7 +35,7 @@ from qerl_pipe.memory.plan import MemoryPlan
 from qerl_pipe.memory.preflight import check_recipe_step
 from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.distributed import Dist, init_distributed
-from qerl_pipe.rl.rewards import custom_reward_digests, load_custom_rewards
+from qerl_pipe.rl.rewards import custom_reward_digests
 from qerl_pipe.rl.run import check_train_inputs, plan_run, train_run
 from qerl_pipe.rl.tasks import Problem
 from qerl_pipe.userfiles import data_file_key
@@ -78,7 +78,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
     section = recipe.train
     dist, device_choice = init_distributed(section.device)
     device = pick_device(device_choice)
-    problems, eval_problems = check_train_inputs(recipe, engine)  # before any model work
+    problems, eval_problems, custom_rewards = check_train_inputs(recipe, engine)  # before any model work
     dist.share(section.prompts_per_step)  # B must split evenly over the ranks
     if engine is None:  # rank 0 finds (or builds) it; the others load what it found
         found = input_artifact(STAGE.name, "--engine", recipe, store, build_missing=build_missing,
@@ -92,7 +92,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         digest = data_file_key(spec)
         if digest is not None:
             config[key] = digest  # an edited file is new data: never a reuse, never a resume
-    rewards = custom_reward_digests(load_custom_rewards(section.rewards.custom))
+    rewards = custom_reward_digests(custom_rewards)
     if rewards:
         config["custom_rewards_sha256"] = rewards  # an edited reward function is a new run
     if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
