@@ -354,7 +354,8 @@ class _Run:
             ids[r, : len(p)] = torch.tensor(p)
         lengths = torch.tensor([len(p) for p in prompts])
         first = torch.tensor([g[0][1] for g in groups])
-        logits = e.model.prefill(ids.to(e.device), e.cache, first.to(e.device), lengths.to(e.device))
+        logits = e.model.prefill(ids.to(e.device), e.cache, first.to(e.device), lengths.to(e.device),
+                                 project=e._lora.project)
         src = [g[0][1] for g in groups for _ in g[1:]]
         dst = [slot for g in groups for _, slot in g[1:]]
         if dst:

@@ -57,14 +57,15 @@ class FusedLora:
             del self._copies[m]
 
     def project(self, linear: QuantLinear, x: Tensor) -> Tensor:
-        """x [M, in_features] through the linear: its base (+ bias), then its adapter fused."""
-        y = linear.base_forward(x)
+        """x [..., in_features] through the linear: its base (+ bias), then its adapter fused."""
+        x2 = x.reshape(-1, linear.in_features)
+        y = linear.base_forward(x2)
         pair = self._copies.get(linear) if linear.lora_enabled else None
         if pair is not None:
             a, b = pair
             # In place: y is this call's own output, and an out-of-place addmm first copies it.
-            y = y.addmm_(x @ a.t(), b.t())
-        return y
+            y = y.addmm_(x2 @ a.t(), b.t())
+        return y.reshape(*x.shape[:-1], linear.out_features)
 
     def addresses(self) -> tuple[int, ...]:
         """Where the copies live: a captured CUDA graph is valid only while these are unchanged."""

@@ -23,8 +23,15 @@ from qerl_pipe.model.linear import BaseFormat, QuantLinear
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import apply_rope, inv_frequencies, rope_cos_sin
 
-# attend(q [B, Hq, T, D], k [B, Hkv, T, D], v) -> [B, Hq, T, D]; one per mode (full, prefill, decode).
+# attend(q [B, Hq, T, D], k [B, Hkv, T, D], v) -> [B, Hq, T, D]; one per use (full, prefill).
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+# project(linear, x [..., in]) -> [..., out]: how a projection runs. The model calls the module
+# (its base and per-projection LoRA); the rollout engine passes its fused LoRA copy's `project`.
+Project = Callable[[QuantLinear, Tensor], Tensor]
+
+
+def call_module(linear: QuantLinear, x: Tensor) -> Tensor:
+    return linear(x)
 Device = Union[torch.device, str]
 
 
@@ -125,9 +132,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, project: Project = call_module) -> Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, k, v = project(self.qkv_proj, x).split(self.sizes, dim=-1)
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
@@ -136,7 +143,7 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         out = attend(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return project(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
 
 
 @fused_for_inference
@@ -157,8 +164,8 @@ class MLP(nn.Module):
             i, (cfg.hidden_size,), ("down_proj",), base_format, dtype, device, cfg.mlp_bias
         )
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_gate(self.gate_up_proj(x)))
+    def forward(self, x: Tensor, project: Project = call_module) -> Tensor:
+        return project(self.down_proj, silu_gate(project(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -169,9 +176,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, base_format, dtype, device)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, project: Project = call_module) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, project)
+        return h + self.mlp(self.post_attention_layernorm(h), project)
 
 
 class Decoder(nn.Module):
@@ -206,15 +213,16 @@ class Decoder(nn.Module):
         # Recompute each layer's activations in backward instead of storing them (training only).
         self.gradient_checkpointing = False
 
-    def _run_layers(self, input_ids: Tensor, positions: Tensor, attends: list[Attend]) -> Tensor:
+    def _run_layers(self, input_ids: Tensor, positions: Tensor, attends: list[Attend],
+                    project: Project = call_module) -> Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
         checkpointing = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer, attend in zip(self.layers, attends):
             if checkpointing:
-                x = checkpoint(layer, x, cos, sin, attend, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, attend, project, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attend)
+                x = layer(x, cos, sin, attend, project)
         return self.norm(x)
 
     def forward(
@@ -253,12 +261,13 @@ class Decoder(nn.Module):
 
     @torch.inference_mode()
     def prefill(
-        self, input_ids: Tensor, cache: KVCache, slots: Tensor, lengths: Tensor | None = None
+        self, input_ids: Tensor, cache: KVCache, slots: Tensor, lengths: Tensor | None = None,
+        project: Project = call_module,
     ) -> Tensor:
         """Right-padded prompts [N, T] into cache rows `slots` [N]; logits [N, vocab] at their last token.
 
         `lengths` [N] are the prompt lengths (default: T). The next token of slot i goes to
-        position lengths[i].
+        position lengths[i]. `project` runs the projections (the engine passes its fused LoRA's).
         """
         n, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(n, t)
@@ -266,6 +275,6 @@ class Decoder(nn.Module):
             partial(attend_prefill, k_cache=cache.k[i], v_cache=cache.v[i], slots=slots)
             for i in range(len(self.layers))
         ]
-        hidden = self._run_layers(input_ids, positions, attends)
+        hidden = self._run_layers(input_ids, positions, attends, project)
         last = (lengths - 1) if lengths is not None else torch.full((n,), t - 1, device=input_ids.device)
         return self.lm_head(hidden[torch.arange(n, device=hidden.device), last])
