@@ -10,7 +10,6 @@ which only keys and seals the evaluation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +31,12 @@ class AdapterInput:
     files: AdapterFiles
     artifact: Artifact | None
 
-    @cached_property
-    def sha256(self) -> dict[str, str]:
-        """The adapter files' digests, hashed once: a plain directory's id and the report both use them."""
-        return self.files.sha256()
-
     def identity(self) -> dict[str, Any]:
         """What names the adapter in the eval's id: the artifact (its manifest hashes every file),
         or the content of a plain directory (so an edited adapter is never mistaken for the old one)."""
         if self.artifact is not None:
             return {"artifact": self.artifact.id, "subdir": self.files.dir.relative_to(self.artifact.path).as_posix()}
-        return {"sha256": self.sha256}
+        return {"sha256": self.files.sha256}
 
 
 def open_adapter(adapter: Path | Artifact | str, store: ArtifactStore) -> AdapterInput:

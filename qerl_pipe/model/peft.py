@@ -18,6 +18,7 @@ import math
 import re
 import shutil
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,9 @@ class AdapterFiles:
     shapes: dict[str, tuple[int, ...]]  # tensor name -> shape, read from the safetensors header
     config: dict[str, Any]
 
+    @cached_property
     def sha256(self) -> dict[str, str]:
+        """The two files' digests, hashed once (an eval's id and its report both name them)."""
         return {name: sha256_file(self.dir / name) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)}
 
 

@@ -47,15 +47,6 @@ class EngineInfo:
     dtype: str | None
 
 
-@dataclass(frozen=True)
-class AdapterInfo:
-    """The adapter applied: its checked files and what the report says of it."""
-
-    files: AdapterFiles
-    artifact: Artifact | None  # the artifact holding it, when it is one
-    sha256: dict[str, str]  # its files' digests, hashed once by the stage (a plain directory's id uses them too)
-
-
 def sampling_params(section: EvalSection, stops: tuple[int, ...]) -> SamplingParams:
     if section.greedy:
         return SamplingParams(temperature=0.0, max_new_tokens=section.max_new_tokens, stop_token_ids=stops)
@@ -111,16 +102,16 @@ def summarize(section: EvalSection, graded: Graded, skipped: list[Problem]) -> d
     }
 
 
-def _adapter_report(adapter: AdapterInfo, delta: float) -> dict[str, Any]:
-    spec, artifact = adapter.files.spec, adapter.artifact
+def _adapter_report(adapter: AdapterFiles, artifact: Artifact | None, delta: float) -> dict[str, Any]:
+    spec = adapter.spec
     return {
         "applied": True,
         "artifact": artifact.id if artifact is not None else None,
         "artifact_kind": artifact.kind if artifact is not None else None,
-        "dir": str(adapter.files.dir),
+        "dir": str(adapter.dir),
         "sha256": adapter.sha256,
         "rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets), "train_norms": spec.train_norms,
-        "base_model_name_or_path": adapter.files.config.get("base_model_name_or_path"),
+        "base_model_name_or_path": adapter.config.get("base_model_name_or_path"),
         "logit_max_abs_delta": delta,
     }
 
@@ -157,13 +148,15 @@ def _markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def evaluate_engine(section: EvalSection, engine: EngineInfo, adapter: AdapterInfo | None, problems: list[Problem],
-                    device: torch.device, out: Path, trust_remote_code: bool = False) -> dict[str, Any]:
-    """Generate, grade and write the three files into `out`; returns the manifest summary."""
+def evaluate_engine(section: EvalSection, engine: EngineInfo, adapter: AdapterFiles | None,
+                    adapter_artifact: Artifact | None, problems: list[Problem], device: torch.device, out: Path,
+                    trust_remote_code: bool = False) -> dict[str, Any]:
+    """Generate, grade and write the three files into `out`; returns the manifest summary.
+    `adapter_artifact` is the artifact holding `adapter`, when it is one (named in the report)."""
     started = time.perf_counter()
-    model, limits = load_engine(engine.dir, device, lora=adapter.files.spec if adapter else None)
+    model, limits = load_engine(engine.dir, device, lora=adapter.spec if adapter else None)
     if adapter is not None:
-        load_adapter_weights(model, adapter.files.dir / ADAPTER_WEIGHTS)
+        load_adapter_weights(model, adapter.dir / ADAPTER_WEIGHTS)
     tokenizer = load_tokenizer(engine.dir, trust_remote_code)
     kept, prompts, skipped = fit_prompts(tokenizer, problems, section.instruction, limits.max_seq_len,
                                          section.max_new_tokens, "evaluation", SECTION)
@@ -188,7 +181,7 @@ def evaluate_engine(section: EvalSection, engine: EngineInfo, adapter: AdapterIn
         "grading": GRADING,
         "model": {"engine": engine.id, "source": engine.model_name, "base_format": engine.base_format,
                   "dtype": engine.dtype},
-        "adapter": _adapter_report(adapter, delta) if adapter is not None else None,
+        "adapter": _adapter_report(adapter, adapter_artifact, delta) if adapter is not None else None,
         "device": str(device),
         "seconds": round(time.perf_counter() - started, 1),
     }

@@ -30,7 +30,7 @@ from qerl_pipe.lineage import base_mismatch, engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.model.peft import check_adapter_fits
 from qerl_pipe.recipe import EvalSection, Recipe
-from qerl_pipe.rl.eval_run import AdapterInfo, EngineInfo, evaluate_engine
+from qerl_pipe.rl.eval_run import EngineInfo, evaluate_engine
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.userfiles import data_file_key
 
@@ -92,10 +92,9 @@ def run_eval(recipe: Recipe, store: ArtifactStore, *, model: Artifact | str | No
     def build(pending: PendingArtifact) -> None:
         engine = EngineInfo(engine_art.path, engine_art.id, engine_model_name(engine_art, store),
                             engine_art.summary.get("base_format"), engine_art.summary.get("dtype"))
-        applied = (AdapterInfo(adapter_in.files, adapter_in.artifact, adapter_in.sha256)
-                   if adapter_in is not None else None)
-        pending.summary.update(evaluate_engine(section, engine, applied, problems, device, pending.dir,
-                                               recipe.model.trust_remote_code))
+        pending.summary.update(evaluate_engine(section, engine, adapter_in.files if adapter_in else None,
+                                               adapter_in.artifact if adapter_in else None, problems, device,
+                                               pending.dir, recipe.model.trust_remote_code))
 
     artifact = find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
                              find_only=find_only)
