@@ -100,9 +100,9 @@ class Engine:
     `cuda_graphs=False` or the environment sets QERL_ENGINE_CUDA_GRAPHS=0. `prefill_tokens`
     bounds the padded tokens of one prefill batch (its activation memory).
 
-    The model runs as it is: unmerged LoRA (decode steps through the engine's fused copy,
-    `FusedLora`, refreshed from the parameters at every `generate`; prefill through the model's
-    own forward) and the AQN noise in its RMSNorm buffers. Update noise in place (`noise.copy_`); graphs are recaptured
+    The model runs as it is: unmerged LoRA (through the engine's fused copy, `FusedLora`,
+    refreshed from the parameters at every `generate` and used by prefill and decode steps alike)
+    and the AQN noise in its RMSNorm buffers. Update noise in place (`noise.copy_`); graphs are recaptured
     automatically when a parameter or buffer has been rebound or a LoRA switch changed, and
     `reset_graphs()` forces it.
     """

@@ -28,11 +28,12 @@ Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 # project(linear, x [..., in]) -> [..., out]: how a projection runs. The model calls the module
 # (its base and per-projection LoRA); the rollout engine passes its fused LoRA copy's `project`.
 Project = Callable[[QuantLinear, Tensor], Tensor]
+Device = Union[torch.device, str]
 
 
 def call_module(linear: QuantLinear, x: Tensor) -> Tensor:
+    """The default `Project`: the module itself."""
     return linear(x)
-Device = Union[torch.device, str]
 
 
 class KVCache:
