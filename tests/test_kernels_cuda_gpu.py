@@ -126,16 +126,21 @@ def test_scales_of_every_byte_and_sign() -> None:
     assert _rel(cuda_ext.gemm(x, tq), x.double() @ dense.T) < 5e-3
 
 
-@pytest.mark.parametrize("m", [4, 20, 64])
+@pytest.mark.parametrize("m", [4, 20, 64, 200])
 def test_chained_launches_overlap_safely(m: int) -> None:
     """Each launch reads the previous one's output: with programmatic dependent launch the
     next kernel starts early, so its wait before reading x (and before writing) must hold. The
-    configs alternate between the default and one that stages x in shared memory, split K."""
+    configs alternate between the default and one that stages x in shared memory, split K (from
+    33 tokens the wgmma kernel, whose launch writes x in fragment order first)."""
     layers = [_weight(2048, 2048, 20 + i)[0] for i in range(4)]
     x = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     nb = 1 if m <= 8 else 4 if m <= 32 else 8
-    staged = next(c for c in cuda_ext.compiled_configs(3) if c.stages and c.nb == nb) if m > 8 else None
+    staged = None
+    if m > 32:
+        staged = next(c for c in cuda_ext.compiled_configs(3) if c.mt == 1 and 8 * c.nb >= m)
+    elif m > 8:
+        staged = next(c for c in cuda_ext.compiled_configs(3) if c.stages and c.nb == nb)
 
     def chain(pdl: bool) -> torch.Tensor:
         y = x

@@ -177,25 +177,19 @@ def emulate_gemm(t: TiledNVFP4, x: torch.Tensor, mt: int, nb: int, wk: int, stag
     return out[:, : t.out_features] * scale
 
 
-def _x_slot(row: int, pair: int) -> int:
-    """w4a16.cu's x_slot: the byte of a stage's activation tile where column pair `pair` (0-31) of a
-    two-chunk group lands for token row `row` (the A fragments' k order, then the 128-byte swizzle)."""
-    h, t, j, hi = pair >> 4, (pair >> 2) & 3, (pair >> 1) & 1, pair & 1
-    byte = 64 * h + 32 * j + 4 * t + 16 * hi
-    return row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15))
-
-
 def emulate_wgmma(t: TiledNVFP4, x: torch.Tensor, blocks: int) -> torch.Tensor:
-    """out = x @ W^T as the wgmma kernel computes it: per pass of 64 * `blocks` tokens and group of
-    two chunks, the copy scatters x's column pairs to `_x_slot` (rows past M copy row M - 1; columns
-    past K zero-filled), wgmma reads B[k, token] at byte 32 * step + 2k of the token's swizzled row
-    (K-major, 128-byte swizzle: 16-byte unit u of row r at u ^ (r % 8)), and warp wq of the block's
-    warpgroup supplies the A fragment of m16 tile wq (`_fragments`' tile 2p + i, as the kernel's
-    shared-memory read at ((wq >> 1) * 32 + lane) * 16 + (wq & 1) * 8 takes it) for step 2h + j."""
+    """out = x @ W^T as the wgmma kernel computes it: x in `tiled.fragment_order` (rows padded to
+    whole passes of 64 * `blocks` tokens); per pass and group of two chunks, thread piece v (16
+    bytes) of each token row lands at 16-byte unit v ^ (row % 8) of the row's 128 bytes (pieces of
+    a chunk past K zero-filled); wgmma reads B[k, token] at byte 32 * step + 2k of the token's
+    swizzled row (K-major, 128-byte swizzle), and warp wq of the block's warpgroup supplies the A
+    fragment of m16 tile wq (`_fragments`' tile 2p + i, as the kernel's shared-memory read at
+    ((wq >> 1) * 32 + lane) * 16 + (wq & 1) * 8 takes it) for step 2h + j."""
     frag = _fragments(t)
     n_blocks, kc = t.qweight.shape[:2]
     m, k = x.shape
     tokens = 64 * blocks
+    xf = tiled.fragment_order(x, -(-m // tokens) * tokens)
     g, tt = torch.arange(32) // 4, torch.arange(32) % 4
     out = torch.zeros(m, n_blocks * tiled.ROWS, dtype=torch.float64)
     for m0 in range(0, m, tokens):
@@ -204,12 +198,11 @@ def emulate_wgmma(t: TiledNVFP4, x: torch.Tensor, blocks: int) -> torch.Tensor:
             for c in range(-(-kc // 2)):
                 tile = torch.zeros(tokens * 64, dtype=torch.float64)  # bf16 elements of the stage
                 for row in range(tokens):
-                    token = min(m0 + row, m - 1)
-                    for pair in range(32):
-                        chunk, col = 2 * c + (pair >> 4), (2 * c + (pair >> 4)) * tiled.COLS + 2 * (pair & 15)
-                        if chunk < kc and col < k:
-                            e = _x_slot(row, pair) // 2
-                            tile[e:e + 2] = x[token, col:col + 2]
+                    for v in range(8):
+                        if 2 * c + (v >> 2) < kc:
+                            e = (row * 128 + ((v ^ (row & 7)) << 4)) // 2
+                            col = 2 * c * tiled.COLS + 8 * v
+                            tile[e:e + 8] = xf[m0 + row, col:col + 8]
                 for step in range(4):
                     h, j = divmod(step, 2)
                     if 2 * c + h >= kc:
@@ -294,11 +287,11 @@ def test_emulated_lanes_compute_the_product(mt: int, nb: int, wk: int, staged: b
     assert float((got - ref).abs().max()) <= 1e-9 * float(ref.abs().max())
 
 
-@pytest.mark.parametrize(("m", "k", "blocks"), [(3, 112, 1), (67, 80, 1), (130, 48, 2)])
+@pytest.mark.parametrize(("m", "k", "blocks"), [(3, 112, 1), (67, 80, 1), (130, 48, 2), (40, 48, 4)])
 def test_emulated_wgmma_computes_the_product(m: int, k: int, blocks: int) -> None:
-    """The wgmma kernel's activation scatter and swizzled B reads agree with its A fragments' k
-    order: with an M tail (clamped rows), N padded to 64, K % 32 == 16 and an odd chunk count (a
-    half-empty last group)."""
+    """x in fragment order, the kernel's 16-byte piece copies and swizzled B reads agree with its A
+    fragments' k order: with an M tail (zero rows), N padded to 64, K % 32 == 16 and an odd chunk
+    count (a half-empty last group)."""
     w = _random_weight(100, k, 13, odd_scales=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).double()
     got = emulate_wgmma(tile_nvfp4(w), x, blocks)
@@ -306,11 +299,17 @@ def test_emulated_wgmma_computes_the_product(m: int, k: int, blocks: int) -> Non
     assert float((got - ref).abs().max()) <= 1e-9 * float(ref.abs().max())
 
 
-def test_wgmma_slots_tile_each_row_once() -> None:
-    """Every 4-byte slot of a 128-byte row is written by exactly one column pair, in every swizzle phase."""
-    for row in range(8):
-        slots = sorted(_x_slot(row, pair) - 128 * row for pair in range(32))
-        assert slots == list(range(0, 128, 4))
+def test_fragment_order_is_a_permutation_of_each_chunk() -> None:
+    """Each 32-column chunk row keeps its own values (only their order changes); padding is zero."""
+    x = torch.randn(5, 80, generator=torch.Generator().manual_seed(4))
+    xf = tiled.fragment_order(x, 8)
+    assert xf.shape == (8, 96) and not xf[5:].any()
+    for c in range(3):
+        got = xf[:5, 32 * c:32 * c + 32].sort(dim=1).values
+        want = torch.nn.functional.pad(x[:, 32 * c:32 * c + 32], (0, max(0, 32 * c + 32 - 80))).sort(dim=1).values
+        assert torch.equal(got, want)
+    # pair 4t + u of a chunk sits at position 4u + t
+    assert torch.equal(xf[0, 2 * (4 * 2 + 1):2 * (4 * 2 + 1) + 2], x[0, 2 * (4 * 1 + 2):2 * (4 * 1 + 2) + 2])
 
 
 def test_every_code_times_every_scale_byte() -> None:
@@ -400,8 +399,8 @@ def test_sources_compile_for_sm90a_without_spills(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = proc.stdout + proc.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # every variant and the dequantize pass
-    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + len(cuda_ext.WGMMA) + 1
+    # every variant, the dequantize pass and the wgmma kernel's fragment-order copy of x
+    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + len(cuda_ext.WGMMA) + 2
     assert "C7513" not in report, "ptxas serialized the wgmma kernel's MMAs: " + report[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report[-2000:]

@@ -1,8 +1,8 @@
 """Side-by-side sweep of the wgmma GEMM variants against the mma.sync decode GEMM and cuBLAS bf16.
 
-`python3 bench/scripts/wgmma_sweep.py [--ms 32,64,128,256] [--out FILE.json]`: for every
-Qwen2.5-7B/32B layer and M, times cuBLAS bf16, dequantize + cuBLAS, the decode GEMM's default
-config, and each compiled wgmma variant at K splits 1, 2, 4 and 8 (each checked against
+`python3 bench/scripts/wgmma_sweep.py [--ms 32,64,128,256] [--splits 1,2,4,8] [--out FILE.json]`:
+for every Qwen2.5-7B/32B layer and M, times cuBLAS bf16, dequantize + cuBLAS, the decode GEMM's
+default config, and each compiled wgmma variant at each K split (each checked against
 `x @ dequantized W` in fp32 first), with the protocol of `bench kernels-cuda` (distinct weight
 copies past L2, one CUDA graph, median of replays). A lab script for choosing the wgmma configs;
 the committed figures come from `qerl_pipe.bench.kernels_cuda`.
@@ -21,15 +21,16 @@ from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.tuning import rel_err, time_graph
 
 REPS = 30
-SPLITS = (1, 2, 4, 8)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="32,64,128,256")
+    ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
+    splits = [int(v) for v in args.splits.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     wgmma = [c for c in cuda_ext.compiled_configs() if c.mt == 1]
     rows = []
@@ -53,7 +54,7 @@ def main() -> None:
                 for cfg in wgmma:
                     if 8 * cfg.nb > 2 * m and cfg.nb > 8:
                         continue
-                    for s in SPLITS:
+                    for s in splits:
                         c = replace(cfg, splits=s)
                         try:
                             err = rel_err(cuda_ext.gemm(x, tq, config=c), ref)

@@ -38,7 +38,7 @@ CUDA_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xp
 # Split-K tickets: one int per CTA column slice; 64k covers N up to 4M rows at 64 rows per CTA.
 _COUNTERS = 1 << 16
 # Most tokens one pass of the mma.sync kernels takes (8 n8 blocks; the wgmma kernel takes up to
-# 128); larger M runs in several passes. Up to this M the GEMM always beats dequantize + cuBLAS.
+# 256); larger M runs in several passes. Up to this M the GEMM always beats dequantize + cuBLAS.
 MAX_PASS_TOKENS = 64
 
 
@@ -47,7 +47,7 @@ class GemmConfig:
     """A compiled decode-GEMM variant (see `QERL_W4A16_CONFIGS` in w4a16.cu) and its K splits."""
 
     mt: int  # m16 tiles of weight rows per warp (2 or 4; 1: the wgmma kernel, a warpgroup per 64 rows)
-    nb: int  # n8 blocks of tokens per pass (1, 2, 4 or 8; the wgmma kernel 8 or 16)
+    nb: int  # n8 blocks of tokens per pass (1, 2, 4 or 8; the wgmma kernel 8, 16 or 32)
     warps: int  # per CTA
     wk: int  # warps that share a warp tile, splitting its K chunks (summed in shared memory)
     depth: int  # chunks of loads in flight per warp
@@ -76,7 +76,8 @@ STAGED: tuple[tuple[int, int, int, int], ...] = (
     (4, 4, 1, 6), (4, 2, 2, 6), (4, 1, 4, 6), (8, 4, 1, 5), (8, 2, 2, 4), (8, 2, 1, 6),
 )
 WGMMA: tuple[tuple[int, int, int], ...] = (
-    (1, 1, 4), (1, 1, 6), (1, 2, 4), (1, 2, 6), (2, 1, 4), (2, 1, 6), (2, 2, 4), (2, 2, 6),
+    (1, 1, 4), (1, 1, 6), (1, 2, 4), (1, 2, 6), (2, 1, 4), (2, 1, 6), (2, 2, 4), (2, 2, 6), (4, 1, 4),
+    (4, 2, 4), (4, 2, 5),
 )
 
 

@@ -278,6 +278,25 @@ def dequantize_tiled(t: TiledNVFP4, dtype: torch.dtype = torch.float32) -> Tenso
     return dequantize_nvfp4(untile_nvfp4(t), dtype)
 
 
+def fragment_order(x: Tensor, rows: int) -> Tensor:
+    """`x [M, K]` as the wgmma kernel reads it: `[rows, KC * 32]` (rows past M and columns past K
+    zero), each 32-column chunk's 16 column pairs reordered so that the 64 bytes of a chunk row are
+    wgmma's B operand in the k order of the A fragments.
+
+    Column pair `4t + u` of a chunk is what lane t's A registers multiply in slot u (u = 2j + hi:
+    k16 step j, register half hi), and wgmma reads B at byte `16u + 4t` of the chunk row (k =
+    2t + 8hi of step j); so pair `4t + u` moves to position `4u + t`, a 4 x 4 transpose of the
+    chunk's 4-byte pairs. A row of two chunks is then one 128-byte line that the kernel copies as
+    eight 16-byte pieces into the 128-byte swizzle, where the unpermuted x needed 32 scattered
+    4-byte copies.
+    """
+    m, k = x.shape
+    kc = -(-k // COLS)
+    out = torch.zeros(rows, kc * COLS, dtype=x.dtype, device=x.device)
+    out[: min(m, rows), :k] = x[:rows]
+    return out.view(rows, kc, 4, 4, 2).transpose(2, 3).reshape(rows, kc * COLS)
+
+
 def constants_header() -> str:
     """The C++ header of layout constants that `kernels/cuda/w4a16.cu` includes."""
     lines = [

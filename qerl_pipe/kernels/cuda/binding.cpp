@@ -85,6 +85,13 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   const qerl_w4a16::GemmConfig c{static_cast<int>(mt),    static_cast<int>(nb),    static_cast<int>(warps),
                                  static_cast<int>(wk),    static_cast<int>(depth), static_cast<int>(splits),
                                  pdl ? 1 : 0,             static_cast<int>(stages)};
+  // The wgmma kernel reads x in fragment order, from a copy the launch writes first.
+  const int frag_rows = qerl_w4a16::fragment_rows(c, static_cast<int>(m));
+  at::Tensor xf;
+  if (frag_rows > 0) {
+    xf = at::empty({frag_rows, kc * qerl_w4a16::kCols}, x.options());
+    p.xf = reinterpret_cast<__nv_bfloat16*>(xf.data_ptr());
+  }
   const cudaError_t err = qerl_w4a16::launch_gemm(p, c, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, cudaGetErrorString(err));
   return out;

@@ -53,12 +53,6 @@ __device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem, 
                "r"(valid ? 16 : 0), "l"(policy)
                : "memory");
 }
-// 4 bytes global -> shared at a shared-window address (kept in L1: the activations are read by
-// every CTA of a column).
-__device__ __forceinline__ void cp_async4_shared(uint32_t dst, const void* gmem, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0)
-               : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -466,14 +460,13 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
 // wgmma kernel (M = 33-256 per pass): a warpgroup owns one 64-row block and each of its warps one
 // m16 tile; the warps decode their weights from shared memory into registers (the A operand of
 // wgmma.m64nNk16, whose per-warp register layout is mma.m16n8k16's) and the tensor cores read the
-// activations (B) straight from shared memory, 64 tokens per instruction, accumulators 32 floats
-// per thread per 64 tokens instead of mma.sync's 128 per 64 x 64 tile. Stage s holds one group of
-// two chunks (64 columns of K): the activations of 64 * P tokens in wgmma's K-major, 128-byte
-// swizzled layout (rows 128 B, 8-row atoms 1024 B apart), and per warpgroup its block's two chunks
-// of codes and scales as copied from the tiled layout. The weight layout orders each lane's
-// columns for mma.sync's B fragment loaded as one uint4 (lane t: columns 8t..8t+7 of a chunk,
-// 4j..4j+3 of them for k16 step j); wgmma reads B in the standard k order, so the copy scatters
-// x in 4-byte column pairs into the order the A fragments use (see x_slot), and both sides agree.
+// activations (B) straight from shared memory, all 64 * P tokens of a pass in one instruction per
+// k16 step, accumulators 32 * P floats per thread. Stage s holds one group of two chunks (64
+// columns of K): the activations of the pass's tokens in wgmma's K-major, 128-byte swizzled
+// layout (rows 128 B, 8-row atoms 1024 B apart), and per warpgroup its block's two chunks of codes
+// and scales as copied from the tiled layout. The kernel reads x in fragment order (see
+// tiled.fragment_order, written by fragment_kernel just before it): a token's 128 bytes of a group
+// are then wgmma's B row in the A fragments' k order, copied as eight 16-byte pieces.
 __device__ __forceinline__ uint64_t swizzled_desc(uint32_t addr) {
   // Matrix descriptor: start address >> 4, leading byte offset 16 (unused by swizzled K-major
   // layouts), stride byte offset 1024 (between 8-row atoms), 128-byte swizzle (bits 62-63 = 1).
@@ -495,32 +488,100 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[1][NB][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[0][b][e])::"memory");
 }
 
-// acc[0][b0 .. b0 + 7] += A (this warp's 16 x 16 slice of the 64 x 16 weight tile, in registers) x B
-// (64 tokens x 16 columns at `desc`), fp32 accumulate; acc[0][b0 + b] is mma's C fragment of n8 block b.
-template <int NB>
-__device__ __forceinline__ void wgmma_m64n64(float (&acc)[1][NB][4], int b0, const uint32_t (&a)[4], uint64_t desc) {
+// acc += A (this warp's 16 x 16 slice of the 64 x 16 weight tile, in registers) x B (64 * P tokens
+// x 16 columns at `desc`), fp32 accumulate; acc[0][b] is mma's C fragment of n8 block b.
+template <int P>
+__device__ __forceinline__ void wgmma_rs(float (&acc)[1][8 * P][4], const uint32_t (&a)[4], uint64_t desc);
+template <>
+__device__ __forceinline__ void wgmma_rs<1>(float (&acc)[1][8][4], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
-      : "+f"(acc[0][b0 + 0][0]), "+f"(acc[0][b0 + 0][1]), "+f"(acc[0][b0 + 0][2]), "+f"(acc[0][b0 + 0][3]),
-        "+f"(acc[0][b0 + 1][0]), "+f"(acc[0][b0 + 1][1]), "+f"(acc[0][b0 + 1][2]), "+f"(acc[0][b0 + 1][3]),
-        "+f"(acc[0][b0 + 2][0]), "+f"(acc[0][b0 + 2][1]), "+f"(acc[0][b0 + 2][2]), "+f"(acc[0][b0 + 2][3]),
-        "+f"(acc[0][b0 + 3][0]), "+f"(acc[0][b0 + 3][1]), "+f"(acc[0][b0 + 3][2]), "+f"(acc[0][b0 + 3][3]),
-        "+f"(acc[0][b0 + 4][0]), "+f"(acc[0][b0 + 4][1]), "+f"(acc[0][b0 + 4][2]), "+f"(acc[0][b0 + 4][3]),
-        "+f"(acc[0][b0 + 5][0]), "+f"(acc[0][b0 + 5][1]), "+f"(acc[0][b0 + 5][2]), "+f"(acc[0][b0 + 5][3]),
-        "+f"(acc[0][b0 + 6][0]), "+f"(acc[0][b0 + 6][1]), "+f"(acc[0][b0 + 6][2]), "+f"(acc[0][b0 + 6][3]),
-        "+f"(acc[0][b0 + 7][0]), "+f"(acc[0][b0 + 7][1]), "+f"(acc[0][b0 + 7][2]), "+f"(acc[0][b0 + 7][3])
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+      : "+f"(acc[0][0][0]), "+f"(acc[0][0][1]), "+f"(acc[0][0][2]), "+f"(acc[0][0][3]),
+        "+f"(acc[0][1][0]), "+f"(acc[0][1][1]), "+f"(acc[0][1][2]), "+f"(acc[0][1][3]),
+        "+f"(acc[0][2][0]), "+f"(acc[0][2][1]), "+f"(acc[0][2][2]), "+f"(acc[0][2][3]),
+        "+f"(acc[0][3][0]), "+f"(acc[0][3][1]), "+f"(acc[0][3][2]), "+f"(acc[0][3][3]),
+        "+f"(acc[0][4][0]), "+f"(acc[0][4][1]), "+f"(acc[0][4][2]), "+f"(acc[0][4][3]),
+        "+f"(acc[0][5][0]), "+f"(acc[0][5][1]), "+f"(acc[0][5][2]), "+f"(acc[0][5][3]),
+        "+f"(acc[0][6][0]), "+f"(acc[0][6][1]), "+f"(acc[0][6][2]), "+f"(acc[0][6][3]),
+        "+f"(acc[0][7][0]), "+f"(acc[0][7][1]), "+f"(acc[0][7][2]), "+f"(acc[0][7][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
-
-// Byte offset, in a stage's activation tile, of x's column pair `pair` (0-31: columns 2 * pair and
-// 2 * pair + 1 of the group's 64) for token row `row`. Column pair 4t + 2j + hi of chunk h is what
-// lane t's A registers 2 * hi and 2 * hi + 1 multiply in k16 step 2h + j, which wgmma reads at
-// k = 2t + 8 * hi: byte 32 * (2h + j) + 4t + 16 * hi of the row, before the swizzle.
-__device__ __forceinline__ int x_slot(int row, int pair) {
-  const int h = pair >> 4, t = (pair >> 2) & 3, j = (pair >> 1) & 1, hi = pair & 1;
-  const int byte = 64 * h + 32 * j + 4 * t + 16 * hi;
-  return row * 128 + ((((byte >> 4) ^ (row & 7)) << 4) | (byte & 15));
+template <>
+__device__ __forceinline__ void wgmma_rs<2>(float (&acc)[1][16][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+      : "+f"(acc[0][0][0]), "+f"(acc[0][0][1]), "+f"(acc[0][0][2]), "+f"(acc[0][0][3]),
+        "+f"(acc[0][1][0]), "+f"(acc[0][1][1]), "+f"(acc[0][1][2]), "+f"(acc[0][1][3]),
+        "+f"(acc[0][2][0]), "+f"(acc[0][2][1]), "+f"(acc[0][2][2]), "+f"(acc[0][2][3]),
+        "+f"(acc[0][3][0]), "+f"(acc[0][3][1]), "+f"(acc[0][3][2]), "+f"(acc[0][3][3]),
+        "+f"(acc[0][4][0]), "+f"(acc[0][4][1]), "+f"(acc[0][4][2]), "+f"(acc[0][4][3]),
+        "+f"(acc[0][5][0]), "+f"(acc[0][5][1]), "+f"(acc[0][5][2]), "+f"(acc[0][5][3]),
+        "+f"(acc[0][6][0]), "+f"(acc[0][6][1]), "+f"(acc[0][6][2]), "+f"(acc[0][6][3]),
+        "+f"(acc[0][7][0]), "+f"(acc[0][7][1]), "+f"(acc[0][7][2]), "+f"(acc[0][7][3]),
+        "+f"(acc[0][8][0]), "+f"(acc[0][8][1]), "+f"(acc[0][8][2]), "+f"(acc[0][8][3]),
+        "+f"(acc[0][9][0]), "+f"(acc[0][9][1]), "+f"(acc[0][9][2]), "+f"(acc[0][9][3]),
+        "+f"(acc[0][10][0]), "+f"(acc[0][10][1]), "+f"(acc[0][10][2]), "+f"(acc[0][10][3]),
+        "+f"(acc[0][11][0]), "+f"(acc[0][11][1]), "+f"(acc[0][11][2]), "+f"(acc[0][11][3]),
+        "+f"(acc[0][12][0]), "+f"(acc[0][12][1]), "+f"(acc[0][12][2]), "+f"(acc[0][12][3]),
+        "+f"(acc[0][13][0]), "+f"(acc[0][13][1]), "+f"(acc[0][13][2]), "+f"(acc[0][13][3]),
+        "+f"(acc[0][14][0]), "+f"(acc[0][14][1]), "+f"(acc[0][14][2]), "+f"(acc[0][14][3]),
+        "+f"(acc[0][15][0]), "+f"(acc[0][15][1]), "+f"(acc[0][15][2]), "+f"(acc[0][15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<4>(float (&acc)[1][32][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"
+      : "+f"(acc[0][0][0]), "+f"(acc[0][0][1]), "+f"(acc[0][0][2]), "+f"(acc[0][0][3]),
+        "+f"(acc[0][1][0]), "+f"(acc[0][1][1]), "+f"(acc[0][1][2]), "+f"(acc[0][1][3]),
+        "+f"(acc[0][2][0]), "+f"(acc[0][2][1]), "+f"(acc[0][2][2]), "+f"(acc[0][2][3]),
+        "+f"(acc[0][3][0]), "+f"(acc[0][3][1]), "+f"(acc[0][3][2]), "+f"(acc[0][3][3]),
+        "+f"(acc[0][4][0]), "+f"(acc[0][4][1]), "+f"(acc[0][4][2]), "+f"(acc[0][4][3]),
+        "+f"(acc[0][5][0]), "+f"(acc[0][5][1]), "+f"(acc[0][5][2]), "+f"(acc[0][5][3]),
+        "+f"(acc[0][6][0]), "+f"(acc[0][6][1]), "+f"(acc[0][6][2]), "+f"(acc[0][6][3]),
+        "+f"(acc[0][7][0]), "+f"(acc[0][7][1]), "+f"(acc[0][7][2]), "+f"(acc[0][7][3]),
+        "+f"(acc[0][8][0]), "+f"(acc[0][8][1]), "+f"(acc[0][8][2]), "+f"(acc[0][8][3]),
+        "+f"(acc[0][9][0]), "+f"(acc[0][9][1]), "+f"(acc[0][9][2]), "+f"(acc[0][9][3]),
+        "+f"(acc[0][10][0]), "+f"(acc[0][10][1]), "+f"(acc[0][10][2]), "+f"(acc[0][10][3]),
+        "+f"(acc[0][11][0]), "+f"(acc[0][11][1]), "+f"(acc[0][11][2]), "+f"(acc[0][11][3]),
+        "+f"(acc[0][12][0]), "+f"(acc[0][12][1]), "+f"(acc[0][12][2]), "+f"(acc[0][12][3]),
+        "+f"(acc[0][13][0]), "+f"(acc[0][13][1]), "+f"(acc[0][13][2]), "+f"(acc[0][13][3]),
+        "+f"(acc[0][14][0]), "+f"(acc[0][14][1]), "+f"(acc[0][14][2]), "+f"(acc[0][14][3]),
+        "+f"(acc[0][15][0]), "+f"(acc[0][15][1]), "+f"(acc[0][15][2]), "+f"(acc[0][15][3]),
+        "+f"(acc[0][16][0]), "+f"(acc[0][16][1]), "+f"(acc[0][16][2]), "+f"(acc[0][16][3]),
+        "+f"(acc[0][17][0]), "+f"(acc[0][17][1]), "+f"(acc[0][17][2]), "+f"(acc[0][17][3]),
+        "+f"(acc[0][18][0]), "+f"(acc[0][18][1]), "+f"(acc[0][18][2]), "+f"(acc[0][18][3]),
+        "+f"(acc[0][19][0]), "+f"(acc[0][19][1]), "+f"(acc[0][19][2]), "+f"(acc[0][19][3]),
+        "+f"(acc[0][20][0]), "+f"(acc[0][20][1]), "+f"(acc[0][20][2]), "+f"(acc[0][20][3]),
+        "+f"(acc[0][21][0]), "+f"(acc[0][21][1]), "+f"(acc[0][21][2]), "+f"(acc[0][21][3]),
+        "+f"(acc[0][22][0]), "+f"(acc[0][22][1]), "+f"(acc[0][22][2]), "+f"(acc[0][22][3]),
+        "+f"(acc[0][23][0]), "+f"(acc[0][23][1]), "+f"(acc[0][23][2]), "+f"(acc[0][23][3]),
+        "+f"(acc[0][24][0]), "+f"(acc[0][24][1]), "+f"(acc[0][24][2]), "+f"(acc[0][24][3]),
+        "+f"(acc[0][25][0]), "+f"(acc[0][25][1]), "+f"(acc[0][25][2]), "+f"(acc[0][25][3]),
+        "+f"(acc[0][26][0]), "+f"(acc[0][26][1]), "+f"(acc[0][26][2]), "+f"(acc[0][26][3]),
+        "+f"(acc[0][27][0]), "+f"(acc[0][27][1]), "+f"(acc[0][27][2]), "+f"(acc[0][27][3]),
+        "+f"(acc[0][28][0]), "+f"(acc[0][28][1]), "+f"(acc[0][28][2]), "+f"(acc[0][28][3]),
+        "+f"(acc[0][29][0]), "+f"(acc[0][29][1]), "+f"(acc[0][29][2]), "+f"(acc[0][29][3]),
+        "+f"(acc[0][30][0]), "+f"(acc[0][30][1]), "+f"(acc[0][30][2]), "+f"(acc[0][30][3]),
+        "+f"(acc[0][31][0]), "+f"(acc[0][31][1]), "+f"(acc[0][31][2]), "+f"(acc[0][31][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
 template <int P, int WG, int STAGES>
@@ -531,6 +592,33 @@ struct WgmmaShape {
   static constexpr int kBlockBytes = 2 * kChunkBytes;               // per warpgroup per stage
   static constexpr int kBytes = 1024 + STAGES * (kXBytes + WG * kBlockBytes);  // + alignment slack
 };
+
+// x in fragment order (tiled.fragment_order): one thread per (row, chunk) reads the chunk row's 16
+// column pairs (words w[4t + u]) and writes them transposed (w[4t + u] to position 4u + t). Rows
+// past M and columns past K become zeros: the wgmma kernel then copies whole rows and pieces.
+__global__ void __launch_bounds__(256) fragment_kernel(const __nv_bfloat16* x, int64_t ldx, uint4* xf, int M, int K,
+                                                       int KC, int rows) {
+  // x is the previous kernel's output; the GEMM after this one may start streaming its weights.
+  grid_dependency_wait();
+  launch_dependents();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(rows) * KC) return;
+  const int row = static_cast<int>(i / KC), kc = static_cast<int>(i % KC);
+  uint4 in[4] = {};
+  if (row < M) {
+    // K % 16 == 0 and rows are 16-byte aligned (the binding checks): a chunk holds 2 or 4 pieces.
+    const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(row) * ldx + kc * kCols);
+    const int pieces = min(4, (K - kc * kCols) / 8);
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      if (t < pieces) in[t] = src[t];
+  }
+  uint4* dst = xf + i * 4;
+  dst[0] = make_uint4(in[0].x, in[1].x, in[2].x, in[3].x);
+  dst[1] = make_uint4(in[0].y, in[1].y, in[2].y, in[3].y);
+  dst[2] = make_uint4(in[0].z, in[1].z, in[2].z, in[3].z);
+  dst[3] = make_uint4(in[0].w, in[1].w, in[2].w, in[3].w);
+}
 
 template <int P, int WG, int STAGES>
 __global__ void __launch_bounds__(WG * 128, 1) wgmma_kernel(const GemmParams p) {
@@ -544,9 +632,8 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_kernel(const GemmParams p) 
   // The swizzle is a function of the shared-memory address: stage tiles start 1024-aligned.
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   uint8_t* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
-  uint8_t* xs = smem;
   uint8_t* ws = smem + STAGES * Shape::kXBytes;
-  const uint32_t xs_addr = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
+  const uint32_t xs_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
   const Place<1, 4 * WG, 1, NB> at(p);
   const int warp = threadIdx.x >> 5, wg = warp >> 2, wq = warp & 3;
@@ -586,39 +673,21 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_kernel(const GemmParams p) 
       cp_async16(dst + w_dst[r], ok ? w_src[r] + (size_t)c * w_stride[r] : w_src[r], ok);
     }
   };
-  // Activations: a warp copies one token's 128 bytes at a time; this thread always copies column
-  // pair `pair`, of rows row0 + r * kRowStep (a compile-time count, unrolled). Rows past M copy
-  // row M - 1 instead of zeros: a token's column of B only reaches that token's outputs, which are
-  // not written. Columns past the split or past K are zero-filled (their weights are zeros too,
-  // but x there may not exist).
-  constexpr int kRowStep = WG * 4, kCopies = Shape::kTokens / kRowStep;
-  const int pair = threadIdx.x & 31, row0 = threadIdx.x >> 5;
-  const int col0 = (at.kc0 + (pair >> 4)) * kCols + 2 * (pair & 15);
-  const char* x0 = reinterpret_cast<const char*>(p.x + (size_t)(at.m0 + row0) * p.ldx + col0);
-  // Byte offsets of this thread's rows from x0, clamped to the pass's last token; kept opaque so
-  // the compiler holds them in registers instead of recomputing them (64-bit) for every group.
-  int x_off[kCopies];
-#pragma unroll
-  for (int r = 0; r < kCopies; ++r) {
-    x_off[r] = min(r * kRowStep, p.M - 1 - at.m0 - row0) * static_cast<int>(p.ldx) * 2;
-    asm volatile("" : "+r"(x_off[r]));
-  }
-  // Shared-memory offsets of rows row0 and row0 + 4 (the swizzle repeats every 8 rows).
-  const uint32_t x_dst0 = x_slot(row0, pair), x_dst1 = x_slot(row0 + 4, pair) - 4 * 128;
+  // Activations (fragment order, rows padded to whole passes): piece v (16 bytes) of rows
+  // row0 + r * kRowStep. kRowStep is a multiple of 8, so every row of a thread has the same
+  // swizzle phase and the same destination column. Pieces of a chunk past the split are
+  // zero-filled (their weights are zeros, but x there may hold an inf).
+  constexpr int kRowStep = kThreads / 8, kCopies = Shape::kTokens / kRowStep;
+  const int v = threadIdx.x & 7, row0 = threadIdx.x >> 3;
+  const char* x0 = reinterpret_cast<const char*>(p.x + (size_t)(at.m0 + row0) * p.ldx + at.kc0 * kCols) + 16 * v;
+  const int x_step = kRowStep * static_cast<int>(p.ldx) * 2;  // bytes between a thread's rows
+  const uint32_t x_dst = row0 * 128 + ((v ^ (row0 & 7)) << 4);
   auto x_of_group = [&](int c) {
-    const uint32_t dst = xs_addr + (c % STAGES) * Shape::kXBytes;
-    const bool ok = 2 * c + (pair >> 4) < at.kc1 - at.kc0 && col0 + 64 * c < p.K;
-    const char* src = x0 + 128 * c;
-    // Two loops rather than a select per copy: `ok` is the same for all of a thread's rows.
-    if (ok) {
+    uint8_t* dst = smem + (c % STAGES) * Shape::kXBytes + x_dst;
+    const bool ok = 2 * c + (v >> 2) < at.kc1 - at.kc0;
+    const char* src = x0 + (ok ? 128 * c : 0);  // an address in bounds either way
 #pragma unroll
-      for (int r = 0; r < kCopies; ++r)
-        cp_async4_shared(dst + ((r * kRowStep) & 4 ? x_dst1 : x_dst0) + r * kRowStep * 128, src + x_off[r], true);
-    } else {
-#pragma unroll
-      for (int r = 0; r < kCopies; ++r)
-        cp_async4_shared(dst + ((r * kRowStep) & 4 ? x_dst1 : x_dst0) + r * kRowStep * 128, x0, false);
-    }
+    for (int r = 0; r < kCopies; ++r) cp_async16(dst + r * kRowStep * 128, src + r * x_step, ok);
   };
 
   float acc[1][NB][4];
@@ -664,23 +733,19 @@ __global__ void __launch_bounds__(WG * 128, 1) wgmma_kernel(const GemmParams p) 
     // Every input of the MMAs (A registers and descriptors) is computed before the fence: ptxas
     // serializes all MMAs of a kernel where another instruction defines one between the fence and
     // the commit.
-    uint64_t desc[4][P];
+    uint64_t desc[4];
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int b = 0; b < P; ++b) {
-        desc[kk][b] = swizzled_desc(x_addr + b * 64 * 128 + kk * 32);
-        asm volatile("" : "+l"(desc[kk][b])::"memory");
-      }
+    for (int kk = 0; kk < 4; ++kk) {
+      desc[kk] = swizzled_desc(x_addr + kk * 32);
+      asm volatile("" : "+l"(desc[kk])::"memory");
+    }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int b = 0; b < P; ++b) wgmma_m64n64(acc, 8 * b, a[kk], desc[kk][b]);
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<P>(acc, a[kk], desc[kk]);
     wgmma_commit();
     wgmma_wait<1>();
   };
@@ -781,7 +846,28 @@ const void* wgmma_ready() {
   return err == cudaSuccess ? reinterpret_cast<const void*>(wgmma_kernel<P, WG, S>) : nullptr;
 }
 
+// x in fragment order into p.xf for the wgmma kernel, under the same launch attributes.
+cudaError_t launch_fragment_order(const GemmParams& p, int rows, bool pdl, cudaStream_t stream) {
+  const int64_t threads = static_cast<int64_t>(rows) * p.KC;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>((threads + 255) / 256));
+  cfg.blockDim = dim3(256);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, fragment_kernel, p.x, p.ldx, reinterpret_cast<uint4*>(p.xf), p.M, p.K, p.KC, rows);
+}
+
 }  // namespace
+
+int fragment_rows(const GemmConfig& c, int M) {
+  if (c.mt != 1) return 0;
+  const int tokens = 8 * c.nb;
+  return (M + tokens - 1) / tokens * tokens;
+}
 
 // The compiled configs. Register ring: (rows per warp / 16, tokens per pass / 8, warps along N,
 // warps along K, chunks in flight per warp). Staged (64 rows per warp): (tokens per pass / 8,
@@ -796,7 +882,9 @@ const void* wgmma_ready() {
 #define QERL_W4A16_STAGED(X)                                                                        \
   X(1, 4, 1, 8) X(1, 1, 4, 8) X(1, 1, 8, 6) X(2, 4, 1, 8) X(2, 1, 4, 8) X(2, 2, 2, 8)             \
   X(4, 4, 1, 6) X(4, 2, 2, 6) X(4, 1, 4, 6) X(8, 4, 1, 5) X(8, 2, 2, 4) X(8, 2, 1, 6)
-#define QERL_W4A16_WGMMA(X) X(1, 1, 4) X(1, 1, 6) X(1, 2, 4) X(1, 2, 6) X(2, 1, 4) X(2, 1, 6) X(2, 2, 4) X(2, 2, 6)
+#define QERL_W4A16_WGMMA(X)                                                                         \
+  X(1, 1, 4) X(1, 1, 6) X(1, 2, 4) X(1, 2, 6) X(2, 1, 4) X(2, 1, 6) X(2, 2, 4) X(2, 2, 6) X(4, 1, 4)  \
+  X(4, 2, 4) X(4, 2, 5)
 
 int gemm_blocks_per_sm(const GemmConfig& c) {
   int blocks = 0;
@@ -838,7 +926,12 @@ cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t s
 #define QERL_W4A16_WGMMA_DISPATCH(P, WG, S)                                                          \
   if (c.mt == 1 && c.stages == S && c.nb == 8 * P && c.warps == 4 * WG && c.wk == 1) {            \
     if (wgmma_ready<P, WG, S>() == nullptr) return cudaErrorInvalidConfiguration;                  \
-    return launch(wgmma_kernel<P, WG, S>, p, WG * 64, 8 * P, WG * 128, WgmmaShape<P, WG, S>::kBytes, c.splits, \
+    const cudaError_t err = launch_fragment_order(p, fragment_rows(c, p.M), c.pdl != 0, stream);  \
+    if (err != cudaSuccess) return err;                                                            \
+    GemmParams q = p;                                                                              \
+    q.x = p.xf;                                                                                    \
+    q.ldx = static_cast<int64_t>(p.KC) * kCols;                                                    \
+    return launch(wgmma_kernel<P, WG, S>, q, WG * 64, 8 * P, WG * 128, WgmmaShape<P, WG, S>::kBytes, c.splits, \
                   c.pdl != 0, stream);                                                             \
   }
   QERL_W4A16_WGMMA(QERL_W4A16_WGMMA_DISPATCH)

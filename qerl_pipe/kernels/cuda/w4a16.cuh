@@ -20,6 +20,7 @@ struct GemmParams {
   const __nv_bfloat16* bias;  // [N] or null
   __nv_bfloat16* out;      // [M, N], rows ldo elements apart
   int64_t ldo;
+  __nv_bfloat16* xf;       // [fragment_rows, KC * kCols]: x in fragment order (wgmma configs)
   float* partials;         // [splits, M, NB * kRows] when splits > 1
   int* counters;           // one per CTA of a (x, z) grid slice, zero between launches
   int M, N, K, KC, chunks_per_split;
@@ -37,6 +38,10 @@ struct GemmConfig {
 
 // CTAs of config `c` that fit on one SM at once (0 for a config with no compiled kernel).
 int gemm_blocks_per_sm(const GemmConfig& c);
+
+// Rows of the fragment-order copy of x that config `c` needs for M tokens (whole passes; 0 for
+// the kernels that read x as it is).
+int fragment_rows(const GemmConfig& c, int M);
 
 // Returns cudaErrorInvalidConfiguration for a config with no compiled kernel.
 cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream);
