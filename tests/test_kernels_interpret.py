@@ -144,13 +144,20 @@ def _run_norm_case(seed: int) -> dict:
     from qerl_pipe.kernels import decode_ops, triton_decode
 
     gen = torch.Generator().manual_seed(seed)
-    x, r = torch.randn(3, 100, generator=gen), torch.randn(3, 100, generator=gen)
-    weight, noise = torch.rand(100, generator=gen), torch.randn(100, generator=gen) * 1e-2
+    x, r = torch.randn(3, 600, generator=gen), torch.randn(3, 600, generator=gen)
+    weight, noise = torch.rand(600, generator=gen), torch.randn(600, generator=gen) * 1e-2
+    shrink = torch.randn(37, 600, generator=gen) * 0.05  # R off the block, H over two K steps
     out = {}
     for name, residual in (("no-residual", None), ("residual", r)):
-        ref, ref_h = decode_ops.add_rms_norm_reference(x, residual, weight, noise, 1e-6)
-        got, got_h = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6)
-        out[name] = {"max_err": float((got - ref).abs().max()), "same_h": bool(torch.equal(got_h, ref_h))}
+        ref, ref_h, _ = decode_ops.add_rms_norm_reference(x, residual, weight, noise, 1e-6)
+        got, got_h, none = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6)
+        fused, fused_h, u = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, shrink)
+        alone = triton_decode.launch_add_rms_norm(x[1:2], None if residual is None else r[1:2], weight, noise, 1e-6,
+                                                  shrink)[2]
+        out[name] = {"max_err": float((got - ref).abs().max()), "same_h": bool(torch.equal(got_h, ref_h)),
+                     "no_u": none is None, "same_with_shrink": bool(torch.equal(fused, got) and torch.equal(fused_h, got_h)),
+                     "u_max_err": float((u - ref @ shrink.t()).abs().max()),
+                     "u_batch_independent": bool(torch.equal(alone, u[1:2]))}
     return out
 
 
@@ -187,6 +194,9 @@ def test_add_rms_norm_matches_reference(results: dict[str, dict], residual: str)
     r = results["add-rms-norm"]
     assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
     assert r[residual]["max_err"] < 1e-5 and r[residual]["same_h"], f"seed {r['seed']}: {r[residual]}"
+    # The LoRA shrink in the same kernel: the norm's outputs unchanged, u = normed @ A^T, per row.
+    assert r[residual]["no_u"] and r[residual]["same_with_shrink"], f"seed {r['seed']}: {r[residual]}"
+    assert r[residual]["u_max_err"] < 1e-4 and r[residual]["u_batch_independent"], f"seed {r['seed']}: {r[residual]}"
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ projections' bases, the LM head) and the engine's fused copy of the adapters (`F
 rollouts always see the current weights, but not the model's forward: the step is written for a
 batch of single tokens, in as few kernels as the fused pieces allow:
 - residual add + RMSNorm in one kernel (`kernels.decode_ops.add_rms_norm`), which also carries
-  the residual stream, so the decoder layer has no separate add;
+  the residual stream, so the decoder layer has no separate add, and at decode batches also
+  computes the LoRA shrink (u = x A^T) of the projection that reads it (q/k/v, gate/up);
 - RoPE, the KV-cache write and split-KV attention in two (`kernels.decode_ops.decode_attention`),
   writing the [B, heads * head_dim] layout o_proj reads, with no mask tensor and no transpose copy.
 On CPU both are their plain-torch references (same structure, same math), which the tests use.
@@ -22,12 +23,16 @@ from torch import Tensor
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention
 from qerl_pipe.model.decoder import Decoder, KVCache, silu_gate
+from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import rope_cos_sin
 
 
-def _norm(x: Tensor, residual: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
-    return add_rms_norm(x, residual, norm.weight, norm.noise, norm.eps)
+def _norm(x: Tensor, residual: Tensor | None, norm: RMSNorm, lora: FusedLora,
+          following: QuantLinear | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Residual add + RMSNorm, and the LoRA shrink of the projection that reads the result."""
+    shrink = None if following is None else lora.shrink_of(following)
+    return add_rms_norm(x, residual, norm.weight, norm.noise, norm.eps, shrink)
 
 
 @torch.inference_mode()
@@ -45,17 +50,21 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin = rope_cos_sin(positions, model.inv_freq, model.dtype)  # [B, head_dim] each
     layers = model.layers
-    normed, residual = _norm(model.embed_tokens(tokens), None, layers[0].input_layernorm)
+    normed, residual, u = _norm(model.embed_tokens(tokens), None, layers[0].input_layernorm, lora,
+                                layers[0].self_attn.qkv_proj)
     for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        q, k, v = lora.project(attn.qkv_proj, normed).split(attn.sizes, dim=-1)
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = lora.project(attn.qkv_proj, normed, u).split(attn.sizes, dim=-1)
         q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
         if attn.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         out = decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, d ** -0.5)
-        normed, residual = _norm(lora.project(attn.o_proj, out), residual, layer.post_attention_layernorm)
-        mlp = layer.mlp
-        down = lora.project(mlp.down_proj, silu_gate(lora.project(mlp.gate_up_proj, normed)))
-        following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-        normed, residual = _norm(down, residual, following)
+        normed, residual, u = _norm(lora.project(attn.o_proj, out), residual, layer.post_attention_layernorm, lora,
+                                    mlp.gate_up_proj)
+        down = lora.project(mlp.down_proj, silu_gate(lora.project(mlp.gate_up_proj, normed, u)))
+        if i + 1 < len(layers):
+            following = layers[i + 1]
+            normed, residual, u = _norm(down, residual, following.input_layernorm, lora, following.self_attn.qkv_proj)
+        else:
+            normed, residual, u = _norm(down, residual, model.norm, lora, None)
     return model.lm_head(normed)

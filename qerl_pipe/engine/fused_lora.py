@@ -56,15 +56,22 @@ class FusedLora:
         for m in [m for m in self._copies if m not in seen]:
             del self._copies[m]
 
-    def project(self, linear: QuantLinear, x: Tensor) -> Tensor:
-        """x [..., in_features] through the linear: its base (+ bias), then its adapter fused."""
+    def shrink_of(self, linear: QuantLinear) -> Tensor | None:
+        """The stacked A [R, in_features] of the linear's active adapters, or None (no adapter, or
+        adapters switched off): what a kernel upstream may multiply in already (`project`'s u)."""
+        pair = self._copies.get(linear) if linear.lora_enabled else None
+        return None if pair is None else pair[0]
+
+    def project(self, linear: QuantLinear, x: Tensor, u: Tensor | None = None) -> Tensor:
+        """x [..., in_features] through the linear: its base (+ bias), then its adapter fused.
+        `u`, if given, is x @ shrink_of(linear)^T computed upstream (rows as x's)."""
         x2 = x.reshape(-1, linear.in_features)
         y = linear.base_forward(x2)
         pair = self._copies.get(linear) if linear.lora_enabled else None
         if pair is not None:
             a, b = pair
             # In place: y is this call's own output, and an out-of-place addmm first copies it.
-            y = y.addmm_(x2 @ a.t(), b.t())
+            y = y.addmm_(x2 @ a.t() if u is None else u.reshape(-1, a.shape[0]), b.t())
         return y.reshape(*x.shape[:-1], linear.out_features)
 
     def addresses(self) -> tuple[int, ...]:

@@ -3,11 +3,13 @@
 Each has a plain-torch reference (CPU, and the tests' oracle) and Triton kernels for CUDA
 (`triton_decode`, imported only there: Triton is a Linux-only dependency).
 
-**add_rms_norm(x, residual, weight, noise, eps)** returns (normed, h) with h = residual + x
-rounded to x's dtype once (as a bf16 add is) and normed = h / rms(h) * (weight + noise), computed in
-fp32 and rounded once: the numbers of `model.norm.rms_norm(residual + x, ...)`, up to the order of
-the mean's sum. `residual=None` normalises x alone (h is x). The decode step chains it between
-sublayers, so the residual stream needs no add kernel of its own.
+**add_rms_norm(x, residual, weight, noise, eps, shrink=None)** returns (normed, h, u) with h =
+residual + x rounded to x's dtype once (as a bf16 add is) and normed = h / rms(h) * (weight + noise),
+computed in fp32 and rounded once: the numbers of `model.norm.rms_norm(residual + x, ...)`, up to
+the order of the mean's sum. `residual=None` normalises x alone (h is x). The decode step chains it
+between sublayers, so the residual stream needs no add kernel of its own. With `shrink` (the next
+projection's stacked LoRA A, [R, H]) it also returns u = normed @ shrink^T, the adapter's first
+matmul, computed by the same kernel at decode batches (no launch of its own); else u is None.
 
 **decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale)** takes the new token's
 q [B, Hq, D] and k, v [B, Hkv, D] (strided views of the q/k/v projection's output are fine),
@@ -24,11 +26,11 @@ from torch import Tensor
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor,
-                           eps: float) -> tuple[Tensor, Tensor]:
+                           eps: float, shrink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     h = x if residual is None else residual + x
     h32 = h.float()
-    normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (weight.float() + noise)).to(x.dtype), h
+    normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + noise)).to(x.dtype)
+    return normed, h, None if shrink is None else normed @ shrink.t()
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -53,14 +55,24 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin
     return (probs @ v_cache.float()).to(q.dtype).reshape(b, hq * d)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor,
-                 eps: float) -> tuple[Tensor, Tensor]:
+# Up to this many rows the shrink runs inside the norm kernel. Each row's programs read all of A
+# (R x H: 96 x 3584 bf16 for r32 q/k/v is 688 KB), from L2 after the first row, so from some batch
+# one matmul that reads A once is cheaper than the launches it saves.
+FUSED_SHRINK_MAX_ROWS = 16
+
+
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
+                 shrink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """See the module doc: the Triton kernel on CUDA, else the torch reference."""
     if x.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_add_rms_norm
 
-        return launch_add_rms_norm(x, residual, weight, noise, eps)
-    return add_rms_norm_reference(x, residual, weight, noise, eps)
+        fused = shrink is not None and x.shape[0] <= FUSED_SHRINK_MAX_ROWS
+        normed, h, u = launch_add_rms_norm(x, residual, weight, noise, eps, shrink if fused else None)
+        if shrink is not None and not fused:
+            u = normed @ shrink.t()
+        return normed, h, u
+    return add_rms_norm_reference(x, residual, weight, noise, eps, shrink)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
