@@ -142,52 +142,39 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
 
 
 @triton.jit
-def _residual_row(x_ptr, r_ptr, row, sx, sr, offs, ok, HAS_RESIDUAL: tl.constexpr):
-    """h = residual + x over `offs` of one row, rounded once to x's dtype (x alone without residual)."""
-    x = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0)
-    h = x
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * sr + offs, mask=ok, other=0.0)
-        h = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
-    return h
-
-
-@triton.jit
 def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, H, R, sx, sr, so, sh, sa, su, eps,
-                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
     # Program (row, 0) writes the row's normed values (and h); program (row, j > 0) computes u's
-    # columns [(j - 1) * BLOCK_R, j * BLOCK_R) = normed_row . A[those rows]^T from the same values:
-    # the same whole-row sum gives the same 1 / rms bit for bit, and each normed element is rounded
-    # to the output dtype before the product, as the unfused matmul on `out` would see it.
+    # columns [(j - 1) * BLOCK_R, j * BLOCK_R) = normed_row . A[those rows]^T from the same values
+    # (the same code gives the same 1 / rms bit for bit, and each normed element is rounded to the
+    # output dtype before the product, as a matmul on `out` would see it). The whole row and the
+    # A rows are loaded at once: a loop over K chunks waited out one load latency per chunk.
     row, j = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
-    h = _residual_row(x_ptr, r_ptr, row, sx, sr, offs, ok, HAS_RESIDUAL)
+    x = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * sr + offs, mask=ok, other=0.0)
+        h = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+    else:
+        h = x
     h32 = h.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h32 * h32, 0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(z_ptr + offs, mask=ok, other=0.0)
+    normed = (h32 * inv_rms * w).to(out_ptr.dtype.element_ty)
     if j == 0:
         if HAS_RESIDUAL:
             tl.store(h_ptr + row * sh + offs, h, mask=ok)
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(z_ptr + offs, mask=ok, other=0.0)
-        tl.store(out_ptr + row * so + offs, (h32 * inv_rms * w).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + row * so + offs, normed, mask=ok)
     else:
         offs_r = (j - 1) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
-        acc = tl.zeros((BLOCK_R,), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < H
-            hk = _residual_row(x_ptr, r_ptr, row, sx, sr, offs_k, k_ok, HAS_RESIDUAL).to(tl.float32)
-            wk = tl.load(w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32) + tl.load(z_ptr + offs_k, mask=k_ok,
-                                                                                       other=0.0)
-            nk = (hk * inv_rms * wk).to(out_ptr.dtype.element_ty).to(tl.float32)
-            a = tl.load(a_ptr + offs_r[:, None] * sa + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(a.to(tl.float32) * nk[None, :], 1)
-        tl.store(u_ptr + row * su + offs_r, acc.to(u_ptr.dtype.element_ty), mask=r_ok)
+        a = tl.load(a_ptr + offs_r[:, None] * sa + offs[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
+        u = tl.sum(a.to(tl.float32) * normed.to(tl.float32)[None, :], 1)
+        tl.store(u_ptr + row * su + offs_r, u.to(u_ptr.dtype.element_ty), mask=r_ok)
 
 
-SHRINK_BLOCK_R = 16  # columns of u per program
-SHRINK_BLOCK_K = 512  # hidden elements per step of a shrink program
+SHRINK_TILE = 16384  # elements of A per shrink program (BLOCK_R rows of the padded hidden size)
 
 
 def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
@@ -208,8 +195,9 @@ def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, nois
     u = None if shrink is None else torch.empty(rows, n_u, dtype=x.dtype, device=x.device)
     u_arg = out if u is None else u
     block = triton.next_power_of_2(hidden)
-    _add_rms_norm[(rows, 1 + triton.cdiv(n_u, SHRINK_BLOCK_R))](
+    block_r = max(1, SHRINK_TILE // block)
+    _add_rms_norm[(rows, 1 + triton.cdiv(n_u, block_r))](
         x, r, weight, noise, out, h, a, u_arg, hidden, n_u, x.stride(0), r.stride(0), out.stride(0), h.stride(0),
-        a.stride(0), u_arg.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block, BLOCK_R=SHRINK_BLOCK_R,
-        BLOCK_K=min(SHRINK_BLOCK_K, block), num_warps=max(1, min(16, block // 256)))
+        a.stride(0), u_arg.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block, BLOCK_R=block_r,
+        num_warps=max(1, min(16, block // 256)))
     return out, h, u
