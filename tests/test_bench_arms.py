@@ -177,7 +177,26 @@ def test_each_arm_is_checked_against_qlora():
         ("beats QLoRA: nvfp4 vs nf4 (reward 0.5)", "fewer steps than QLoRA", -2, True)]
 
 
-@pytest.mark.parametrize(("option", "form"), [("--aqn-pairs", "WITH:WITHOUT"), ("--qlora-pairs", "ARM:QLORA")])
+def test_full_fine_tuning_parity_and_calibration_are_checked_per_pair():
+    def row(name: str, step: int | None, after: float | None) -> dict:
+        return {"arm": name, "entropy_first_tenth": None, "step_reward_0.5": step, "greedy_accuracy_after": after}
+
+    rows = {r["arm"]: r for r in (row("qerl", 30, 0.836), row("full", 20, 0.883), row("qerl-act-mse", 22, 0.879),
+                                  row("late", 40, None))}
+    claims = arms.paper_claims(rows, [], "bf16", [], [], [("qerl", "full"), ("qerl-act-mse", "full"), ("late", "full")],
+                               [("qerl-act-mse", "qerl"), ("late", "qerl")])
+    assert [(c["name"], c["target"], c["measured"], c["met"]) for c in claims] == [
+        ("on par with full fine-tuning: qerl vs full (greedy accuracy after)", ">= -0.01", pytest.approx(-0.047), False),
+        ("on par with full fine-tuning: qerl-act-mse vs full (greedy accuracy after)", ">= -0.01",
+         pytest.approx(-0.004), True),
+        ("calibration helps: qerl-act-mse vs qerl (reward 0.5)", "fewer steps with calibrated scales", -8, True),
+        ("calibration helps: qerl-act-mse vs qerl (greedy accuracy after)", "higher with calibrated scales",
+         pytest.approx(0.043), True),
+        ("calibration helps: late vs qerl (reward 0.5)", "fewer steps with calibrated scales", 10, False)]
+
+
+@pytest.mark.parametrize(("option", "form"), [("--aqn-pairs", "WITH:WITHOUT"), ("--qlora-pairs", "ARM:QLORA"),
+                                              ("--full-ft-pairs", "ARM:FULL"), ("--calibrated-pairs", "CALIBRATED:RTN")])
 @pytest.mark.parametrize("pairs", ["qerl:", "qerl", ":nvfp4", "qerl:nvfp4,nf4"])
 def test_a_malformed_pair_is_refused(tmp_path, option, form, pairs):
     run = tmp_path / "run"

@@ -1,4 +1,5 @@
-"""Side-by-side learning dynamics of training arms (bf16 LoRA, QLoRA, NVFP4, NVFP4 + AQN, ...).
+"""Side-by-side learning dynamics of training arms (bf16 LoRA, QLoRA, NVFP4, NVFP4 + AQN, full
+fine-tuning, calibrated NVFP4, ...).
 
 Reads the run directories the arms wrote (finished `run` artifacts or interrupted
 `<store>/.runs/train-<id>` work directories, both hold `metrics.jsonl`), or, where only a run's
@@ -167,12 +168,34 @@ def _pair_claims(rows: dict[str, dict[str, Any]], pairs: Sequence[tuple[str, str
     return claims
 
 
+# "On par with full-parameter fine-tuning" (QeRL: 90.8 against 91.2 on 7B GSM8K), checked as
+# greedy accuracy after training at most this far below the full fine-tuning arm's.
+PAR_WITH_FULL_FT = 0.01
+
+
+def _par_claims(rows: dict[str, dict[str, Any]], pairs: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """For each (arm, full fine-tuning arm) pair present: is `arm`'s greedy accuracy after
+    training within PAR_WITH_FULL_FT of the full fine-tuning arm's?"""
+    claims = []
+    for arm, other in pairs:
+        after_a = rows.get(arm, {}).get("greedy_accuracy_after")
+        after_b = rows.get(other, {}).get("greedy_accuracy_after")
+        if after_a is not None and after_b is not None:
+            claims.append(target(f"on par with full fine-tuning: {arm} vs {other} (greedy accuracy after)",
+                                 f">= -{PAR_WITH_FULL_FT}", after_a - after_b, "accuracy difference",
+                                 after_a - after_b >= -PAR_WITH_FULL_FT))
+    return claims
+
+
 def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: str,
                  aqn_pairs: Sequence[tuple[str, str]],
-                 qlora_pairs: Sequence[tuple[str, str]] = ()) -> list[dict[str, Any]]:
+                 qlora_pairs: Sequence[tuple[str, str]] = (), full_ft_pairs: Sequence[tuple[str, str]] = (),
+                 calibrated_pairs: Sequence[tuple[str, str]] = ()) -> list[dict[str, Any]]:
     """QeRL's findings as checkable statements on these runs: early entropy and reward growth of
-    each quantized arm against the full-precision one, AQN for each (with, without) pair, and
-    QeRL's edge over QLoRA for each (arm, QLoRA arm) pair."""
+    each quantized arm against the full-precision one, AQN for each (with, without) pair, QeRL's
+    edge over QLoRA for each (arm, QLoRA arm) pair, parity with full fine-tuning for each (arm,
+    full fine-tuning arm) pair, and calibrated quantization's edge over round-to-nearest for each
+    (calibrated arm, RTN arm) pair."""
     claims = []
     if full in rows:
         for q in quantized:
@@ -188,6 +211,8 @@ def paper_claims(rows: dict[str, dict[str, Any]], quantized: list[str], full: st
                                      a - b, "steps difference", a < b))
     claims += _pair_claims(rows, aqn_pairs, "AQN helps", "with AQN")
     claims += _pair_claims(rows, qlora_pairs, "beats QLoRA", "than QLoRA")
+    claims += _par_claims(rows, full_ft_pairs)
+    claims += _pair_claims(rows, calibrated_pairs, "calibration helps", "with calibrated scales")
     return claims
 
 
@@ -241,11 +266,14 @@ def write_plots(arms: dict[str, dict[str, Any]], out_dir: Path, title: str) -> l
 
 def summarize_arms(arm_specs: Sequence[str], out_dir: Path, title: str = "arms", full: str = "bf16",
                    quantized: str = "nvfp4,nf4", aqn_pairs: str = "qerl:nvfp4,bf16-aqn:bf16",
-                   qlora_pairs: str = "qerl:nf4,nvfp4:nf4", note: str = "", gpu: str | None = None) -> dict[str, Any]:
+                   qlora_pairs: str = "qerl:nf4,nvfp4:nf4", note: str = "", gpu: str | None = None,
+                   full_ft_pairs: str = "qerl:full", calibrated_pairs: str = "qerl-act-mse:qerl") -> dict[str, Any]:
     """`qerl-pipe bench arms`: read each NAME=RUN_DIR arm, write the plots and `arms.json` into
     `out_dir`; returns the results file. A malformed option is a QerlError before anything is read."""
     pairs = _pairs("--aqn-pairs", aqn_pairs, "WITH:WITHOUT", "qerl:nvfp4")
     qlora = _pairs("--qlora-pairs", qlora_pairs, "ARM:QLORA", "qerl:nf4")
+    par = _pairs("--full-ft-pairs", full_ft_pairs, "ARM:FULL", "qerl:full")
+    calibrated = _pairs("--calibrated-pairs", calibrated_pairs, "CALIBRATED:RTN", "qerl-act-mse:qerl")
     arms = {}
     for spec in arm_specs:
         name, sep, path = spec.partition("=")
@@ -255,7 +283,7 @@ def summarize_arms(arm_specs: Sequence[str], out_dir: Path, title: str = "arms",
     rows = {name: summarize(name, arm) for name, arm in arms.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(arms, out_dir, title)
-    claims = paper_claims(rows, [q for q in quantized.split(",") if q], full, pairs, qlora)
+    claims = paper_claims(rows, [q for q in quantized.split(",") if q], full, pairs, qlora, par, calibrated)
     extra = {"gpu": gpu} if gpu else {}
     out = results_file(list(rows.values()), claims, note=note, plots=plots, **extra)
     (out_dir / "arms.json").write_text(json.dumps(out, indent=2) + "\n")
