@@ -267,7 +267,7 @@ def write_plots(arms: dict[str, dict[str, Any]], out_dir: Path, title: str) -> l
 def summarize_arms(arm_specs: Sequence[str], out_dir: Path, title: str = "arms", full: str = "bf16",
                    quantized: str = "nvfp4,nf4", aqn_pairs: str = "qerl:nvfp4,bf16-aqn:bf16",
                    qlora_pairs: str = "qerl:nf4,nvfp4:nf4", note: str = "", gpu: str | None = None,
-                   full_ft_pairs: str = "qerl:full", calibrated_pairs: str = "qerl-act-mse:qerl") -> dict[str, Any]:
+                   full_ft_pairs: str = "qerl:full,qerl-act-mse:full", calibrated_pairs: str = "qerl-act-mse:qerl") -> dict[str, Any]:
     """`qerl-pipe bench arms`: read each NAME=RUN_DIR arm, write the plots and `arms.json` into
     `out_dir`; returns the results file. A malformed option is a QerlError before anything is read."""
     pairs = _pairs("--aqn-pairs", aqn_pairs, "WITH:WITHOUT", "qerl:nvfp4")

@@ -183,7 +183,7 @@ def bench_arms(arm: Annotated[list[str], typer.Option("--arm", help="NAME=RUN_DI
                quantized: Annotated[str, typer.Option(help="Quantized arms without AQN, comma-separated.")] = "nvfp4,nf4",
                aqn_pairs: Annotated[str, typer.Option(help="WITH:WITHOUT arms that differ only in AQN, comma-separated.")] = "qerl:nvfp4,bf16-aqn:bf16",
                qlora_pairs: Annotated[str, typer.Option(help="ARM:QLORA pairs, each arm checked against the QLoRA (NF4) arm.")] = "qerl:nf4,nvfp4:nf4",
-               full_ft_pairs: Annotated[str, typer.Option(help="ARM:FULL pairs, each arm's greedy accuracy after training checked against the full fine-tuning arm's (within 1 point).")] = "qerl:full",
+               full_ft_pairs: Annotated[str, typer.Option(help="ARM:FULL pairs, each arm's greedy accuracy after training checked against the full fine-tuning arm's (within 1 point).")] = "qerl:full,qerl-act-mse:full",
                calibrated_pairs: Annotated[str, typer.Option(help="CALIBRATED:RTN pairs that differ only in quantize.method.")] = "qerl-act-mse:qerl",
                note: Annotated[str, typer.Option(help="Stored in the results file (how the arms were run).")] = "",
                gpu: Annotated[Optional[str], typer.Option(help="The GPU the arms ran on, when summarised elsewhere.")] = None) -> None:
