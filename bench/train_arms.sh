@@ -6,7 +6,13 @@
 # are built once: the artifact store's per-id lock makes the other arms wait and reuse them.
 #
 # usage: bench/train_arms.sh RECIPE OUT_DIR SECONDS 'name|--set a=b --set c=d' ...
-# Each arm's log goes to OUT_DIR/NAME.log; a run killed at SECONDS resumes when started again.
+# Each arm's log goes to OUT_DIR/NAME.log (a NAME may hold a folder: seed1/qerl). A run killed at
+# SECONDS resumes from its last checkpoint when started again with the same sets; the logs are
+# appended to, each session after a header line, so the log keeps every session's steps (the
+# `bench arms` log reader keeps a step's last printing) and the `train: DIR` line that
+# `bench/collect_arms.sh` reads, also for an arm that finished in an earlier session.
+# The artifact store (and the train work directories, <store>/.runs/) is qerl-pipe's:
+# $QERL_ARTIFACTS, else ./artifacts.
 set -uo pipefail
 recipe=$1 out=$2 seconds=$3
 shift 3
@@ -14,8 +20,10 @@ mkdir -p "$out"
 pids=()
 for arm in "$@"; do
   name=${arm%%|*} sets=${arm#*|}
+  mkdir -p "$(dirname "$out/$name")"
+  echo "== bench/train_arms.sh $(date -u +%FT%TZ): $recipe $sets (stopped after $seconds s)" | tee -a "$out/$name.out" >>"$out/$name.log"
   # shellcheck disable=SC2086  # the --set options are meant to split
-  timeout "$seconds" python3 -m qerl_pipe run "$recipe" $sets >"$out/$name.out" 2>"$out/$name.log" &
+  timeout "$seconds" python3 -m qerl_pipe run "$recipe" $sets >>"$out/$name.out" 2>>"$out/$name.log" &
   pids+=($!)
   sleep 2
 done
