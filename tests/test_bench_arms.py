@@ -195,6 +195,39 @@ def test_full_fine_tuning_parity_and_calibration_are_checked_per_pair():
         ("calibration helps: late vs qerl (reward 0.5)", "fewer steps with calibrated scales", 10, False)]
 
 
+def test_new_arm_names_go_through_arms_and_seeds(tmp_path):
+    """Arms are named freely: a full fine-tuning arm and a calibrated one next to qerl, in the
+    results (with the adapter each trained), the default claims and the seeds summary."""
+    pytest.importorskip("matplotlib")
+    from qerl_pipe.bench import seeds
+
+    files = []
+    for seed, (full_after, calibrated_step) in enumerate([(0.845, 20), (0.90, 40)]):
+        specs = []
+        for name, adapter, step, after in (("qerl", None, 30, 0.84), ("full", "full", 14, full_after),
+                                           ("qerl-act-mse", None, calibrated_step, 0.86)):
+            run = tmp_path / f"seed{seed}" / name
+            (run / "eval").mkdir(parents=True)
+            rewards = [0.0] * (step - 1) + [1.0] * 5  # the 5-step mean reaches 0.5 at step + 2
+            # a CPU run's metrics have no GPU memory (null)
+            gpu = {"peak_gpu_memory_gib": None if name == "full" else 3.0}
+            (run / "metrics.jsonl").write_text("".join(json.dumps(_record(i + 1, r, entropy=0.5, **gpu)) + "\n"
+                                                       for i, r in enumerate(rewards)))
+            (run / "run.json").write_text(json.dumps({"train": {"lr": 1e-5, **({"adapter": adapter} if adapter else {})}}))
+            (run / "eval" / "after.json").write_text(json.dumps({"accuracy": after, "correct": 1, "total": 4}))
+            specs.append(f"{name}={run}")
+        out = arms.summarize_arms(specs, tmp_path / f"out{seed}")
+        assert [(r["arm"], r["adapter"], r["step_reward_0.5"], r["peak_gpu_memory_gib"]) for r in out["results"]] == [
+            ("qerl", "lora", 32, 3.0), ("full", "full", 16, None), ("qerl-act-mse", "lora", calibrated_step + 2, 3.0)]
+        files.append(tmp_path / f"out{seed}" / "arms.json")
+    result = seeds.summarize_seeds(files, tmp_path / "seeds.json")
+    assert [r["arm"] for r in result["results"]] == ["qerl", "full", "qerl-act-mse"]
+    held = {t["name"]: (t["measured"], t["met"]) for t in result["targets"]}
+    assert held["on par with full fine-tuning: qerl vs full (greedy accuracy after) (in every seed checked)"] == (1, False)
+    assert held["calibration helps: qerl-act-mse vs qerl (reward 0.5) (in every seed checked)"] == (1, False)
+    assert held["calibration helps: qerl-act-mse vs qerl (greedy accuracy after) (in every seed checked)"] == (2, True)
+
+
 @pytest.mark.parametrize(("option", "form"), [("--aqn-pairs", "WITH:WITHOUT"), ("--qlora-pairs", "ARM:QLORA"),
                                               ("--full-ft-pairs", "ARM:FULL"), ("--calibrated-pairs", "CALIBRATED:RTN")])
 @pytest.mark.parametrize("pairs", ["qerl:", "qerl", ":nvfp4", "qerl:nvfp4,nf4"])

@@ -133,6 +133,7 @@ def summarize(name: str, arm: dict[str, Any]) -> dict[str, Any]:
         "finished": "after" in arm["eval"],
         "lr": train.get("lr"),
         "aqn": train.get("aqn", {}).get("schedule"),
+        "adapter": train.get("adapter", "lora") if train else None,
         "greedy_accuracy_before": arm["eval"].get("before", {}).get("accuracy"),
         "greedy_accuracy_after": arm["eval"].get("after", {}).get("accuracy"),
         "greedy_accuracy_after_graded_in_run": arm["eval"].get("after", {}).get("graded_in_run"),
@@ -144,7 +145,7 @@ def summarize(name: str, arm: dict[str, Any]) -> dict[str, Any]:
         "step_reward_0.5": first_step_reaching(records, "reward_mean", 0.5),
         "step_reward_0.8": first_step_reaching(records, "reward_mean", 0.8),
         "step_seconds_median": sorted(r["step_seconds"] for r in records)[len(records) // 2],
-        "peak_gpu_memory_gib": max((r["peak_gpu_memory_gib"] for r in records if "peak_gpu_memory_gib" in r),
+        "peak_gpu_memory_gib": max((r["peak_gpu_memory_gib"] for r in records if r.get("peak_gpu_memory_gib") is not None),
                                    default=None),
     }
 
