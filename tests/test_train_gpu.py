@@ -61,30 +61,38 @@ def test_training_steps_on_cuda_with_graph_rollouts(tiny_llama, base_format):
 
 
 def test_full_fine_tuning_on_cuda_with_graph_rollouts(tiny_llama):
-    """adapter: full on a bf16 model: the decode graphs replay over the weights the optimizer's
-    masters were copied into (in place), so the engine samples from the updated model."""
+    """adapter: full on a bf16 model: a few steps move every weight, in place (same addresses), so
+    the decode graphs captured before training are replayed, not recaptured, and sample from the
+    updated model: the engine's logprobs are the trainer's over the new weights, not the old."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
     section = TrainSection.model_validate(dict(
-        adapter="full", steps=4, prompts_per_step=4, group_size=4, max_new_tokens=16, lr=1e-3, temperature=0.5,
+        adapter="full", steps=4, prompts_per_step=4, group_size=4, max_new_tokens=16, lr=1e-2, temperature=0.5,
         micro_batch_size=8, rewards={"accuracy": 0.0, "custom": ["tests.test_rl_trainer:letter_e"]},
-        aqn={"num_stages": 3, "sigma_start": 0.05, "sigma_end": 0.01}))
+        aqn={"schedule": "none"}))
     model = load_model(tiny_llama, "bf16", dtype=torch.bfloat16, device="cuda")
     limits = plan_limits(model.config, max_seq_len=128, max_batch=16, dtype=torch.bfloat16, cuda_graphs=True)
     engine = Engine(model, limits)
+    assert engine.uses_cuda_graphs
     problems = load_problems("arithmetic:64")
     prompts = [render_prompt(tokenizer, p) for p in problems]
     trainer = Trainer(model, engine, tokenizer, problems, prompts, section, (tokenizer.eos_token_id,))
+    params = SamplingParams(temperature=0.5, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,), seed=7)
+    engine.generate(prompts[:4], n=2, sampling=params)  # captures the graphs the last rollout replays
+    captured = dict(engine._runner._graphs)
     before = [p.detach().clone() for p in model.parameters()]
+    pointers = [p.data_ptr() for p in model.parameters()]
+
     records = [trainer.step() for _ in range(4)]
     assert all(math.isfinite(r["loss"]) and r["peak_gpu_memory_gib"] > 0 for r in records)
-    assert engine.uses_cuda_graphs and engine.captured_graph_sizes
-    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))  # every weight moved
-    assert all(m.dtype == torch.float32 for m in trainer.params)
+    assert all(m.dtype == torch.float32 for m in trainer.params)  # float32 masters
+    unchanged = [n for (n, p), b in zip(model.named_parameters(), before) if torch.equal(p, b)]
+    assert unchanged == []  # every weight moved: linears, norms, embedding, head
+    assert [p.data_ptr() for p in model.parameters()] == pointers  # in place: the graphs' addresses hold
 
-    params = SamplingParams(temperature=0.5, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,), seed=7)
     out = engine.generate(prompts[:4], n=2, sampling=params)
+    assert captured and all(engine._runner._graphs.get(k) is g for k, g in captured.items())  # not recaptured
     batch = rollout_batch(out, prompts, "cuda")
     with torch.no_grad():
         logp, _ = trainer._logprobs(batch)
