@@ -149,7 +149,7 @@ def _run_norm_case(seed: int) -> dict:
     shrink = torch.randn(37, 600, generator=gen) * 0.05  # R off the block, H over two K steps
     out = {}
     for name, residual in (("no-residual", None), ("residual", r)):
-        ref, ref_h, _ = decode_ops.add_rms_norm_reference(x, residual, weight, noise, 1e-6)
+        ref, ref_h = decode_ops.add_rms_norm_reference(x, residual, weight, noise, 1e-6)
         got, got_h, none = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6)
         fused, fused_h, u = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, shrink)
         alone = triton_decode.launch_add_rms_norm(x[1:2], None if residual is None else r[1:2], weight, noise, 1e-6,

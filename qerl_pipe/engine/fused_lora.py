@@ -56,10 +56,14 @@ class FusedLora:
         for m in [m for m in self._copies if m not in seen]:
             del self._copies[m]
 
+    def _active(self, linear: QuantLinear) -> tuple[Tensor, Tensor] | None:
+        """The linear's fused (A, B), or None: no adapter, or adapters switched off."""
+        return self._copies.get(linear) if linear.lora_enabled else None
+
     def shrink_of(self, linear: QuantLinear) -> Tensor | None:
-        """The stacked A [R, in_features] of the linear's active adapters, or None (no adapter, or
-        adapters switched off): what a kernel upstream may multiply in already (`project`'s u)."""
-        pair = self._copies.get(linear) if linear.lora_enabled else None
+        """The stacked A [R, in_features] of the linear's active adapters, or None: what a kernel
+        upstream may multiply in already (`project`'s u)."""
+        pair = self._active(linear)
         return None if pair is None else pair[0]
 
     def project(self, linear: QuantLinear, x: Tensor, u: Tensor | None = None) -> Tensor:
@@ -67,7 +71,7 @@ class FusedLora:
         `u`, if given, is x @ shrink_of(linear)^T computed upstream (rows as x's)."""
         x2 = x.reshape(-1, linear.in_features)
         y = linear.base_forward(x2)
-        pair = self._copies.get(linear) if linear.lora_enabled else None
+        pair = self._active(linear)
         if pair is not None:
             a, b = pair
             # In place: y is this call's own output, and an out-of-place addmm first copies it.

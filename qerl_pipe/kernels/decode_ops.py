@@ -8,8 +8,9 @@ residual + x rounded to x's dtype once (as a bf16 add is) and normed = h / rms(h
 computed in fp32 and rounded once: the numbers of `model.norm.rms_norm(residual + x, ...)`, up to
 the order of the mean's sum. `residual=None` normalises x alone (h is x). The decode step chains it
 between sublayers, so the residual stream needs no add kernel of its own. With `shrink` (the next
-projection's stacked LoRA A, [R, H]) it also returns u = normed @ shrink^T, the adapter's first
-matmul, computed by the same kernel at decode batches (no launch of its own); else u is None.
+projection's stacked LoRA A, [R, H]) the kernel also returns u = normed @ shrink^T, the adapter's
+first matmul, at decode batches (no launch of its own); u is None where it was not computed here
+(CPU, more rows, no shrink), and the caller multiplies (`FusedLora.project`).
 
 **decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale)** takes the new token's
 q [B, Hq, D] and k, v [B, Hkv, D] (strided views of the q/k/v projection's output are fine),
@@ -26,11 +27,11 @@ from torch import Tensor
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor,
-                           eps: float, shrink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                           eps: float) -> tuple[Tensor, Tensor]:
     h = x if residual is None else residual + x
     h32 = h.float()
     normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + noise)).to(x.dtype)
-    return normed, h, None if shrink is None else normed @ shrink.t()
+    return normed, h
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -63,16 +64,14 @@ FUSED_SHRINK_MAX_ROWS = 16
 
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
                  shrink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """See the module doc: the Triton kernel on CUDA, else the torch reference."""
+    """See the module doc: the Triton kernel on CUDA, else the torch reference (which leaves u to
+    the caller, as the kernel does above FUSED_SHRINK_MAX_ROWS)."""
     if x.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_add_rms_norm
 
         fused = shrink is not None and x.shape[0] <= FUSED_SHRINK_MAX_ROWS
-        normed, h, u = launch_add_rms_norm(x, residual, weight, noise, eps, shrink if fused else None)
-        if shrink is not None and not fused:
-            u = normed @ shrink.t()
-        return normed, h, u
-    return add_rms_norm_reference(x, residual, weight, noise, eps, shrink)
+        return launch_add_rms_norm(x, residual, weight, noise, eps, shrink if fused else None)
+    return (*add_rms_norm_reference(x, residual, weight, noise, eps), None)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
