@@ -11,7 +11,8 @@ SPLIT is fixed and the merge runs in split order, so a sequence's output depends
 position and cache, never on the batch it runs in or the attention length (splits past the
 position add exact zeros): rollouts stay independent of batch placement.
 
-**Residual add + RMSNorm**: one program per row, so a row's result never depends on its batch.
+**Residual add + RMSNorm** (and the next projection's LoRA shrink): programs per row only (one for
+the norm, one per BLOCK_R columns of u), so a row's results never depend on its batch.
 """
 
 from __future__ import annotations
