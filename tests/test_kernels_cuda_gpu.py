@@ -76,21 +76,39 @@ def test_gemm_and_dequant_match_the_reference(n: int, k: int) -> None:
 def test_every_compiled_config(cfg: cuda_ext.GemmConfig) -> None:
     tq, dense = _weight(1000, 1088, 7)
     bias = torch.randn(1000, device="cuda").to(torch.bfloat16)
+    b = _lora_b(1000, 48)
     for m in (1, 8 * cfg.nb - 1, 8 * cfg.nb + 3):
         x = torch.randn(m, 1088, device="cuda").to(torch.bfloat16)
         out = _poisoned(lambda: cuda_ext.gemm(x, tq, bias, config=cfg), (m, 1000))
         assert _rel(out, x.double() @ dense.T + bias.double()) < 5e-3, (cfg, m)
+        # The LoRA expand in the epilogue; u a column slice of a wider buffer (rows ldu apart).
+        u = torch.randn(m, 64, device="cuda").to(torch.bfloat16)[:, 8:56]
+        ref = x.double() @ dense.T + bias.double() + u.double() @ b.double().T
+        out = _poisoned(lambda: cuda_ext.gemm(x, tq, bias, config=cfg, lora=(u, b)), (m, 1000))
+        assert _rel(out, ref) < 5e-3, (cfg, m, "lora")
+
+
+def _lora_b(n: int, rank: int) -> torch.Tensor:
+    """A block-diagonal B as FusedLora stacks it: three row ranges, each with its own 16 columns,
+    the last range without an adapter (zeros)."""
+    b = torch.zeros(n, rank, device="cuda")
+    edges = [0, n // 3, 2 * n // 3, n]
+    for j in range(2):
+        b[edges[j]:edges[j + 1], 16 * j:16 * (j + 1)] = torch.randn(edges[j + 1] - edges[j], 16, device="cuda")
+    b[:, 32:] = 0.0
+    return b.to(torch.bfloat16)
 
 
 def test_bit_identical_on_repeat_and_under_graph_replay() -> None:
     tq, _ = _weight(3584, 18944, 3)
     for m in (1, 16, 64):
         x = torch.randn(m, 18944, device="cuda").to(torch.bfloat16)
-        first = cuda_ext.gemm(x, tq)
-        assert torch.equal(first, cuda_ext.gemm(x, tq)), "split-K must sum in a fixed order"
+        lora = (torch.randn(m, 32, device="cuda").to(torch.bfloat16), _lora_b(3584, 32))
+        first = cuda_ext.gemm(x, tq, lora=lora)
+        assert torch.equal(first, cuda_ext.gemm(x, tq, lora=lora)), "split-K must sum in a fixed order"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = cuda_ext.gemm(x, tq)
+            captured = cuda_ext.gemm(x, tq, lora=lora)
         graph.replay()
         graph.replay()
         torch.cuda.synchronize()
@@ -107,6 +125,14 @@ def test_strided_rows_and_linear_dispatch() -> None:
     assert _rel(nvfp4_linear(big, tq), big.double() @ dense.T) < 5e-3
     dy = torch.randn(70, 4608, device="cuda").to(torch.bfloat16)
     assert _rel(nvfp4_linear_dx(dy, tq), dy.double() @ dense) < 5e-3
+    # Bias and LoRA expand: in the GEMM's epilogue at 5 rows, after dequantize + cuBLAS at 300,
+    # after the GEMM at a rank the epilogue does not take (24).
+    bias = torch.randn(4608, device="cuda").to(torch.bfloat16)
+    for rows, rank in ((x, 32), (big, 32), (x, 24)):
+        u = torch.randn(rows.shape[0], rank, device="cuda").to(torch.bfloat16)
+        b = torch.randn(4608, rank, device="cuda").to(torch.bfloat16)
+        ref = rows.double() @ dense.T + bias.double() + u.double() @ b.double().T
+        assert _rel(nvfp4_linear(rows, tq, bias, (u, b)), ref) < 5e-3, (rows.shape, rank)
 
 
 def test_scales_of_every_byte_and_sign() -> None:
@@ -175,3 +201,12 @@ def test_bad_configs_and_devices_are_errors_not_crashes() -> None:
         torch.ops.qerl.w4a16_gemm(x, tq.qweight, tq.scales, tq.global_scale, None, 256, 512, 3, 1, 4, 1, 4, 1, True, 0)
     with pytest.raises(RuntimeError, match="bias"):
         cuda_ext.gemm(x, tq, torch.zeros(256, dtype=torch.bfloat16))
+    u, b = torch.zeros(4, 24, device="cuda", dtype=torch.bfloat16), torch.zeros(256, 24, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cuda_ext.gemm(x, tq, lora=(u, b))
+    with pytest.raises(RuntimeError, match="lora_b"):
+        torch.ops.qerl.w4a16_gemm(x, tq.qweight, tq.scales, tq.global_scale, None, 256, 512, 4, 1, 4, 1, 4, 1, True, 0,
+                                  u, b)
+    with pytest.raises(RuntimeError, match="lora_u"):
+        torch.ops.qerl.w4a16_gemm(x, tq.qweight, tq.scales, tq.global_scale, None, 256, 512, 4, 1, 4, 1, 4, 1, True, 0,
+                                  u[:3, :16], b[:, :16].contiguous())

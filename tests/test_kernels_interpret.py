@@ -161,6 +161,28 @@ def _run_norm_case(seed: int) -> dict:
     return out
 
 
+def _run_act_shrink_case(seed: int) -> dict:
+    """SiLU(gate) * up and the LoRA shrink of act (down_proj), and the shrink alone (o_proj), with
+    H over two K steps and R off the block, against plain torch; a row alone against the batch."""
+    from qerl_pipe.kernels import triton_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden = triton_decode.ACT_BLOCK + 300
+    gate_up = torch.randn(3, 2 * hidden, generator=gen)
+    shrink = torch.randn(37, hidden, generator=gen) * 0.02
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref_act = torch.nn.functional.silu(gate) * up
+    act, u = triton_decode.launch_act_shrink(gate_up, shrink, silu=True)
+    only_act, no_u = triton_decode.launch_act_shrink(gate_up, None, silu=True)
+    none, plain_u = triton_decode.launch_act_shrink(gate, shrink, silu=False)  # strided rows
+    alone = triton_decode.launch_act_shrink(gate_up[1:2], shrink, silu=True)[1]
+    return {"act_max_err": float((act - ref_act).abs().max()), "same_act": bool(torch.equal(act, only_act)),
+            "no_u": no_u is None and none is None,
+            "u_max_err": float((u - act @ shrink.t()).abs().max()),
+            "plain_u_max_err": float((plain_u - gate @ shrink.t()).abs().max()),
+            "u_batch_independent": bool(torch.equal(alone, u[1:2]))}
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
     if importlib.util.find_spec("triton") is None:
@@ -199,6 +221,14 @@ def test_add_rms_norm_matches_reference(results: dict[str, dict], residual: str)
     assert r[residual]["u_max_err"] < 1e-4 and r[residual]["u_batch_independent"], f"seed {r['seed']}: {r[residual]}"
 
 
+def test_act_shrink_matches_reference(results: dict[str, dict]) -> None:
+    r = results["act-shrink"]
+    assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
+    assert r["act_max_err"] < 1e-5 and r["same_act"] and r["no_u"], f"seed {r['seed']}: {r}"
+    assert r["u_max_err"] < 1e-4 and r["plain_u_max_err"] < 1e-4, f"seed {r['seed']}: {r}"
+    assert r["u_batch_independent"], f"seed {r['seed']}: {r}"
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through the tests (sets TRITON_INTERPRET)"
     out: dict[str, dict] = {}
@@ -219,4 +249,9 @@ if __name__ == "__main__":
         out["add-rms-norm"] = {"seed": seed, **_run_norm_case(seed)}
     except Exception as e:  # noqa: BLE001
         out["add-rms-norm"] = {"seed": seed, "error": repr(e)}
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    try:
+        out["act-shrink"] = {"seed": seed, **_run_act_shrink_case(seed)}
+    except Exception as e:  # noqa: BLE001
+        out["act-shrink"] = {"seed": seed, "error": repr(e)}
     print(json.dumps(out))

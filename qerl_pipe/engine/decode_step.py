@@ -8,7 +8,11 @@ batch of single tokens, in as few kernels as the fused pieces allow:
   the residual stream, so the decoder layer has no separate add, and at decode batches also
   computes the LoRA shrink (u = x A^T) of the projection that reads it (q/k/v, gate/up);
 - RoPE, the KV-cache write and split-KV attention in two (`kernels.decode_ops.decode_attention`),
-  writing the [B, heads * head_dim] layout o_proj reads, with no mask tensor and no transpose copy.
+  writing the [B, heads * head_dim] layout o_proj reads, with no mask tensor and no transpose copy;
+- o_proj's LoRA shrink in one kernel (`lora_shrink`), and SiLU(gate) * up with down_proj's shrink
+  in one (`silu_mul`);
+- each projection's bias and LoRA expand inside its matmul where the base runs on the CUDA NVFP4
+  GEMM (`QuantLinear.inference_forward`).
 On CPU both are their plain-torch references (same structure, same math), which the tests use.
 
 Shapes never depend on the positions (the new k/v go where `positions` says, attention stops
@@ -21,8 +25,8 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.engine.fused_lora import FusedLora
-from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention
-from qerl_pipe.model.decoder import Decoder, KVCache, silu_gate
+from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention, lora_shrink, silu_mul
+from qerl_pipe.model.decoder import Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import rope_cos_sin
@@ -59,9 +63,10 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
         if attn.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         out = decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, d ** -0.5)
-        normed, residual, u = _norm(lora.project(attn.o_proj, out), residual, layer.post_attention_layernorm, lora,
-                                    mlp.gate_up_proj)
-        down = lora.project(mlp.down_proj, silu_gate(lora.project(mlp.gate_up_proj, normed, u)))
+        attended = lora.project(attn.o_proj, out, lora_shrink(out, lora.shrink_of(attn.o_proj)))
+        normed, residual, u = _norm(attended, residual, layer.post_attention_layernorm, lora, mlp.gate_up_proj)
+        act, u = silu_mul(lora.project(mlp.gate_up_proj, normed, u), lora.shrink_of(mlp.down_proj))
+        down = lora.project(mlp.down_proj, act, u)
         if i + 1 < len(layers):
             following = layers[i + 1]
             normed, residual, u = _norm(down, residual, following.input_layernorm, lora, following.self_attn.qkv_proj)

@@ -2,9 +2,12 @@
 
 Decoding one token per sequence makes the training path's per-projection adapter (a cat, a cast,
 one small matmul and one add per projection) a dozen tiny kernels per layer, more than the 4-bit
-matmul itself at batch 1-8. Here each adapted QuantLinear gets two: u = x @ A_all^T, with A of
-every adapted projection stacked [R, K], then y += u @ B_all^T in place, with B block-diagonal
-[N, R] and the scaling folded in, both in the activation dtype.
+matmul itself at batch 1-8. Here each adapted QuantLinear has A of every adapted projection
+stacked [R, K] and B block-diagonal [N, R] with the scaling folded in, both in the activation
+dtype, R padded with zero rows / columns to a multiple of 16 (what the CUDA GEMM's epilogue
+takes; zeros add nothing). u = x @ A^T is computed upstream where a kernel can (the add + RMSNorm
+before q/k/v and gate/up) or here, and the expand y += u @ B^T runs in the NVFP4 GEMM's epilogue
+(`QuantLinear.inference_forward`), or as one in-place matmul after the base.
 
 The copy belongs to the engine, not to the model (the model has no inference mode to switch):
 `refresh()` copies the current parameters in place at every `generate`, so each rollout sees the
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from qerl_pipe.kernels.cuda_ext import LORA_RANK_MULTIPLE
 from qerl_pipe.model.linear import QuantLinear
 
 
@@ -37,11 +41,12 @@ class FusedLora:
             seen.add(m)
             names = [n for n in m.names if n in m.lora_A]
             r = m.lora_rank
-            a_shape, b_shape = (r * len(names), m.in_features), (m.out_features, r * len(names))
+            stacked = -(-r * len(names) // LORA_RANK_MULTIPLE) * LORA_RANK_MULTIPLE
+            a_shape, b_shape = (stacked, m.in_features), (m.out_features, stacked)
             pair = self._copies.get(m)
             if pair is None or pair[0].shape != a_shape or pair[1].shape != b_shape:
                 device = m.lora_A[names[0]].device
-                pair = self._copies[m] = (torch.empty(a_shape, dtype=self.dtype, device=device),
+                pair = self._copies[m] = (torch.zeros(a_shape, dtype=self.dtype, device=device),
                                           torch.zeros(b_shape, dtype=self.dtype, device=device))
             a, b = pair
             start = 0
@@ -70,13 +75,12 @@ class FusedLora:
         """x [..., in_features] through the linear: its base (+ bias), then its adapter fused.
         `u`, if given, is x @ shrink_of(linear)^T computed upstream (rows as x's)."""
         x2 = x.reshape(-1, linear.in_features)
-        y = linear.base_forward(x2)
         pair = self._active(linear)
+        lora = None
         if pair is not None:
             a, b = pair
-            # In place: y is this call's own output, and an out-of-place addmm first copies it.
-            y = y.addmm_(x2 @ a.t() if u is None else u.reshape(-1, a.shape[0]), b.t())
-        return y.reshape(*x.shape[:-1], linear.out_features)
+            lora = (x2 @ a.t() if u is None else u.reshape(-1, a.shape[0]), b)
+        return linear.inference_forward(x2, lora).reshape(*x.shape[:-1], linear.out_features)
 
     def addresses(self) -> tuple[int, ...]:
         """Where the copies live: a captured CUDA graph is valid only while these are unchanged."""

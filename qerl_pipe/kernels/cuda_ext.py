@@ -306,13 +306,14 @@ def gemm_wins(m: int, n: int, k: int, sms: int) -> bool:
 @torch.library.custom_op("qerl::w4a16_gemm", mutates_args=())
 def _gemm_op(x: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, bias: Optional[Tensor],
              n: int, k: int, mt: int, nb: int, warps: int, wk: int, depth: int, splits: int,
-             pdl: bool, stages: int) -> Tensor:
+             pdl: bool, stages: int, lora_u: Optional[Tensor] = None, lora_b: Optional[Tensor] = None) -> Tensor:
     return _module().gemm(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl,
-                          stages, counters(x.device))
+                          stages, counters(x.device), lora_u, lora_b)
 
 
 @_gemm_op.register_fake
-def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl, stages):
+def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl, stages, lora_u=None,
+      lora_b=None):
     return x.new_empty(x.shape[0], n)
 
 
@@ -339,16 +340,29 @@ def check_config(config: GemmConfig) -> None:
         raise ValueError(f"{config} has splits < 1")
 
 
-def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: GemmConfig | None = None) -> Tensor:
-    """`x @ W^T (+ bias)` for bf16 `x [M, K]`, in passes of the config's tokens (8 * nb)."""
+# The stacked LoRA rank the GEMM's epilogue takes is a multiple of this (its k16 MMA steps).
+LORA_RANK_MULTIPLE = 16
+
+
+def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: GemmConfig | None = None,
+         lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """`x @ W^T (+ bias) (+ u @ B^T)` for bf16 `x [M, K]`, in passes of the config's tokens (8 * nb).
+
+    `lora` = (u [M, R], B [N, R]), bf16, R a multiple of LORA_RANK_MULTIPLE: the expand runs as
+    more MMAs in the epilogue, added in fp32 before the output's one rounding."""
     m = x.shape[0]
     if config is None:
         config = default_config(m, w.out_features, w.in_features, sm_count(x.device))
     else:
         check_config(config)
+    u, b = (None, None) if lora is None else lora
+    if b is not None and (b.dim() != 2 or b.shape[0] != w.out_features or b.shape[1] % LORA_RANK_MULTIPLE
+                          or u.dim() != 2 or tuple(u.shape) != (m, b.shape[1])):
+        raise ValueError(f"lora needs u [{m}, R] and B [{w.out_features}, R] with R a multiple of "
+                         f"{LORA_RANK_MULTIPLE}; got u {tuple(u.shape)} and B {tuple(b.shape)}")
     return _gemm_op(x, w.qweight, w.scales, w.global_scale, bias, w.out_features, w.in_features,
                     config.mt, config.nb, config.warps, config.wk, config.depth, config.splits, config.pdl,
-                    config.stages)
+                    config.stages, u, b)
 
 
 def dequantize(w: tiled.TiledNVFP4) -> Tensor:

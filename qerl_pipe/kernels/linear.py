@@ -114,23 +114,47 @@ def _cuda_kernels(t: Tensor, w: NVFP4Any) -> bool:
     return isinstance(w, TiledNVFP4) and t.dtype == torch.bfloat16 and cuda_ext.available(t.device)
 
 
-def nvfp4_linear(x: Tensor, w: NVFP4Any) -> Tensor:
-    """`x @ W^T`: `x [..., K]` (bf16) -> `[..., N]` in x's dtype."""
+def _plain_base(x: Tensor, w: NVFP4Any) -> Tensor:
     if not x.is_cuda:
         dense = _dense_copy(w, x.dtype)
         return x @ dense.T if dense is not None else reference.nvfp4_linear_ref(x, _checkpoint_form(w))
     if _cuda_kernels(x, w):
         from qerl_pipe.kernels import cuda_ext
 
-        x2 = _rows(x, w.in_features, "x")
-        if cuda_ext.gemm_wins(x2.shape[0], w.out_features, w.in_features, cuda_ext.sm_count(x2.device)):
-            if x2.data_ptr() % 16 or x2.stride(0) % 8:
-                x2 = x2.clone()  # the kernel loads 16-byte pieces of x; a fresh copy is aligned
-            out = cuda_ext.gemm(x2, w)
-        else:
-            out = x2 @ cuda_ext.dequantize(w).T
+        out = _rows(x, w.in_features, "x") @ cuda_ext.dequantize(w).T
         return out.reshape(*x.shape[:-1], w.out_features)
     return _run("fwd", "nvfp4", x, _triton_layout(w))
+
+
+def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
+                 lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """`x @ W^T (+ bias) (+ u @ B^T)`: `x [..., K]` (bf16) -> `[..., N]` in x's dtype.
+
+    `lora` = (u [rows of x, R], B [N, R]) is an adapter's expand (u = x @ A^T computed upstream).
+    The CUDA decode GEMM adds bias and expand in its epilogue (one rounding, one kernel); every
+    other path adds them after the base matmul. Inference only: no autograd through bias or lora.
+    """
+    if _cuda_kernels(x, w):
+        from qerl_pipe.kernels import cuda_ext
+
+        fits = lora is None or lora[1].shape[1] % cuda_ext.LORA_RANK_MULTIPLE == 0
+        x2 = _rows(x, w.in_features, "x")
+        if fits and cuda_ext.gemm_wins(x2.shape[0], w.out_features, w.in_features, cuda_ext.sm_count(x2.device)):
+            if x2.data_ptr() % 16 or x2.stride(0) % 8:
+                x2 = x2.clone()  # the kernel loads 16-byte pieces of x; a fresh copy is aligned
+            u = None if lora is None else lora[0].reshape(x2.shape[0], -1)
+            if u is not None and (u.stride(1) != 1 or u.stride(0) % 2 or u.data_ptr() % 4):
+                u = u.contiguous()
+            out = cuda_ext.gemm(x2, w, bias, lora=None if lora is None else (u, lora[1]))
+            return out.reshape(*x.shape[:-1], w.out_features)
+    out = _plain_base(x, w)
+    if bias is not None:
+        out = out + bias
+    if lora is not None:
+        u, b = lora
+        out2 = out.reshape(-1, w.out_features)
+        out2.addmm_(u.reshape(out2.shape[0], -1), b.t())  # in place: out is this call's own tensor
+    return out
 
 
 def nvfp4_linear_dx(dy: Tensor, w: NVFP4Any) -> Tensor:

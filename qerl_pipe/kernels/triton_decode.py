@@ -13,6 +13,10 @@ position add exact zeros): rollouts stay independent of batch placement.
 
 **Residual add + RMSNorm** (and the next projection's LoRA shrink): programs per row only (one for
 the norm, one per BLOCK_R columns of u), so a row's results never depend on its batch.
+
+**SiLU(gate) * up and / or a LoRA shrink** (`_act_shrink`): the same per-row layout for the
+projections whose input no norm computes: o_proj (u = attention output @ A^T) and down_proj
+(act = SiLU(gate) * up, and u = act @ A^T from the same values).
 """
 
 from __future__ import annotations
@@ -202,3 +206,68 @@ def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, nois
         a.stride(0), u_arg.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block, BLOCK_R=block_r,
         num_warps=max(1, min(16, block // 256)))
     return out, h, u
+
+
+@triton.jit
+def _act_shrink(x_ptr, a_ptr, act_ptr, u_ptr, H, R, sx, sa, sact, su, ACT_PROGRAMS,
+                SILU: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Program (row, j < ACT_PROGRAMS) writes act[row, j * BLOCK : (j + 1) * BLOCK] (SILU only);
+    # program (row, j >= ACT_PROGRAMS) computes u's columns [i * BLOCK_R, (i + 1) * BLOCK_R),
+    # i = j - ACT_PROGRAMS, walking the row in BLOCK steps. The activation is rounded to the
+    # output dtype before the product, as a matmul on `act` would see it, and a row's results
+    # depend on that row alone. With SILU, x is the gate_up output [rows, 2H]: gate, then up.
+    row, j = tl.program_id(0), tl.program_id(1)
+    dtype = act_ptr.dtype.element_ty
+    if j < ACT_PROGRAMS:
+        offs = j * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < H
+        gate = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * sx + H + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(act_ptr + row * sact + offs, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype), mask=ok)
+    else:
+        offs_r = (j - ACT_PROGRAMS) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        acc = tl.zeros((BLOCK_R, BLOCK), tl.float32)
+        for k0 in range(0, H, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            ok = offs < H
+            if SILU:
+                gate = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + row * sx + H + offs, mask=ok, other=0.0).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
+            else:
+                act = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + offs_r[:, None] * sa + offs[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
+            acc += a.to(tl.float32) * act[None, :]
+        tl.store(u_ptr + row * su + offs_r, tl.sum(acc, 1).to(u_ptr.dtype.element_ty), mask=r_ok)
+
+
+ACT_BLOCK = 2048  # elements per K step (and per activation program)
+SHRINK_PROGRAMS = 128  # about this many u programs per launch (a row's are BLOCK_R columns each)
+
+
+def launch_act_shrink(x: Tensor, shrink: Tensor | None, silu: bool) -> tuple[Tensor | None, Tensor | None]:
+    """(act, u): act = SiLU(gate) * up of x = [rows, 2H] when `silu` (else None, and x is the
+    projection's input [rows, H]); u = act (or x) @ shrink^T when `shrink` ([R, H]) is given."""
+    rows, width = x.shape
+    hidden = width // 2 if silu else width
+    if x.stride(1) != 1:
+        raise ValueError("act_shrink needs rows contiguous in their last dimension")
+    if shrink is not None and (shrink.shape[1] != hidden or shrink.stride(1) != 1):
+        raise ValueError(f"the shrink matrix must be [R, {hidden}] and contiguous in its last dimension; got "
+                         f"{tuple(shrink.shape)}")
+    act = torch.empty(rows, hidden, dtype=x.dtype, device=x.device) if silu else None
+    n_u = 0 if shrink is None else shrink.shape[0]
+    u = None if shrink is None else torch.empty(rows, n_u, dtype=x.dtype, device=x.device)
+    block_r = max(1, min(8, triton.next_power_of_2(max(1, n_u * rows // SHRINK_PROGRAMS))))
+    act_programs = triton.cdiv(hidden, ACT_BLOCK) if silu else 0
+    programs = act_programs + triton.cdiv(n_u, block_r)
+    if programs == 0:
+        return act, u
+    act_arg = act if act is not None else x
+    a_arg = shrink if shrink is not None else x
+    u_arg = u if u is not None else act_arg
+    _act_shrink[(rows, programs)](
+        x, a_arg, act_arg, u_arg, hidden, n_u, x.stride(0), a_arg.stride(0), act_arg.stride(0), u_arg.stride(0),
+        act_programs, SILU=silu, BLOCK=ACT_BLOCK, BLOCK_R=block_r, num_warps=4)
+    return act, u

@@ -205,6 +205,19 @@ class QuantLinear(nn.Module):
             y = _FrozenQuantMatmul.apply(x, self.kernel_weight, matmul, matmul_dx)
         return y if self.bias is None else y + self.bias
 
+    def inference_forward(self, x: Tensor, lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """No autograd: x [M, in_features] @ W^T (+ bias) (+ u @ B^T for `lora` = (u [M, R], B
+        [out_features, R]), an adapter's expand with u = x @ A^T computed by the caller). An NVFP4
+        base on the CUDA kernels adds bias and expand in the GEMM's epilogue; bf16 folds the bias
+        into the matmul."""
+        if self.base_format == "nvfp4":
+            return nvfp4_linear(x, self.kernel_weight, self.bias, lora)
+        if self.base_format == "bf16":
+            y = x @ self.weight.t() if self.bias is None else torch.addmm(self.bias, x, self.weight.t())
+        else:
+            y = self.base_forward(x)
+        return y if lora is None else y.addmm_(lora[0], lora[1].t())  # in place: y is this call's own
+
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)

@@ -33,7 +33,8 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& scales, const at:
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const at::Tensor& global_scale, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
                 int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t splits, bool pdl,
-                int64_t stages, const at::Tensor& counters) {
+                int64_t stages, const at::Tensor& counters, const c10::optional<at::Tensor>& lora_u,
+                const c10::optional<at::Tensor>& lora_b) {
   check_weight(qweight, scales, global_scale, n, k);
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
                   x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
@@ -66,7 +67,28 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
                 "bias must be a contiguous bf16 [N] tensor on x's device");
     bias_ptr = reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr());
   }
+  TORCH_CHECK(lora_u.has_value() == lora_b.has_value(), "lora_u and lora_b go together");
+  const __nv_bfloat16* u_ptr = nullptr;
+  const __nv_bfloat16* b_ptr = nullptr;
+  int64_t ldu = 0, rank = 0;
+  if (lora_b.has_value()) {
+    rank = lora_b->dim() == 2 ? lora_b->size(1) : 0;
+    TORCH_CHECK(lora_b->device() == x.device() && lora_b->scalar_type() == at::kBFloat16 && lora_b->is_contiguous() &&
+                    lora_b->dim() == 2 && lora_b->size(0) == n && rank > 0 && rank % 16 == 0,
+                "lora_b must be a contiguous bf16 [N, R] tensor on x's device, R a positive multiple of 16");
+    TORCH_CHECK(lora_u->device() == x.device() && lora_u->scalar_type() == at::kBFloat16 && lora_u->dim() == 2 &&
+                    lora_u->size(0) == x.size(0) && lora_u->size(1) == rank && lora_u->stride(1) == 1 &&
+                    lora_u->stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(lora_u->data_ptr()) % 4 == 0,
+                "lora_u must be a bf16 [M, R] tensor on x's device with 4-byte aligned rows");
+    u_ptr = reinterpret_cast<const __nv_bfloat16*>(lora_u->data_ptr());
+    b_ptr = reinterpret_cast<const __nv_bfloat16*>(lora_b->data_ptr());
+    ldu = lora_u->stride(0);
+  }
   qerl_w4a16::GemmParams p{};
+  p.lora_u = u_ptr;
+  p.ldu = ldu;
+  p.lora_b = b_ptr;
+  p.lora_rank = static_cast<int>(rank);
   p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   p.ldx = x.stride(0);
   p.qweight = reinterpret_cast<const uint4*>(qweight.data_ptr());
@@ -118,7 +140,7 @@ int64_t blocks_per_sm(int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm", &gemm, "x @ W^T for a tiled NVFP4 W (M <= 64 per pass)");
+  m.def("gemm", &gemm, "x @ W^T (+ bias) (+ u @ B^T) for a tiled NVFP4 W");
   m.def("blocks_per_sm", &blocks_per_sm, "CTAs of a GEMM config resident per SM");
   m.def("dequant", &dequant, "W as bf16 [N, K] from a tiled NVFP4 W");
 }

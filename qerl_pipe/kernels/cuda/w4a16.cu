@@ -105,10 +105,56 @@ __device__ __forceinline__ void for_each_output(const float (&acc)[MT][NB][4], i
       for (int e = 0; e < 4; ++e) f(row_base + i * 16 + g + (e >> 1) * 8, m0 + b * 8 + 2 * t + (e & 1), acc[i][b][e]);
 }
 
-__device__ __forceinline__ float finish(float acc, float gs, const __nv_bfloat16* bias, int row) {
-  float v = acc * gs;
-  if (bias != nullptr) v += __bfloat162float(bias[row]);
-  return v;
+__device__ __forceinline__ float add_bias(float v, const __nv_bfloat16* bias, int row) {
+  return bias != nullptr ? v + __bfloat162float(bias[row]) : v;
+}
+
+template <int MT, int NB>
+__device__ __forceinline__ void scale_all(float (&acc)[MT][NB][4], float gs) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][b][e] *= gs;
+}
+
+// 2 bf16 at `p` (4-byte aligned) as one register, or zeros.
+__device__ __forceinline__ uint32_t pair_or_zero(const __nv_bfloat16* p, bool ok) {
+  return ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
+}
+
+// The LoRA expand, out += u @ B^T, as more MMAs into the global-scaled accumulators of this
+// warp's 16 * MT rows and the pass's 8 * NB tokens: A = B's rows, the MMA's B operand = u's rows,
+// over the stacked rank in k16 steps (the plain mma k order: nothing here is tiled). B is
+// block-diagonal across fused projections (zeros outside a row's own adapter), so no row needs to
+// know its projection, and each output adds its rank's products in one fixed order. Plain loads:
+// under PDL, u is written by the previous kernel (visible after griddepcontrol.wait).
+template <int MT, int NB>
+__device__ __forceinline__ void add_lora(const GemmParams& p, float (&acc)[MT][NB][4], int row_base, int m0, int g,
+                                         int t) {
+#pragma unroll 1
+  for (int k0 = 2 * t; k0 < p.lora_rank; k0 += 16) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      const int r0 = row_base + i * 16 + g, r1 = r0 + 8;
+      const __nv_bfloat16* b0 = p.lora_b + (size_t)r0 * p.lora_rank + k0;
+      const __nv_bfloat16* b1 = p.lora_b + (size_t)r1 * p.lora_rank + k0;
+      a[i][0] = pair_or_zero(b0, r0 < p.N);
+      a[i][1] = pair_or_zero(b1, r1 < p.N);
+      a[i][2] = pair_or_zero(b0 + 8, r0 < p.N);
+      a[i][3] = pair_or_zero(b1 + 8, r1 < p.N);
+    }
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const int token = m0 + b * 8 + g;
+      const __nv_bfloat16* u = p.lora_u + (size_t)token * p.ldu + k0;
+      const uint32_t u0 = pair_or_zero(u, token < p.M), u1 = pair_or_zero(u + 8, token < p.M);
+#pragma unroll
+      for (int i = 0; i < MT; ++i) mma_bf16(acc[i][b], a[i], u0, u1);
+    }
+  }
 }
 
 // Where a CTA's warp sits: its n8 rows (warp tile), its share of K, its tokens. The passes over
@@ -215,12 +261,17 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT,
     }
   }
   const bool writer = at.wk == 0 && at.nblock < at.n_blocks;
-  const float gs = *p.global_scale * kProductScale;
   const int row_base = at.nblock * kRows + at.pair0 * 16 * MT;
+  if (writer) {
+    // The global scale in fp32 before anything is added (each split's sums too), then the LoRA
+    // expand once per output (by the first K split).
+    scale_all(acc, *p.global_scale * kProductScale);
+    if (p.lora_b != nullptr && at.by == 0) add_lora<MT, NB>(p, acc, row_base, at.m0, at.g, at.t);
+  }
   if (gridDim.y == 1) {
     if (!writer) return;
     for_each_output(acc, row_base, at.m0, at.g, at.t, [&](int row, int token, float v) {
-      if (row < p.N && token < p.M) p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(finish(v, gs, p.bias, row));
+      if (row < p.N && token < p.M) p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(add_bias(v, p.bias, row));
     });
     return;
   }
@@ -263,7 +314,7 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT,
     const float v[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      if (row + j < p.N) p.out[(size_t)token * p.ldo + row + j] = __float2bfloat16_rn(finish(v[j], gs, p.bias, row + j));
+      if (row + j < p.N) p.out[(size_t)token * p.ldo + row + j] = __float2bfloat16_rn(add_bias(v[j], p.bias, row + j));
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (and CUDA-graph replay)
 }
@@ -545,6 +596,11 @@ struct WgmmaShape {
   static constexpr int kChunkBytes = kWords * 4 + kScaleBytes;      // codes, then scales
   static constexpr int kBlockBytes = 2 * kChunkBytes;               // per warpgroup per stage
   static constexpr int kBytes = 1024 + STAGES * (kXBytes + WG * kBlockBytes);  // + alignment slack
+  // CTAs per SM that its shared memory allows (228 KB per SM, 1 KB reserved per CTA), at most 4,
+  // for one warpgroup: the register budget ptxas must meet so that registers do not cap the CTAs
+  // below it (the epilogue's LoRA loads, hoisted, took 130 -> 173 registers at P = 2, 3 -> 2 CTAs).
+  static constexpr int kSmemBlocks = 233472 / (kBytes + 1024);
+  static constexpr int kMinBlocks = WG == 1 && kSmemBlocks > 1 ? (kSmemBlocks < 4 ? kSmemBlocks : 4) : 1;
 };
 
 // x in fragment order (tiled.fragment_order): one thread per (row, chunk) reads the chunk row's 16
@@ -575,7 +631,7 @@ __global__ void __launch_bounds__(256) fragment_kernel(const __nv_bfloat16* x, i
 }
 
 template <int P, int WG, int STAGES>
-__global__ void __launch_bounds__(WG * 128, 1) wgmma_kernel(const GemmParams p) {
+__global__ void __launch_bounds__(WG * 128, (WgmmaShape<P, WG, STAGES>::kMinBlocks)) wgmma_kernel(const GemmParams p) {
   constexpr int NB = 8 * P;
   using Shape = WgmmaShape<P, WG, STAGES>;
   // A group's copies are issued STAGES - 2 groups ahead: the stage being refilled must be neither

@@ -18,6 +18,13 @@ struct GemmParams {
   const uint8_t* scales;   // [NB, KC, kScaleBytes]
   const float* global_scale;  // [1]
   const __nv_bfloat16* bias;  // [N] or null
+  // LoRA expand in the epilogue (out += u @ lora_b^T), or null: u = x A^T of the stacked adapters
+  // [M, lora_rank] (rows ldu elements apart), lora_b [N, lora_rank] contiguous, block-diagonal
+  // across fused projections, scaling folded in; lora_rank a multiple of 16.
+  const __nv_bfloat16* lora_u;
+  int64_t ldu;
+  const __nv_bfloat16* lora_b;
+  int lora_rank;
   __nv_bfloat16* out;      // [M, N], rows ldo elements apart
   int64_t ldo;
   __nv_bfloat16* xf;       // [fragment_rows, KC * kCols]: x in fragment order (wgmma configs)
