@@ -163,11 +163,12 @@ def _run_norm_case(seed: int) -> dict:
 
 def _run_act_shrink_case(seed: int) -> dict:
     """SiLU(gate) * up and the LoRA shrink of act (down_proj), and the shrink alone (o_proj), with
-    H over two K steps and R off the block, against plain torch; a row alone against the batch."""
+    H over three programs (the last one partial) and R off the block, against plain torch; a row
+    alone against the batch."""
     from qerl_pipe.kernels import triton_decode
 
     gen = torch.Generator().manual_seed(seed)
-    hidden = triton_decode.ACT_BLOCK + 300
+    hidden = 2 * triton_decode.act_columns(600) + 100
     gate_up = torch.randn(3, 2 * hidden, generator=gen)
     shrink = torch.randn(37, hidden, generator=gen) * 0.02
     gate, up = gate_up.chunk(2, dim=-1)

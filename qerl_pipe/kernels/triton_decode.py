@@ -21,6 +21,8 @@ projections whose input no norm computes: o_proj (u = attention output @ A^T) an
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -209,65 +211,87 @@ def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, nois
 
 
 @triton.jit
-def _act_shrink(x_ptr, a_ptr, act_ptr, u_ptr, H, R, sx, sa, sact, su, ACT_PROGRAMS,
-                SILU: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
-    # Program (row, j < ACT_PROGRAMS) writes act[row, j * BLOCK : (j + 1) * BLOCK] (SILU only);
-    # program (row, j >= ACT_PROGRAMS) computes u's columns [i * BLOCK_R, (i + 1) * BLOCK_R),
-    # i = j - ACT_PROGRAMS, walking the row in BLOCK steps. The activation is rounded to the
-    # output dtype before the product, as a matmul on `act` would see it, and a row's results
-    # depend on that row alone. With SILU, x is the gate_up output [rows, 2H]: gate, then up.
-    row, j = tl.program_id(0), tl.program_id(1)
+def _act_shrink(x_ptr, a_ptr, act_ptr, part_ptr, ticket_ptr, u_ptr, rows, H, R, sx, sa, sact, su,
+                SILU: tl.constexpr, SHRINK: tl.constexpr, KB: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr,
+                PRECISION: tl.constexpr):
+    # Program (s, i) takes columns [s * KB, (s + 1) * KB) of rows [i * MP, (i + 1) * MP): with SILU it computes act =
+    # SiLU(gate) * up there (x is the gate_up output [rows, 2H]) and stores it; with SHRINK it
+    # multiplies its slice of act (rounded to the output dtype, as a matmul on act sees it) or of
+    # x by the same columns of A and parks the [rows, R] partial sums. A, the largest operand, is
+    # read once per launch, spread over all programs. The last program to take a ticket adds the
+    # partials in program order and writes u, then re-arms the ticket for the next launch (one
+    # fixed order: u is the same bits whatever the timing, and a row's u depends on that row only).
+    s = tl.program_id(0)
     dtype = act_ptr.dtype.element_ty
-    if j < ACT_PROGRAMS:
-        offs = j * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < H
-        gate = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * sx + H + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(act_ptr + row * sact + offs, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype), mask=ok)
+    offs_m = tl.program_id(1) * MP + tl.arange(0, MP)  # row blocks: SiLU alone only (SHRINK: MP rows at most)
+    m_ok = offs_m < rows
+    offs_k = s * KB + tl.arange(0, KB)
+    k_ok = offs_k < H
+    mask = m_ok[:, None] & k_ok[None, :]
+    rowp = x_ptr + offs_m[:, None] * sx + offs_k[None, :]
+    if SILU:
+        gate = tl.load(rowp, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(rowp + H, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+        tl.store(act_ptr + offs_m[:, None] * sact + offs_k[None, :], act, mask=mask)
     else:
-        offs_r = (j - ACT_PROGRAMS) * BLOCK_R + tl.arange(0, BLOCK_R)
+        act = tl.load(rowp, mask=mask, other=0.0)
+    if SHRINK:
+        offs_r = tl.arange(0, RP)
         r_ok = offs_r < R
-        acc = tl.zeros((BLOCK_R, BLOCK), tl.float32)
-        for k0 in range(0, H, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            ok = offs < H
-            if SILU:
-                gate = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + row * sx + H + offs, mask=ok, other=0.0).to(tl.float32)
-                act = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
-            else:
-                act = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + offs_r[:, None] * sa + offs[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
-            acc += a.to(tl.float32) * act[None, :]
-        tl.store(u_ptr + row * su + offs_r, tl.sum(acc, 1).to(u_ptr.dtype.element_ty), mask=r_ok)
+        a = tl.load(a_ptr + offs_r[:, None] * sa + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        part = tl.dot(act, tl.trans(a), input_precision=PRECISION)  # [MP, RP], fp32 sums
+        tl.store(part_ptr + s * MP * RP + offs_m[:, None] * RP + offs_r[None, :], part)
+        tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            total = tl.zeros((MP, RP), tl.float32)
+            for j in range(0, tl.num_programs(0)):
+                total += tl.load(part_ptr + j * MP * RP + offs_m[:, None] * RP + offs_r[None, :], cache_modifier=".cg")
+            tl.store(u_ptr + offs_m[:, None] * su + offs_r[None, :], total.to(u_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & r_ok[None, :])
+            tl.atomic_xchg(ticket_ptr, 0)
 
 
-ACT_BLOCK = 2048  # elements per K step (and per activation program)
-SHRINK_PROGRAMS = 128  # about this many u programs per launch (a row's are BLOCK_R columns each)
+def act_columns(hidden: int) -> int:
+    """Columns of the rows (and of A) per program: 14-74 programs on 7B/32B widths, so A is read
+    by many SMs and the last program's sum over the partials stays short."""
+    return 256 if hidden <= 8192 else 512
+
+
+@functools.lru_cache(maxsize=None)
+def _ticket(device: torch.device) -> Tensor:
+    """One int32 per device that every shrink launch leaves at zero (created by an eager call,
+    before any CUDA graph is captured: the engine warms the step up first)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def launch_act_shrink(x: Tensor, shrink: Tensor | None, silu: bool) -> tuple[Tensor | None, Tensor | None]:
     """(act, u): act = SiLU(gate) * up of x = [rows, 2H] when `silu` (else None, and x is the
-    projection's input [rows, H]); u = act (or x) @ shrink^T when `shrink` ([R, H]) is given."""
+    projection's input [rows, H]); u = act (or x) @ shrink^T when `shrink` ([R, H]) is given.
+    At most 16 rows with a shrink (one tl.dot tile); launches run one at a time per device (the
+    ticket), as a stream's kernels do."""
     rows, width = x.shape
     hidden = width // 2 if silu else width
     if x.stride(1) != 1:
         raise ValueError("act_shrink needs rows contiguous in their last dimension")
-    if shrink is not None and (shrink.shape[1] != hidden or shrink.stride(1) != 1):
-        raise ValueError(f"the shrink matrix must be [R, {hidden}] and contiguous in its last dimension; got "
-                         f"{tuple(shrink.shape)}")
+    if shrink is not None and (shrink.shape[1] != hidden or shrink.stride(1) != 1 or rows > 16):
+        raise ValueError(f"the shrink needs at most 16 rows and an [R, {hidden}] matrix contiguous in its last "
+                         f"dimension; got {rows} rows and {tuple(shrink.shape)}")
     act = torch.empty(rows, hidden, dtype=x.dtype, device=x.device) if silu else None
+    if shrink is None and not silu:
+        return None, None
     n_u = 0 if shrink is None else shrink.shape[0]
     u = None if shrink is None else torch.empty(rows, n_u, dtype=x.dtype, device=x.device)
-    block_r = max(1, min(8, triton.next_power_of_2(max(1, n_u * rows // SHRINK_PROGRAMS))))
-    act_programs = triton.cdiv(hidden, ACT_BLOCK) if silu else 0
-    programs = act_programs + triton.cdiv(n_u, block_r)
-    if programs == 0:
-        return act, u
+    columns = act_columns(hidden)
+    programs = triton.cdiv(hidden, columns)
+    rp = max(16, triton.next_power_of_2(max(1, n_u)))
+    part = torch.empty(programs * 16 * rp if shrink is not None else 1, dtype=torch.float32, device=x.device)
     act_arg = act if act is not None else x
     a_arg = shrink if shrink is not None else x
     u_arg = u if u is not None else act_arg
-    _act_shrink[(rows, programs)](
-        x, a_arg, act_arg, u_arg, hidden, n_u, x.stride(0), a_arg.stride(0), act_arg.stride(0), u_arg.stride(0),
-        act_programs, SILU=silu, BLOCK=ACT_BLOCK, BLOCK_R=block_r, num_warps=4)
+    _act_shrink[(programs, triton.cdiv(rows, 16))](
+        x, a_arg, act_arg, part, _ticket(x.device), u_arg, rows, hidden, n_u, x.stride(0), a_arg.stride(0),
+        act_arg.stride(0), u_arg.stride(0), SILU=silu, SHRINK=shrink is not None, KB=columns, MP=16, RP=rp,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=columns // 64)
     return act, u

@@ -128,33 +128,62 @@ __device__ __forceinline__ uint32_t pair_or_zero(const __nv_bfloat16* p, bool ok
 // warp's 16 * MT rows and the pass's 8 * NB tokens: A = B's rows, the MMA's B operand = u's rows,
 // over the stacked rank in k16 steps (the plain mma k order: nothing here is tiled). B is
 // block-diagonal across fused projections (zeros outside a row's own adapter), so no row needs to
-// know its projection, and each output adds its rank's products in one fixed order. Plain loads:
-// under PDL, u is written by the previous kernel (visible after griddepcontrol.wait).
+// know its projection, and each output adds its rank's products in one fixed order. At decode
+// token counts (NB <= 2) steps run in groups of four whose loads are all issued before their MMAs
+// (the main loop's registers are free by now), so a rank of 64 waits out one load latency, not
+// four; with more tokens the loads of the NB blocks already overlap, and four steps' worth of them
+// would spill. Plain loads: under PDL, u is written by the previous kernel (visible after
+// griddepcontrol.wait).
 template <int MT, int NB>
 __device__ __forceinline__ void add_lora(const GemmParams& p, float (&acc)[MT][NB][4], int row_base, int m0, int g,
                                          int t) {
+  constexpr int kLoraSteps = NB <= 2 ? 4 : 1;
 #pragma unroll 1
-  for (int k0 = 2 * t; k0 < p.lora_rank; k0 += 16) {
-    uint32_t a[MT][4];
+  for (int k00 = 0; k00 < p.lora_rank; k00 += 16 * kLoraSteps) {
+    uint32_t a[kLoraSteps][MT][4];
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      const int r0 = row_base + i * 16 + g, r1 = r0 + 8;
-      const __nv_bfloat16* b0 = p.lora_b + (size_t)r0 * p.lora_rank + k0;
-      const __nv_bfloat16* b1 = p.lora_b + (size_t)r1 * p.lora_rank + k0;
-      a[i][0] = pair_or_zero(b0, r0 < p.N);
-      a[i][1] = pair_or_zero(b1, r1 < p.N);
-      a[i][2] = pair_or_zero(b0 + 8, r0 < p.N);
-      a[i][3] = pair_or_zero(b1 + 8, r1 < p.N);
+    for (int s = 0; s < kLoraSteps; ++s) {
+      const int k0 = k00 + 16 * s + 2 * t;
+      const bool step = k00 + 16 * s < p.lora_rank;
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const int r0 = row_base + i * 16 + g, r1 = r0 + 8;
+        const __nv_bfloat16* b0 = p.lora_b + (size_t)r0 * p.lora_rank + k0;
+        const __nv_bfloat16* b1 = p.lora_b + (size_t)r1 * p.lora_rank + k0;
+        a[s][i][0] = pair_or_zero(b0, step && r0 < p.N);
+        a[s][i][1] = pair_or_zero(b1, step && r1 < p.N);
+        a[s][i][2] = pair_or_zero(b0 + 8, step && r0 < p.N);
+        a[s][i][3] = pair_or_zero(b1 + 8, step && r1 < p.N);
+      }
     }
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       const int token = m0 + b * 8 + g;
-      const __nv_bfloat16* u = p.lora_u + (size_t)token * p.ldu + k0;
-      const uint32_t u0 = pair_or_zero(u, token < p.M), u1 = pair_or_zero(u + 8, token < p.M);
+      const __nv_bfloat16* u = p.lora_u + (size_t)token * p.ldu + k00 + 2 * t;
+      uint32_t u0[kLoraSteps], u1[kLoraSteps];
 #pragma unroll
-      for (int i = 0; i < MT; ++i) mma_bf16(acc[i][b], a[i], u0, u1);
+      for (int s = 0; s < kLoraSteps; ++s) {
+        const bool ok = k00 + 16 * s < p.lora_rank && token < p.M;
+        u0[s] = pair_or_zero(u + 16 * s, ok);
+        u1[s] = pair_or_zero(u + 16 * s + 8, ok);
+      }
+#pragma unroll
+      for (int s = 0; s < kLoraSteps; ++s)
+#pragma unroll
+        for (int i = 0; i < MT; ++i) mma_bf16(acc[i][b], a[s][i], u0[s], u1[s]);
     }
   }
+}
+
+// Pull this warp's rows of the LoRA B into L2 while the main loop runs (B is a weight, read once
+// per step from HBM; the epilogue would otherwise wait out that latency at the end).
+__device__ __forceinline__ void prefetch_lora(const GemmParams& p, int row_base, int rows, int lane) {
+  if (p.lora_b == nullptr) return;
+  const int bytes = rows * p.lora_rank * 2;  // contiguous: the rows are consecutive
+  const char* base = reinterpret_cast<const char*>(p.lora_b + (size_t)row_base * p.lora_rank);
+  const int limit = (p.N - row_base) * p.lora_rank * 2;
+  for (int off = lane * 128; off < bytes && off < limit; off += 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(base + off));
 }
 
 // Where a CTA's warp sits: its n8 rows (warp tile), its share of K, its tokens. The passes over
@@ -186,6 +215,10 @@ struct Place {
     kc0 = by * p.chunks_per_split;
     kc1 = min(kc0 + p.chunks_per_split, p.KC);
     m0 = bz * 8 * NB;
+  }
+  // The rows whose LoRA expand this warp will add (first K split only; see add_lora).
+  __device__ __forceinline__ void prefetch_lora_rows(const GemmParams& p) const {
+    if (wk == 0 && by == 0 && nblock < n_blocks) prefetch_lora(p, nblock * kRows + pair0 * 16 * MT, 16 * MT, lane);
   }
 };
 
@@ -334,6 +367,7 @@ struct Stage {
 template <int MT, int NB, int WN, int WK, int DEPTH>
 __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) {
   const Place<MT, WN, WK, NB> at(p);
+  at.prefetch_lora_rows(p);
   const int g = at.g, t = at.t, wk = at.wk, kc0 = at.kc0;
   // This warp's chunks: kc0 + wk + j * WK for j < mine.
   const int mine = at.kc1 - kc0 > wk ? (at.kc1 - kc0 - wk + WK - 1) / WK : 0;
@@ -438,6 +472,7 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
   static_assert(STAGES >= 2, "a pipeline needs two stages");
   extern __shared__ uint4 smem[];
   const Place<MT, WN, WK, NB> at(p);
+  at.prefetch_lora_rows(p);
   const int warp = threadIdx.x >> 5;
   const int groups = (at.kc1 - at.kc0 + WK - 1) / WK;
   // A warp past N (the last CTA column) streams the last real block instead (L2 hits, results
@@ -646,6 +681,7 @@ __global__ void __launch_bounds__(WG * 128, (WgmmaShape<P, WG, STAGES>::kMinBloc
   const uint32_t xs_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
   const Place<1, 4 * WG, 1, NB> at(p);
+  at.prefetch_lora_rows(p);
   const int warp = threadIdx.x >> 5, wg = warp >> 2, wq = warp & 3;
   const int groups = (at.kc1 - at.kc0 + 1) / 2;
   const int block0 = at.bx * WG;
