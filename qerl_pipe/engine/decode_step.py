@@ -9,8 +9,7 @@ batch of single tokens, in as few kernels as the fused pieces allow:
   computes the LoRA shrink (u = x A^T) of the projection that reads it (q/k/v, gate/up);
 - RoPE, the KV-cache write and split-KV attention in two (`kernels.decode_ops.decode_attention`),
   writing the [B, heads * head_dim] layout o_proj reads, with no mask tensor and no transpose copy;
-- o_proj's LoRA shrink in one kernel (`lora_shrink`), and SiLU(gate) * up with down_proj's shrink
-  in one (`silu_mul`);
+- o_proj's LoRA shrink in one kernel (`lora_shrink`);
 - each projection's bias and LoRA expand inside its matmul where the base runs on the CUDA NVFP4
   GEMM (`QuantLinear.inference_forward`).
 On CPU both are their plain-torch references (same structure, same math), which the tests use.
@@ -25,8 +24,8 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.engine.fused_lora import FusedLora
-from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention, lora_shrink, silu_mul
-from qerl_pipe.model.decoder import Decoder, KVCache
+from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention, lora_shrink
+from qerl_pipe.model.decoder import Decoder, KVCache, silu_gate
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import rope_cos_sin
@@ -65,8 +64,7 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
         out = decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, d ** -0.5)
         attended = lora.project(attn.o_proj, out, lora_shrink(out, lora.shrink_of(attn.o_proj)))
         normed, residual, u = _norm(attended, residual, layer.post_attention_layernorm, lora, mlp.gate_up_proj)
-        act, u = silu_mul(lora.project(mlp.gate_up_proj, normed, u), lora.shrink_of(mlp.down_proj))
-        down = lora.project(mlp.down_proj, act, u)
+        down = lora.project(mlp.down_proj, silu_gate(lora.project(mlp.gate_up_proj, normed, u)))
         if i + 1 < len(layers):
             following = layers[i + 1]
             normed, residual, u = _norm(down, residual, following.input_layernorm, lora, following.self_attn.qkv_proj)

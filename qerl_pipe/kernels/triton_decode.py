@@ -14,9 +14,9 @@ position add exact zeros): rollouts stay independent of batch placement.
 **Residual add + RMSNorm** (and the next projection's LoRA shrink): programs per row only (one for
 the norm, one per BLOCK_R columns of u), so a row's results never depend on its batch.
 
-**SiLU(gate) * up and / or a LoRA shrink** (`_act_shrink`): the same per-row layout for the
-projections whose input no norm computes: o_proj (u = attention output @ A^T) and down_proj
-(act = SiLU(gate) * up, and u = act @ A^T from the same values).
+**LoRA shrink** (`_lora_shrink`), for o_proj, whose input (attention's output) no norm computes:
+one program per 256 columns of all rows (A read once, across many SMs), the partial sums added in
+program order by the last program (an atomic ticket), so there is no second launch.
 """
 
 from __future__ import annotations
@@ -211,59 +211,41 @@ def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, nois
 
 
 @triton.jit
-def _act_shrink(x_ptr, a_ptr, act_ptr, part_ptr, ticket_ptr, u_ptr, rows, H, R, sx, sa, sact, su,
-                SILU: tl.constexpr, SHRINK: tl.constexpr, KB: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr,
-                PRECISION: tl.constexpr):
-    # Program (s, i) takes columns [s * KB, (s + 1) * KB) of rows [i * MP, (i + 1) * MP): with SILU it computes act =
-    # SiLU(gate) * up there (x is the gate_up output [rows, 2H]) and stores it; with SHRINK it
-    # multiplies its slice of act (rounded to the output dtype, as a matmul on act sees it) or of
-    # x by the same columns of A and parks the [rows, R] partial sums. A, the largest operand, is
-    # read once per launch, spread over all programs. The last program to take a ticket adds the
-    # partials in program order and writes u, then re-arms the ticket for the next launch (one
-    # fixed order: u is the same bits whatever the timing, and a row's u depends on that row only).
+def _lora_shrink(x_ptr, a_ptr, part_ptr, ticket_ptr, u_ptr, rows, H, R, sx, sa, su,
+                 KB: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr):
+    # Program s multiplies columns [s * KB, (s + 1) * KB) of every row by the same columns of A and
+    # parks the [rows, R] partial sums: A, the largest operand, is read once per launch, spread
+    # over all programs. The last program to take a ticket adds the partials in program order and
+    # writes u, then re-arms the ticket for the next launch (one fixed order: u is the same bits
+    # whatever the timing, and a row's u depends on that row only).
     s = tl.program_id(0)
-    dtype = act_ptr.dtype.element_ty
-    offs_m = tl.program_id(1) * MP + tl.arange(0, MP)  # row blocks: SiLU alone only (SHRINK: MP rows at most)
+    offs_m = tl.arange(0, MP)
     m_ok = offs_m < rows
     offs_k = s * KB + tl.arange(0, KB)
     k_ok = offs_k < H
-    mask = m_ok[:, None] & k_ok[None, :]
-    rowp = x_ptr + offs_m[:, None] * sx + offs_k[None, :]
-    if SILU:
-        gate = tl.load(rowp, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(rowp + H, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
-        tl.store(act_ptr + offs_m[:, None] * sact + offs_k[None, :], act, mask=mask)
-    else:
-        act = tl.load(rowp, mask=mask, other=0.0)
-    if SHRINK:
-        offs_r = tl.arange(0, RP)
-        r_ok = offs_r < R
-        a = tl.load(a_ptr + offs_r[:, None] * sa + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        part = tl.dot(act, tl.trans(a), input_precision=PRECISION)  # [MP, RP], fp32 sums
-        tl.store(part_ptr + s * MP * RP + offs_m[:, None] * RP + offs_r[None, :], part)
-        tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) - 1:
-            # Sixteen partials' loads in flight at a time (one load per step was a serialized L2
-            # round trip per program: 35 us for 37 programs), still added in program order.
-            total = tl.zeros((MP, RP), tl.float32)
-            tile = offs_m[:, None] * RP + offs_r[None, :]
-            last = tl.num_programs(0) - 1
-            for j0 in range(0, tl.num_programs(0), 16):
-                for i in tl.static_range(16):
-                    j = tl.minimum(j0 + i, last)  # past the end: reload the last one, added as 0
-                    part = tl.load(part_ptr + j * MP * RP + tile, cache_modifier=".cg")
-                    total += tl.where(j0 + i <= last, part, 0.0)
-            tl.store(u_ptr + offs_m[:, None] * su + offs_r[None, :], total.to(u_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & r_ok[None, :])
-            tl.atomic_xchg(ticket_ptr, 0)
+    x = tl.load(x_ptr + offs_m[:, None] * sx + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    offs_r = tl.arange(0, RP)
+    r_ok = offs_r < R
+    a = tl.load(a_ptr + offs_r[:, None] * sa + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    tile = offs_m[:, None] * RP + offs_r[None, :]
+    tl.store(part_ptr + s * MP * RP + tile, tl.dot(x, tl.trans(a), input_precision=PRECISION))
+    tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        # Sixteen partials' loads in flight at a time, still added in program order.
+        total = tl.zeros((MP, RP), tl.float32)
+        last = tl.num_programs(0) - 1
+        for j0 in range(0, tl.num_programs(0), 16):
+            for i in tl.static_range(16):
+                j = tl.minimum(j0 + i, last)  # past the end: reload the last one, added as 0
+                part = tl.load(part_ptr + j * MP * RP + tile, cache_modifier=".cg")
+                total += tl.where(j0 + i <= last, part, 0.0)
+        tl.store(u_ptr + offs_m[:, None] * su + offs_r[None, :], total.to(u_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & r_ok[None, :])
+        tl.atomic_xchg(ticket_ptr, 0)
 
 
-def act_columns(hidden: int) -> int:
-    """Columns of the rows (and of A) per program: 14-74 programs on 7B/32B widths, so A is read
-    by many SMs and the last program's sum over the partials stays short."""
-    return 256 if hidden <= 8192 else 512
+SHRINK_COLUMNS = 256  # columns of x (and of A) per program
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,32 +255,19 @@ def _ticket(device: torch.device) -> Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def launch_act_shrink(x: Tensor, shrink: Tensor | None, silu: bool) -> tuple[Tensor | None, Tensor | None]:
-    """(act, u): act = SiLU(gate) * up of x = [rows, 2H] when `silu` (else None, and x is the
-    projection's input [rows, H]); u = act (or x) @ shrink^T when `shrink` ([R, H]) is given.
-    At most 16 rows with a shrink (one tl.dot tile); launches run one at a time per device (the
-    ticket), as a stream's kernels do."""
-    rows, width = x.shape
-    hidden = width // 2 if silu else width
-    if x.stride(1) != 1:
-        raise ValueError("act_shrink needs rows contiguous in their last dimension")
-    if shrink is not None and (shrink.shape[1] != hidden or shrink.stride(1) != 1 or rows > 16):
-        raise ValueError(f"the shrink needs at most 16 rows and an [R, {hidden}] matrix contiguous in its last "
-                         f"dimension; got {rows} rows and {tuple(shrink.shape)}")
-    act = torch.empty(rows, hidden, dtype=x.dtype, device=x.device) if silu else None
-    if shrink is None and not silu:
-        return None, None
-    n_u = 0 if shrink is None else shrink.shape[0]
-    u = None if shrink is None else torch.empty(rows, n_u, dtype=x.dtype, device=x.device)
-    columns = act_columns(hidden)
-    programs = triton.cdiv(hidden, columns)
-    rp = max(16, triton.next_power_of_2(max(1, n_u)))
-    part = torch.empty(programs * 16 * rp if shrink is not None else 1, dtype=torch.float32, device=x.device)
-    act_arg = act if act is not None else x
-    a_arg = shrink if shrink is not None else x
-    u_arg = u if u is not None else act_arg
-    _act_shrink[(programs, triton.cdiv(rows, 16))](
-        x, a_arg, act_arg, part, _ticket(x.device), u_arg, rows, hidden, n_u, x.stride(0), a_arg.stride(0),
-        act_arg.stride(0), u_arg.stride(0), SILU=silu, SHRINK=shrink is not None, KB=columns, MP=16, RP=rp,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=columns // 64)
-    return act, u
+def launch_lora_shrink(x: Tensor, shrink: Tensor) -> Tensor:
+    """u = x @ shrink^T for x [rows <= 16, H] and shrink [R, H] (a LoRA A). Launches run one at a
+    time per device (the ticket), as a stream's kernels do."""
+    rows, hidden = x.shape
+    if x.stride(1) != 1 or shrink.shape[1] != hidden or shrink.stride(1) != 1 or rows > 16:
+        raise ValueError(f"the shrink needs at most 16 rows contiguous in their last dimension and an [R, {hidden}] "
+                         f"matrix contiguous in its last dimension; got x {tuple(x.shape)}, {tuple(shrink.shape)}")
+    n_u = shrink.shape[0]
+    u = torch.empty(rows, n_u, dtype=x.dtype, device=x.device)
+    programs = triton.cdiv(hidden, SHRINK_COLUMNS)
+    rp = max(16, triton.next_power_of_2(n_u))
+    part = torch.empty(programs * 16 * rp, dtype=torch.float32, device=x.device)
+    _lora_shrink[(programs,)](
+        x, shrink, part, _ticket(x.device), u, rows, hidden, n_u, x.stride(0), shrink.stride(0), u.stride(0),
+        KB=SHRINK_COLUMNS, MP=16, RP=rp, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+    return u
