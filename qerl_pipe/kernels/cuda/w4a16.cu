@@ -6,7 +6,8 @@
 // in registers straight into mma.m16n8k16 A fragments (weights = A, tokens = B: a token count of
 // 1-8 wastes no MMA rows of weights), and keeps DEPTH chunks of loads in flight in a register
 // ring. K splits are summed in a fixed order by the last CTA of each column slice to arrive (an
-// atomic ticket, no atomics on the output), so a given config gives bit-identical results.
+// atomic ticket, no atomics on the output), so a given config gives bit-identical results. The
+// epilogue adds a bias and a LoRA expand (u @ B^T, as more MMAs) before the one bf16 rounding.
 #include "w4a16.cuh"
 
 namespace qerl_w4a16 {
