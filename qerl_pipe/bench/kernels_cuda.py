@@ -5,7 +5,9 @@
   variants with the same tokens per pass, half and double the K splits), each checked against
   `x @ dequantized W` in fp32 before it is timed; the fastest is reported with its config;
 - dequantize + cuBLAS: our decode pass into bf16, then `torch.matmul` (the M >= 1024 and dX path);
-- cuBLAS bf16 on a bf16 copy of the same weight, forward and dX.
+- cuBLAS bf16 on a bf16 copy of the same weight, forward and dX;
+- the fastest GEMM config again with a LoRA expand (r32 per projection) in its epilogue, next to
+  bf16 with the expand as the engine adds it (matmul, then an in-place addmm).
 Protocol, the same for every column: R distinct weight copies (codes and scales, or bf16) with
 R x bytes > 4 x the 60 MB L2, one CUDA graph of R calls, median of 50 replays, divided by R. The
 copy ceiling (device-to-device copy of 2 GiB, read + write bytes) is measured in the same run.
@@ -99,6 +101,8 @@ def bench_layer(model: str, layer: str, n: int, k: int, sms: int) -> list[dict]:
             [lambda i=i: torch.matmul(x, cuda_ext.dequantize(tqs[i]).T) for i in range(r_q)], REPS) * 1e6
         if m in GEMM_MS:
             row.update(_tune_gemm(x, tqs, ref, m, n, k, sms))
+            if "gemm_config" in row:
+                row.update(_lora_epilogue(layer, x, tqs, wbs, cuda_ext.GemmConfig(**row["gemm_config"]), gen))
         if m in DEQUANT_MS:
             dy = torch.randn(m, n, device=dev, generator=gen).to(torch.bfloat16)
             row["dx_rel_err"] = rel_err(dy @ cuda_ext.dequantize(tq), dy.float() @ dense)
@@ -141,6 +145,26 @@ def _tune_gemm(x, tqs, ref, m: int, n: int, k: int, sms: int) -> dict:
     return out
 
 
+# LoRA rank per projection for the epilogue columns (the rollout benchmark's r32), and how many
+# projections each fused layer holds (the stacked rank the epilogue multiplies).
+LORA_RANK = 32
+_PROJECTIONS = {"qkv": 3, "gate_up": 2}
+
+
+def _lora_epilogue(layer: str, x, tqs, wbs, cfg: cuda_ext.GemmConfig, gen: torch.Generator) -> dict:
+    """The best config again with the LoRA expand (+ u B^T, R = r32 x projections) in its epilogue,
+    next to bf16 with the expand as the engine runs it there (the matmul, then an in-place addmm):
+    what the epilogue costs at each M, under the same protocol."""
+    m, n = x.shape[0], tqs[0].out_features
+    rank = LORA_RANK * _PROJECTIONS.get(layer, 1)
+    u = (torch.randn(m, rank, device=x.device, generator=gen) * 0.1).to(torch.bfloat16)
+    b = (torch.randn(n, rank, device=x.device, generator=gen) * 0.1).to(torch.bfloat16)
+    lora = (u, b)
+    fp4 = time_graph([lambda i=i: cuda_ext.gemm(x, tqs[i], config=cfg, lora=lora) for i in range(len(tqs))], REPS)
+    bf16 = time_graph([lambda i=i: torch.matmul(x, wbs[i].T).addmm_(u, b.T) for i in range(len(wbs))], REPS)
+    return {"lora_rank": rank, "gemm_lora_us": fp4 * 1e6, "bf16_lora_us": bf16 * 1e6}
+
+
 def _derive(row: dict) -> None:
     m, n, k = row["M"], row["N"], row["K"]
     act = 2 * (m * k + m * n)
@@ -148,6 +172,8 @@ def _derive(row: dict) -> None:
     if "gemm_us" in row:
         row["gemm_tbps"] = nvfp4_bytes / row["gemm_us"] / 1e6
         row["speedup_gemm"] = row["bf16_us"] / row["gemm_us"]
+    if "gemm_lora_us" in row:
+        row["speedup_gemm_lora"] = row["bf16_lora_us"] / row["gemm_lora_us"]
         if row.get("gemm_default_us"):
             row["speedup_gemm_default"] = row["bf16_us"] / row["gemm_default_us"]
     row["bf16_tbps"] = (2 * n * k + act) / row["bf16_us"] / 1e6
@@ -161,6 +187,8 @@ def _fmt(r: dict) -> str:
     g = (f"gemm {r['gemm_us']:7.1f}us {r['speedup_gemm']:.2f}x {r['gemm_tbps']:.2f}TB/s "
          f"(no PDL {r['gemm_no_pdl_us']:7.1f}us) {tuple(r['gemm_config'].values())} | " if "gemm_us" in r else "")
     d = f" dX {r['speedup_dx']:.2f}x" if "speedup_dx" in r else ""
+    if "speedup_gemm_lora" in r:
+        d += f" | +lora gemm {r['gemm_lora_us']:7.1f}us bf16 {r['bf16_lora_us']:7.1f}us {r['speedup_gemm_lora']:.2f}x"
     return (f"{r['model']:>11} {r['layer']:>7} M={r['M']:<5} bf16 {r['bf16_us']:8.1f}us | {g}"
             f"deq+mm {r['dequant_matmul_us']:8.1f}us {r['speedup_dequant_matmul']:.2f}x{d}")
 
