@@ -172,10 +172,10 @@ def _derive(row: dict) -> None:
     if "gemm_us" in row:
         row["gemm_tbps"] = nvfp4_bytes / row["gemm_us"] / 1e6
         row["speedup_gemm"] = row["bf16_us"] / row["gemm_us"]
-    if "gemm_lora_us" in row:
-        row["speedup_gemm_lora"] = row["bf16_lora_us"] / row["gemm_lora_us"]
         if row.get("gemm_default_us"):
             row["speedup_gemm_default"] = row["bf16_us"] / row["gemm_default_us"]
+    if "gemm_lora_us" in row:
+        row["speedup_gemm_lora"] = row["bf16_lora_us"] / row["gemm_lora_us"]
     row["bf16_tbps"] = (2 * n * k + act) / row["bf16_us"] / 1e6
     row["speedup_dequant_matmul"] = row["bf16_us"] / row["dequant_matmul_us"]
     row["speedup_best"] = max(row["speedup_dequant_matmul"], row.get("speedup_gemm", 0.0))
