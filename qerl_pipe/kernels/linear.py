@@ -114,18 +114,6 @@ def _cuda_kernels(t: Tensor, w: NVFP4Any) -> bool:
     return isinstance(w, TiledNVFP4) and t.dtype == torch.bfloat16 and cuda_ext.available(t.device)
 
 
-def _plain_base(x: Tensor, w: NVFP4Any) -> Tensor:
-    if not x.is_cuda:
-        dense = _dense_copy(w, x.dtype)
-        return x @ dense.T if dense is not None else reference.nvfp4_linear_ref(x, _checkpoint_form(w))
-    if _cuda_kernels(x, w):
-        from qerl_pipe.kernels import cuda_ext
-
-        out = _rows(x, w.in_features, "x") @ cuda_ext.dequantize(w).T
-        return out.reshape(*x.shape[:-1], w.out_features)
-    return _run("fwd", "nvfp4", x, _triton_layout(w))
-
-
 def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
                  lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """`x @ W^T (+ bias) (+ u @ B^T)`: `x [..., K]` (bf16) -> `[..., N]` in x's dtype.
@@ -134,11 +122,14 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
     The CUDA decode GEMM adds bias and expand in its epilogue (one rounding, one kernel); every
     other path adds them after the base matmul. Inference only: no autograd through bias or lora.
     """
-    if _cuda_kernels(x, w):
+    if not x.is_cuda:
+        dense = _dense_copy(w, x.dtype)
+        out = x @ dense.T if dense is not None else reference.nvfp4_linear_ref(x, _checkpoint_form(w))
+    elif _cuda_kernels(x, w):
         from qerl_pipe.kernels import cuda_ext
 
-        fits = lora is None or lora[1].shape[1] % cuda_ext.LORA_RANK_MULTIPLE == 0
         x2 = _rows(x, w.in_features, "x")
+        fits = lora is None or lora[1].shape[1] % cuda_ext.LORA_RANK_MULTIPLE == 0
         if fits and cuda_ext.gemm_wins(x2.shape[0], w.out_features, w.in_features, cuda_ext.sm_count(x2.device)):
             if x2.data_ptr() % 16 or x2.stride(0) % 8:
                 x2 = x2.clone()  # the kernel loads 16-byte pieces of x; a fresh copy is aligned
@@ -147,7 +138,9 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
                 u = u.contiguous()
             out = cuda_ext.gemm(x2, w, bias, lora=None if lora is None else (u, lora[1]))
             return out.reshape(*x.shape[:-1], w.out_features)
-    out = _plain_base(x, w)
+        out = (x2 @ cuda_ext.dequantize(w).T).reshape(*x.shape[:-1], w.out_features)
+    else:
+        out = _run("fwd", "nvfp4", x, _triton_layout(w))
     if bias is not None:
         out = out + bias
     if lora is not None:
