@@ -136,3 +136,34 @@ def test_lora_shrink_matches_reference(dtype, hidden, rows):
     assert torch.equal(captured, u), "a graph replay must give the eager result (the ticket re-arms)"
     # Past the decode batches the shrink is left to the caller.
     assert decode_ops.lora_shrink(x.repeat(17, 1), shrink) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("vocab", [152064, 49152, 1000])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_sample_step_matches_reference(dtype, vocab, rows, temperature):
+    """The two sampling kernels draw the reference sampler's tokens exactly (the same noise bits:
+    libdevice's logf is torch's), its logprobs to float32 rounding, and update the slot state."""
+    from qerl_pipe.engine.sampling import SamplingParams, sample
+    from qerl_pipe.kernels.triton_sample import launch_sample_step
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * vocab)
+    logits = (torch.randn(rows, vocab, generator=gen, device="cuda") * 4).to(dtype)
+    keys = torch.randint(0, 2**32, (rows,), generator=gen, device="cuda")
+    steps = torch.randint(0, 4096, (rows,), generator=gen, device="cuda")
+    positions = torch.randint(0, 4096, (rows,), generator=gen, device="cuda")
+    live = torch.randint(0, 2, (rows,), generator=gen, device="cuda")
+    tokens, logprobs = sample(logits, keys, steps, torch.arange(vocab, device="cuda"),
+                              SamplingParams(temperature=temperature))
+    results = []
+    for _ in range(2):  # twice from the same state: the same bits
+        state = [t.clone() for t in (steps, positions)]
+        next_tokens = torch.full((rows,), -1, device="cuda")
+        record = torch.full((2, rows), float("nan"), dtype=torch.float64, device="cuda")
+        launch_sample_step(logits, keys, state[0], state[1], live, next_tokens, record, temperature)
+        assert torch.equal(next_tokens, tokens) and torch.equal(record[0].long(), tokens)
+        torch.testing.assert_close(record[1], logprobs.double(), atol=2e-5, rtol=0)
+        assert torch.equal(state[0], steps + 1) and torch.equal(state[1], positions + live)
+        results.append(record)
+    assert torch.equal(results[0], results[1])

@@ -175,6 +175,37 @@ def _run_shrink_case(seed: int) -> dict:
     return {"u_max_err": float((u - x @ shrink.t()).abs().max()), "u_batch_independent": bool(torch.equal(alone, u[1:2]))}
 
 
+# The sampling step: (rows, vocabulary, temperature); 0 is greedy, 1 needs no division. The
+# vocabularies end mid-block and span several partial programs.
+SAMPLE_CASES = [(3, 9000, 1.0), (2, 5000, 0.7), (3, 5000, 0.0), (1, 4096, 1.3)]
+
+
+def _sample_id(case: tuple) -> str:
+    return "sample-b{}-v{}-t{}".format(*case)
+
+
+def _run_sample_case(case: tuple, seed: int) -> dict:
+    """The two sampling kernels against `engine.sampling.sample`, and the slot-state updates."""
+    from qerl_pipe.engine.sampling import SamplingParams, sample
+    from qerl_pipe.kernels.triton_sample import launch_sample_step
+
+    rows, vocab, temperature = case
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    keys = torch.randint(0, 2**32, (rows,), generator=gen)
+    steps = torch.randint(0, 1000, (rows,), generator=gen)
+    positions = torch.randint(0, 50, (rows,), generator=gen)
+    live = torch.randint(0, 2, (rows,), generator=gen)
+    tokens, logprobs = sample(logits, keys, steps, torch.arange(vocab), SamplingParams(temperature=temperature))
+    next_tokens = torch.full((rows,), -1)
+    record = torch.full((2, rows), float("nan"), dtype=torch.float64)
+    before_pos, before_steps = positions.clone(), steps.clone()
+    launch_sample_step(logits, keys, steps, positions, live, next_tokens, record, temperature)
+    return {"same_tokens": tokens.tolist() == next_tokens.tolist() == record[0].long().tolist(),
+            "logprob_err": float((record[1] - logprobs.double()).abs().max()),
+            "state": bool(torch.equal(positions, before_pos + live) and torch.equal(steps, before_steps + 1))}
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
     if importlib.util.find_spec("triton") is None:
@@ -219,6 +250,14 @@ def test_lora_shrink_matches_reference(results: dict[str, dict]) -> None:
     assert r["u_max_err"] < 1e-4 and r["u_batch_independent"], f"seed {r['seed']}: {r}"
 
 
+@pytest.mark.parametrize("case", SAMPLE_CASES, ids=_sample_id)
+def test_sample_step_matches_reference(results: dict[str, dict], case: tuple) -> None:
+    r = results[_sample_id(case)]
+    assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
+    assert r["same_tokens"] and r["state"], f"seed {r['seed']}: {r}"
+    assert r["logprob_err"] < 1e-5, f"seed {r['seed']}: {r}"
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through the tests (sets TRITON_INTERPRET)"
     out: dict[str, dict] = {}
@@ -244,4 +283,10 @@ if __name__ == "__main__":
         out["lora-shrink"] = {"seed": seed, **_run_shrink_case(seed)}
     except Exception as e:  # noqa: BLE001
         out["lora-shrink"] = {"seed": seed, "error": repr(e)}
+    for sample_case in SAMPLE_CASES:
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        try:
+            out[_sample_id(sample_case)] = {"seed": seed, **_run_sample_case(sample_case, seed)}
+        except Exception as e:  # noqa: BLE001
+            out[_sample_id(sample_case)] = {"seed": seed, "error": repr(e)}
     print(json.dumps(out))
