@@ -290,6 +290,21 @@ def test_one_new_token_needs_no_decode_step(llama32):
     assert out.lengths == [1] * 12 and out.decode_steps == 0 and out.finish_reasons == ["length"] * 12
 
 
+def test_steps_run_one_ahead_of_the_host(llama32):
+    """Step t+1 is launched before step t's tokens are read: a run to max_new_tokens wastes no
+    step, a stop costs at most the one step already in flight, whose token is dropped."""
+    engine = _engine(llama32, max_batch=1)
+    full = engine.generate([PROMPTS[0]], sampling=SamplingParams(max_new_tokens=12, seed=3))
+    assert full.decode_steps == 11  # the first token comes from the prefill
+    firsts = [t for t in full.tokens[0] if 3 <= full.tokens[0].index(t) < 11]
+    assert firsts, f"too few distinct tokens: {full.tokens[0]}"
+    stop = firsts[0]
+    cut = full.tokens[0].index(stop) + 1
+    out = engine.generate([PROMPTS[0]], sampling=SamplingParams(max_new_tokens=12, seed=3, stop_token_ids=(stop,)))
+    assert out.tokens[0] == full.tokens[0][:cut] and out.finish_reasons == ["stop"]
+    assert out.decode_steps == cut  # cut - 1 steps drew tokens, one more was in flight
+
+
 def test_length_buckets():
     from qerl_pipe.engine.graphs import length_buckets
 

@@ -13,6 +13,9 @@ Scheduling in short (docs/engine.md has the whole story):
   moved (KV rows included) into low free slots, so the tail runs on small graphs.
 - A finished sequence frees its slot at once; the queue refills free slots as soon as enough of
   them are free to take the next prompt's samples (or a quarter of the batch).
+- Steps run one ahead of the host: step t+1 is launched before step t's tokens are read back, so
+  the host's bookkeeping overlaps the GPU's work. A sequence that stopped at step t has computed
+  one more row at t+1, which is dropped.
 """
 
 from __future__ import annotations
@@ -86,6 +89,17 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = ""
+    slot: int = -1  # where it decodes while active
+    in_flight: int = 0  # tokens drawn by a launched step and not yet read back (0 or 1)
+
+
+@dataclass
+class _Step:
+    """A launched decode step whose tokens are still on their way to the host."""
+
+    rows: list[tuple[int, int]]  # (row of the step's record, sequence index)
+    record: Tensor  # [2, b] float64 (tokens, logprobs): host memory the step's record is copied into
+    done: torch.cuda.Event | None  # recorded after that copy (None: the copy was synchronous)
 
 
 def _env_graphs_enabled() -> bool:
@@ -133,6 +147,11 @@ class Engine:
         self._steps = buffer()  # tokens the slot's sequence has generated so far
         self._live = buffer()  # 1 = a sequence occupies the slot (idle slots keep position 0)
         self._vocab = torch.arange(model.config.vocab_size, device=self.device)
+        # Each step's (tokens, logprobs) go to the host in one copy. Two pinned buffers in turn:
+        # one is read while the next step's copy lands in the other.
+        self._record_buffer = torch.zeros(2 * slots, dtype=torch.float64, device=self.device)
+        pinned = self.device.type == "cuda"
+        self._host_records = [torch.zeros(2 * slots, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
         use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes)
         self._lora = FusedLora(model, model.dtype)
@@ -267,14 +286,28 @@ class _Run:
         # A previous call that raised may have left slots marked live.
         e._live.zero_()
         e._positions.zero_()
+        pending: _Step | None = None  # launched, its tokens not yet read back
         while self.queue or self.active:
-            if self._should_admit():
+            if self._should_admit() or (pending is not None and not self._needs_step()):
+                if pending is not None:  # admission needs the exact slot table: read the last step first
+                    t0 = time.perf_counter()
+                    self._collect(pending)
+                    pending = None
+                    self.out.decode_seconds += time.perf_counter() - t0
+                    continue
                 t0 = time.perf_counter()
                 self._admit()
                 self.out.prefill_seconds += time.perf_counter() - t0
                 continue  # sequences may have finished on their first token: admit again
             t0 = time.perf_counter()
-            self._decode_step()
+            step = self._launch_step()
+            if pending is not None:
+                self._collect(pending)  # while the GPU runs `step`
+            pending = step
+            self.out.decode_seconds += time.perf_counter() - t0
+        if pending is not None:  # its rows all belong to finished sequences; wait for the GPU
+            t0 = time.perf_counter()
+            self._collect(pending)
             self.out.decode_seconds += time.perf_counter() - t0
         out = self.out
         out.tokens = [s.tokens for s in self.seqs]
@@ -341,8 +374,10 @@ class _Run:
         e._live[slots_t] = 1
         for i, slot in order:
             self.active[slot] = i
+            self.seqs[i].slot = slot
         self.out.max_active = max(self.out.max_active, len(self.active))
-        self._record([(slot, r) for r, slot in enumerate(slot_ids)], tokens, logprobs)
+        host = torch.stack((tokens.double(), logprobs.double())).cpu()
+        self._record(list(enumerate(seq_ids)), host[0].long().tolist(), host[1].tolist())
 
     def _prefill(self, groups: list[list[tuple[int, int]]]) -> Tensor:
         """Prefill each group's prompt into its first slot, copy it to the others: logits [G, V]."""
@@ -366,7 +401,18 @@ class _Run:
 
     # ------------------------------------------------------------------ decoding
 
-    def _decode_step(self) -> None:
+    def _needs_step(self) -> bool:
+        """Whether an active sequence may still draw a token beyond those in flight."""
+        limit = self.params.max_new_tokens
+        return any(len(self.seqs[i].tokens) + self.seqs[i].in_flight < limit for i in self.active.values())
+
+    def _length(self, i: int) -> int:
+        """Positions sequence i's next step needs: its prompt, its tokens and the one in flight."""
+        seq = self.seqs[i]
+        return len(seq.prompt) + len(seq.tokens) + seq.in_flight
+
+    def _launch_step(self) -> _Step:
+        """Launch one decode step and its sampling; the record's copy to the host is on its way."""
         e, runner = self.e, self.e._runner
         high = max(self.active) + 1
         b = runner.batch_size_for(high)
@@ -377,23 +423,51 @@ class _Run:
             if target < b and (runner.sizes or count <= high // 2):
                 self._compact(target)
                 b = runner.batch_size_for(max(self.active) + 1)
-        # Every active sequence's next position is below its prompt + generated length.
-        reach = max(len(self.seqs[i].prompt) + len(self.seqs[i].tokens) for i in self.active.values())
+        reach = max(self._length(i) for i in self.active.values())
         logits = runner.run(b, runner.length_for(reach))
-        tokens, logprobs = sample(logits, e._keys[:b], e._steps[:b], e._vocab, self.params)
-        e._tokens[:b].copy_(tokens)
-        e._positions[:b].add_(e._live[:b])  # idle slots stay at position 0
-        e._steps[:b].add_(1)
+        record = e._record_buffer[: 2 * b].view(2, b)
+        if logits.is_cuda and not self.params.truncates:
+            from qerl_pipe.kernels.triton_sample import launch_sample_step
+
+            temperature = 0.0 if self.params.greedy else self.params.temperature
+            launch_sample_step(logits, e._keys[:b], e._steps[:b], e._positions[:b], e._live[:b], e._tokens[:b],
+                               record, temperature)
+        else:
+            tokens, logprobs = sample(logits, e._keys[:b], e._steps[:b], e._vocab, self.params)
+            e._tokens[:b].copy_(tokens)
+            e._positions[:b].add_(e._live[:b])  # idle slots stay at position 0
+            e._steps[:b].add_(1)
+            record[0].copy_(tokens)
+            record[1].copy_(logprobs)
         self.out.decode_steps += 1
         self.out.decode_rows += b
-        self._record([(slot, slot) for slot in self.active], tokens, logprobs)
+        buffer = e._host_records[self.out.decode_steps % 2]
+        host = buffer[: 2 * b].view(2, b)
+        done = None
+        if record.is_cuda:
+            host.copy_(record, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host.copy_(record)
+        for i in self.active.values():
+            self.seqs[i].in_flight += 1
+        return _Step([(slot, i) for slot, i in self.active.items()], host, done)
+
+    def _collect(self, step: _Step) -> None:
+        """Wait for a launched step's record and take its tokens."""
+        if step.done is not None:
+            step.done.synchronize()
+        for _, i in step.rows:
+            self.seqs[i].in_flight -= 1
+        self._record(step.rows, step.record[0].long().tolist(), step.record[1].tolist())
 
     def _compact(self, target: int) -> None:
         """Move the sequences in slots >= target into free slots below it (KV rows and state)."""
         e = self.e
         movers = sorted(s for s in self.active if s >= target)
         holes = [s for s in range(target) if s not in self.active][: len(movers)]
-        length = max(len(self.seqs[self.active[s]].prompt) + len(self.seqs[self.active[s]].tokens) for s in movers)
+        length = max(self._length(self.active[s]) for s in movers)
         src = torch.tensor(movers, device=e.device)
         dst = torch.tensor(holes, device=e.device)
         e.cache.copy_slots(src, dst, min(length, e.limits.max_seq_len))
@@ -403,29 +477,32 @@ class _Run:
         e._positions[src] = 0
         for s, d in zip(movers, holes):
             self.active[d] = self.active.pop(s)
+            self.seqs[self.active[d]].slot = d
         self.out.compactions += 1
 
-    def _record(self, rows: list[tuple[int, int]], tokens: Tensor, logprobs: Tensor) -> None:
-        """The step's one device-to-host copy (tokens and logprobs together), then stop checks.
+    def _record(self, rows: list[tuple[int, int]], tokens: list[int], logprobs: list[float]) -> None:
+        """Append each row's token to its sequence, then the stop checks.
 
-        `rows`: (slot, row of `tokens`) of every sequence that drew a token.
+        `rows`: (row of `tokens`, sequence index) of every sequence that drew a token. A sequence
+        that finished at an earlier step drew one more in the step launched before that was known:
+        it is dropped.
         """
-        host = torch.stack((tokens.double(), logprobs.double())).cpu()
-        toks, lps = host[0].long().tolist(), host[1].tolist()
         finished: list[int] = []
         limit = self.params.max_new_tokens
-        for slot, r in rows:
-            seq = self.seqs[self.active[slot]]
-            token = toks[r]
+        for r, i in rows:
+            seq = self.seqs[i]
+            if seq.finish:
+                continue
+            token = tokens[r]
             seq.tokens.append(token)
-            seq.logprobs.append(lps[r])
+            seq.logprobs.append(logprobs[r])
             if token in self.stops:
                 seq.finish = "stop"
             elif len(seq.tokens) >= limit:
                 seq.finish = "length"
             else:
                 continue
-            finished.append(slot)
+            finished.append(seq.slot)
         if finished:
             for slot in finished:
                 del self.active[slot]
