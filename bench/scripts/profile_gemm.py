@@ -2,7 +2,10 @@
 
 `ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:'gemm_kernel|staged_kernel'
 python3 bench/scripts/profile_gemm.py [--m 64]`: at M = 64 it runs, on 7B gate_up and o, the best
-register-ring config (and the same split in two on o) and the best staged config of bench/results/kernels-cuda-h200.json (84544ba).
+register-ring config (and the same split in two on o) and the best staged config of
+bench/results/kernels-cuda-h200.json (84544ba). `--defaults` runs instead, on all four 7B layers,
+the config the engine launches at that M (`cuda_ext.default_config`: the H200 table's), i.e. what a
+decode step profiles.
 """
 import argparse
 
@@ -17,10 +20,15 @@ CONFIGS = {
     "gate_up": (37888, 3584, [RING, cuda_ext.GemmConfig(4, 8, 4, 1, 0, 1, stages=5)]),
     "o": (3584, 3584, [RING, cuda_ext.GemmConfig(2, 8, 4, 4, 2, 2), cuda_ext.GemmConfig(4, 8, 4, 2, 0, 4, stages=4)]),
 }
+LAYERS_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--m", type=int, default=64)
+ap.add_argument("--defaults", action="store_true", help="the engine's config for each 7B layer at this M")
 args = ap.parse_args()
+if args.defaults:
+    sms = cuda_ext.sm_count(torch.device("cuda"))
+    CONFIGS = {name: (n, k, [cuda_ext.default_config(args.m, n, k, sms)]) for name, (n, k) in LAYERS_7B.items()}
 for name, (n, k, configs) in CONFIGS.items():
     tq = tile_nvfp4(quantize_nvfp4_in_row_chunks(torch.randn(n, k, device="cuda") * 0.02, name=name))
     x = torch.randn(args.m, k, device="cuda").to(torch.bfloat16)
