@@ -17,6 +17,13 @@ the norm, one per BLOCK_R columns of u), so a row's results never depend on its 
 **LoRA shrink** (`_lora_shrink`), for o_proj, whose input (attention's output) no norm computes:
 one program per 256 columns of all rows (A read once, across many SMs), the partial sums added in
 program order by the last program (an atomic ticket), so there is no second launch.
+
+**Programmatic dependent launch** (`triton_pdl`): every kernel here lets the next one launch as
+soon as it starts, and reads what an earlier kernel of the step wrote (activations, q/k/v, the
+partials) only after `wait_previous`. Before it, a kernel reads only what no kernel of the running
+step writes: norm weights and noise, LoRA A, positions and the KV cache below them (the step's
+first kernel is an ordinary launch, so earlier steps are complete). So the launch, the weight
+loads and the next GEMM's first weight chunks overlap the kernel before.
 """
 
 from __future__ import annotations
@@ -28,8 +35,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from qerl_pipe.kernels.triton_pdl import PDL, launch_dependents, wait_previous
+
 SPLIT = 128  # cache positions per program
 BLOCK_N = 64  # positions per inner step (a tl.dot tile)
+
+
+def _pdl(t: Tensor) -> dict:
+    """Launch options: programmatic dependent launch on CUDA where this Triton has it."""
+    return {"launch_pdl": True} if PDL and t.is_cuda else {}
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
@@ -53,13 +67,15 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, m_p
              sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, s_cos, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
              Hq, S, scale,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT_LEN: tl.constexpr,
-             BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+             BLOCK: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    launch_dependents(USE_PDL)
     dtype = kc_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + b).to(tl.int32)
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, GP)
     g_ok = offs_g < G
+    wait_previous(USE_PDL)  # q, k, v, cos and sin are this step's
     c = tl.load(cos_ptr + b * s_cos + offs_d).to(tl.float32)
     sn = tl.load(sin_ptr + b * s_cos + offs_d).to(tl.float32)
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
@@ -108,8 +124,10 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, m_p
 
 
 @triton.jit
-def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr):
+def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)  # b * Hq + head
+    launch_dependents(USE_PDL)
+    wait_previous(USE_PDL)
     offs_d = tl.arange(0, D)
     top = tl.load(m_ptr + row * S)
     for s in range(1, S):
@@ -142,23 +160,30 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         hq, splits, scale,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, SPLIT_LEN=SPLIT, BLOCK=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=PDL, num_warps=4, **_pdl(q))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
-    _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1)
+    _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, USE_PDL=PDL, num_warps=1, **_pdl(q))
     return out
 
 
 @triton.jit
 def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, H, R, sx, sr, so, sh, sa, su, eps,
-                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
+                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (row, 0) writes the row's normed values (and h); program (row, j > 0) computes u's
     # columns [(j - 1) * BLOCK_R, j * BLOCK_R) = normed_row . A[those rows]^T from the same values
     # (the same code gives the same 1 / rms bit for bit, and each normed element is rounded to the
     # output dtype before the product, as a matmul on `out` would see it). The whole row and the
     # A rows are loaded at once: a loop over K chunks waited out one load latency per chunk.
     row, j = tl.program_id(0), tl.program_id(1)
+    launch_dependents(USE_PDL)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
+    # The weights first (no kernel of the step writes them), then the wait for x and the residual.
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(z_ptr + offs, mask=ok, other=0.0)
+    offs_r = (j - 1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = (offs_r >= 0) & (offs_r < R)  # program 0 (the norm) has offs_r < 0: loads nothing
+    a = tl.load(a_ptr + offs_r[:, None] * sa + offs[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
+    wait_previous(USE_PDL)
     x = tl.load(x_ptr + row * sx + offs, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * sr + offs, mask=ok, other=0.0)
@@ -167,16 +192,12 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, H, R
         h = x
     h32 = h.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h32 * h32, 0) / H + eps)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(z_ptr + offs, mask=ok, other=0.0)
     normed = (h32 * inv_rms * w).to(out_ptr.dtype.element_ty)
     if j == 0:
         if HAS_RESIDUAL:
             tl.store(h_ptr + row * sh + offs, h, mask=ok)
         tl.store(out_ptr + row * so + offs, normed, mask=ok)
     else:
-        offs_r = (j - 1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        a = tl.load(a_ptr + offs_r[:, None] * sa + offs[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
         u = tl.sum(a.to(tl.float32) * normed.to(tl.float32)[None, :], 1)
         tl.store(u_ptr + row * su + offs_r, u.to(u_ptr.dtype.element_ty), mask=r_ok)
 
@@ -206,27 +227,30 @@ def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, nois
     _add_rms_norm[(rows, 1 + triton.cdiv(n_u, block_r))](
         x, r, weight, noise, out, h, a, u_arg, hidden, n_u, x.stride(0), r.stride(0), out.stride(0), h.stride(0),
         a.stride(0), u_arg.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block, BLOCK_R=block_r,
-        num_warps=max(1, min(16, block // 256)))
+        USE_PDL=PDL, num_warps=max(1, min(16, block // 256)), **_pdl(x))
     return out, h, u
 
 
 @triton.jit
 def _lora_shrink(x_ptr, a_ptr, part_ptr, ticket_ptr, u_ptr, rows, H, R, sx, sa, su,
-                 KB: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr):
+                 KB: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     # Program s multiplies columns [s * KB, (s + 1) * KB) of every row by the same columns of A and
     # parks the [rows, R] partial sums: A, the largest operand, is read once per launch, spread
     # over all programs. The last program to take a ticket adds the partials in program order and
     # writes u, then re-arms the ticket for the next launch (one fixed order: u is the same bits
     # whatever the timing, and a row's u depends on that row only).
     s = tl.program_id(0)
+    launch_dependents(USE_PDL)
     offs_m = tl.arange(0, MP)
     m_ok = offs_m < rows
     offs_k = s * KB + tl.arange(0, KB)
     k_ok = offs_k < H
-    x = tl.load(x_ptr + offs_m[:, None] * sx + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     offs_r = tl.arange(0, RP)
     r_ok = offs_r < R
     a = tl.load(a_ptr + offs_r[:, None] * sa + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    wait_previous(USE_PDL)  # x, the workspace and the ticket: after the kernels before
+    x = tl.load(x_ptr + offs_m[:, None] * sx + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     tile = offs_m[:, None] * RP + offs_r[None, :]
     tl.store(part_ptr + s * MP * RP + tile, tl.dot(x, tl.trans(a), input_precision=PRECISION))
     tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
@@ -269,5 +293,6 @@ def launch_lora_shrink(x: Tensor, shrink: Tensor) -> Tensor:
     part = torch.empty(programs * 16 * rp, dtype=torch.float32, device=x.device)
     _lora_shrink[(programs,)](
         x, shrink, part, _ticket(x.device), u, rows, hidden, n_u, x.stride(0), shrink.stride(0), u.stride(0),
-        KB=SHRINK_COLUMNS, MP=16, RP=rp, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+        KB=SHRINK_COLUMNS, MP=16, RP=rp, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=PDL,
+        num_warps=4, **_pdl(x))
     return u

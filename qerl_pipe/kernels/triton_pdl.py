@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels.
+
+With PDL (Hopper; CUDA's `griddepcontrol`), a kernel launched with the programmatic-serialization
+attribute may start once every program of the kernel before it has called
+`griddepcontrol.launch_dependents` (or exited), instead of after that kernel has finished. It must
+then execute `griddepcontrol.wait` before reading anything the kernel before wrote: the wait
+returns when that kernel has completed and its memory is visible. The decode step's CUDA GEMMs do
+this already (`kernels/cuda/w4a16.cu`); these helpers let the Triton kernels between them do the
+same, so the launch gaps of the step's ~12 kernels per layer overlap work.
+
+`PDL` is False under Triton's interpreter (the CPU tests) and on a Triton without the
+`launch_pdl` option; the helpers then compile to nothing and kernels launch normally.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def _supported() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        import triton.language.extra.cuda as cuda_lang
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(cuda_lang, "gdc_wait")
+
+
+PDL = _supported()
+
+if PDL:
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+else:  # never called: the constexpr branches below are pruned when USE_PDL is False
+    _gdc_launch_dependents = _gdc_wait = None
+
+
+@triton.jit
+def wait_previous(USE_PDL: tl.constexpr):
+    """Wait until the kernel before has completed and its writes are visible (no-op without PDL)."""
+    if USE_PDL:
+        _gdc_wait()
+
+
+@triton.jit
+def launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next kernel launch now (it waits for this one before reading its outputs)."""
+    if USE_PDL:
+        _gdc_launch_dependents()
