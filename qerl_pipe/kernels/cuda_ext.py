@@ -237,6 +237,8 @@ _VARIANT = {1: (2, 8, 8, 4), 2: (2, 8, 8, 4), 4: (4, 4, 4, 2), 8: (2, 4, 4, 2)}
 # written there by `tuned_table`); used on GPUs with that many SMs. Rows of M <= 64 are always
 # there; rows of M = 128 and 256 only where the GEMM beat dequantize + cuBLAS, so a row there is
 # what sends those M to the GEMM (`gemm_wins`).
+# QERL_W4A16_TABLE names another file of the same form (e.g. one tuned on another GPU, or for a
+# different launch context: bench/scripts/step_tune.py writes one).
 TABLE_FILE = SOURCE_DIR / "configs-h200.json"
 _TABLE_MS = (1, 8, 16, 32, 64, 128, 256)
 
@@ -261,7 +263,11 @@ def tuned_table(rows: list[dict]) -> dict:
 
 @lru_cache(maxsize=1)
 def _table() -> tuple[int, dict]:
-    data = json.loads(TABLE_FILE.read_text())
+    path = Path(os.environ.get("QERL_W4A16_TABLE") or TABLE_FILE)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"the W4A16 config table {path} cannot be read ({e}); fix or unset QERL_W4A16_TABLE") from e
     return int(data["sms"]), data["configs"]
 
 
