@@ -3,6 +3,7 @@ kernel's loads, bit operations and mma.m16n8k16 fragments on what `tile_nvfp4` w
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -359,6 +360,26 @@ def test_table_configs_are_compiled() -> None:
     for key, c in configs.items():
         assert (c["mt"], c["nb"], c["warps"], c["wk"], c["depth"], c.get("stages", 0)) in compiled, key
         assert c["splits"] >= 1
+
+
+def test_table_override(tmp_path: Path, monkeypatch) -> None:
+    """QERL_W4A16_TABLE replaces the shipped table; an unreadable one is refused by name."""
+    key = cuda_ext.table_key(8, 4608, 3584)
+    config = {"mt": 4, "nb": 1, "warps": 4, "wk": 4, "depth": 4, "splits": 5, "pdl": True, "stages": 0}
+    table = tmp_path / "configs.json"
+    table.write_text(json.dumps({"sms": 132, "configs": {key: config}}))
+    monkeypatch.setenv("QERL_W4A16_TABLE", str(table))
+    cuda_ext._table.cache_clear()
+    try:
+        assert cuda_ext.default_config(8, 4608, 3584, 132) == cuda_ext.GemmConfig(**config)
+        assert cuda_ext.default_config(8, 4608, 3584, 114, per_sm=2) != cuda_ext.GemmConfig(**config)  # another GPU
+        monkeypatch.setenv("QERL_W4A16_TABLE", str(tmp_path / "missing.json"))
+        cuda_ext._table.cache_clear()
+        with pytest.raises(RuntimeError, match="missing.json.*QERL_W4A16_TABLE"):
+            cuda_ext.default_config(8, 4608, 3584, 132)
+    finally:
+        monkeypatch.delenv("QERL_W4A16_TABLE")
+        cuda_ext._table.cache_clear()
 
 
 def test_split_choice_shrinks_as_tokens_grow() -> None:
