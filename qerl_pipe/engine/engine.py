@@ -90,7 +90,7 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish: str = ""
     slot: int = -1  # where it decodes while active
-    in_flight: int = 0  # tokens drawn by a launched step and not yet read back (0 or 1)
+    in_flight: int = 0  # tokens drawn by launched steps and not yet read back (1 at most between steps)
 
 
 @dataclass
