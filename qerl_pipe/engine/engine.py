@@ -102,6 +102,14 @@ class _Step:
     done: torch.cuda.Event | None  # recorded after that copy (None: the copy was synchronous)
 
 
+def _indices(values: list[int], device: torch.device) -> Tensor:
+    """An int64 index tensor on `device` without a stream sync: a tensor from ordinary host
+    memory is copied synchronously, which would make the host wait for the step in flight."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
 def _env_graphs_enabled() -> bool:
     return os.environ.get("QERL_ENGINE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -468,8 +476,8 @@ class _Run:
         movers = sorted(s for s in self.active if s >= target)
         holes = [s for s in range(target) if s not in self.active][: len(movers)]
         length = max(self._length(self.active[s]) for s in movers)
-        src = torch.tensor(movers, device=e.device)
-        dst = torch.tensor(holes, device=e.device)
+        src = _indices(movers, e.device)
+        dst = _indices(holes, e.device)
         e.cache.copy_slots(src, dst, min(length, e.limits.max_seq_len))
         for buf in (e._tokens, e._positions, e._keys, e._steps, e._live):
             buf[dst] = buf[src]
@@ -506,6 +514,6 @@ class _Run:
         if finished:
             for slot in finished:
                 del self.active[slot]
-            index = torch.tensor(finished, device=self.e.device)
+            index = _indices(finished, self.e.device)
             self.e._live[index] = 0
             self.e._positions[index] = 0

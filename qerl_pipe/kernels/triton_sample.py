@@ -15,8 +15,11 @@ step, each a few microseconds for almost no work. Here the same numbers take two
 The noise is bit-identical to `sampling.gumbel_noise`: the same 32-bit hash in uint32 arithmetic
 (wrapping multiplies equal the reference's masked int64 products), the same 24-bit uniform, and
 libdevice's `logf` (what torch's CUDA `log` calls) rather than the fast approximate log. The
-temperature division is IEEE (`div_rn`). So the tokens equal the reference's; the logprob's
-logsumexp differs from torch's in the order of its sum (float32 rounding, ~1e-6).
+temperature is applied as torch applies `z / T` on CUDA: `z * (1 / T)`, the reciprocal rounded to
+float32 once on the host, the product rounded on its own (`mul_rn`, never fused into the noise
+add). So on CUDA the tokens equal the reference's; the logprob's logsumexp differs from torch's
+in the order of its sum (float32 rounding, ~1e-6). (On CPU torch divides exactly, which can
+differ in the last bit.)
 """
 
 from __future__ import annotations
@@ -54,15 +57,18 @@ def _log(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _scaled(logits, temperature, SCALE: tl.constexpr):
+def _scaled(logits, inv_temperature, SCALE: tl.constexpr, LIBDEVICE: tl.constexpr):
     z = logits.to(tl.float32)
     if SCALE:
-        z = tl.math.div_rn(z, temperature)
+        if LIBDEVICE:
+            z = libdevice.mul_rn(z, inv_temperature)
+        else:
+            z = z * inv_temperature
     return z
 
 
 @triton.jit
-def _sample_partial(logit_ptr, key_ptr, step_ptr, part_ptr, idx_ptr, V, s_logit, temperature,
+def _sample_partial(logit_ptr, key_ptr, step_ptr, part_ptr, idx_ptr, V, s_logit, inv_temperature,
                     GREEDY: tl.constexpr, SCALE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                     LIBDEVICE: tl.constexpr):
     b = tl.program_id(0)
@@ -76,7 +82,8 @@ def _sample_partial(logit_ptr, key_ptr, step_ptr, part_ptr, idx_ptr, V, s_logit,
     for start in tl.range(c * CHUNK, tl.minimum((c + 1) * CHUNK, V), BLOCK):
         cols = start + tl.arange(0, BLOCK)
         ok = cols < V
-        z = _scaled(tl.load(logit_ptr + b * s_logit + cols, mask=ok, other=float("-inf")), temperature, SCALE)
+        z = _scaled(tl.load(logit_ptr + b * s_logit + cols, mask=ok, other=float("-inf")), inv_temperature, SCALE,
+                    LIBDEVICE)
         if GREEDY:
             val = z
         else:
@@ -99,7 +106,7 @@ def _sample_partial(logit_ptr, key_ptr, step_ptr, part_ptr, idx_ptr, V, s_logit,
 
 @triton.jit
 def _sample_merge(logit_ptr, part_ptr, idx_ptr, next_ptr, pos_ptr, live_ptr, step_ptr, rec_ptr, chunks, B,
-                  s_logit, temperature, SCALE: tl.constexpr, CP: tl.constexpr):
+                  s_logit, inv_temperature, SCALE: tl.constexpr, CP: tl.constexpr, LIBDEVICE: tl.constexpr):
     b = tl.program_id(0)
     offs = tl.arange(0, CP)
     ok = offs < chunks
@@ -111,7 +118,7 @@ def _sample_merge(logit_ptr, part_ptr, idx_ptr, next_ptr, pos_ptr, live_ptr, ste
     lse = m_all + tl.log(tl.sum(s * tl.exp(m - m_all), axis=0))
     _, c = tl.max(best, axis=0, return_indices=True, return_indices_tie_break_left=True)
     token = tl.load(idx_ptr + b * chunks + c)
-    z = _scaled(tl.load(logit_ptr + b * s_logit + token), temperature, SCALE)
+    z = _scaled(tl.load(logit_ptr + b * s_logit + token), inv_temperature, SCALE, LIBDEVICE)
     tl.store(next_ptr + b, token.to(tl.int64))
     tl.store(pos_ptr + b, tl.load(pos_ptr + b) + tl.load(live_ptr + b))
     tl.store(step_ptr + b, tl.load(step_ptr + b) + 1)
@@ -137,9 +144,11 @@ def launch_sample_step(logits: Tensor, keys: Tensor, steps: Tensor, positions: T
     chunks = triton.cdiv(vocab, CHUNK)
     part = torch.empty(rows * chunks * 3, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
-    t = float(temperature) if scale else 1.0
-    _sample_partial[(rows, chunks)](logits, keys, steps, part, idx, vocab, logits.stride(0), t,
+    # torch's CUDA division by a Python scalar: 1 / float32(T) in float32, then a multiply.
+    inv = (torch.tensor(1.0) / torch.tensor(float(temperature))).item() if scale else 1.0
+    _sample_partial[(rows, chunks)](logits, keys, steps, part, idx, vocab, logits.stride(0), inv,
                                     GREEDY=greedy, SCALE=scale, CHUNK=CHUNK, BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE,
                                     num_warps=4)
     _sample_merge[(rows,)](logits, part, idx, next_tokens, positions, live, steps, record, chunks, rows,
-                           logits.stride(0), t, SCALE=scale, CP=triton.next_power_of_2(chunks), num_warps=1)
+                           logits.stride(0), inv, SCALE=scale, CP=triton.next_power_of_2(chunks), LIBDEVICE=_LIBDEVICE,
+                           num_warps=1)
