@@ -377,6 +377,12 @@ def test_table_override(tmp_path: Path, monkeypatch) -> None:
         cuda_ext._table.cache_clear()
         with pytest.raises(RuntimeError, match="missing.json.*QERL_W4A16_TABLE"):
             cuda_ext.default_config(8, 4608, 3584, 132)
+        # A row naming a variant that is not compiled is refused with its key, not launched.
+        table.write_text(json.dumps({"sms": 132, "configs": {key: {**config, "depth": 3}}}))
+        monkeypatch.setenv("QERL_W4A16_TABLE", str(table))
+        cuda_ext._table.cache_clear()
+        with pytest.raises(RuntimeError, match=f"row {key}.*not a compiled"):
+            cuda_ext.default_config(8, 4608, 3584, 132)
     finally:
         monkeypatch.delenv("QERL_W4A16_TABLE")
         cuda_ext._table.cache_clear()

@@ -32,11 +32,14 @@ ap.add_argument("--shape", default="qwen2.5-7b")
 ap.add_argument("--out", type=Path, required=True)
 ap.add_argument("--table", type=Path, required=True)
 args = ap.parse_args()
+ms = [int(v) for v in args.ms.split(",")]
+if any(cuda_ext.table_key(m, 1, 1) != f"m{m}:n1:k1" for m in ms):
+    ap.error(f"--ms must be rows of the table (1, 8, 16, 32, 64, ...); got {args.ms}")
 
 dev = torch.device("cuda")
 sms = cuda_ext.sm_count(dev)
 gen = torch.Generator(device="cuda").manual_seed(0)
-table = json.loads(cuda_ext.TABLE_FILE.read_text())
+table = json.loads(cuda_ext.table_path().read_text())  # the table default_config reads
 rows = []
 for layer, (n, k) in LAYER_SHAPES[args.shape].items():
     dense, tqs, wbs = layer_operands(args.shape, layer, n, k, gen)
@@ -45,7 +48,7 @@ for layer, (n, k) in LAYER_SHAPES[args.shape].items():
     norm_w = torch.rand(k, device=dev, generator=gen).to(torch.bfloat16)
     noise = torch.zeros(k, device=dev)
     shrink = (torch.randn(LORA_ROWS, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
-    for m in [int(v) for v in args.ms.split(",")]:
+    for m in ms:
         x0 = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         normed = decode_ops.add_rms_norm(x0, None, norm_w, noise, 1e-6, shrink)[0]
         ref = normed.float() @ dense.T
@@ -65,6 +68,8 @@ for layer, (n, k) in LAYER_SHAPES[args.shape].items():
                 continue
             results.append({"config_obj": cfg, "config": asdict(cfg), "pair_us": us, "rel_err": err})
         ok = [x for x in results if "pair_us" in x and x["rel_err"] < 1e-2]
+        if not ok:
+            raise SystemExit(f"{layer} m{m}: no candidate config ran correctly: {results}")
         best = min(ok, key=lambda x: x["pair_us"])
         base = next(x for x in results if x["config_obj"] == default)
         key = cuda_ext.table_key(m, n, k)
@@ -74,6 +79,6 @@ for layer, (n, k) in LAYER_SHAPES[args.shape].items():
         rows.append({"layer": layer, "M": m, "N": n, "K": k, "norm_us": norm_us, "table_config": asdict(default),
                      "table_pair_us": base.get("pair_us"), "best_config": best["config"], "best_pair_us": best["pair_us"],
                      "candidates": [{k2: v for k2, v in x.items() if k2 != "config_obj"} for x in results]})
-table["source"] = f"bench/scripts/step_tune.py on {args.shape}, M in {args.ms}; other rows as shipped"
+table["source"] = f"bench/scripts/step_tune.py on {args.shape}, M in {args.ms}; other rows from {cuda_ext.table_path().name}"
 args.table.write_text(json.dumps(table, indent=1))
 args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "shape": args.shape, "rows": rows}, indent=1))

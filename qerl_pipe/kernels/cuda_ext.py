@@ -261,14 +261,27 @@ def tuned_table(rows: list[dict]) -> dict:
             and (r["M"] <= MAX_PASS_TOKENS or r["gemm_us"] < r["dequant_matmul_us"])}
 
 
+def table_path() -> Path:
+    """The config table in use: QERL_W4A16_TABLE, else the shipped one (read once per process)."""
+    return Path(os.environ.get("QERL_W4A16_TABLE") or TABLE_FILE)
+
+
 @lru_cache(maxsize=1)
 def _table() -> tuple[int, dict]:
-    path = Path(os.environ.get("QERL_W4A16_TABLE") or TABLE_FILE)
+    path = table_path()
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"the W4A16 config table {path} cannot be read ({e}); fix or unset QERL_W4A16_TABLE") from e
-    return int(data["sms"]), data["configs"]
+        sms, configs = int(data["sms"]), data["configs"]
+        for key, config in configs.items():
+            try:
+                check_config(GemmConfig(**config))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"row {key}: {e}") from e
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"the W4A16 config table {path} is unusable ({type(e).__name__}: {e}); it needs "
+                           "\"sms\" and \"configs\" of compiled configs (as kernels/cuda/configs-h200.json); fix "
+                           "or unset QERL_W4A16_TABLE") from e
+    return sms, configs
 
 
 def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) -> GemmConfig:

@@ -35,15 +35,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from qerl_pipe.kernels.triton_pdl import PDL, launch_dependents, wait_previous
+from qerl_pipe.kernels.triton_pdl import launch_dependents, pdl_options, wait_previous
 
 SPLIT = 128  # cache positions per program
 BLOCK_N = 64  # positions per inner step (a tl.dot tile)
-
-
-def _pdl(t: Tensor) -> dict:
-    """Launch options: programmatic dependent launch on CUDA where this Triton has it."""
-    return {"launch_pdl": True} if PDL and t.is_cuda else {}
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
@@ -160,9 +155,9 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         hq, splits, scale,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, SPLIT_LEN=SPLIT, BLOCK=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=PDL, num_warps=4, **_pdl(q))
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
-    _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, USE_PDL=PDL, num_warps=1, **_pdl(q))
+    _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
     return out
 
 
@@ -227,7 +222,7 @@ def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, nois
     _add_rms_norm[(rows, 1 + triton.cdiv(n_u, block_r))](
         x, r, weight, noise, out, h, a, u_arg, hidden, n_u, x.stride(0), r.stride(0), out.stride(0), h.stride(0),
         a.stride(0), u_arg.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block, BLOCK_R=block_r,
-        USE_PDL=PDL, num_warps=max(1, min(16, block // 256)), **_pdl(x))
+        num_warps=max(1, min(16, block // 256)), **pdl_options(x.device))
     return out, h, u
 
 
@@ -293,6 +288,6 @@ def launch_lora_shrink(x: Tensor, shrink: Tensor) -> Tensor:
     part = torch.empty(programs * 16 * rp, dtype=torch.float32, device=x.device)
     _lora_shrink[(programs,)](
         x, shrink, part, _ticket(x.device), u, rows, hidden, n_u, x.stride(0), shrink.stride(0), u.stride(0),
-        KB=SHRINK_COLUMNS, MP=16, RP=rp, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=PDL,
-        num_warps=4, **_pdl(x))
+        KB=SHRINK_COLUMNS, MP=16, RP=rp, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, **pdl_options(x.device))
     return u

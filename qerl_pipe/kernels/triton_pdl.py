@@ -9,13 +9,16 @@ this already (`kernels/cuda/w4a16.cu`); these helpers let the Triton kernels bet
 same, so the launch gaps of the step's ~12 kernels per layer overlap work.
 
 `PDL` is False under Triton's interpreter (the CPU tests) and on a Triton without the
-`launch_pdl` option; the helpers then compile to nothing and kernels launch normally.
+`launch_pdl` option; `pdl_options(device)` also leaves it off on GPUs before Hopper (sm_90), which
+have no `griddepcontrol`. The helpers then compile to nothing and kernels launch normally.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -32,6 +35,20 @@ def _supported() -> bool:
 
 
 PDL = _supported()
+
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch arguments for a kernel taking `USE_PDL`: PDL on a CUDA GPU of sm_90 or later."""
+    on = PDL and device.type == "cuda" and _hopper_or_later(
+        device.index if device.index is not None else torch.cuda.current_device())
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
 
 if PDL:
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
