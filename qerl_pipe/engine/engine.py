@@ -295,9 +295,11 @@ class _Run:
         e._live.zero_()
         e._positions.zero_()
         pending: _Step | None = None  # launched, its tokens not yet read back
-        while self.queue or self.active:
+        while self.queue or self.active or pending is not None:
             if self._should_admit() or (pending is not None and not self._needs_step()):
-                if pending is not None:  # admission needs the exact slot table: read the last step first
+                # Admission needs the exact slot table, and with nothing left to draw the step in
+                # flight is the last: read it first.
+                if pending is not None:
                     t0 = time.perf_counter()
                     self._collect(pending)
                     pending = None
@@ -312,10 +314,6 @@ class _Run:
             if pending is not None:
                 self._collect(pending)  # while the GPU runs `step`
             pending = step
-            self.out.decode_seconds += time.perf_counter() - t0
-        if pending is not None:  # its rows all belong to finished sequences; wait for the GPU
-            t0 = time.perf_counter()
-            self._collect(pending)
             self.out.decode_seconds += time.perf_counter() - t0
         out = self.out
         out.tokens = [s.tokens for s in self.seqs]
