@@ -47,16 +47,20 @@ def bench_kernels(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-3
 
 
 @bench_app.command("kernels-cuda")
-def bench_kernels_cuda(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"]) -> None:
+def bench_kernels_cuda(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
+                       ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x); the targets of M not run are left out.")] = ["1,8,16,32,64,128,256,1024,4096"]) -> None:
     """The CUDA W4A16 kernels (decode GEMM, dequantize + cuBLAS) vs cuBLAS bf16 (needs a Hopper GPU and nvcc)."""
-    from qerl_pipe.bench.kernels_cuda import run
+    from qerl_pipe.bench.kernels_cuda import ALL_MS, run
     from qerl_pipe.kernels import cuda_ext
 
+    unknown = sorted(set(values(ms, int)) - set(ALL_MS))
+    if unknown:
+        raise QerlError(f"--ms {unknown}: this benchmark measures M in {list(ALL_MS)}")
     why = cuda_ext.why_unavailable("cuda")
     if why is not None:
         raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); they need a Hopper GPU and nvcc. "
                         "`qerl-pipe bench kernels` measures the Triton kernels")
-    emit(run(values(shapes), out), out)
+    emit(run(values(shapes), out, tuple(values(ms, int))), out)
 
 
 @bench_app.command("rollout")
