@@ -690,29 +690,34 @@ __global__ void __launch_bounds__(StreamShape<NB, WC, G, S>::kThreads, 1) stream
 
     float acc[4][NB][4];
     zero(acc);
-    // Chunks s0 + warp + j * WC, with the activations of the next two loaded ahead (x is in L2).
-    uint4 xa[NB], xb[NB];
-    int u = s0 + warp;
-    load_x(xa, u, u < s1);
-    load_x(xb, u + WC, u + WC < s1);
+    // Chunks s0 + warp + j * WC. Their activations come from L2 (x is the previous kernel's
+    // output), so each warp keeps kAhead chunks' worth of x loads in flight in a register ring
+    // (unrolled: a register copy from a pending load would wait for it).
+    constexpr int kAhead = 4;
+    uint4 xs[kAhead][NB];
+#pragma unroll
+    for (int l = 0; l < kAhead; ++l) load_x(xs[l], s0 + warp + l * WC, s0 + warp + l * WC < s1);
 #pragma unroll 1
-    for (; u < s1; u += WC) {
-      const int c = (u - u0) / G, i = (u - u0) % G;
-      wait_through(c);
-      release_before(c);
-      const uint8_t* stage = smem + (c % S) * Shape::kStageBytes;
-      const uint4* w = reinterpret_cast<const uint4*>(stage + i * Shape::kCodeBytes);
-      const uint4 codes[2] = {w[lane], w[32 + lane]};
-      const uint2 sw =
-          *reinterpret_cast<const uint2*>(stage + G * Shape::kCodeBytes + i * kScaleBytes + (g * 2 + (t >> 1)) * 8);
-      const uint32_t scales[2] = {sw.x, sw.y};
-      uint32_t a[4][2][4];
-      decode_chunk<4>(codes, scales, a);
+    for (int u = s0 + warp; u < s1; u += kAhead * WC) {
 #pragma unroll
-      for (int b = 0; b < NB; ++b) mma_block<4, NB>(acc, a, b, xa[b]);
+      for (int l = 0; l < kAhead; ++l) {
+        const int v = u + l * WC;
+        if (v >= s1) break;  // the same for the whole warp
+        const int c = (v - u0) / G, i = (v - u0) % G;
+        wait_through(c);
+        release_before(c);
+        const uint8_t* stage = smem + (c % S) * Shape::kStageBytes;
+        const uint4* w = reinterpret_cast<const uint4*>(stage + i * Shape::kCodeBytes);
+        const uint4 codes[2] = {w[lane], w[32 + lane]};
+        const uint2 sw =
+            *reinterpret_cast<const uint2*>(stage + G * Shape::kCodeBytes + i * kScaleBytes + (g * 2 + (t >> 1)) * 8);
+        const uint32_t scales[2] = {sw.x, sw.y};
+        uint32_t a[4][2][4];
+        decode_chunk<4>(codes, scales, a);
 #pragma unroll
-      for (int b = 0; b < NB; ++b) xa[b] = xb[b];
-      load_x(xb, u + 2 * WC, u + 2 * WC < s1);
+        for (int b = 0; b < NB; ++b) mma_block<4, NB>(acc, a, b, xs[l][b]);
+        load_x(xs[l], v + kAhead * WC, v + kAhead * WC < s1);
+      }
     }
     // Groups wholly before s1 are done with (this warp's chunks there are all summed).
     const int whole = (s1 - u0) / G;
