@@ -588,16 +588,35 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
-// A barrier for the `threads` consumer threads only (the producer warp is gone by then).
-__device__ __forceinline__ void consumers_sync(int threads) {
-  asm volatile("bar.sync 1, %0;\n" ::"r"(threads) : "memory");
+// Named barriers among the consumer warps only (the producer warp is gone by then): sync waits
+// for `threads` arrivals including its own, arrive counts one without waiting.
+// Barrier ids are immediates (a register id makes ptxas reserve all 16 barriers of the CTA).
+template <int ID>
+__device__ __forceinline__ void named_sync(int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "r"(threads) : "memory");
+}
+template <int ID>
+__device__ __forceinline__ void named_arrive(int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(ID), "r"(threads) : "memory");
+}
+// Per buffer b of the segment sums: full (kBufferFull + b) and free again (kBufferFree + b).
+constexpr int kBufferFull = 1, kBufferFree = 3;
+template <int ID>
+__device__ __forceinline__ void buffer_sync(int buf, int threads) {
+  if (buf) named_sync<ID + 1>(threads);
+  else named_sync<ID>(threads);
+}
+template <int ID>
+__device__ __forceinline__ void buffer_arrive(int buf, int threads) {
+  if (buf) named_arrive<ID + 1>(threads);
+  else named_arrive<ID>(threads);
 }
 
 template <int NB, int WC, int G, int S>
 struct StreamShape {
   static constexpr int kCodeBytes = kWords * 4;                        // per chunk
   static constexpr int kStageBytes = G * (kCodeBytes + kScaleBytes);   // G chunks' codes, then their scales
-  static constexpr int kRedBytes = (WC - 1) * 32 * 4 * NB * 16;        // the warps' sums, warp 0 excepted
+  static constexpr int kRedBytes = 2 * (WC - 1) * 32 * 4 * NB * 16;    // two buffers of the warps' sums, warp 0 excepted
   static constexpr int kBarOffset = S * kStageBytes + kRedBytes;
   static constexpr int kBytes = kBarOffset + 2 * S * 8;
   static constexpr int kThreads = (WC + 1) * 32;                      // + the producer warp
@@ -612,8 +631,6 @@ __global__ void __launch_bounds__(StreamShape<NB, WC, G, S>::kThreads, 1) stream
   float4* red = reinterpret_cast<float4*>(smem + S * Shape::kStageBytes);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Shape::kBarOffset);
   uint64_t* empty = full + S;
-  __shared__ int is_last;
-
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n_blocks = (p.N + kRows - 1) / kRows;
   const int per = p.chunks_per_split;
@@ -725,78 +742,80 @@ __global__ void __launch_bounds__(StreamShape<NB, WC, G, S>::kThreads, 1) stream
     release_before(whole);
     if (nb == nb_last) launch_dependents();
 
-    // The segment's sums, in warp order, into warp 0.
+    // The segment's sums, in warp order, into warp 0, which alone finishes the segment: the
+    // other warps hand over their sums through one of two buffers and go on to the next segment
+    // (a fence and a ticket cost microseconds of L2 round trips, which all warps once waited out).
+    const int seg = nb - nb_first, buf = seg & 1;
+    float4* sums = red + buf * (WC - 1) * 32 * 4 * NB;
     if (warp > 0) {
-      float4* dst = red + (warp - 1) * 32 * 4 * NB + lane;
+      if (seg >= 2) buffer_sync<kBufferFree>(buf, kConsumers);  // warp 0 has read segment seg - 2's
+      float4* dst = sums + (warp - 1) * 32 * 4 * NB + lane;
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int b = 0; b < NB; ++b)
           dst[(i * NB + b) * 32] = make_float4(acc[i][b][0], acc[i][b][1], acc[i][b][2], acc[i][b][3]);
+      buffer_arrive<kBufferFull>(buf, kConsumers);
+      continue;
     }
-    consumers_sync(kConsumers);
-    if (warp == 0) {
-      for (int w = 1; w < WC; ++w) {
-        const float4* src = red + (w - 1) * 32 * 4 * NB + lane;
+    buffer_sync<kBufferFull>(buf, kConsumers);
+    for (int w = 1; w < WC; ++w) {
+      const float4* src = sums + (w - 1) * 32 * 4 * NB + lane;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < 4; ++i)
 #pragma unroll
-          for (int b = 0; b < NB; ++b) {
-            const float4 v = src[(i * NB + b) * 32];
-            acc[i][b][0] += v.x;
-            acc[i][b][1] += v.y;
-            acc[i][b][2] += v.z;
-            acc[i][b][3] += v.w;
-          }
-      }
-      // The global scale in fp32 before anything is added, then the LoRA expand once per output
-      // (by the CTA with the block's first chunks).
-      scale_all(acc, gs);
-      if (p.lora_b != nullptr && part == 0) add_lora<4, NB>(p, acc, row_base, m0, g, t);
-      if (parts == 1) {
-        for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
-          if (row < p.N && token < p.M) p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(add_bias(v, p.bias, row));
-        });
-      } else {
-        float* mine = p.partials + ((size_t)nb * slots + part) * p.M * kRows;
-        for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
-          if (token < p.M) __stcg(mine + (size_t)token * kRows + (row - row_base), v);
-        });
-        __threadfence();
-      }
-    }
-    if (parts > 1) {
-      consumers_sync(kConsumers);  // warp 0's parts are written and fenced
-      int* counter = p.counters + blockIdx.y * n_blocks + nb;
-      if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == parts - 1;
-      consumers_sync(kConsumers);
-      if (is_last) {
-        __threadfence();
-        // Four rows per thread (16-byte loads), the parts added in CTA order.
-        const int tokens = min(8 * NB, p.M - m0);
-        const float* base = p.partials + (size_t)nb * slots * p.M * kRows;
-        const size_t part_stride = (size_t)p.M * kRows;
-        for (int idx = threadIdx.x; idx < tokens * (kRows / 4); idx += kConsumers) {
-          const int token = m0 + idx / (kRows / 4), r = idx % (kRows / 4) * 4, row = row_base + r;
-          if (row >= p.N) continue;
-          const float* src = base + (size_t)token * kRows + r;
-          float4 sum = __ldcg(reinterpret_cast<const float4*>(src));
-          for (int s = 1; s < parts; ++s) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(src + s * part_stride));
-            sum.x += v.x;
-            sum.y += v.y;
-            sum.z += v.z;
-            sum.w += v.w;
-          }
-          const float v[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (row + j < p.N) p.out[(size_t)token * p.ldo + row + j] = __float2bfloat16_rn(add_bias(v[j], p.bias, row + j));
+        for (int b = 0; b < NB; ++b) {
+          const float4 v = src[(i * NB + b) * 32];
+          acc[i][b][0] += v.x;
+          acc[i][b][1] += v.y;
+          acc[i][b][2] += v.z;
+          acc[i][b][3] += v.w;
         }
-        if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (and CUDA-graph replay)
-      }
     }
-    consumers_sync(kConsumers);  // `red` and `is_last` are free for the next segment
+    if (seg + 2 <= nb_last - nb_first) buffer_arrive<kBufferFree>(buf, kConsumers);  // someone waits for it
+    // The global scale in fp32 before anything is added, then the LoRA expand once per output
+    // (by the CTA with the block's first chunks).
+    scale_all(acc, gs);
+    if (p.lora_b != nullptr && part == 0) add_lora<4, NB>(p, acc, row_base, m0, g, t);
+    if (parts == 1) {
+      for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
+        if (row < p.N && token < p.M) p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(add_bias(v, p.bias, row));
+      });
+      continue;
+    }
+    float* mine = p.partials + ((size_t)nb * slots + part) * p.M * kRows;
+    for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
+      if (token < p.M) __stcg(mine + (size_t)token * kRows + (row - row_base), v);
+    });
+    __threadfence();
+    __syncwarp();
+    int* counter = p.counters + blockIdx.y * n_blocks + nb;
+    int last = 0;
+    if (lane == 0) last = atomicAdd(counter, 1) == parts - 1;
+    if (!__shfl_sync(0xffffffffu, last, 0)) continue;
+    __threadfence();
+    // The last part to arrive adds them all, in CTA order: four rows per lane (16-byte loads).
+    const int tokens = min(8 * NB, p.M - m0);
+    const float* base = p.partials + (size_t)nb * slots * p.M * kRows;
+    const size_t part_stride = (size_t)p.M * kRows;
+    for (int idx = lane; idx < tokens * (kRows / 4); idx += 32) {
+      const int token = m0 + idx / (kRows / 4), r = idx % (kRows / 4) * 4, row = row_base + r;
+      if (row >= p.N) continue;
+      const float* src = base + (size_t)token * kRows + r;
+      float4 sum = __ldcg(reinterpret_cast<const float4*>(src));
+      for (int s = 1; s < parts; ++s) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + s * part_stride));
+        sum.x += v.x;
+        sum.y += v.y;
+        sum.z += v.z;
+        sum.w += v.w;
+      }
+      const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (row + j < p.N) p.out[(size_t)token * p.ldo + row + j] = __float2bfloat16_rn(add_bias(v[j], p.bias, row + j));
+    }
+    if (lane == 0) *counter = 0;  // ready for the next launch (and CUDA-graph replay)
   }
 }
 
