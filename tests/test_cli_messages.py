@@ -53,3 +53,19 @@ def test_off_a_terminal_long_work_still_prints_a_line_now_and_then(monkeypatch, 
     err = capsys.readouterr().err
     assert "quantize: 1/4 after 0 s" in err and "quantize: 4/4" in err
     assert err.count("generating 8 responses: still running after") >= 2
+
+
+def test_bench_kernels_cuda_refuses_an_m_it_does_not_measure():
+    result = cli("bench", "kernels-cuda", "--ms", "1,3", ok=False)
+    assert result.exit_code == 1
+    assert "--ms [3]" in result.stderr and "1024" in result.stderr
+
+
+def test_kernels_cuda_targets_of_unmeasured_m_are_left_out():
+    from qerl_pipe.bench.kernels_cuda import _targets
+
+    rows = [{"model": m, "layer": layer, "M": 8, "bf16_us": 10.0, "speedup_best": 2.5, "gemm_tbps": 3.0}
+            for m in ("qwen2.5-7b", "qwen2.5-32b") for layer in ("qkv", "gate_up", "down")]
+    names = [t["name"] for t in _targets(rows, ceiling=4.0)]
+    assert any("M 1-16" in n for n in names) and any("gate_up and down" in n for n in names)
+    assert not any("M 64" in n or "M 1024" in n or "M 4096" in n or "M 256" in n for n in names)

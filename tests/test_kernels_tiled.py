@@ -350,16 +350,15 @@ def test_compiled_configs_match_the_sources() -> None:
 
     assert listed("QERL_W4A16_CONFIGS", "#define QERL_W4A16_STAGED") == cuda_ext.COMPILED
     assert listed("QERL_W4A16_STAGED", "#define QERL_W4A16_WGMMA") == cuda_ext.STAGED
-    assert listed("QERL_W4A16_WGMMA", "// Stream kernel (persistent") == cuda_ext.WGMMA
-    assert listed("QERL_W4A16_STREAM", "int gemm_blocks_per_sm") == cuda_ext.STREAM
+    assert listed("QERL_W4A16_WGMMA", "int gemm_blocks_per_sm") == cuda_ext.WGMMA
 
 
 def test_table_configs_are_compiled() -> None:
-    compiled = {(c.mt, c.nb, c.warps, c.wk, c.depth, c.stages, c.stream) for c in cuda_ext.compiled_configs()}
+    compiled = {(c.mt, c.nb, c.warps, c.wk, c.depth, c.stages) for c in cuda_ext.compiled_configs()}
     sms, configs = cuda_ext._table()
     assert sms > 0 and configs
     for key, c in configs.items():
-        assert (c["mt"], c["nb"], c["warps"], c["wk"], c["depth"], c.get("stages", 0), c.get("stream", 0)) in compiled, key
+        assert (c["mt"], c["nb"], c["warps"], c["wk"], c["depth"], c.get("stages", 0)) in compiled, key
         assert c["splits"] >= 1
 
 
@@ -406,7 +405,7 @@ def test_fake_op_gives_shapes_without_a_gpu() -> None:
     with FakeTensorMode() as mode:
         x = mode.from_tensor(torch.randn(3, 48).to(torch.bfloat16))
         q, s, g = (mode.from_tensor(v) for v in (t.qweight, t.scales, t.global_scale))
-        out = torch.ops.qerl.w4a16_gemm(x, q, s, g, None, 100, 48, 4, 1, 4, 4, 4, 1, True, 0, 0)
+        out = torch.ops.qerl.w4a16_gemm(x, q, s, g, None, 100, 48, 4, 1, 4, 4, 4, 1, True, 0)
         deq = torch.ops.qerl.w4a16_dequant(q, s, g, 100, 48)
     assert out.shape == (3, 100) and out.dtype == torch.bfloat16
     assert deq.shape == (100, 48) and deq.dtype == torch.bfloat16
@@ -427,9 +426,8 @@ def test_sources_compile_for_sm90a_without_spills(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = proc.stdout + proc.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # every variant (a stream variant once: CTAs per SM is a launch choice), the dequantize pass and
-    # the wgmma kernel's fragment-order copy of x
-    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + len(cuda_ext.WGMMA) + len(cuda_ext.STREAM) + 2
+    # every variant, the dequantize pass and the wgmma kernel's fragment-order copy of x
+    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + len(cuda_ext.WGMMA) + 2
     assert "C7513" not in report, "ptxas serialized the wgmma kernel's MMAs: " + report[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report[-2000:]

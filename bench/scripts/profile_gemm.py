@@ -5,8 +5,7 @@ python3 bench/scripts/profile_gemm.py [--m 64]`: at M = 64 it runs, on 7B gate_u
 register-ring config (and the same split in two on o) and the best staged config of
 bench/results/kernels-cuda-h200.json (84544ba). `--defaults` runs instead, on all four 7B layers,
 the config the engine launches at that M (`cuda_ext.default_config`: the H200 table's), i.e. what a
-decode step profiles. `--stream` runs the stream kernel (7 consumer warps, a ring of 8 stages of
-8 chunks, one CTA per SM) on all four 7B layers (ncu -k regex:stream_kernel).
+decode step profiles.
 """
 import argparse
 
@@ -26,13 +25,8 @@ LAYERS_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "
 ap = argparse.ArgumentParser()
 ap.add_argument("--m", type=int, default=64)
 ap.add_argument("--defaults", action="store_true", help="the engine's config for each 7B layer at this M")
-ap.add_argument("--stream", action="store_true", help="the stream kernel on each 7B layer at this M")
 args = ap.parse_args()
-if args.stream:
-    nb = 1 if args.m <= 8 else 2
-    stream = cuda_ext.GemmConfig(4, nb, 7, 7, 8, 1, stages=8, stream=1)
-    CONFIGS = {name: (n, k, [stream]) for name, (n, k) in LAYERS_7B.items()}
-elif args.defaults:
+if args.defaults:
     sms = cuda_ext.sm_count(torch.device("cuda"))
     CONFIGS = {name: (n, k, [cuda_ext.default_config(args.m, n, k, sms)]) for name, (n, k) in LAYERS_7B.items()}
 for name, (n, k, configs) in CONFIGS.items():

@@ -55,8 +55,7 @@ for layer, (n, k) in LAYER_SHAPES[args.shape].items():
         norm_us = time_graph([lambda: decode_ops.add_rms_norm(x0, None, norm_w, noise, 1e-6, shrink)] * r) * 1e6
         default = cuda_ext.default_config(m, n, k, sms)
         results = []
-        resplit = [] if default.stream else [replace(default, splits=s) for s in (2, 3, 4, 6, 8)]
-        for cfg in candidates(m, n, k, sms) + resplit:
+        for cfg in candidates(m, n, k, sms) + [replace(default, splits=s) for s in (2, 3, 4, 6, 8)]:
             if cfg.mt == 1 or cfg.splits * 32 > k or any(cfg == c["config_obj"] for c in results):
                 continue
             try:

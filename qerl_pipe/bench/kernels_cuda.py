@@ -45,16 +45,13 @@ def copy_ceiling_tbps() -> float:
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[cuda_ext.GemmConfig]:
     """The default config, the other compiled variants with its tokens per pass (each with its
-    own `choose_splits`, and the staged ones also unsplit and at half that; the stream ones as
-    they are), the wgmma variants from M = 33 on (at 1, 2 and 4 splits and their own
-    `choose_splits`), and the default's K splits halved, doubled and off."""
+    own `choose_splits`, and the staged ones also unsplit and at half that), the wgmma variants
+    from M = 33 on (at 1, 2 and 4 splits and their own `choose_splits`), and the default's K
+    splits halved, doubled and off."""
     base = cuda_ext.default_config(m, n, k, sms)
     out = [base]
     for c in cuda_ext.compiled_configs():
-        if c.stream:  # the stream kernel: its own grid, no K splits to choose
-            if c.nb == base.nb:
-                out.append(c)
-        elif c.mt == 1:  # wgmma: 64 or 128 tokens per pass, from M = 33 on
+        if c.mt == 1:  # wgmma: 64 or 128 tokens per pass, from M = 33 on
             if m > 32 and 8 * c.nb <= max(64, m):
                 s = cuda_ext.choose_splits(m, n, k, c, sms, cuda_ext.blocks_per_sm(c))
                 out += [replace(c, splits=v) for v in sorted({1, 2, 4, s})]
@@ -64,7 +61,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[cuda_ext.GemmConfig]:
             if c.stages:
                 out += [replace(c, splits=1), replace(c, splits=max(1, s // 2))]
     for s in (1, base.splits // 2, base.splits * 2):
-        if s >= 1 and not base.stream:
+        if s >= 1:
             out.append(replace(base, splits=s))
     return list(dict.fromkeys(out))
 

@@ -59,10 +59,6 @@ class GemmConfig:
     # its shared-memory pipeline: weights and activations copied with cp.async, so the bytes in
     # flight cost no registers and a warp can hold 64 rows x 64 tokens of accumulators.
     stages: int = 0
-    # > 0: the stream kernel, a persistent grid of this many CTAs per SM, each streaming an equal
-    # run of the weight's chunks through a shared-memory ring with bulk copies (mt = 4; warps = wk:
-    # its consumer warps; depth: chunks per ring stage; stages: ring stages; splits unused).
-    stream: int = 0
 
 
 # Register-ring kernel (mt, nb, warps along N, warps along K, depth), staged kernel (nb, warps
@@ -79,16 +75,6 @@ STAGED: tuple[tuple[int, int, int, int], ...] = (
     (1, 4, 1, 8), (1, 1, 4, 8), (1, 1, 8, 6), (2, 4, 1, 8), (2, 1, 4, 8), (2, 2, 2, 8),
     (4, 4, 1, 6), (4, 2, 2, 6), (4, 1, 4, 6), (8, 4, 1, 5), (8, 2, 2, 4), (8, 2, 1, 6),
 )
-# Stream kernel (tokens per pass / 8, consumer warps, chunks per ring stage, ring stages): must
-# match QERL_W4A16_STREAM. One CTA per SM, two for the 3-warp variants (their registers and ring
-# fit twice).
-STREAM: tuple[tuple[int, int, int, int], ...] = (
-    (1, 7, 8, 8), (1, 7, 8, 20), (1, 11, 8, 16), (1, 3, 8, 8), (2, 7, 8, 8), (2, 7, 8, 16), (2, 3, 8, 8),
-)
-
-
-def stream_ctas_per_sm(consumer_warps: int) -> tuple[int, ...]:
-    return (1, 2) if consumer_warps <= 3 else (1,)
 WGMMA: tuple[tuple[int, int, int], ...] = (
     (1, 1, 4), (1, 1, 6), (1, 2, 4), (1, 2, 6), (2, 1, 4), (2, 1, 6), (2, 2, 4), (2, 2, 6), (4, 1, 4),
     (4, 2, 4), (4, 2, 5),
@@ -99,9 +85,7 @@ def compiled_configs(splits: int = 1) -> list[GemmConfig]:
     """Every compiled variant as a GemmConfig with `splits`."""
     return ([GemmConfig(mt, nb, wn * wk, wk, depth, splits) for mt, nb, wn, wk, depth in COMPILED]
             + [GemmConfig(4, nb, wn * wk, wk, 0, splits, stages=st) for nb, wn, wk, st in STAGED]
-            + [GemmConfig(1, 8 * blocks, 4 * wg, 1, 0, splits, stages=st) for blocks, wg, st in WGMMA]
-            + [GemmConfig(4, nb, wc, wc, group, 1, stages=st, stream=per_sm)
-               for nb, wc, group, st in STREAM for per_sm in stream_ctas_per_sm(wc)])
+            + [GemmConfig(1, 8 * blocks, 4 * wg, 1, 0, splits, stages=st) for blocks, wg, st in WGMMA])
 
 
 def source_hash() -> str:
@@ -207,7 +191,7 @@ def counters(device: torch.device) -> Tensor:
 def blocks_per_sm(config: GemmConfig) -> int:
     """CTAs of a compiled GEMM variant that one SM holds at once (its registers decide)."""
     c = config
-    return int(_module().blocks_per_sm(c.mt, c.nb, c.warps, c.wk, c.depth, c.stages, c.stream))
+    return int(_module().blocks_per_sm(c.mt, c.nb, c.warps, c.wk, c.depth, c.stages))
 
 
 # A model of a launch, for choosing K splits (fitted by eye to the H200 sweeps in
@@ -341,14 +325,13 @@ def gemm_wins(m: int, n: int, k: int, sms: int) -> bool:
 @torch.library.custom_op("qerl::w4a16_gemm", mutates_args=())
 def _gemm_op(x: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, bias: Optional[Tensor],
              n: int, k: int, mt: int, nb: int, warps: int, wk: int, depth: int, splits: int,
-             pdl: bool, stages: int, stream: int, lora_u: Optional[Tensor] = None,
-             lora_b: Optional[Tensor] = None) -> Tensor:
+             pdl: bool, stages: int, lora_u: Optional[Tensor] = None, lora_b: Optional[Tensor] = None) -> Tensor:
     return _module().gemm(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl,
-                          stages, stream, counters(x.device), lora_u, lora_b)
+                          stages, counters(x.device), lora_u, lora_b)
 
 
 @_gemm_op.register_fake
-def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl, stages, stream, lora_u=None,
+def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, splits, pdl, stages, lora_u=None,
       lora_b=None):
     return x.new_empty(x.shape[0], n)
 
@@ -398,7 +381,7 @@ def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: Gem
                          f"{LORA_RANK_MULTIPLE}; got u {tuple(u.shape)} and B {tuple(b.shape)}")
     return _gemm_op(x, w.qweight, w.scales, w.global_scale, bias, w.out_features, w.in_features,
                     config.mt, config.nb, config.warps, config.wk, config.depth, config.splits, config.pdl,
-                    config.stages, config.stream, u, b)
+                    config.stages, u, b)
 
 
 def dequantize(w: tiled.TiledNVFP4) -> Tensor:

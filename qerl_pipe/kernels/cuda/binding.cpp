@@ -2,7 +2,6 @@
 // Every TORCH_CHECK message here is one C string: a message built from several parts becomes a
 // std::string that crosses into libtorch, which crashed the process (SIGSEGV) on the H200 image
 // instead of raising (bench/scripts/binding_errors.py); the details go in cuda_ext's checks.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -34,15 +33,14 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& scales, const at:
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const at::Tensor& global_scale, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
                 int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t splits, bool pdl,
-                int64_t stages, int64_t stream, const at::Tensor& counters, const c10::optional<at::Tensor>& lora_u,
+                int64_t stages, const at::Tensor& counters, const c10::optional<at::Tensor>& lora_u,
                 const c10::optional<at::Tensor>& lora_b) {
   check_weight(qweight, scales, global_scale, n, k);
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
                   x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "x must be a CUDA bf16 [M, K] tensor with 16-byte aligned rows");
   TORCH_CHECK(qweight.device() == x.device(), "x and the weight must be on one device");
-  TORCH_CHECK(mt > 0 && nb > 0 && wk > 0 && warps > 0 && warps % wk == 0 && stages >= 0 && (stages > 0 || depth > 0) &&
-                  stream >= 0,
+  TORCH_CHECK(mt > 0 && nb > 0 && wk > 0 && warps > 0 && warps % wk == 0 && stages >= 0 && (stages > 0 || depth > 0),
               "invalid GEMM config: mt, nb, warps, wk must be positive, warps a multiple of wk, and depth or stages "
               "positive (cuda_ext.gemm checks the config against the compiled list first)");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -51,26 +49,11 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   if (m == 0) return out;
   const int64_t n_pad = qweight.size(0) * qerl_w4a16::kRows;
   const int64_t kc = qweight.size(1);
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kc));
+  const int64_t per_split = (kc + splits - 1) / splits;
+  splits = (kc + per_split - 1) / per_split;  // no empty split
   at::Tensor partials;
-  int64_t per_split;
-  if (stream > 0) {
-    // The stream kernel: `stream` CTAs per SM, each the same number of the weight's chunks (the
-    // last may have fewer; none has none), and a slot per part of a 64-row block cut across CTAs.
-    const int64_t chunks = qweight.size(0) * kc;
-    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    per_split = (chunks + std::min(chunks, sms * stream) - 1) / std::min(chunks, sms * stream);
-    splits = (chunks + per_split - 1) / per_split;
-    const int64_t slots = qerl_w4a16::stream_slots(static_cast<int>(kc), static_cast<int>(per_split));
-    partials = at::empty({qweight.size(0) * slots, m, qerl_w4a16::kRows}, x.options().dtype(at::kFloat));
-    TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt &&
-                    counters.numel() >= qweight.size(0) * ((m + 8 * nb - 1) / (8 * nb)),
-                "the split-K counter buffer is too small for this launch");
-  } else {
-    splits = std::max<int64_t>(1, std::min<int64_t>(splits, kc));
-    per_split = (kc + splits - 1) / splits;
-    splits = (kc + per_split - 1) / per_split;  // no empty split
-  }
-  if (stream == 0 && splits > 1) {
+  if (splits > 1) {
     partials = at::empty({splits, m, n_pad}, x.options().dtype(at::kFloat));
     const int64_t cta_rows = warps / wk * 16 * mt;
     const int64_t ctas = ((n + cta_rows - 1) / cta_rows) * ((m + 8 * nb - 1) / (8 * nb));
@@ -114,7 +97,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   p.bias = bias_ptr;
   p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   p.ldo = n;
-  p.partials = partials.defined() ? partials.data_ptr<float>() : nullptr;
+  p.partials = splits > 1 ? partials.data_ptr<float>() : nullptr;
   p.counters = counters.data_ptr<int>();
   p.M = static_cast<int>(m);
   p.N = static_cast<int>(n);
@@ -123,8 +106,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   p.chunks_per_split = static_cast<int>(per_split);
   const qerl_w4a16::GemmConfig c{static_cast<int>(mt),    static_cast<int>(nb),    static_cast<int>(warps),
                                  static_cast<int>(wk),    static_cast<int>(depth), static_cast<int>(splits),
-                                 pdl ? 1 : 0,             static_cast<int>(stages),
-                                 static_cast<int>(stream)};
+                                 pdl ? 1 : 0,             static_cast<int>(stages)};
   // The wgmma kernel reads x in fragment order, from a copy the launch writes first.
   const int frag_rows = qerl_w4a16::fragment_rows(c, static_cast<int>(m));
   at::Tensor xf;
@@ -150,11 +132,9 @@ at::Tensor dequant(const at::Tensor& qweight, const at::Tensor& scales, const at
   return out;
 }
 
-int64_t blocks_per_sm(int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t stages,
-                      int64_t stream) {
+int64_t blocks_per_sm(int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t stages) {
   return qerl_w4a16::gemm_blocks_per_sm({static_cast<int>(mt), static_cast<int>(nb), static_cast<int>(warps),
-                                         static_cast<int>(wk), static_cast<int>(depth), 1, 0, static_cast<int>(stages),
-                                         static_cast<int>(stream)});
+                                         static_cast<int>(wk), static_cast<int>(depth), 1, 0, static_cast<int>(stages)});
 }
 
 }  // namespace

@@ -544,281 +544,6 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
   finish_tile<MT, NB, WN, WK>(p, at, acc, reinterpret_cast<float4*>(smem));
 }
 
-// Stream kernel (M <= 16 per pass): a persistent grid, a fixed number of CTAs per SM, each given
-// one contiguous run of the weight's chunks in layout order (chunk u = 64-row block u / KC,
-// K chunk u % KC), the same number for every CTA, so that no SM idles in a ramp or a wave tail
-// (the grid of the register-ring kernel leaves a third of the SM time idle on the 7B q/k/v and o
-// layers: docs/kernels.md). A run is contiguous in memory too, so one producer thread moves it
-// with bulk copies (the copy engine, no registers, no address arithmetic) into a ring of
-// shared-memory stages, G chunks a stage, and it issues the first S stages before the grid
-// dependency wait: under programmatic dependent launch the whole share of a small layer is in
-// flight while the previous kernel runs. WC consumer warps take the run's chunks in turn, each
-// decoding all 64 rows of its chunk (as the register-ring kernel's mt = 4 warps do). A run cuts
-// 64-row blocks into segments; at the end of a segment the warps sum their accumulators in warp
-// order, and a block cut across CTAs is finished by the last of them to arrive, which adds the
-// parts in CTA order (an atomic ticket; no atomics on the output): results are bit-identical for
-// a given config and GPU.
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-// Arrive (as the one expected arrival) and add `bytes` to the phase's expected transaction count.
-__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// Until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-  }
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared by the copy engine;
-// completion is counted on `bar`.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
-// Named barriers among the consumer warps only (the producer warp is gone by then): sync waits
-// for `threads` arrivals including its own, arrive counts one without waiting.
-// Barrier ids are immediates (a register id makes ptxas reserve all 16 barriers of the CTA).
-template <int ID>
-__device__ __forceinline__ void named_sync(int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "r"(threads) : "memory");
-}
-template <int ID>
-__device__ __forceinline__ void named_arrive(int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"n"(ID), "r"(threads) : "memory");
-}
-// Per buffer b of the segment sums: full (kBufferFull + b) and free again (kBufferFree + b).
-constexpr int kBufferFull = 1, kBufferFree = 3;
-template <int ID>
-__device__ __forceinline__ void buffer_sync(int buf, int threads) {
-  if (buf) named_sync<ID + 1>(threads);
-  else named_sync<ID>(threads);
-}
-template <int ID>
-__device__ __forceinline__ void buffer_arrive(int buf, int threads) {
-  if (buf) named_arrive<ID + 1>(threads);
-  else named_arrive<ID>(threads);
-}
-
-template <int NB, int WC, int G, int S>
-struct StreamShape {
-  static constexpr int kCodeBytes = kWords * 4;                        // per chunk
-  static constexpr int kStageBytes = G * (kCodeBytes + kScaleBytes);   // G chunks' codes, then their scales
-  static constexpr int kRedBytes = 2 * (WC - 1) * 32 * 4 * NB * 16;    // two buffers of the warps' sums, warp 0 excepted
-  static constexpr int kBarOffset = S * kStageBytes + kRedBytes;
-  static constexpr int kBytes = kBarOffset + 2 * S * 8;
-  static constexpr int kThreads = (WC + 1) * 32;                      // + the producer warp
-};
-
-template <int NB, int WC, int G, int S>
-__global__ void __launch_bounds__(StreamShape<NB, WC, G, S>::kThreads, 1) stream_kernel(const GemmParams p) {
-  using Shape = StreamShape<NB, WC, G, S>;
-  constexpr int kConsumers = WC * 32;
-  extern __shared__ __align__(128) uint8_t ring[];  // S stages, then `red`, then the barriers
-  uint8_t* const smem = ring;
-  float4* red = reinterpret_cast<float4*>(smem + S * Shape::kStageBytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Shape::kBarOffset);
-  uint64_t* empty = full + S;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n_blocks = (p.N + kRows - 1) / kRows;
-  const int per = p.chunks_per_split;
-  const int u0 = blockIdx.x * per, u1 = min(u0 + per, n_blocks * p.KC);
-  const int groups = (u1 - u0 + G - 1) / G;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], WC);  // one arrival per consumer warp and group
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp == WC) {  // the producer: weights only, which no kernel writes, so no dependency wait
-    if (lane == 0) {
-      const uint8_t* codes = reinterpret_cast<const uint8_t*>(p.qweight);
-      for (int c = 0; c < groups; ++c) {
-        const int s = c % S;
-        if (c >= S) mbar_wait(&empty[s], (c / S - 1) & 1);  // every warp is done with group c - S
-        const int first = u0 + c * G, n = min(G, u1 - first);
-        uint8_t* dst = smem + s * Shape::kStageBytes;
-        mbar_expect_bytes(&full[s], n * (Shape::kCodeBytes + kScaleBytes));
-        bulk_copy(dst, codes + (size_t)first * Shape::kCodeBytes, n * Shape::kCodeBytes, &full[s]);
-        bulk_copy(dst + G * Shape::kCodeBytes, p.scales + (size_t)first * kScaleBytes, n * kScaleBytes, &full[s]);
-      }
-    }
-    return;
-  }
-
-  const int g = lane >> 2, t = lane & 3;
-  const int m0 = blockIdx.y * 8 * NB;
-  // Groups whose full barrier this warp has waited on / whose stage it has released. A warp waits
-  // on every group in order (also those without a chunk of its own) and releases a group only
-  // after waiting on it, so no barrier can run a phase ahead of a warp that waits on it.
-  int ready = 0, done = 0;
-  auto wait_through = [&](int c) {
-    for (; ready <= c; ++ready) mbar_wait(&full[ready % S], (ready / S) & 1);
-  };
-  auto release_before = [&](int c) {
-    __syncwarp();  // every lane's reads of the stage come before the release
-    for (; done < c; ++done)
-      if (lane == 0) mbar_arrive(&empty[done % S]);
-  };
-  const __nv_bfloat16* xrow[NB];
-  bool xvalid[NB];
-#pragma unroll
-  for (int b = 0; b < NB; ++b) {
-    const int token = m0 + b * 8 + g;
-    xvalid[b] = token < p.M;
-    xrow[b] = p.x + (size_t)(xvalid[b] ? token : 0) * p.ldx + t * 8;
-  }
-  // The activations of chunk u for this lane (zeros past M and K). A coherent load: under
-  // programmatic dependent launch x is the previous kernel's output.
-  auto load_x = [&](uint4 (&x)[NB], int u, bool live) {
-    const int col = (u % p.KC) * kCols;
-    const bool ok = live && col + t * 8 < p.K;
-#pragma unroll
-    for (int b = 0; b < NB; ++b)
-      x[b] = ok && xvalid[b] ? *reinterpret_cast<const uint4*>(xrow[b] + col) : make_uint4(0, 0, 0, 0);
-  };
-
-  grid_dependency_wait();
-  const float gs = *p.global_scale * kProductScale;
-  const int nb_first = u0 / p.KC, nb_last = (u1 - 1) / p.KC;
-  const int slots = stream_slots(p.KC, per);
-  for (int nb = nb_first; nb <= nb_last; ++nb) {
-    const int s0 = max(u0, nb * p.KC), s1 = min(u1, (nb + 1) * p.KC);
-    const int first_cta = nb * p.KC / per;
-    const int parts = ((nb + 1) * p.KC - 1) / per - first_cta + 1, part = blockIdx.x - first_cta;
-    const int row_base = nb * kRows;
-    if (part == 0 && warp == 0) prefetch_lora(p, row_base, kRows, lane);
-
-    float acc[4][NB][4];
-    zero(acc);
-    // Chunks s0 + warp + j * WC. Their activations come from L2 (x is the previous kernel's
-    // output), so each warp keeps kAhead chunks' worth of x loads in flight in a register ring
-    // (unrolled: a register copy from a pending load would wait for it).
-    constexpr int kAhead = 4;
-    uint4 xs[kAhead][NB];
-#pragma unroll
-    for (int l = 0; l < kAhead; ++l) load_x(xs[l], s0 + warp + l * WC, s0 + warp + l * WC < s1);
-#pragma unroll 1
-    for (int u = s0 + warp; u < s1; u += kAhead * WC) {
-#pragma unroll
-      for (int l = 0; l < kAhead; ++l) {
-        const int v = u + l * WC;
-        if (v >= s1) break;  // the same for the whole warp
-        const int c = (v - u0) / G, i = (v - u0) % G;
-        wait_through(c);
-        release_before(c);
-        const uint8_t* stage = smem + (c % S) * Shape::kStageBytes;
-        const uint4* w = reinterpret_cast<const uint4*>(stage + i * Shape::kCodeBytes);
-        const uint4 codes[2] = {w[lane], w[32 + lane]};
-        const uint2 sw =
-            *reinterpret_cast<const uint2*>(stage + G * Shape::kCodeBytes + i * kScaleBytes + (g * 2 + (t >> 1)) * 8);
-        const uint32_t scales[2] = {sw.x, sw.y};
-        uint32_t a[4][2][4];
-        decode_chunk<4>(codes, scales, a);
-#pragma unroll
-        for (int b = 0; b < NB; ++b) mma_block<4, NB>(acc, a, b, xs[l][b]);
-        load_x(xs[l], v + kAhead * WC, v + kAhead * WC < s1);
-      }
-    }
-    // Groups wholly before s1 are done with (this warp's chunks there are all summed).
-    const int whole = (s1 - u0) / G;
-    if (whole > 0) wait_through(whole - 1);
-    release_before(whole);
-    if (nb == nb_last) launch_dependents();
-
-    // The segment's sums, in warp order, into warp 0, which alone finishes the segment: the
-    // other warps hand over their sums through one of two buffers and go on to the next segment
-    // (a fence and a ticket cost microseconds of L2 round trips, which all warps once waited out).
-    const int seg = nb - nb_first, buf = seg & 1;
-    float4* sums = red + buf * (WC - 1) * 32 * 4 * NB;
-    if (warp > 0) {
-      if (seg >= 2) buffer_sync<kBufferFree>(buf, kConsumers);  // warp 0 has read segment seg - 2's
-      float4* dst = sums + (warp - 1) * 32 * 4 * NB + lane;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-          dst[(i * NB + b) * 32] = make_float4(acc[i][b][0], acc[i][b][1], acc[i][b][2], acc[i][b][3]);
-      buffer_arrive<kBufferFull>(buf, kConsumers);
-      continue;
-    }
-    buffer_sync<kBufferFull>(buf, kConsumers);
-    for (int w = 1; w < WC; ++w) {
-      const float4* src = sums + (w - 1) * 32 * 4 * NB + lane;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          const float4 v = src[(i * NB + b) * 32];
-          acc[i][b][0] += v.x;
-          acc[i][b][1] += v.y;
-          acc[i][b][2] += v.z;
-          acc[i][b][3] += v.w;
-        }
-    }
-    if (seg + 2 <= nb_last - nb_first) buffer_arrive<kBufferFree>(buf, kConsumers);  // someone waits for it
-    // The global scale in fp32 before anything is added, then the LoRA expand once per output
-    // (by the CTA with the block's first chunks).
-    scale_all(acc, gs);
-    if (p.lora_b != nullptr && part == 0) add_lora<4, NB>(p, acc, row_base, m0, g, t);
-    if (parts == 1) {
-      for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
-        if (row < p.N && token < p.M) p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(add_bias(v, p.bias, row));
-      });
-      continue;
-    }
-    float* mine = p.partials + ((size_t)nb * slots + part) * p.M * kRows;
-    for_each_output(acc, row_base, m0, g, t, [&](int row, int token, float v) {
-      if (token < p.M) __stcg(mine + (size_t)token * kRows + (row - row_base), v);
-    });
-    __threadfence();
-    __syncwarp();
-    int* counter = p.counters + blockIdx.y * n_blocks + nb;
-    int last = 0;
-    if (lane == 0) last = atomicAdd(counter, 1) == parts - 1;
-    if (!__shfl_sync(0xffffffffu, last, 0)) continue;
-    __threadfence();
-    // The last part to arrive adds them all, in CTA order: four rows per lane (16-byte loads).
-    const int tokens = min(8 * NB, p.M - m0);
-    const float* base = p.partials + (size_t)nb * slots * p.M * kRows;
-    const size_t part_stride = (size_t)p.M * kRows;
-    for (int idx = lane; idx < tokens * (kRows / 4); idx += 32) {
-      const int token = m0 + idx / (kRows / 4), r = idx % (kRows / 4) * 4, row = row_base + r;
-      if (row >= p.N) continue;
-      const float* src = base + (size_t)token * kRows + r;
-      float4 sum = __ldcg(reinterpret_cast<const float4*>(src));
-      for (int s = 1; s < parts; ++s) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + s * part_stride));
-        sum.x += v.x;
-        sum.y += v.y;
-        sum.z += v.z;
-        sum.w += v.w;
-      }
-      const float v[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (row + j < p.N) p.out[(size_t)token * p.ldo + row + j] = __float2bfloat16_rn(add_bias(v[j], p.bias, row + j));
-    }
-    if (lane == 0) *counter = 0;  // ready for the next launch (and CUDA-graph replay)
-  }
-}
-
 // wgmma kernel (M = 33-256 per pass): a warpgroup owns one 64-row block and each of its warps one
 // m16 tile; the warps decode their weights from shared memory into registers (the A operand of
 // wgmma.m64nNk16, whose per-warp register layout is mma.m16n8k16's) and the tensor cores read the
@@ -1137,10 +862,10 @@ __global__ void __launch_bounds__(WARPS * 32)
 }
 
 template <class Kernel>
-cudaError_t launch_grid(Kernel kernel, const GemmParams& p, dim3 grid, int threads, int smem, bool pdl,
-                        cudaStream_t stream) {
+cudaError_t launch(Kernel kernel, const GemmParams& p, int cta_rows, int nb, int threads, int smem, int splits,
+                   bool pdl, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
+  cfg.gridDim = dim3((p.N + cta_rows - 1) / cta_rows, splits, (p.M + 8 * nb - 1) / (8 * nb));
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -1152,14 +877,6 @@ cudaError_t launch_grid(Kernel kernel, const GemmParams& p, dim3 grid, int threa
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-// The tiled grid: column slices x K splits x passes over M.
-template <class Kernel>
-cudaError_t launch(Kernel kernel, const GemmParams& p, int cta_rows, int nb, int threads, int smem, int splits,
-                   bool pdl, cudaStream_t stream) {
-  return launch_grid(kernel, p, dim3((p.N + cta_rows - 1) / cta_rows, splits, (p.M + 8 * nb - 1) / (8 * nb)), threads,
-                     smem, pdl, stream);
-}
-
 template <int NB, int WN, int WK, int S>
 const void* staged_ready() {
   // Opt in to more than 48 KB of dynamic shared memory once per kernel.
@@ -1167,14 +884,6 @@ const void* staged_ready() {
                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                       StagedShape<NB, WN, WK, S>::kBytes);
   return err == cudaSuccess ? reinterpret_cast<const void*>(staged_kernel<NB, WN, WK, S>) : nullptr;
-}
-
-template <int NB, int WC, int G, int S>
-const void* stream_ready() {
-  static const cudaError_t err = cudaFuncSetAttribute(stream_kernel<NB, WC, G, S>,
-                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      StreamShape<NB, WC, G, S>::kBytes);
-  return err == cudaSuccess ? reinterpret_cast<const void*>(stream_kernel<NB, WC, G, S>) : nullptr;
 }
 
 template <int P, int WG, int S>
@@ -1223,12 +932,6 @@ int fragment_rows(const GemmConfig& c, int M) {
 #define QERL_W4A16_WGMMA(X)                                                                         \
   X(1, 1, 4) X(1, 1, 6) X(1, 2, 4) X(1, 2, 6) X(2, 1, 4) X(2, 1, 6) X(2, 2, 4) X(2, 2, 6) X(4, 1, 4)  \
   X(4, 2, 4) X(4, 2, 5)
-// Stream kernel (persistent, bulk copies into a shared-memory ring): (tokens per pass / 8,
-// consumer warps, chunks per ring stage, ring stages); in step with STREAM in cuda_ext.py.
-// Consumer warps + the producer make 4, 8 or 12 warps: ptxas budgets registers for a CTA size
-// rounded up to whole groups of 4 warps (9 warps got 168 registers and spilled).
-#define QERL_W4A16_STREAM(X) \
-  X(1, 7, 8, 8) X(1, 7, 8, 20) X(1, 11, 8, 16) X(1, 3, 8, 8) X(2, 7, 8, 8) X(2, 7, 8, 16) X(2, 3, 8, 8)
 
 int gemm_blocks_per_sm(const GemmConfig& c) {
   int blocks = 0;
@@ -1249,27 +952,11 @@ int gemm_blocks_per_sm(const GemmConfig& c) {
                                                   WgmmaShape<P, WG, S>::kBytes);
   QERL_W4A16_WGMMA(QERL_W4A16_WGMMA_OCCUPANCY)
 #undef QERL_W4A16_WGMMA_OCCUPANCY
-#define QERL_W4A16_STREAM_OCCUPANCY(NB, WC, G, S)                                                    \
-  if (c.stream > 0 && c.nb == NB && c.warps == WC && c.depth == G && c.stages == S && stream_ready<NB, WC, G, S>()) \
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, stream_kernel<NB, WC, G, S>,                        \
-                                                  StreamShape<NB, WC, G, S>::kThreads, StreamShape<NB, WC, G, S>::kBytes);
-  QERL_W4A16_STREAM(QERL_W4A16_STREAM_OCCUPANCY)
-#undef QERL_W4A16_STREAM_OCCUPANCY
   return blocks;
 }
 
 cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
-  // Stream kernel: c.splits CTAs of p.chunks_per_split chunks each (the binding works them out).
-#define QERL_W4A16_STREAM_DISPATCH(NB, WC, G, S)                                                     \
-  if (c.stream > 0 && c.nb == NB && c.warps == WC && c.depth == G && c.stages == S) {               \
-    if (stream_ready<NB, WC, G, S>() == nullptr) return cudaErrorInvalidConfiguration;           \
-    return launch_grid(stream_kernel<NB, WC, G, S>, p, dim3(c.splits, (p.M + 8 * NB - 1) / (8 * NB)),        \
-                       StreamShape<NB, WC, G, S>::kThreads, StreamShape<NB, WC, G, S>::kBytes, c.pdl != 0, stream); \
-  }
-  QERL_W4A16_STREAM(QERL_W4A16_STREAM_DISPATCH)
-#undef QERL_W4A16_STREAM_DISPATCH
-  if (c.stream > 0) return cudaErrorInvalidConfiguration;
 #define QERL_W4A16_DISPATCH(MT, NB, WN, WK, D)                                                      \
   if (c.stages == 0 && c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D) \
     return launch(gemm_kernel<MT, NB, WN, WK, D>, p, WN * 16 * MT, NB, WN * WK * 32, 0, c.splits, c.pdl != 0, stream);

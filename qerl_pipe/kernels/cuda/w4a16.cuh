@@ -39,17 +39,9 @@ struct GemmParams {
 // overlap the previous kernel (programmatic dependent launch: weights prefetched before its
 // results are read), and stages: 0 for the register-ring kernel, else the depth of the staged
 // kernel's shared-memory pipeline (weights and activations copied with cp.async; mt = 4).
-// stream > 0 selects the stream kernel (a persistent grid of `stream` CTAs per SM, bulk copies
-// into a shared-memory ring): warps = wk = its consumer warps, depth = chunks per ring stage,
-// stages = ring stages; at launch `splits` holds its CTA count and chunks_per_split the chunks of
-// each CTA.
 struct GemmConfig {
-  int mt, nb, warps, wk, depth, splits, pdl, stages, stream;
+  int mt, nb, warps, wk, depth, splits, pdl, stages;
 };
-
-// Partial-sum slots per 64-row block of the stream kernel when each CTA takes `per` of the
-// weight's chunks and a block has KC: the most CTAs one block can be cut across.
-__host__ __device__ inline int stream_slots(int KC, int per) { return (KC - 1) / per + 2; }
 
 // CTAs of config `c` that fit on one SM at once (0 for a config with no compiled kernel).
 int gemm_blocks_per_sm(const GemmConfig& c);
