@@ -32,6 +32,7 @@ from qerl_pipe.kernels.tuning import rel_err, time_graph, weight_copies
 REPS = 50
 GEMM_MS = (1, 8, 16, 32, 64, 128, 256)
 DEQUANT_MS = (64, 256, 1024, 4096)
+ALL_MS = tuple(sorted(set(GEMM_MS) | set(DEQUANT_MS)))  # every M the benchmark measures
 
 
 def copy_ceiling_tbps() -> float:
@@ -91,7 +92,7 @@ def bench_layer(model: str, layer: str, n: int, k: int, sms: int, ms: tuple[int,
     dense, tqs, wbs = layer_operands(model, layer, n, k, gen)
     tq, r_q, r_b = tqs[0], len(tqs), len(wbs)
     rows = []
-    for m in sorted((set(GEMM_MS) | set(DEQUANT_MS)) & set(ms)):
+    for m in sorted(set(ALL_MS) & set(ms)):
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         ref = x.float() @ dense.T
         row: dict = {"model": model, "layer": layer, "N": n, "K": k, "M": m}
@@ -225,10 +226,6 @@ def _targets(rows: list[dict], ceiling: float) -> list[dict]:
         out.append(target(f"NVFP4 vs bf16 dX, M {m}", f">= {goal}", v, "x (min)", v >= goal))
     # A run of some M only (--ms) leaves the other targets unmeasured: they are left out, not missed.
     return [t for t in out if t["measured"] == t["measured"]]
-
-
-# Every M the benchmark measures (the decode GEMM's and the dequantize path's).
-ALL_MS = tuple(sorted(set(GEMM_MS) | set(DEQUANT_MS)))
 
 
 def run(shapes: list[str], out: Path | None, ms: tuple[int, ...] = ALL_MS) -> dict:

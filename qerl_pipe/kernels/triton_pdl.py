@@ -37,7 +37,6 @@ def _supported() -> bool:
 PDL = _supported()
 
 
-
 @functools.lru_cache(maxsize=None)
 def _hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9

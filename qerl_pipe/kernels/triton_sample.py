@@ -24,6 +24,7 @@ differ in the last bit.)
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -126,6 +127,13 @@ def _sample_merge(logit_ptr, part_ptr, idx_ptr, next_ptr, pos_ptr, live_ptr, ste
     tl.store(rec_ptr + B + b, (z - lse).to(tl.float64))
 
 
+@functools.lru_cache(maxsize=64)
+def _reciprocal_f32(temperature: float) -> float:
+    """torch's CUDA division by a Python scalar: 1 / float32(T) in float32, then a multiply.
+    Cached: the decode loop asks every step for the same temperature."""
+    return (torch.tensor(1.0) / torch.tensor(float(temperature))).item()
+
+
 def launch_sample_step(logits: Tensor, keys: Tensor, steps: Tensor, positions: Tensor, live: Tensor,
                        next_tokens: Tensor, record: Tensor, temperature: float) -> None:
     """Sample one token per row of logits [B, V] (temperature 0: greedy) and update the slots' state.
@@ -144,8 +152,7 @@ def launch_sample_step(logits: Tensor, keys: Tensor, steps: Tensor, positions: T
     chunks = triton.cdiv(vocab, CHUNK)
     part = torch.empty(rows * chunks * 3, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
-    # torch's CUDA division by a Python scalar: 1 / float32(T) in float32, then a multiply.
-    inv = (torch.tensor(1.0) / torch.tensor(float(temperature))).item() if scale else 1.0
+    inv = _reciprocal_f32(temperature) if scale else 1.0
     _sample_partial[(rows, chunks)](logits, keys, steps, part, idx, vocab, logits.stride(0), inv,
                                     GREEDY=greedy, SCALE=scale, CHUNK=CHUNK, BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE,
                                     num_warps=4)
