@@ -63,6 +63,24 @@ def bench_kernels_cuda(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen
     emit(run(values(shapes), out, tuple(values(ms, int))), out)
 
 
+@bench_app.command("kernels-dispatch")
+def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
+                           ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x): rows of the dispatch table.")] = ["1,8,16,32,64,128,256,512,1024,4096"],
+                           table_out: Annotated[Optional[Path], typer.Option(help="Write the measured dispatch table here (the form of kernels/cuda/dispatch-h200.json).")] = None) -> None:
+    """Ours, humming-kernels, dequantize + cuBLAS and cuBLAS bf16 per layer and M, and the dispatch over them (needs a Hopper GPU and nvcc)."""
+    from qerl_pipe.bench.kernels_dispatch import run
+    from qerl_pipe.kernels import cuda_ext
+    from qerl_pipe.kernels.dispatch import ROWS_M
+
+    unknown = sorted(set(values(ms, int)) - set(ROWS_M))
+    if unknown:
+        raise QerlError(f"--ms {unknown}: the dispatch table has rows at M in {list(ROWS_M)}")
+    why = cuda_ext.why_unavailable("cuda")
+    if why is not None:
+        raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); the dispatch needs a Hopper GPU and nvcc")
+    emit(run(values(shapes), tuple(values(ms, int)), out, table_out), out)
+
+
 @bench_app.command("rollout")
 def bench_rollout(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b"],
                   batches: Annotated[list[str], typer.Option(help="Batch sizes of our engine.")] = ["1,8,64,256"],

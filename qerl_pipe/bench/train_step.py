@@ -48,6 +48,7 @@ import torch
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
+from qerl_pipe.engine.sampling import SamplingParams
 from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budget, plan_step, release_budget
 from qerl_pipe.memory.step import StepSize
 from qerl_pipe.errors import QerlError
@@ -268,11 +269,20 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     cfg = train_config(s, size.micro_batch, s.prompts, s.group_size, s.response_len)
     trainer = _trainer(model, engine, prompts, cfg, size.logprob_chunk)
     _sync(device)
+    captures = engine._runner.captures
     t0 = time.perf_counter()
     m = trainer.step()  # resets the peak counters at its start
     _sync(device)
     step_s = time.perf_counter() - t0
     peaks = _peaks(device)
+    captures = engine._runner.captures - captures
+    # The same rollout outside the trainer (engine.generate alone, as `bench rollout` runs it):
+    # whether the in-step rollout pays for something the engine alone does not.
+    sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=s.response_len, seed=1)
+    t1 = time.perf_counter()
+    engine.generate(prompts, n=s.group_size, sampling=sampling)
+    _sync(device)
+    rollout_alone_s = time.perf_counter() - t1
     # The trainer's clock stops before the last optimizer kernels finish; the synchronised tail
     # belongs to training: train = whole step - (noise draw, rollouts, scoring).
     train_s = step_s - (m["step_seconds"] - m["train_seconds"])
@@ -282,6 +292,7 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     return {
         "build_s": build_s, "build_peak_allocated_bytes": build_peak, "warmup": warmup,
         "rollout_s": m["rollout_seconds"], "train_s": train_s, "step_s": step_s,
+        "rollout_alone_s": rollout_alone_s, "graph_captures_in_step": captures,
         "rollout_tokens": rollout_tokens, "rollout_tokens_per_s": m["rollout_tokens_per_s"],
         "train_tokens": m["train_tokens"], "train_tokens_per_s": m["train_tokens"] / train_s,
         "all_responses_full_length": m["response_length_mean"] == s.response_len and m["truncation_rate"] == 1.0,

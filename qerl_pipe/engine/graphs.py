@@ -68,6 +68,7 @@ class DecodeRunner:
         self._views: dict[tuple[int, int], KVCache] = {}
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None  # one memory pool shared by every captured graph (they never run at once)
+        self.captures = 0  # graphs captured so far (a recapture inside a timed rollout shows here)
         # Every graph copies its logits into rows 0..b-1 of this one buffer, so captured outputs
         # do not pile up (one [b, vocab] per graph would be ~1 GB at vocab 152k).
         self._logits: Tensor | None = None
@@ -147,17 +148,18 @@ class DecodeRunner:
                 f"capturing the decode step as a CUDA graph (batch {b}, length {length}) failed: {e}. Run "
                 "without graphs: Engine(..., cuda_graphs=False) or QERL_ENGINE_CUDA_GRAPHS=0"
             ) from e
+        self.captures += 1
         log.debug("captured the decode step for batch %d, length %d", b, length)
         return _Graph(graph, view)
 
 
 def model_fingerprint(model: nn.Module) -> tuple:
     """What a captured graph baked in besides tensor contents: the address of every parameter and
-    buffer, and the Python-level LoRA switches and scalings. Equal fingerprints mean the graphs are
+    buffer, the Python-level LoRA switches and scalings, and the humming copy a linear has. Equal fingerprints mean the graphs are
     still valid; a changed one (a tensor rebound, `lora_disabled`, a new adapter) means recapture.
     About a microsecond per tensor: once per `generate`, not per step.
     """
     tensors = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-    switches = tuple((m.lora_enabled, m.lora_scaling, len(m.lora_A))
+    switches = tuple((m.lora_enabled, m.lora_scaling, len(m.lora_A), id(m.humming))
                      for m in model.modules() if isinstance(m, QuantLinear))
     return tensors, switches

@@ -1,10 +1,10 @@
 """Public 4-bit linear ops: CUDA or Triton kernels on a GPU, the plain-torch references elsewhere.
 
-An NVFP4 weight in the tiled layout (`TiledNVFP4`, what models hold) runs the CUDA kernels on
-Hopper: the decode GEMM where it wins (`cuda_ext.gemm_wins`: up to 64 rows, and up to 256 for the
-shapes where the H200 table measured it faster), else one dequantize pass into bf16 and cuBLAS
-(the backward's dX always takes that path). On other GPUs it runs the Triton kernels on a
-repacked copy, made once per weight.
+An NVFP4 weight in the tiled layout (`TiledNVFP4`, what models hold) runs on Hopper the kernel
+the dispatch table (`kernels.dispatch`) measured fastest for its shape and row count: our CUDA
+decode GEMM, humming-kernels (on the weight's humming copy, where the engine made one), or one
+dequantize pass into bf16 and cuBLAS (the backward's dX always takes that path). On other GPUs it
+runs the Triton kernels on a repacked copy, made once per weight.
 
 On the CPU the ops are the plain-torch references, `x @ dequantize(W)^T`, which rebuild the
 weight at every call (for SmolLM2-135M 0.7 s per forward pass against 0.07 s of matmuls at
@@ -126,11 +126,11 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
         dense = _dense_copy(w, x.dtype)
         out = x @ dense.T if dense is not None else reference.nvfp4_linear_ref(x, _checkpoint_form(w))
     elif _cuda_kernels(x, w):
-        from qerl_pipe.kernels import cuda_ext
+        from qerl_pipe.kernels import cuda_ext, dispatch
 
         x2 = _rows(x, w.in_features, "x")
-        fits = lora is None or lora[1].shape[1] % cuda_ext.LORA_RANK_MULTIPLE == 0
-        if fits and cuda_ext.gemm_wins(x2.shape[0], w.out_features, w.in_features, cuda_ext.sm_count(x2.device)):
+        chosen = dispatch.backend(x2.shape[0], w.out_features, w.in_features, x2.device, w.humming is not None)
+        if chosen == "qerl" and (lora is None or lora[1].shape[1] % cuda_ext.LORA_RANK_MULTIPLE == 0):
             if x2.data_ptr() % 16 or x2.stride(0) % 8:
                 x2 = x2.clone()  # the kernel loads 16-byte pieces of x; a fresh copy is aligned
             u = None if lora is None else lora[0].reshape(x2.shape[0], -1)
@@ -138,7 +138,11 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
                 u = u.contiguous()
             out = cuda_ext.gemm(x2, w, bias, lora=None if lora is None else (u, lora[1]))
             return out.reshape(*x.shape[:-1], w.out_features)
-        out = (x2 @ cuda_ext.dequantize(w).T).reshape(*x.shape[:-1], w.out_features)
+        if chosen.startswith("humming"):
+            out = w.humming.matmul(x2, deterministic=chosen == "humming")
+        else:
+            out = x2 @ cuda_ext.dequantize(w).T
+        out = out.reshape(*x.shape[:-1], w.out_features)
     else:
         out = _run("fwd", "nvfp4", x, _triton_layout(w))
     if bias is not None:

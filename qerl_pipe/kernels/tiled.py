@@ -43,8 +43,9 @@ mask turn into the bf16 pairs `{s(2q, g), s(2q, g+8)}` and `{s(2q+1, g), s(2q+1,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -128,6 +129,9 @@ class TiledNVFP4:
     global_scale: Tensor  # float32 [1]
     out_features: int
     in_features: int
+    # The same weight in humming-kernels' layout, where the engine made one
+    # (`kernels.dispatch_attach`): the dispatch sends it the rows humming wins.
+    humming: Any = field(default=None, compare=False, repr=False)
 
 
 def tiled_shapes(n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

@@ -128,6 +128,9 @@ class QuantLinear(nn.Module):
         self.lora_rank = 0
         self.lora_scaling = 0.0
         self.lora_enabled = True
+        # NVFP4 only: the base again in humming-kernels' layout, where the engine made one
+        # (`model.kernel_copies`); not a buffer: never saved, made from the base on each load.
+        self.humming = None
 
     @property
     def kernel_weight(self) -> Tensor | KernelWeight:
@@ -135,7 +138,8 @@ class QuantLinear(nn.Module):
         if self.base_format == "bf16":
             return self.weight
         if self.base_format == "nvfp4":
-            return TiledNVFP4(self.qweight, self.scales, self.global_scale, self.out_features, self.in_features)
+            return TiledNVFP4(self.qweight, self.scales, self.global_scale, self.out_features, self.in_features,
+                              humming=self.humming)
         return PackedNF4(self.qweight, self.absmax, self.code)
 
     def base_weight(self) -> BaseWeight:
@@ -161,6 +165,7 @@ class QuantLinear(nn.Module):
             raise ValueError(
                 f"{'/'.join(self.names)}: a {self.base_format} base cannot be set from {type(base).__name__}"
             )
+        self.humming = None  # a copy of the old base would be wrong now
         for key in _BASE_BUFFERS[self.base_format]:
             # The buffers are named like the kernel container's fields.
             t = base if self.base_format == "bf16" else getattr(base, key)

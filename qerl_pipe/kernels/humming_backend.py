@@ -1,0 +1,110 @@
+"""humming-kernels (the vLLM project's JIT W4A16 GEMMs) as a backend for NVFP4 weights.
+
+humming reads modelopt's NVFP4 tensors as they are (E2M1 codes, E4M3 scales per 16, the fp32
+global scale), repacks them once into its own layout and compiles its kernels with NVRTC at first
+use (it needs the CUDA headers: `CUDA_HOME`, else `/usr/local/cuda`). On Hopper its kernels use
+wgmma, TMA and warp specialization: measured faster than ours from M = 64 rows on (docs/kernels.md),
+slower at M <= 16, so it serves the rows the dispatch table (`kernels.dispatch`) gives it.
+
+Two schedules, chosen per call:
+- deterministic (`use_batch_invariant`): a fixed K tile and no stream-K, so the same input gives
+  the same bits on every run and a row's result does not depend on the other rows;
+- fast: humming's default heuristics, stream-K across CTAs whose partial sums meet in an order
+  that varies run to run (measured: two eager calls differ by up to 4.7e-2 on a 7B layer).
+
+The repacked copy costs the same bytes as the NVFP4 weight again (it is a second layout, the
+CUDA kernels keep theirs), so the engine makes it only for the shapes the table sends to humming
+and where the memory plan has room (`kernels.dispatch.attach`). `QERL_HUMMING=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.formats.nvfp4 import NVFP4Weight
+
+log = logging.getLogger(__name__)
+
+# humming's compute configs, serialized once (it parses strings per call).
+_DETERMINISTIC = '{"use_batch_invariant": true}'
+_FAST = '{"use_batch_invariant": false}'
+
+
+def _cuda_headers() -> Path | None:
+    """Where NVRTC finds cuda_runtime.h: CUDA_HOME (or CUDA_PATH), else /usr/local/cuda."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and Path(root, "include", "cuda_runtime.h").exists():
+            return Path(root)
+    return None
+
+
+def why_unavailable(device: torch.device | str) -> str | None:
+    """Why humming cannot serve `device` (None when it can)."""
+    device = torch.device(device)
+    if os.environ.get("QERL_HUMMING", "1") == "0":
+        return "QERL_HUMMING=0"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "humming needs compute capability 8.0 or newer"
+    root = _cuda_headers()
+    if root is None:
+        return "no CUDA headers for its NVRTC compiles (install the CUDA toolkit or set CUDA_HOME)"
+    os.environ.setdefault("CUDA_HOME", str(root))
+    try:
+        import humming.layer  # noqa: F401  (4 s to import: only here, never at start-up)
+    except Exception as exc:  # a missing or broken install leaves our kernels serving every row
+        return f"humming-kernels does not import ({type(exc).__name__}: {exc})"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _available(device: torch.device) -> bool:
+    why = why_unavailable(device)
+    if why is not None:
+        log.warning("humming-kernels off on %s (%s); our kernels serve every row", device, why)
+    return why is None
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether humming can run on `device` (said once, in one line, when not)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _available(device)
+
+
+class HummingNVFP4:
+    """One NVFP4 weight `[N, K]` in humming's layout; `matmul(x)` is `x @ W^T` in bf16."""
+
+    def __init__(self, w: NVFP4Weight):
+        from humming.layer import HummingLayer
+
+        self.out_features, self.in_features = w.out_features, w.in_features
+        with torch.device(w.packed.device):  # its parameters are made where the weight lives
+            layer = HummingLayer(shape_n=w.out_features, shape_k=w.in_features,
+                                 weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"},
+                                 torch_dtype=torch.bfloat16)
+        layer.load_from_tensors({"weight": w.packed, "weight_scale": w.block_scales,
+                                 "weight_scale_2": w.global_scale.reshape(1).float()})
+        layer.transform()
+        self.layer = layer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layer.parameters())
+
+    def matmul(self, x: Tensor, deterministic: bool = True) -> Tensor:
+        """`x [M, K]` bf16 -> `[M, N]`; the first call per schedule compiles its kernels."""
+        return self.layer(x, compute_config=_DETERMINISTIC if deterministic else _FAST)
+
+    def compile(self, deterministic: bool) -> None:
+        """Compile the schedule's kernels now (every M interval at once), not inside a graph capture."""
+        x = torch.zeros(1, self.in_features, dtype=torch.bfloat16, device=self.layer.weight.device)
+        self.matmul(x, deterministic)

@@ -1,0 +1,70 @@
+"""humming-kernels copies of a model's NVFP4 linears, for the rows the dispatch table gives humming.
+
+humming reads its own layout, so a linear it serves holds its base twice (ours for the rows our
+GEMM wins, humming's for the others): 0.5625 bytes per weight more. `attach_humming` makes the
+copies only for the layer shapes the active table (`kernels.dispatch`) sends to humming, and only
+when they fit in `room_bytes` (the memory plan's say); it compiles humming's kernels for them
+now, before any CUDA graph is captured. Without copies those rows run our kernels (the table's
+fallback rule), which the one log line says.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qerl_pipe.kernels import dispatch, humming_backend
+from qerl_pipe.kernels.tiled import untile_nvfp4
+from qerl_pipe.log import log
+from qerl_pipe.model.linear import QuantLinear
+
+
+def _nvfp4_linears(model: nn.Module) -> list[QuantLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantLinear) and m.base_format == "nvfp4"]
+
+
+def humming_linears(model: nn.Module) -> list[QuantLinear]:
+    """The NVFP4 linears whose shape some row of the active table sends to humming."""
+    linears = _nvfp4_linears(model)
+    if not linears or linears[0].qweight.device.type != "cuda":
+        return []
+    table, deterministic = dispatch.active(linears[0].qweight.device)
+    shapes = dispatch.humming_shapes(table, deterministic)
+    return [m for m in linears if (m.out_features, m.in_features) in shapes]
+
+
+def copy_bytes(linears: list[QuantLinear]) -> int:
+    """What humming copies of `linears` take: the same bytes as their NVFP4 bases."""
+    return sum(m.qweight.numel() * 4 + m.scales.numel() + 4 for m in linears)
+
+
+def attach_humming(model: nn.Module, room_bytes: int | None = None) -> int:
+    """Give the linears the active table routes to humming their humming copy (when humming runs
+    here and, with `room_bytes`, when the copies fit in it); returns the bytes added."""
+    linears = [m for m in humming_linears(model) if m.humming is None]
+    if not linears:
+        return 0
+    device = linears[0].qweight.device
+    need = copy_bytes(linears)
+    if not humming_backend.available(device):
+        return 0
+    if room_bytes is not None and need > room_bytes:
+        log(f"kernels: no humming copies ({need / 2**30:.2f} GiB asked, {room_bytes / 2**30:.2f} GiB of room in "
+            "the memory plan); our kernels serve every row")
+        return 0
+    _, deterministic = dispatch.active(device)
+    compiled: set[tuple[int, int]] = set()
+    with torch.no_grad():
+        for m in linears:
+            m.humming = humming_backend.HummingNVFP4(untile_nvfp4(m.kernel_weight))
+            if (m.out_features, m.in_features) not in compiled:  # one compile per shape and schedule
+                m.humming.compile(deterministic)
+                compiled.add((m.out_features, m.in_features))
+    log(f"kernels: humming copies of {len(linears)} NVFP4 linears ({need / 2**30:.2f} GiB), "
+        f"{'deterministic' if deterministic else 'fast (not deterministic)'} schedule")
+    return need
+
+
+def detach_humming(model: nn.Module) -> None:
+    for m in _nvfp4_linears(model):
+        m.humming = None
