@@ -99,6 +99,11 @@ class EngineSection(_Section):
         "auto", description="Time kernel configs for this model's layer shapes on this GPU; auto = on for CUDA "
         "with a 4-bit base.",
     )
+    deterministic: bool = Field(
+        True, description="NVFP4 on CUDA: only kernels that give the same bits on every run (a resumed run "
+        "repeats an unbroken one); false also lets humming-kernels' stream-K schedule serve the rows where it is "
+        "fastest (docs/kernels.md has the measured gain).",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the engine runs (and is tuned).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Activation, KV-cache and dense-weight dtype; auto is bfloat16 on CUDA, float32 on "

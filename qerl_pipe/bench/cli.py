@@ -66,7 +66,7 @@ def bench_kernels_cuda(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen
 @bench_app.command("kernels-dispatch")
 def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
                            ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x): rows of the dispatch table.")] = ["1,8,16,32,64,128,256,512,1024,4096"],
-                           table_out: Annotated[Optional[Path], typer.Option(help="Write the measured dispatch table here (the form of kernels/cuda/dispatch-h200.json).")] = None) -> None:
+                           table_out: Annotated[Optional[Path], typer.Option(help="Write the measured dispatch table here (the form of kernels/cuda/dispatch-<gpu>.json).")] = None) -> None:
     """Ours, humming-kernels, dequantize + cuBLAS and cuBLAS bf16 per layer and M, and the dispatch over them (needs a Hopper GPU and nvcc)."""
     from qerl_pipe.bench.kernels_dispatch import run
     from qerl_pipe.kernels import cuda_ext
@@ -90,7 +90,8 @@ def bench_rollout(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b"],
                   hf_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence for HF generate (slow).")] = 64,
                   lora_rank: Annotated[int, typer.Option(help="LoRA rank attached to our model.")] = 32,
                   formats: Annotated[list[str], typer.Option(help="Base formats of our engine: bf16, nvfp4, nf4.")] = ["bf16,nvfp4"],
-                  hbm_tbps: Annotated[float, typer.Option(help="HBM bandwidth (TB/s) of the lower bound.")] = 4.2) -> None:
+                  hbm_tbps: Annotated[float, typer.Option(help="HBM bandwidth (TB/s) of the lower bound.")] = 4.2,
+                  kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too).")] = "deterministic") -> None:
     """Rollout speed: HF generate vs our engine (random weights, needs a CUDA GPU)."""
     from qerl_pipe.bench.rollout import run_rollout_bench
     from qerl_pipe.bench.shapes import QWEN25_SHAPES
@@ -100,7 +101,7 @@ def bench_rollout(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b"],
         raise QerlError(f"unknown shapes {unknown}; choose from {sorted(QWEN25_SHAPES)}")
     emit(run_rollout_bench(values(shapes), values(batches, int), prompt_len, new_tokens, hf_new_tokens,
                            None if hf_batches is None else values(hf_batches, int), lora_rank,
-                           tuple(values(formats)), hbm_tbps, partial=out), out)
+                           tuple(values(formats)), hbm_tbps, partial=out, kernels=kernels), out)
 
 
 @bench_app.command("train-step")
@@ -115,11 +116,15 @@ def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape
                      recipe: Annotated[Optional[list[str]], typer.Option("--recipe", help="Recipe files (comma-separated or repeated; recipes/ladder/*.yaml): run each one's step under its train.memory_budget_gb.")] = None,
                      unconstrained: Annotated[bool, typer.Option(help="Run the --recipe steps without their budgets (the time with the whole GPU).")] = False,
                      append: Annotated[bool, typer.Option(help="Keep the rows already in --out, and the settings that describe them.")] = False,
+                     kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too; not the same bits run to run).")] = "deterministic",
                      out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
     """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format, or per recipe (--recipe); needs a CUDA GPU."""
     from qerl_pipe.bench.train_step import GIB, StepSettings, run_train_step_bench
 
-    settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len, adapter=adapter)
+    if kernels not in ("deterministic", "fast"):
+        raise QerlError(f"--kernels {kernels!r}: choose deterministic or fast")
+    settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len, adapter=adapter,
+                            kernels=kernels)
     limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
     recipes = [Path(p) for p in dict.fromkeys(p.strip() for item in recipe or [] for p in item.split(",")) if p]
     shapes = values(shape) if shape is not None else ([] if recipes else ["qwen2.5-7b"])

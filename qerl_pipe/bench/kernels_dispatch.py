@@ -4,9 +4,10 @@
 Qwen2.5-7B/32B layer (q/k/v and gate/up fused, as the model runs them) and every table row M,
 `dispatch_measure.measure_shape` times each backend under one protocol (L2-cold weight copies,
 one CUDA graph, median of replays) with a cuBLAS bf16 column beside it; the winners make the
-table (`--table-out` writes it as a file of the form `kernels/cuda/dispatch-h200.json`). Then the
+table (`--table-out` writes it as a file of the form `kernels/cuda/dispatch-<gpu>.json`). Then the
 dispatch itself, `kernels.linear.nvfp4_linear` with that table installed and humming copies on
-the weights, is timed the same way: within 3% of the fastest backend on every row is a target.
+the weights, is timed the same way: within 3% of the fastest deterministic backend (the column
+the dispatch uses by default) on every decode row is a target.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from qerl_pipe.bench.kernels import LAYER_SHAPES
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.kernels import dispatch, humming_backend
-from qerl_pipe.kernels.dispatch import BACKENDS, ROWS_M
+from qerl_pipe.kernels.dispatch import BACKENDS, DETERMINISTIC_BACKENDS, ROWS_M
 from qerl_pipe.kernels.dispatch_measure import REPS, Operands, inputs, measure_shape, operands, table_from_rows
 from qerl_pipe.kernels.linear import nvfp4_linear
 from qerl_pipe.kernels.tuning import rel_err, time_graph
@@ -35,8 +36,23 @@ def _dispatch_row(ops: Operands, m: int) -> dict:
 
 def _weighted(rows: list[dict], model: str, m: int, key: str) -> float:
     """bf16 time over `key`'s time, summed over the model's layers at M (bytes-weighted speed-up)."""
-    sel = [r for r in rows if r["model"] == model and r["M"] == m and key in r and "bf16_us" in r]
-    return sum(r["bf16_us"] for r in sel) / sum(r[key] for r in sel) if sel else float("nan")
+    sel = [r for r in rows if r["model"] == model and r["M"] == m and "bf16_us" in r]
+    if not sel or any(key not in r for r in sel):  # a layer without this column: no whole-model figure
+        return float("nan")
+    return sum(r["bf16_us"] for r in sel) / sum(r[key] for r in sel)
+
+
+def _weighted_table(rows: list[dict], shapes: list[str]) -> dict:
+    """Per model and M, the bytes-weighted speed-up over cuBLAS bf16 of the dispatch, of the best
+    deterministic backend, of the best of all (the fast column) and of each backend alone."""
+    out: dict = {}
+    for r in rows:
+        r["best_fast_us"] = min(r[f"{b}_us"] for b in BACKENDS if f"{b}_us" in r)
+    keys = ("dispatch_us", "best_us", "best_fast_us", *(f"{b}_us" for b in BACKENDS))
+    for model in shapes:
+        out[model] = {m: {k.removesuffix("_us"): round(v, 3) for k in keys
+                          if (v := _weighted(rows, model, m, k)) == v} for m in sorted({r["M"] for r in rows})}
+    return out
 
 
 def _targets(rows: list[dict]) -> list[dict]:
@@ -46,7 +62,7 @@ def _targets(rows: list[dict]) -> list[dict]:
         out.append(target(f"7B layer-weighted dispatch vs cuBLAS bf16, M {m}", f">= {goal}", v, "x", v >= goal))
     over = [r["dispatch_us"] / r["best_us"] for r in rows if "dispatch_us" in r and r["M"] <= 256]
     v = max(over) if over else float("nan")
-    out.append(target("dispatch time over the fastest backend, every layer, every decode M", "<= 1.03", v,
+    out.append(target("dispatch time over the fastest deterministic backend, every layer, M <= 256", "<= 1.03", v,
                       "x (max)", v <= 1.03))
     return [t for t in out if t["measured"] == t["measured"]]
 
@@ -64,7 +80,8 @@ def run(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out: Pat
     layers = [(model, layer, n, k) for model in shapes for layer, (n, k) in LAYER_SHAPES[model].items()]
     for model, layer, n, k in layers:
         for r in measure_shape(operands(n, k, device, humming, bf16=True, label=layer), ms):
-            r.update(model=model, layer=layer, best_us=min(r[f"{b}_us"] for b in BACKENDS if f"{b}_us" in r))
+            r.update(model=model, layer=layer,
+                     best_us=min(r[f"{b}_us"] for b in DETERMINISTIC_BACKENDS if f"{b}_us" in r))
             rows.append(r)
         torch.cuda.empty_cache()
     table = table_from_rows(rows, device)
@@ -82,7 +99,7 @@ def run(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out: Pat
         table_out.parent.mkdir(parents=True, exist_ok=True)
         table_out.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
     result = results_file(rows, _targets(rows), torch=torch.__version__, humming=humming,
-                          table=table.to_json(), rows_m=list(ROWS_M))
+                          table=table.to_json(), rows_m=list(ROWS_M), weighted_vs_bf16=_weighted_table(rows, shapes))
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")

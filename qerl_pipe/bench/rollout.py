@@ -28,6 +28,7 @@ from qerl_pipe.bench.shapes import QWEN25_SHAPES
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.errors import QerlError
 from qerl_pipe.engine.limits import kv_bytes_per_token, plan_limits
+from qerl_pipe.kernels import dispatch
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 from qerl_pipe.model.lora import LoraSpec
@@ -201,14 +202,17 @@ def targets(rows: list[dict]) -> list[dict]:
 def run_rollout_bench(shapes: list[str], batches: list[int], prompt_len: int = 256, new_tokens: int = 512,
                       hf_new_tokens: int = 64, hf_batches: list[int] | None = None, lora_rank: int = 32,
                       formats: tuple[str, ...] = ("bf16", "nvfp4"), hbm_tbps: float = 4.2,
-                      partial: Path | None = None) -> dict[str, Any]:
+                      partial: Path | None = None, kernels: str = "deterministic") -> dict[str, Any]:
     """Every row, then the targets. `partial`: rewritten after each row, so a run cut short by a
-    time limit still leaves what it measured."""
+    time limit still leaves what it measured. `kernels`: the NVFP4 dispatch column (deterministic
+    or fast)."""
     if not torch.cuda.is_available():
         raise QerlError("bench rollout measures GPU generation and needs a CUDA GPU; none is visible here")
+    device = torch.device("cuda", torch.cuda.current_device())
+    dispatch.configure(dispatch.table_for(device), deterministic=kernels == "deterministic")
     settings = {"prompt_len": prompt_len, "new_tokens": new_tokens, "hf_new_tokens": hf_new_tokens,
                 "lora_rank": lora_rank, "sampling": "temperature 1.0, no top-p/top-k, no stop token",
-                "hbm_tbps_for_bound": hbm_tbps}
+                "hbm_tbps_for_bound": hbm_tbps, "kernels": kernels}
     rows: list[dict] = []
 
     def result() -> dict[str, Any]:

@@ -17,6 +17,8 @@ from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.engine.weights import load_engine_model
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.kernels.configs import set_table, table_from_json
+from qerl_pipe.kernels import dispatch
+from qerl_pipe.kernels.dispatch import DispatchTable
 from qerl_pipe.log import log
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.lora import LoraSpec
@@ -61,7 +63,9 @@ def load_engine(artifact_dir: Path | str, device: torch.device | str | None = No
     """The engine's model on `device` (default: the device type it was built for) and its limits.
 
     Installs the engine's tuned kernel table process-wide (`kernels.configs.set_table`), or the
-    default table when it has none, so a previous engine's entries never apply to this model.
+    default table when it has none, so a previous engine's entries never apply to this model; and
+    its NVFP4 dispatch table and schedule column (`kernels.dispatch.configure`), or the table
+    shipped for this GPU.
     Does not re-hash the files (`ArtifactStore.resolve` does, for a reference given by a user).
     """
     path = Path(artifact_dir)
@@ -83,5 +87,8 @@ def load_engine(artifact_dir: Path | str, device: torch.device | str | None = No
                             f"{engine['base_format']}; rebuild the engine with --force")
     table = engine.get("kernel_table")
     set_table(table_from_json(table) if table else {})
+    measured = engine.get("dispatch_table")
+    dispatch.configure(DispatchTable.from_json(measured) if measured else dispatch.table_for(target),
+                       deterministic=engine.get("deterministic", True))
     return model, EngineLimits.from_json(engine["limits"])
 

@@ -5,7 +5,8 @@ limits it gives, CUDA graphs and kernel tuning, so a bad setting fails before an
 `engine.kv_budget_gib` the KV budget is the KV cache the step planner (`memory.plan`) gives train's
 step under `train.memory_budget_gb` (on CUDA, by default, the memory free at start), so a step that
 cannot fit is refused here too. `write_engine` then (capped to an explicit budget on CUDA) loads the
-base in the kernels' layout, tunes the 4-bit kernels for the model's layer shapes on CUDA, and
+base in the kernels' layout, tunes the 4-bit kernels for the model's layer shapes on CUDA (for
+NVFP4 on Hopper: measures the dispatch table over ours / humming / dequantize + cuBLAS), and
 writes the weights (`engine.weights`), the model's files and `engine.json` (with the memory plan),
 which `engine.artifact.load_engine` reads. The stage (`stages/build_engine.py`) only chooses the
 base and keys the artifact.
@@ -133,6 +134,8 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
 def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, section: EngineSection,
                   device: torch.device, out: Path, started: float) -> dict[str, Any]:
     from qerl_pipe.kernels.cuda_ext import available as cuda_kernels_available
+    from qerl_pipe.kernels.dispatch import ROWS_M
+    from qerl_pipe.kernels.dispatch_measure import measure_table
     from qerl_pipe.kernels.tuning import tune_kernels
 
     model = load_model(base_dir, section.base_format, plan.dtype, device)
@@ -148,6 +151,11 @@ def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, s
         decode_ms = [m for m in TUNING_MS if m <= limits.max_batch]
         table = tune_kernels(_linear_shapes(model), decode_ms + [PREFILL_TUNING_M], section.base_format, device,
                              dx_ms=[PREFILL_TUNING_M])
+    dispatch_table = None
+    if section.base_format == "nvfp4" and plan.tune and cuda_kernels_available(device):
+        log(f"build-engine: measuring the NVFP4 kernel dispatch (ours / humming / dequantize + cuBLAS) on "
+            f"{device_kind(device)}")
+        dispatch_table, _ = measure_table(_linear_shapes(model), ROWS_M, device, log)
     save_engine_model(model, out, hf_config=hf_config)
     copy_model_files(base_dir, out)
     seconds = round(time.perf_counter() - started, 2)
@@ -159,6 +167,8 @@ def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, s
         "kv_budget_bytes": budget,
         "memory_plan": plan.memory_plan.to_json() if plan.memory_plan is not None else None,
         "kernel_table": table_to_json(table) if table is not None else None,
+        "dispatch_table": dispatch_table.to_json() if dispatch_table is not None else None,
+        "deterministic": section.deterministic,
         "device": {"type": device.type, "name": device_kind(device)},
         "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "build_seconds": seconds,
@@ -176,6 +186,7 @@ def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, s
         "model_mib": round(model_memory_bytes(model) / 2**20, 1),
         "cuda_graph_sizes": list(limits.graph_batch_sizes),
         "tuned_kernel_entries": len(table) if table is not None else 0,
+        "dispatch_rows": len(dispatch_table.deterministic) if dispatch_table is not None else 0,
         "seconds": seconds,
         **({"memory_plan": engine["memory_plan"]} if plan.memory_plan is not None else {}),
     }
@@ -184,5 +195,6 @@ def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, s
     log(f"build-engine: {section.base_format} base in {summary['dtype']} on {summary['device']}, "
         f"{summary['model_mib']} MiB; max_batch {limits.max_batch} x max_seq_len {limits.max_seq_len} "
         f"(KV cache {summary['kv_cache_mib']} of {summary['kv_budget_mib']} MiB); "
-        f"{summary['tuned_kernel_entries'] or 'default'} kernel configs; {seconds} s")
+        f"{summary['tuned_kernel_entries'] or 'default'} kernel configs, "
+        f"{summary['dispatch_rows'] or 'no'} measured dispatch rows; {seconds} s")
     return summary

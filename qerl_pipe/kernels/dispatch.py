@@ -10,8 +10,8 @@ A table has one row per (M, N, K) for M in `ROWS_M` (the row serving m rows is t
 above m, the last for more) and two columns: `deterministic` (the default: the same inputs give
 the same bits, so a resumed run repeats an unbroken one) picks among qerl / humming / dequant,
 `fast` (`engine.deterministic: false`) among all four. build-engine measures it on its GPU
-(`kernels.dispatch_measure`) and stores it in the engine; `kernels/cuda/dispatch-h200.json` is
-the shipped H200 table, used when that GPU runs without a measured one. Shapes or GPUs without a
+(`kernels.dispatch_measure`) and stores it in the engine; `kernels/cuda/dispatch-<gpu>.json` are
+the shipped tables, used on those GPUs without a measured one. Shapes or GPUs without a
 row get the rule the CUDA kernels had before humming: ours up to 64 rows (and up to 256 where
 their own table says so), else dequantize + cuBLAS. A humming row whose weight has no humming copy
 (humming unavailable, or the memory plan left no room for the copy) falls back to that rule too.
@@ -28,7 +28,8 @@ import torch
 ROWS_M = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 DETERMINISTIC_BACKENDS = ("qerl", "humming", "dequant")
 BACKENDS = (*DETERMINISTIC_BACKENDS, "humming-fast")
-SHIPPED_FILE = Path(__file__).parent / "cuda" / "dispatch-h200.json"
+# Measured tables shipped with the package, one per GPU (`dispatch-<gpu>.json`).
+SHIPPED_DIR = Path(__file__).parent / "cuda"
 
 
 def row_m(m: int) -> int:
@@ -70,8 +71,8 @@ class DispatchTable:
             raise ValueError(f"a dispatch table needs gpu, sms, deterministic and fast ({e})") from e
 
 
-def shipped_table() -> DispatchTable:
-    return DispatchTable.from_json(json.loads(SHIPPED_FILE.read_text()))
+def shipped_tables() -> list[DispatchTable]:
+    return [DispatchTable.from_json(json.loads(p.read_text())) for p in sorted(SHIPPED_DIR.glob("dispatch-*.json"))]
 
 
 def _device_identity(device: torch.device) -> tuple[str, int]:
@@ -80,11 +81,11 @@ def _device_identity(device: torch.device) -> tuple[str, int]:
 
 
 def table_for(device: torch.device) -> DispatchTable | None:
-    """The shipped table when `device` is the GPU it was measured on (same name and SMs), else None."""
+    """The shipped table measured on `device`'s GPU (same name and SMs), else None."""
     if device.type != "cuda":
         return None
-    table = shipped_table()
-    return table if _device_identity(device) == (table.gpu, table.sms) else None
+    identity = _device_identity(device)
+    return next((t for t in shipped_tables() if (t.gpu, t.sms) == identity), None)
 
 
 @dataclass
