@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROWS_M = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+ROWS_M = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 DETERMINISTIC_BACKENDS = ("qerl", "humming", "dequant")
 BACKENDS = (*DETERMINISTIC_BACKENDS, "humming-fast")
 # Measured tables shipped with the package, one per GPU (`dispatch-<gpu>.json`).
