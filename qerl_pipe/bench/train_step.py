@@ -50,7 +50,7 @@ from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.engine.sampling import SamplingParams
 from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budget, plan_step, release_budget
-from qerl_pipe.memory.step import StepSize
+from qerl_pipe.memory.step import StepSize, kernel_copy_bytes
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.kernels import dispatch
@@ -263,10 +263,9 @@ def _optimizer_bytes(trainer: Trainer) -> int:
 
 
 def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: StepSize,
-                 device: str) -> dict[str, Any]:
-    """Build, warm up, time one step; every figure of a row that ran."""
-    if _cuda(device):
-        dispatch.configure(dispatch.table_for(torch.device(device)), deterministic=s.kernels == "deterministic")
+                 device: str, kernel_copies: bool = True) -> dict[str, Any]:
+    """Build, warm up, time one step; every figure of a row that ran (`kernel_copies`: whether the
+    plan keeps humming copies of an NVFP4 base)."""
     t0 = time.perf_counter()
     lora = LoraSpec(rank=s.lora_rank, alpha=2.0 * s.lora_rank) if s.adapter == "lora" else None
     model = init_random_model(config, base_format=quant, device=device, lora=lora)
@@ -274,7 +273,7 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     build_s, build_peak = time.perf_counter() - t0, _peaks(device)["allocated"]
     limits = plan_limits(model.config, max_seq_len=size.seq_len, max_batch=size.kv_slots,
                          cuda_graphs=_cuda(device))
-    engine = Engine(model, limits)
+    engine = Engine(model, limits, kernel_copies=kernel_copies)
     prompts = _prompts(s.prompts, s.prompt_len, model.config.vocab_size)
     warmup = _warm_up(model, engine, prompts, s, size, device)
 
@@ -330,10 +329,15 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
     row: dict[str, Any] = {"shape": name, "quant": quant, "adapter": s.adapter,
                            **({"recipe": recipe} if recipe is not None else {}),
                            "memory_budget_gb": budget_gb, "memory_budget_bytes": budget}
+    if _cuda(device):
+        dispatch.configure(dispatch.table_for(torch.device(device)), deterministic=s.kernels == "deterministic")
+    decoder_config = DecoderConfig.from_hf(config)
+    copies = (kernel_copy_bytes(decoder_config, dispatch.humming_copy_shapes(torch.device(device)))
+              if quant == "nvfp4" else 0)
     try:
-        plan = plan_step(DecoderConfig.from_hf(config), quant, s.shape(name), budget,
+        plan = plan_step(decoder_config, quant, s.shape(name), budget,
                          budget_source="train.memory_budget_gb" if recipe else "--memory-budget-gb",
-                         what=f"the {name} {quant} step")
+                         what=f"the {name} {quant} step", kernel_copies=copies)
     except MemoryBudgetError as e:  # before anything is allocated
         return {**row, "fits": False, "status": "refused", "needed_bytes": e.needed_bytes,
                 "needed_gb": round(e.needed_bytes / GB, 2), "error": str(e)}
@@ -347,7 +351,7 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
     try:
         if budget is not None:
             row["memory_fraction"] = enforce_budget(budget, torch.device(device))
-        measured = measure_step(config, quant, s, size, device)
+        measured = measure_step(config, quant, s, size, device, plan.kernel_copies)
         return {**row, "fits": True, "status": "ok", **measured, **_against_estimate(measured, estimate["total"], budget)}
     except torch.cuda.OutOfMemoryError as e:
         failed = {**row, "fits": False, "status": "oom", "error": str(e).splitlines()[0][:500],

@@ -36,7 +36,7 @@ from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.engine.sampling import SamplingParams, sample, sequence_key
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.decoder import Decoder
-from qerl_pipe.model.kernel_copies import attach_humming
+from qerl_pipe.model.kernel_copies import attach_humming, detach_humming
 
 # Refill when at least this fraction of the slots is free (or the next prompt's remaining samples
 # fit): each refill costs a prefill, so refilling one slot per step would prefill the same prompt
@@ -137,6 +137,7 @@ class Engine:
         *,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         cuda_graphs: bool | None = None,
+        kernel_copies: bool = True,
     ):
         if prefill_tokens < 1:
             raise PromptError(f"prefill_tokens must be >= 1; got {prefill_tokens}")
@@ -164,8 +165,11 @@ class Engine:
         want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
         use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes)
         # Before any graph is captured: humming's copies and kernels, where the dispatch table
-        # sends rows of this model's shapes to humming.
-        attach_humming(model)
+        # sends rows of this model's shapes to humming (unless the memory plan left them out).
+        if kernel_copies:
+            attach_humming(model)
+        else:
+            detach_humming(model)
         self._lora = FusedLora(model, model.dtype)
         self._runner = DecodeRunner(
             model, self._lora, self.cache, self._tokens, self._positions, limits.graph_batch_sizes, use_graphs

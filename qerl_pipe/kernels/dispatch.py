@@ -137,3 +137,17 @@ def humming_shapes(table: DispatchTable | None, deterministic: bool, max_m: int 
         if chosen.startswith("humming") and (max_m is None or m <= row_m(max_m)):
             out.add((n, k))
     return out
+
+
+def humming_copy_shapes(device: torch.device, table: DispatchTable | None = None,
+                        deterministic: bool | None = None) -> set[tuple[int, int]]:
+    """The layer shapes that would get humming copies on `device` under `table` and its column
+    (default: the active ones): none off CUDA or where humming cannot run."""
+    from qerl_pipe.kernels import humming_backend
+
+    if device.type != "cuda":
+        return set()
+    active_table, active_column = active(device)
+    table = active_table if table is None else table
+    shapes = humming_shapes(table, active_column if deterministic is None else deterministic)
+    return shapes if shapes and humming_backend.available(device) else set()

@@ -37,7 +37,8 @@ import torch
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.hf_config import read_model_config
-from qerl_pipe.memory.step import BASE_FORMATS, StepSize, estimate_step_bytes
+from qerl_pipe.kernels.dispatch import DispatchTable, humming_copy_shapes, table_for
+from qerl_pipe.memory.step import BASE_FORMATS, StepSize, estimate_step_bytes, kernel_copy_bytes
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
 
@@ -47,6 +48,7 @@ BUDGET_KEY = "train.memory_budget_gb"
 # What each part of the estimate is called in messages.
 PART_NAMES = {"weights": "weights", "lora_and_optimizer": "LoRA + AdamW", "full_and_optimizer": "masters + AdamW",
               "kv_cache": "KV cache", "activations": "activations", "dequant_scratch": "dequant scratch",
+              "kernel_copies": "humming copies",
               "slack": "slack"}
 
 
@@ -95,6 +97,10 @@ class MemoryPlan:
     shape: StepShape
     base_format: str
     dtype: str
+    # Whether the step keeps humming copies of the NVFP4 base (kernels.dispatch), and the bytes
+    # the caller asked for: copies are dropped first when they keep the step from fitting.
+    kernel_copies: bool = False
+    kernel_copies_asked: int = 0
 
     @property
     def waves(self) -> int:
@@ -116,6 +122,7 @@ class MemoryPlan:
             "budget_source": self.budget_source, "estimate_bytes": self.estimate,
             "estimate_gb": round(self.estimate_bytes / GB, 3), "estimate_gib": round(self.estimate_bytes / 2**30, 3),
             "base_format": self.base_format, "dtype": self.dtype, "step": asdict(self.shape),
+            "kernel_copies": self.kernel_copies, "kernel_copies_asked_bytes": self.kernel_copies_asked,
         }
 
     def describe(self) -> str:
@@ -125,7 +132,10 @@ class MemoryPlan:
                   else f"budget {self.budget_bytes / GB:.1f} GB ({self.budget_source})")
         return (f"{s.sequences} sequences of {s.seq_len} tokens in {self.waves} wave(s) of {self.kv_slots} KV slots, "
                 f"micro-batch {self.micro_batch}, LM-head chunk {self.logprob_chunk}: estimated peak "
-                f"{self.estimate_bytes / GB:.1f} GB ({_parts(self.estimate)}), {budget}")
+                f"{self.estimate_bytes / GB:.1f} GB ({_parts(self.estimate)}), {budget}"
+                + ("" if self.kernel_copies or not self.kernel_copies_asked else
+                   f"; no humming copies of the base ({self.kernel_copies_asked / GB:.1f} GB did not fit: our "
+                   "kernels serve their rows)"))
 
 
 def _gb_up(n: int) -> float:
@@ -160,20 +170,26 @@ def candidates(shape: StepShape) -> list[tuple[int, int, int]]:
 
 def plan_step(config: DecoderConfig, base_format: str, shape: StepShape, budget_bytes: int | None, *,
               dtype: torch.dtype = torch.bfloat16, budget_source: str = BUDGET_KEY,
-              what: str = "the RL step") -> MemoryPlan:
+              what: str = "the RL step", kernel_copies: int = 0) -> MemoryPlan:
     """The largest settings (first of `candidates`) whose estimated peak is at most `budget_bytes`
     (None: the recipe's settings, whatever they need). Raises MemoryBudgetError, naming the
-    smallest budget that fits, when none is; `budget_source` names the knob in that message."""
+    smallest budget that fits, when none is; `budget_source` names the knob in that message.
+
+    `kernel_copies` (bytes, `step.kernel_copy_bytes`) asks for humming copies of the base: a
+    speed option, so they go before any step setting shrinks: the recipe's settings with them,
+    else the same without them, else the smaller settings without them."""
     if base_format not in BASE_FORMATS:
         raise ValueError(f"unknown base format {base_format!r}; one of {BASE_FORMATS}")
     dtype_name = str(dtype).removeprefix("torch.")
     estimate: dict[str, int] = {}
     chain = candidates(shape)
-    for slots, micro, chunk in chain:
-        estimate = estimate_step_bytes(config, base_format, shape.size(slots, micro, chunk), shape.adapter, dtype)
+    tries = ([(chain[0], kernel_copies)] if kernel_copies else []) + [(c, 0) for c in chain]
+    for (slots, micro, chunk), copies in tries:
+        estimate = estimate_step_bytes(config, base_format, shape.size(slots, micro, chunk), shape.adapter, dtype,
+                                       copies)
         if budget_bytes is None or estimate["total"] <= budget_bytes:
             return MemoryPlan(slots, micro, chunk, budget_bytes, budget_source if budget_bytes is not None else "none",
-                              estimate, shape, base_format, dtype_name)
+                              estimate, shape, base_format, dtype_name, bool(copies), kernel_copies)
     assert budget_bytes is not None
     needed = _gb_up(estimate["total"])
     slots, micro, chunk = chain[-1]
@@ -254,12 +270,13 @@ def train_step_shape(train: Any, max_seq_len: int, max_batch: int, processes: in
 
 
 def _plan_train_step(train: Any, config: DecoderConfig, base_format: str, dtype: torch.dtype, max_seq_len: int,
-                     max_batch: int, processes: int, budget: int | None, budget_source: str, what: str) -> MemoryPlan:
+                     max_batch: int, processes: int, budget: int | None, budget_source: str, what: str,
+                     kernel_copies: int = 0) -> MemoryPlan:
     """The plan of `train`'s step on each of `processes` ranks over an engine of `max_batch` slots
     of `max_seq_len` tokens, to `budget` (from `step_budget`): what train and build-engine share."""
     shape = train_step_shape(train, max_seq_len, max_batch, processes)
     return plan_step(config, base_format, shape, budget, dtype=dtype, budget_source=budget_source,
-                     what=f"train's step {what}")
+                     what=f"train's step {what}", kernel_copies=kernel_copies)
 
 
 def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: int = 1) -> tuple[MemoryPlan, bool]:
@@ -272,8 +289,13 @@ def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: in
     config = DecoderConfig.from_hf(read_model_config(engine_dir))
     limits = EngineLimits.from_json(spec["limits"])
     budget, source, enforced = step_budget(train.memory_budget_gb, device)
+    copies = 0
+    if spec["base_format"] == "nvfp4":  # the humming copies the engine's dispatch table asks for
+        measured = spec.get("dispatch_table")
+        table = DispatchTable.from_json(measured) if measured else None
+        copies = kernel_copy_bytes(config, humming_copy_shapes(device, table, spec.get("deterministic", True)))
     plan = _plan_train_step(train, config, spec["base_format"], getattr(torch, spec["dtype"]), limits.max_seq_len,
-                            limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}")
+                            limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}", copies)
     return plan, enforced
 
 
@@ -286,6 +308,9 @@ def plan_engine_step(train: Any, engine: Any, config: DecoderConfig, device: tor
     budget, source, enforced = step_budget(train.memory_budget_gb, device)
     if budget is None:
         return None, False
+    # The table is measured later in the build: the shipped one for this GPU stands in for it.
+    copies = (kernel_copy_bytes(config, humming_copy_shapes(device, table_for(device), engine.deterministic))
+              if engine.base_format == "nvfp4" else 0)
     plan = _plan_train_step(train, config, engine.base_format, dtype, engine.max_seq_len, engine.max_batch,
-                            processes, budget, source, f"({engine.base_format} base)")
+                            processes, budget, source, f"({engine.base_format} base)", copies)
     return plan, enforced

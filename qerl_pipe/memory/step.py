@@ -13,6 +13,7 @@ base's linears); the GPU runs bf16, a small model on a CPU float32.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -127,10 +128,20 @@ def scratch_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch
     return max(k * sum(outs) for k, outs in _linears(c)) * element_bytes(dtype)
 
 
+def kernel_copy_bytes(c: DecoderConfig, shapes: Iterable[tuple[int, int]]) -> int:
+    """An NVFP4 base's second copy in humming-kernels' layout, for the linears of shape (N, K) in
+    `shapes` (those the dispatch table sends rows of to humming): the NVFP4 bytes again."""
+    wanted = set(shapes)
+    per_layer = sum(int(k * sum(outs) * BASE_BYTES["nvfp4"]) + PER_LINEAR_BYTES["nvfp4"]
+                    for k, outs in _linears(c) if (sum(outs), k) in wanted)
+    return per_layer * c.num_layers
+
+
 def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter: str = "lora",
-                        dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+                        dtype: torch.dtype = torch.bfloat16, kernel_copies: int = 0) -> dict[str, int]:
     """Each part of the step's peak and their `total`, in bytes. `adapter`: "lora", or "full"
-    (every weight trains; a bf16 base only)."""
+    (every weight trains; a bf16 base only). `kernel_copies`: the bytes of humming copies of the
+    base (`kernel_copy_bytes`), 0 without them."""
     if adapter == "full" and base_format != "bf16":
         raise ValueError(f"full fine-tuning needs a bf16 base, not {base_format}")
     trained = {"full_and_optimizer": full_bytes(c, dtype)} if adapter == "full" else {
@@ -141,6 +152,7 @@ def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter
         "kv_cache": kv_bytes_per_token(c, dtype) * s.kv_slots * s.seq_len,
         "activations": activation_bytes(c, s, dtype),
         "dequant_scratch": scratch_bytes(c, base_format, dtype),
+        "kernel_copies": kernel_copies,
         "slack": SLACK_BYTES,
     }
     return {**parts, "total": sum(parts.values())}

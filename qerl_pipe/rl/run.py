@@ -194,7 +194,7 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
                                        section.max_new_tokens, "training", SECTION)
     eval_problems, eval_prompts, _ = fit_prompts(tokenizer, eval_problems, section.instruction, limits.max_seq_len,
                                                  section.max_new_tokens, "evaluation", SECTION)
-    engine_runner = Engine(model, limits)
+    engine_runner = Engine(model, limits, kernel_copies=plan.kernel_copies)
     # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
     with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
         if dense_bytes and dist.is_main:
