@@ -129,3 +129,23 @@ def test_planner_gives_up_the_copies_before_any_step_setting() -> None:
 def test_engine_section_is_deterministic_by_default() -> None:
     assert EngineSection().deterministic is True
     assert EngineSection(deterministic=False).deterministic is False
+
+
+def test_speed_recipes_are_the_papers_setting(tmp_path) -> None:
+    """recipes/speed/: one prompt x G of 256 + 2048 tokens, LoRA r32, each base with its twin."""
+    from pathlib import Path
+
+    from qerl_pipe.bench.train_step import read_recipe
+
+    files = sorted((Path(__file__).parents[1] / "recipes" / "speed").glob("*.yaml"))
+    steps = [read_recipe(p) for p in files]
+    assert {(s.shape, s.settings.group_size) for s in steps} == {("qwen2.5-7b", 2), ("qwen2.5-7b", 8),
+                                                                  ("qwen2.5-32b", 8)}
+    for s in steps:
+        assert (s.settings.prompts, s.settings.prompt_len, s.settings.response_len) == (1, 256, 2048)
+        assert s.settings.lora_rank == 32 and s.settings.kernels == "deterministic"
+        assert any(t.shape == s.shape and t.settings.group_size == s.settings.group_size and t.quant != s.quant
+                   for t in steps)
+    fast = tmp_path / "fast.yaml"
+    fast.write_text(files[0].read_text().replace("  base_format:", "  deterministic: false\n  base_format:"))
+    assert read_recipe(fast).settings.kernels == "fast"

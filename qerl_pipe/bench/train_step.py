@@ -135,7 +135,7 @@ def read_recipe(path: Path) -> RecipeStep:
     settings = StepSettings(prompts=train.prompts_per_step, group_size=train.group_size,
                             prompt_len=engine.max_seq_len - train.max_new_tokens, response_len=train.max_new_tokens,
                             lora_rank=train.lora.rank, micro_batch=train.micro_batch_size, kv_slots=engine.max_batch,
-                            adapter=train.adapter)
+                            adapter=train.adapter, kernels="deterministic" if engine.deterministic else "fast")
     return RecipeStep(path.name, shape, engine.base_format, settings, train.memory_budget_gb)
 
 
