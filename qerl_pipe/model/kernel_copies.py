@@ -53,16 +53,28 @@ def attach_humming(model: nn.Module, room_bytes: int | None = None) -> int:
             "the memory plan); our kernels serve every row")
         return 0
     _, deterministic = dispatch.active(device)
+    refused: dict[tuple[int, int], str] = {}
     compiled: set[tuple[int, int]] = set()
     with torch.no_grad():
         for m in linears:
-            m.humming = humming_backend.HummingNVFP4(untile_nvfp4(m.kernel_weight))
-            if (m.out_features, m.in_features) not in compiled:  # one compile per shape and schedule
-                m.humming.compile(deterministic)
-                compiled.add((m.out_features, m.in_features))
-    log(f"kernels: humming copies of {len(linears)} NVFP4 linears ({need / 2**30:.2f} GiB), "
-        f"{'deterministic' if deterministic else 'fast (not deterministic)'} schedule")
-    return need
+            shape = (m.out_features, m.in_features)
+            if shape in refused:
+                continue
+            try:
+                copy = humming_backend.HummingNVFP4(untile_nvfp4(m.kernel_weight))
+                if shape not in compiled:  # one compile per shape and schedule
+                    copy.compile(deterministic)
+                    compiled.add(shape)
+            except Exception as exc:  # that shape's rows fall back to our kernels
+                refused[shape] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                continue
+            m.humming = copy
+    made = [m for m in linears if m.humming is not None]
+    added = copy_bytes(made)
+    log(f"kernels: humming copies of {len(made)} NVFP4 linears ({added / 2**30:.2f} GiB), "
+        f"{'deterministic' if deterministic else 'fast (not deterministic)'} schedule"
+        + "".join(f"; [{n}, {k}] refused ({why}), our kernels serve it" for (n, k), why in refused.items()))
+    return added
 
 
 def detach_humming(model: nn.Module) -> None:
