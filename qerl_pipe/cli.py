@@ -125,7 +125,7 @@ def train(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
 
         raise typer.Exit(relaunch(nproc, _train_args(recipe, set_, model, engine, artifacts, force, verify,
                                                      build_missing)))
-    from qerl_pipe.rl.distributed import current_dist, group_lifetime
+    from qerl_pipe.rl.loop.distributed import current_dist, group_lifetime
     from qerl_pipe.stages.train import run_train
 
     store = _store(artifacts, verify)

@@ -250,7 +250,7 @@ def test_build_engine_under_torchrun_plans_one_rank_share_of_the_step(tiny_llama
     import json
 
     from qerl_pipe.artifacts import ArtifactStore
-    from qerl_pipe.rl.distributed import Dist
+    from qerl_pipe.rl.loop.distributed import Dist
     from qerl_pipe.stages import build_engine
     from tests.conftest import read_json
 

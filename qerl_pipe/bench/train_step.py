@@ -56,9 +56,9 @@ from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
 from qerl_pipe.recipe import TrainSection, load_recipe
-from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
-from qerl_pipe.rl.tasks import Problem
-from qerl_pipe.rl.trainer import Trainer
+from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
+from qerl_pipe.rl.task.tasks import Problem
+from qerl_pipe.rl.loop.trainer import Trainer
 
 GIB = 2**30
 QUANTS = ("bf16", "nf4", "nvfp4")

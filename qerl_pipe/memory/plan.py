@@ -39,7 +39,7 @@ from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.memory.step import BASE_FORMATS, StepSize, estimate_step_bytes
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
+from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
 
 GB = 10**9
 MIN_LOGPROB_CHUNK = 128

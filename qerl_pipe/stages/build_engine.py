@@ -27,7 +27,7 @@ from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.hf import pick_device
 from qerl_pipe.log import log
 from qerl_pipe.recipe import Recipe
-from qerl_pipe.rl.distributed import current_dist
+from qerl_pipe.rl.loop.distributed import current_dist
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.sources import model_config_key, resolve_model
 

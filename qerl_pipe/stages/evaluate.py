@@ -9,7 +9,7 @@ gold answer (numerically or with math-verify). The artifact (kind `eval`): `repo
 artifact when it is one.
 
 What --model and --adapter name is resolved by `eval_inputs`; the generation, grading and
-report files are `rl.eval_run`; this module keys the evaluation and seals it.
+report files are `jobs.eval_job`; this module keys the evaluation and seals it.
 
 Everything that can be wrong with the inputs (data file, adapter format, adapter shapes against
 the model's config.json, a --model that is no model) is checked before any engine is built or
@@ -30,8 +30,8 @@ from qerl_pipe.lineage import base_mismatch, engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.model.peft import check_adapter_fits
 from qerl_pipe.recipe import EvalSection, Recipe
-from qerl_pipe.rl.eval_run import EngineInfo, evaluate_engine
-from qerl_pipe.rl.tasks import Problem, load_problems
+from qerl_pipe.jobs.eval_job import EngineInfo, run_eval_job
+from qerl_pipe.rl.task.tasks import Problem, load_problems
 from qerl_pipe.userfiles import data_file_key
 
 # Version 2: an arithmetic expression no longer grades as a numeric answer (accuracies made before are not reused).
@@ -92,7 +92,7 @@ def run_eval(recipe: Recipe, store: ArtifactStore, *, model: Artifact | str | No
     def build(pending: PendingArtifact) -> None:
         engine = EngineInfo(engine_art.path, engine_art.id, engine_model_name(engine_art, store),
                             engine_art.summary.get("base_format"), engine_art.summary.get("dtype"))
-        pending.summary.update(evaluate_engine(section, engine, adapter_in.files if adapter_in else None,
+        pending.summary.update(run_eval_job(section, engine, adapter_in.files if adapter_in else None,
                                                adapter_in.artifact if adapter_in else None, problems, device,
                                                pending.dir, recipe.model.trust_remote_code))
 

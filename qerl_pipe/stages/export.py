@@ -38,7 +38,7 @@ from qerl_pipe.model.peft import (
     ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, LoraTensors, copy_adapter, lora_tensors, read_adapter,
 )
 from qerl_pipe.recipe import Recipe
-from qerl_pipe.rl.run import MODEL_DIR
+from qerl_pipe.jobs.train_job import MODEL_DIR
 
 STAGE = EXPORT
 KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}

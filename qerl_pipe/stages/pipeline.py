@@ -9,7 +9,7 @@ from qerl_pipe import dag
 from qerl_pipe.artifacts import Artifact, ArtifactStore
 from qerl_pipe.errors import QerlError
 from qerl_pipe.recipe import Recipe
-from qerl_pipe.rl.distributed import launched_by_torchrun
+from qerl_pipe.rl.loop.distributed import launched_by_torchrun
 
 
 def run_pipeline(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> dict[str, Artifact]:

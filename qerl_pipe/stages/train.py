@@ -6,11 +6,11 @@ directory that is stable for the run's id, `<store>/.runs/train-<id>/`, so that 
 started again with the same inputs resumes from its last checkpoint. When the last step is done
 it evaluates, exports the adapter, and the whole work directory becomes the artifact (hard links
 into the store's pending directory, sealed by its manifest; the work directory is removed after).
-What happens inside the work directory, and its layout, is `rl.run`; this module keys the run,
-finds its engine, plans its step to `train.memory_budget_gb` (`rl.run.plan_run`, before any
+What happens inside the work directory, and its layout, is `jobs.train_job`; this module keys the run,
+finds its engine, plans its step to `train.memory_budget_gb` (`jobs.train_job.plan_run`, before any
 work) and seals the result (plus `run.json`, which holds the plan).
 
-Under torchrun (WORLD_SIZE > 1) every rank trains (rl/distributed.py); rank 0 alone resolves the
+Under torchrun (WORLD_SIZE > 1) every rank trains (rl/loop/distributed.py); rank 0 alone resolves the
 engine, holds the store's lock, evaluates and writes the artifact, and tells the other ranks the
 run directory and the result, so they all agree on one run.
 """
@@ -34,10 +34,10 @@ from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan
 from qerl_pipe.memory.preflight import check_recipe_step
 from qerl_pipe.recipe import Recipe, TrainSection
-from qerl_pipe.rl.distributed import Dist, init_distributed
-from qerl_pipe.rl.rewards import custom_reward_digests
-from qerl_pipe.rl.run import check_train_inputs, plan_run, train_run
-from qerl_pipe.rl.tasks import Problem
+from qerl_pipe.rl.loop.distributed import Dist, init_distributed
+from qerl_pipe.rl.task.rewards import custom_reward_digests
+from qerl_pipe.jobs.train_job import check_train_inputs, plan_run, run_train_job
+from qerl_pipe.rl.task.tasks import Problem
 from qerl_pipe.userfiles import data_file_key
 
 # Version 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused).
@@ -110,7 +110,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
         (run_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
         dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
-        summary = train_run(section, engine.path, problems, eval_problems, device, run_dir,
+        summary = run_train_job(section, engine.path, problems, eval_problems, device, run_dir,
                             engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
         link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
@@ -138,6 +138,6 @@ def _follow_train(recipe: Recipe, section: TrainSection, engine: Artifact, probl
     if existing is not None:
         return load_artifact(Path(existing), verify=False)
     dist.barrier()
-    train_run(section, engine.path, problems, eval_problems, device, Path(run_dir), "",
+    run_train_job(section, engine.path, problems, eval_problems, device, Path(run_dir), "",
               recipe.model.trust_remote_code, dist, plan)
     return load_artifact(Path(dist.broadcast(None)), verify=False)

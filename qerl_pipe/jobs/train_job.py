@@ -36,13 +36,13 @@ from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.peft import ADAPTER_DIR, save_adapter
 from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.recipe import Recipe, TrainSection
-from qerl_pipe.rl.distributed import Dist
-from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
-from qerl_pipe.rl.metrics import PLOTS_DIR, greedy_line, write_plots
-from qerl_pipe.rl.prompts import fit_prompts, stop_token_ids
-from qerl_pipe.rl.rewards import CustomReward, load_custom_rewards
-from qerl_pipe.rl.tasks import Problem, load_problems
-from qerl_pipe.rl.trainer import Trainer, fit
+from qerl_pipe.rl.loop.distributed import Dist
+from qerl_pipe.rl.loop.accuracy import EvalResult, greedy_eval
+from qerl_pipe.rl.loop.metrics import PLOTS_DIR, greedy_line, write_plots
+from qerl_pipe.rl.task.prompts import fit_prompts, stop_token_ids
+from qerl_pipe.rl.task.rewards import CustomReward, load_custom_rewards
+from qerl_pipe.rl.task.tasks import Problem, load_problems
+from qerl_pipe.rl.loop.trainer import Trainer, fit
 
 # Where a full fine-tuning run keeps its trained weights, a Hugging Face model directory (a LoRA
 # run keeps its adapter in ADAPTER_DIR); export reads them there.
@@ -172,7 +172,7 @@ def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
     return line, {"trained_parameters": params, "train_state_gib": round(extra / 2**30, 3)}
 
 
-def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], eval_problems: list[Problem],
+def run_train_job(section: TrainSection, engine_dir: Path, problems: list[Problem], eval_problems: list[Problem],
               device: torch.device, run_dir: Path, base_model: str, trust_remote_code: bool,
               dist: Dist, plan: MemoryPlan) -> dict[str, Any]:
     """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary. `plan`

@@ -43,17 +43,17 @@ from qerl_pipe.log import heartbeat, log
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.full import FullTraining
 from qerl_pipe.model.lora import lora_disabled, lora_parameters
-from qerl_pipe.rl.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
-from qerl_pipe.rl.aqn import AqnSchedule, clear_noise, draw_noise
-from qerl_pipe.rl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
-from qerl_pipe.rl.data_order import DataOrder
-from qerl_pipe.rl.distributed import Dist, global_loss_norm
-from qerl_pipe.rl.logprobs import DEFAULT_CHUNK, sequence_logprobs
-from qerl_pipe.rl.losses import LossNorm, PolicyLossConfig, policy_loss
-from qerl_pipe.rl.metrics import MetricsLog, step_progress
-from qerl_pipe.rl.rewards import RewardSpec, score
-from qerl_pipe.rl.schedule import step_seed, warmup_cosine
-from qerl_pipe.rl.tasks import Problem
+from qerl_pipe.rl.algo.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
+from qerl_pipe.rl.algo.aqn import AqnSchedule, clear_noise, draw_noise
+from qerl_pipe.rl.loop.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
+from qerl_pipe.rl.loop.data_order import DataOrder
+from qerl_pipe.rl.loop.distributed import Dist, global_loss_norm
+from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK, sequence_logprobs
+from qerl_pipe.rl.algo.losses import LossNorm, PolicyLossConfig, policy_loss
+from qerl_pipe.rl.loop.metrics import MetricsLog, step_progress
+from qerl_pipe.rl.task.rewards import RewardSpec, score
+from qerl_pipe.rl.loop.schedule import step_seed, warmup_cosine
+from qerl_pipe.rl.task.tasks import Problem
 
 if TYPE_CHECKING:  # only an annotation: the trainer itself runs without pydantic (GPU benchmarks)
     from qerl_pipe.recipe import TrainSection

@@ -14,9 +14,9 @@ from typing import Any
 
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.log import heartbeat
-from qerl_pipe.rl.aqn import clear_noise
-from qerl_pipe.rl.rewards import RewardSpec, score
-from qerl_pipe.rl.tasks import Problem
+from qerl_pipe.rl.algo.aqn import clear_noise
+from qerl_pipe.rl.task.rewards import RewardSpec, score
+from qerl_pipe.rl.task.tasks import Problem
 
 
 @dataclass
