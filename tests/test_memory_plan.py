@@ -13,11 +13,13 @@ import torch
 from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.errors import RecipeError
+from qerl_pipe.jobs.step_plan import train_step_shape
 from qerl_pipe.memory.plan import (GB, MIN_LOGPROB_CHUNK, MemoryBudgetError, StepShape, candidates, enforce_budget,
-                                   plan_step, train_step_shape)
+                                   plan_step)
 from qerl_pipe.memory.step import estimate_step_bytes
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import load_recipe
+from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
 from tests.stage_cli import cli, named
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,16 +85,16 @@ def plan_config(path: Path) -> DecoderConfig:
 
 
 def test_no_budget_keeps_the_recipe_settings():
-    shape = StepShape(64, 8, 1280, 256, 32, max_kv_slots=48, max_micro_batch=4)
+    shape = StepShape(64, 8, 1280, 256, 32, max_kv_slots=48, max_micro_batch=4, max_logprob_chunk=DEFAULT_CHUNK)
     plan = plan_step(plan_config(LADDER[0]), "nvfp4", shape, None)
     assert (plan.kv_slots, plan.micro_batch, plan.logprob_chunk, plan.budget_bytes) == (48, 4, 1024, None)
     # Never more slots or a larger micro-batch than sequences.
-    small = plan_step(plan_config(LADDER[0]), "nvfp4", StepShape(6, 3, 64, 32, 8, 64, 8), None)
+    small = plan_step(plan_config(LADDER[0]), "nvfp4", StepShape(6, 3, 64, 32, 8, 64, 8, DEFAULT_CHUNK), None)
     assert (small.kv_slots, small.micro_batch) == (6, 6)
 
 
 def test_candidates_only_shrink_chunk_then_micro_batch_then_slots():
-    chain = candidates(StepShape(64, 8, 1280, 256, 32, 64, 8))
+    chain = candidates(StepShape(64, 8, 1280, 256, 32, 64, 8, DEFAULT_CHUNK))
     assert chain[0] == (64, 8, 1024) and chain[-1] == (1, 1, MIN_LOGPROB_CHUNK)
     for before, after in zip(chain, chain[1:]):
         assert all(a <= b for a, b in zip(after, before)) and after != before
@@ -105,7 +107,7 @@ def test_candidates_only_shrink_chunk_then_micro_batch_then_slots():
                                           ("qwen2.5-14b", "nf4"), ("qwen2.5-7b", "bf16")])
 def test_a_smaller_budget_never_gives_larger_settings(shape, quant):
     config = DecoderConfig.from_hf(QWEN25_SHAPES[shape])
-    step = StepShape(64, 8, 1280, 256, 32, 64, 8)
+    step = StepShape(64, 8, 1280, 256, 32, 64, 8, DEFAULT_CHUNK)
     smallest = estimate_step_bytes(config, quant, step.size(1, 1, MIN_LOGPROB_CHUNK))["total"]
     largest = estimate_step_bytes(config, quant, step.size(64, 8, 1024))["total"]
     previous = None
@@ -124,7 +126,7 @@ def test_a_smaller_budget_never_gives_larger_settings(shape, quant):
 
 def test_the_refusal_names_the_smallest_budget_that_fits():
     config = DecoderConfig.from_hf(QWEN25_SHAPES["qwen2.5-72b"])
-    step = StepShape(64, 8, 1280, 256, 32, 64, 4)
+    step = StepShape(64, 8, 1280, 256, 32, 64, 4, DEFAULT_CHUNK)
     with pytest.raises(MemoryBudgetError) as exc:
         plan_step(config, "bf16", step, 80 * GB)
     message = str(exc.value)
@@ -141,10 +143,10 @@ def test_the_refusal_names_the_smallest_budget_that_fits():
 
 def test_full_fine_tuning_and_float32_are_planned_too():
     config = DecoderConfig.from_hf(QWEN25_SHAPES["qwen2.5-7b"])
-    full = StepShape(64, 8, 1280, 256, 32, 64, 4, adapter="full")
+    full = StepShape(64, 8, 1280, 256, 32, 64, 4, DEFAULT_CHUNK, adapter="full")
     with pytest.raises(MemoryBudgetError, match="masters \\+ AdamW"):
         plan_step(config, "bf16", full, 80 * GB)  # 7.6B weights x 16 bytes of training state
-    lora = StepShape(64, 8, 1280, 256, 32, 64, 4)
+    lora = StepShape(64, 8, 1280, 256, 32, 64, 4, DEFAULT_CHUNK)
     bf16 = plan_step(config, "bf16", lora, None).estimate
     fp32 = plan_step(config, "bf16", lora, None, dtype=torch.float32).estimate
     assert fp32["kv_cache"] == 2 * bf16["kv_cache"] and fp32["weights"] > 1.9 * bf16["weights"]

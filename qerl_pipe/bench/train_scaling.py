@@ -60,6 +60,7 @@ def measure(shape: str, device: str, prompts_per_step: int, group_size: int, pro
     from qerl_pipe.model.config import DecoderConfig
     from qerl_pipe.model.load import init_random_model
     from qerl_pipe.model.lora import LoraSpec
+    from qerl_pipe.jobs.train_config import train_config
     from qerl_pipe.recipe import TrainSection
     from qerl_pipe.rl.loop.distributed import init_distributed
     from qerl_pipe.rl.task.tasks import load_problems
@@ -81,7 +82,8 @@ def measure(shape: str, device: str, prompts_per_step: int, group_size: int, pro
     problems = load_problems("arithmetic:256", seed=0)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, config["vocab_size"], (prompt_len,), generator=gen).tolist() for _ in problems]
-    trainer = Trainer(model, Engine(model, limits), _IdsAsText(), problems, prompts, section, (), dist=dist)
+    trainer = Trainer(model, Engine(model, limits), _IdsAsText(), problems, prompts, train_config(section), (),
+                      dist=dist)
     for _ in range(warmup):  # kernels, CUDA graphs, allocator
         trainer.step()
     dist.barrier()

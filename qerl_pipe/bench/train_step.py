@@ -39,7 +39,7 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budget, plan_step, release_budget
 from qerl_pipe.memory.step import StepSize
 from qerl_pipe.errors import QerlError
+from qerl_pipe.jobs.train_config import train_config as trainer_config
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
@@ -171,8 +172,8 @@ def _trainer(model: Decoder, engine: Engine, prompts: list[list[int]], cfg: Trai
              logprob_chunk: int) -> Trainer:
     problems = [Problem(f"synthetic:{i}", "", "0", "arithmetic") for i in range(len(prompts))]
     # No stop ids: every response runs to max_new_tokens.
-    return Trainer(model, engine, LetterTokenizer(), problems, prompts, cfg, stop_token_ids=(),
-                   logprob_chunk=logprob_chunk)
+    run = replace(trainer_config(cfg), logprob_chunk=logprob_chunk)  # the section's micro-batch is the plan's
+    return Trainer(model, engine, LetterTokenizer(), problems, prompts, run, stop_token_ids=())
 
 
 # ---------------------------------------------------------------------- GPU bookkeeping

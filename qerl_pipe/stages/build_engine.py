@@ -21,12 +21,14 @@ from typing import Any
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.dag import BUILD_ENGINE, check_kind, find_or_build, input_artifact
 from qerl_pipe.engine.artifact import device_kind
-from qerl_pipe.engine.build import plan_engine, write_engine
+from qerl_pipe.engine.build import EngineSpec, plan_engine, write_engine
 from qerl_pipe.errors import ModelSourceError, QerlError
 from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.hf import pick_device
+from qerl_pipe.jobs.step_plan import engine_budget
 from qerl_pipe.log import log
-from qerl_pipe.recipe import Recipe
+from qerl_pipe.memory.plan import budget_cap
+from qerl_pipe.recipe import EngineSection, Recipe
 from qerl_pipe.rl.loop.distributed import current_dist
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.sources import model_config_key, resolve_model
@@ -62,6 +64,19 @@ def _unused_quantized(artifact: Artifact, model_key: dict[str, Any], recipe: Rec
         "(quantized from it) is not used")
 
 
+def engine_spec(section: EngineSection) -> EngineSpec:
+    """The engine the section asks for, as the engine package takes it (the KV budget and the
+    device are decided here)."""
+    return EngineSpec(section.base_format, section.max_seq_len, section.max_batch, section.cuda_graphs,
+                      section.tune_kernels, section.dtype)
+
+
+def _plan(recipe: Recipe, hf_config: dict[str, Any], device, processes: int):
+    """The engine's plan and the budget that sized its KV cache; raises before any work."""
+    budget = engine_budget(recipe, hf_config, device, processes)  # refuses a train step that cannot fit
+    return plan_engine(engine_spec(recipe.engine), hf_config, device, budget.kv_bytes), budget
+
+
 def _quantized_base(artifact: Artifact) -> _Base:
     hf_config = read_model_config(artifact.path)
     return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
@@ -81,7 +96,7 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
     if section.base_format == "nvfp4":
         if quantized is None:
             # Fails before quantizing when the engine cannot be built.
-            plan_engine(section, resolve_model(recipe.model, store).config, device, recipe.train, processes)
+            _plan(recipe, resolve_model(recipe.model, store).config, device, processes)
             quantized = input_artifact(STAGE.name, "--quantized", recipe, store, build_missing=build_missing,
                                        find_only=find_only)
         _check_quantized(quantized)
@@ -96,13 +111,18 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
             raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
-    plan = plan_engine(section, base.hf_config, device, recipe.train, processes)
+    plan, budget = _plan(recipe, base.hf_config, device, processes)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
-    if plan.memory_plan is not None and recipe.train.memory_budget_gb is not None:
+    if budget.plan is not None and recipe.train.memory_budget_gb is not None:
         config["memory_budget_gb"] = recipe.train.memory_budget_gb  # sized the KV cache (engines without one keep their ids)
 
     def build(pending: PendingArtifact) -> None:
-        pending.summary.update(write_engine(base.dir, base.hf_config, plan, section, device, pending.dir))
+        memory_plan = budget.plan.to_json() if budget.plan is not None else None
+        if budget.plan is not None:
+            log(f"build-engine: KV cache from train's memory plan: {budget.plan.describe()}")
+        with budget_cap(budget.cap_bytes, device):  # the build proves the budget, as train will
+            pending.summary.update(write_engine(base.dir, base.hf_config, plan, engine_spec(section), device,
+                                                pending.dir, memory_plan))
 
     return find_or_build(STAGE, store, config=config, parents=base.parents, build=build, force=force,
                          find_only=find_only)

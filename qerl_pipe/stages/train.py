@@ -32,10 +32,11 @@ from qerl_pipe.hf import pick_device
 from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan
-from qerl_pipe.memory.preflight import check_recipe_step
+from qerl_pipe.jobs.step_plan import check_recipe_step
 from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.loop.distributed import Dist, init_distributed
 from qerl_pipe.rl.task.rewards import custom_reward_digests
+from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.jobs.train_job import check_train_inputs, plan_run, run_train_job
 from qerl_pipe.rl.task.tasks import Problem
 from qerl_pipe.userfiles import data_file_key
@@ -62,7 +63,7 @@ def run_dir_for(store: ArtifactStore, art_id: str) -> Path:
 
 def check_train_recipe(recipe: Recipe) -> None:
     """`run`'s check before its first stage: the train inputs (`check_train_inputs`) and the step
-    against train.memory_budget_gb, from the model's config.json alone (`memory.preflight`)."""
+    against train.memory_budget_gb, from the model's config.json alone (`jobs.step_plan`)."""
     check_train_inputs(recipe)
     check_recipe_step(recipe)
 
@@ -110,7 +111,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
         (run_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
         dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
-        summary = run_train_job(section, engine.path, problems, eval_problems, device, run_dir,
+        summary = run_train_job(section, train_config(section, plan), engine.path, problems, eval_problems, device, run_dir,
                             engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
         link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
@@ -138,6 +139,6 @@ def _follow_train(recipe: Recipe, section: TrainSection, engine: Artifact, probl
     if existing is not None:
         return load_artifact(Path(existing), verify=False)
     dist.barrier()
-    run_train_job(section, engine.path, problems, eval_problems, device, Path(run_dir), "",
+    run_train_job(section, train_config(section, plan), engine.path, problems, eval_problems, device, Path(run_dir), "",
               recipe.model.trust_remote_code, dist, plan)
     return load_artifact(Path(dist.broadcast(None)), verify=False)
