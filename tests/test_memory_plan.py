@@ -252,6 +252,8 @@ def test_build_engine_under_torchrun_plans_one_rank_share_of_the_step(tiny_llama
     import json
 
     from qerl_pipe.artifacts import ArtifactStore
+    from qerl_pipe.dag import BUILD_ENGINE
+    from qerl_pipe.pipeline import run_stage
     from qerl_pipe.rl.loop.distributed import Dist
     from qerl_pipe.stages import build_engine
     from tests.conftest import read_json
@@ -259,7 +261,7 @@ def test_build_engine_under_torchrun_plans_one_rank_share_of_the_step(tiny_llama
     monkeypatch.setattr(build_engine, "current_dist", lambda: Dist(0, 2))
     overrides = [a for a in ENGINE if a != "--set"] + [
         f"model.source={json.dumps(str(tiny_llama))}", "engine.base_format=bf16", "train.memory_budget_gb=2"]
-    engine = build_engine.run_build_engine(load_recipe(None, overrides), ArtifactStore(store_dir))
+    engine = run_stage(BUILD_ENGINE, load_recipe(None, overrides), ArtifactStore(store_dir))
     spec = read_json(engine.path / "engine.json")
     assert spec["memory_plan"]["step"]["sequences"] == 4 and spec["limits"]["max_batch"] == 4
 

@@ -4,7 +4,7 @@ sections to the step planner (`memory.plan`), which takes plain numbers.
 - `train_step_shape`: what the train section asks of each rank's step;
 - `plan_train`: the step over a built engine, the plan train runs with;
 - `engine_budget`: the KV cache build-engine sizes (engine.kv_budget_gib, else train's planned step);
-- `check_recipe_step`: `run`'s check before its first stage, from the model's config.json alone, so
+- `plan_recipe_step`: `run`'s check before its first stage, from the model's config.json alone, so
   a step that cannot fit is refused before a quantize or a download of the weights.
 """
 
@@ -24,7 +24,6 @@ from qerl_pipe.memory.plan import MemoryPlan, StepShape, plan_step, step_budget
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import EngineSection, Recipe, TrainSection
 from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
-from qerl_pipe.sources import peek_model_config
 
 # Without engine.kv_budget_gib the KV cache is what the step planner gives train's step under
 # train.memory_budget_gb (on CUDA, by default, the memory free at start); on a CPU without a
@@ -102,13 +101,10 @@ def engine_budget(recipe: Recipe, hf_config: dict[str, Any], device: torch.devic
     return EngineBudget(plan.estimate["kv_cache"], plan, plan.budget_bytes if enforce else None)
 
 
-def check_recipe_step(recipe: Recipe) -> MemoryPlan | None:
-    """The plan of the recipe's train step (raises MemoryBudgetError when none fits); None when
-    there is no budget to check (a CPU without train.memory_budget_gb) or the model's config.json
-    cannot be read without work (a GGUF file to import): build-engine and train check it then."""
-    hf_config = peek_model_config(recipe.model)
-    if hf_config is None:
-        return None
+def plan_recipe_step(recipe: Recipe, hf_config: dict[str, Any]) -> MemoryPlan | None:
+    """The plan of the recipe's train step over the engine it builds from a model with `hf_config`
+    (raises MemoryBudgetError when none fits); None when there is no budget to check (a CPU
+    without train.memory_budget_gb)."""
     device = pick_device(recipe.train.device)
     dtype = compute_dtype(recipe.engine.dtype, device, count_parameters(hf_config))
     return plan_engine_step(recipe.train, recipe.engine, DecoderConfig.from_hf(hf_config), device, dtype)[0]

@@ -18,20 +18,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
-from qerl_pipe.dag import BUILD_ENGINE, check_kind, find_or_build, input_artifact
+import torch
+
+from qerl_pipe.artifacts import Artifact, PendingArtifact
+from qerl_pipe.dag import BUILD_ENGINE, register
 from qerl_pipe.engine.artifact import device_kind
-from qerl_pipe.engine.build import EngineSpec, plan_engine, write_engine
+from qerl_pipe.engine.build import EnginePlan, EngineSpec, plan_engine, write_engine
 from qerl_pipe.errors import ModelSourceError, QerlError
 from qerl_pipe.formats.checkpoint import detect_quant_format
+from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.hf import pick_device
-from qerl_pipe.jobs.step_plan import engine_budget
+from qerl_pipe.jobs.step_plan import EngineBudget, engine_budget
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import budget_cap
 from qerl_pipe.recipe import EngineSection, Recipe
 from qerl_pipe.rl.loop.distributed import current_dist
-from qerl_pipe.formats.hf_config import read_model_config
-from qerl_pipe.sources import model_config_key, resolve_model
+from qerl_pipe.runner import StageCall
+from qerl_pipe.sources import model_config_key, peek_model_config
 
 STAGE = BUILD_ENGINE
 
@@ -46,16 +49,11 @@ class _Base:
     parents: list[str]
 
 
-def _check_quantized(artifact: Artifact) -> None:
-    check_kind(artifact, "quantize", "--quantized")
-
-
 def _unused_quantized(artifact: Artifact, model_key: dict[str, Any], recipe: Recipe, base_format: str) -> None:
     """An nf4 or bf16 engine reads the original model, not a quantize artifact. A chain of stage
     commands (the Makefile, the Airflow DAG) hands build-engine the quantize artifact whatever the
     base, so one quantized from this very model is accepted and left unused; one of another model
     is refused, as the two inputs then disagree about the base."""
-    _check_quantized(artifact)
     if artifact.manifest["config"].get("model") != model_key:
         raise QerlError(f"{artifact.path} was quantized from another model than model.source "
                         f"({recipe.model.source}); an engine.base_format={base_format} engine reads model.source "
@@ -71,7 +69,8 @@ def engine_spec(section: EngineSection) -> EngineSpec:
                       section.tune_kernels, section.dtype)
 
 
-def _plan(recipe: Recipe, hf_config: dict[str, Any], device, processes: int):
+def _plan(recipe: Recipe, hf_config: dict[str, Any], device: torch.device,
+          processes: int) -> tuple[EnginePlan, EngineBudget]:
     """The engine's plan and the budget that sized its KV cache; raises before any work."""
     budget = engine_budget(recipe, hf_config, device, processes)  # refuses a train step that cannot fit
     return plan_engine(engine_spec(recipe.engine), hf_config, device, budget.kv_bytes), budget
@@ -82,28 +81,28 @@ def _quantized_base(artifact: Artifact) -> _Base:
     return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
 
 
-def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifact | None = None,
-                     force: bool = False, build_missing: bool = False, find_only: bool = False) -> Artifact:
+@register(STAGE)
+def run_build_engine(call: StageCall) -> Artifact:
     """Build (or reuse) the engine the recipe's `engine` section describes.
 
-    nvfp4 builds from `quantized`, or from the quantize artifact the recipe describes (found; made
-    only with `build_missing`); nf4 and bf16 build from `recipe.model`. `force` redoes this stage only.
+    nvfp4 builds from the quantize artifact passed, or the one the recipe describes (found; made
+    only with `build_missing`); nf4 and bf16 build from the recipe's model. `force` redoes this
+    stage only.
     """
+    recipe = call.recipe
     section = recipe.engine
     device = pick_device(section.device)
     # Under `train --nproc N` (rank 0 building a missing engine) each rank runs 1/N of the step.
     processes = current_dist().world_size
     if section.base_format == "nvfp4":
-        if quantized is None:
-            # Fails before quantizing when the engine cannot be built.
-            _plan(recipe, resolve_model(recipe.model, store).config, device, processes)
-            quantized = input_artifact(STAGE.name, "--quantized", recipe, store, build_missing=build_missing,
-                                       find_only=find_only)
-        _check_quantized(quantized)
-        base = _quantized_base(quantized)
+        early_config = peek_model_config(recipe.model) if call.passed("quantized") is None else None
+        if early_config is not None:  # an engine that cannot be built fails before calibrate and quantize
+            _plan(recipe, early_config, device, processes)
+        base = _quantized_base(call.input("quantized"))
     else:
-        resolved = resolve_model(recipe.model, store)
+        resolved = call.model()
         model_key = model_config_key(resolved, recipe.model)
+        quantized = call.input("quantized")  # not used by this base: only the one passed, if any
         if quantized is not None:
             _unused_quantized(quantized, model_key, recipe, section.base_format)
         quant = detect_quant_format(resolved.config)
@@ -124,5 +123,4 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
             pending.summary.update(write_engine(base.dir, base.hf_config, plan, engine_spec(section), device,
                                                 pending.dir, memory_plan))
 
-    return find_or_build(STAGE, store, config=config, parents=base.parents, build=build, force=force,
-                         find_only=find_only)
+    return call.seal(config=config, parents=base.parents, build=build)
