@@ -1,9 +1,9 @@
 """A step's rollouts cut over the data-parallel ranks: the bookkeeping that keeps every rank's view
 of a step the one a single process would have.
 
-Each rank samples its contiguous share of a draw's prompts (`Dist.share`). `DrawPart` is what a
-rank tells the others about its share; `WholeDraw.gather` joins every rank's part into the whole
-draw, in prompt order. `KeptGroups` holds the groups dynamic sampling keeps across draws in
+Each rank samples its contiguous share of a draw's prompts (`Dist.share`); its `Draw` is what it
+tells the others about that share, and `Draw.gather` joins every rank's into the whole draw, in
+prompt order. `KeptGroups` holds the groups dynamic sampling keeps across draws in
 whole-batch order: every rank makes the same keep/stop decisions (from the whole draw's rewards),
 holds the groups of its own prompts and a gap for the others', and gets its groups' advantages
 computed over the whole batch. With one process all of it is the plain single-process path.
@@ -25,36 +25,24 @@ G = TypeVar("G")
 
 
 @dataclass
-class DrawPart:
-    """One rank's share of one rollout draw: what the other ranks need to see (small, picklable)."""
+class Draw:
+    """The figures of one rollout draw's P prompts x G samples, in prompt order: one rank's share
+    (small and picklable, what the other ranks need to see) or, gathered, the whole draw."""
 
-    rewards: Tensor  # [P * G], its prompts in order
+    rewards: Tensor  # [P * G]
     correct: list[bool]
     lengths: list[int]
     finish_reasons: list[str]
     tokens: int
-    seconds: float
+    seconds: float  # gathered: the slowest rank's, which sets the pace
     sample: tuple[str, str]  # (question, completion) of its first rollout: kept in metrics.jsonl
 
-
-@dataclass
-class WholeDraw:
-    """One draw as every rank sees it: all rollouts' figures in prompt order, the slowest rank's time."""
-
-    rewards: Tensor  # [B * G]
-    correct: list[bool]
-    lengths: list[int]
-    finish_reasons: list[str]
-    tokens: int
-    seconds: float
-    sample: tuple[str, str]  # rank 0's first rollout: the draw's first
-
-    @classmethod
-    def gather(cls, part: DrawPart, dist: Dist) -> "WholeDraw":
-        parts = dist.all_gather(part)
-        return cls(torch.cat([p.rewards for p in parts]), [c for p in parts for c in p.correct],
-                   [n for p in parts for n in p.lengths], [f for p in parts for f in p.finish_reasons],
-                   sum(p.tokens for p in parts), max(p.seconds for p in parts), parts[0].sample)
+    def gather(self, dist: Dist) -> "Draw":
+        """The whole draw from every rank's share (this one included)."""
+        parts = dist.all_gather(self)
+        return Draw(torch.cat([p.rewards for p in parts]), [c for p in parts for c in p.correct],
+                    [n for p in parts for n in p.lengths], [f for p in parts for f in p.finish_reasons],
+                    sum(p.tokens for p in parts), max(p.seconds for p in parts), parts[0].sample)
 
 
 class KeptGroups(Generic[G]):

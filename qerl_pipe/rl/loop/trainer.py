@@ -57,7 +57,7 @@ from qerl_pipe.rl.algo.losses import LossNorm, policy_loss
 from qerl_pipe.rl.loop.config import TrainConfig
 from qerl_pipe.rl.loop.metrics import MetricsLog, step_progress
 from qerl_pipe.rl.loop.schedule import step_seed, warmup_cosine
-from qerl_pipe.rl.loop.shares import DrawPart, KeptGroups, WholeDraw
+from qerl_pipe.rl.loop.shares import Draw, KeptGroups
 from qerl_pipe.rl.task.rewards import score
 from qerl_pipe.rl.task.tasks import Problem
 
@@ -211,7 +211,7 @@ class Trainer:
         """
         cfg, g = self.cfg, self.cfg.group_size
         kept: KeptGroups[Group] = KeptGroups(self.share, g, cfg.prompts_per_step)
-        draws: list[WholeDraw] = []
+        draws: list[Draw] = []
         for draw in range(cfg.max_draws if cfg.dynamic_sampling else 1):
             mine, out, whole = self._draw(step, draw)
             draws.append(whole)
@@ -252,7 +252,7 @@ class Trainer:
         rows = slice(i * self.cfg.group_size, (i + 1) * self.cfg.group_size)
         return Group(self.prompts[problem], out.tokens[rows], out.logprobs[rows], out.finish_reasons[rows], rewards)
 
-    def _draw(self, step: int, draw: int) -> tuple[list[int], Rollouts, WholeDraw]:
+    def _draw(self, step: int, draw: int) -> tuple[list[int], Rollouts, Draw]:
         """Sample and score this rank's share of one draw of B prompts; returns its problem
         indices, its rollouts, and the whole draw (every rank's share, gathered)."""
         cfg, g = self.cfg, self.cfg.group_size
@@ -273,9 +273,9 @@ class Trainer:
         rewards = torch.tensor(scored.rewards, dtype=torch.float32)
         if cfg.overlong_penalty:
             rewards += soft_overlong_penalty(torch.tensor(out.lengths), cfg.max_new_tokens, cfg.overlong_buffer)
-        part = DrawPart(rewards, scored.correct, out.lengths, out.finish_reasons, out.generated_tokens, seconds,
-                        (self.problems[mine[0]].question, texts[0]))
-        return mine, out, WholeDraw.gather(part, self.dist)
+        drawn = Draw(rewards, scored.correct, out.lengths, out.finish_reasons, out.generated_tokens, seconds,
+                     (self.problems[mine[0]].question, texts[0]))
+        return mine, out, drawn.gather(self.dist)
 
     def _logprobs(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         return sequence_logprobs(self.model, batch.input_ids, batch.attention_mask, batch.response_mask,
