@@ -244,6 +244,10 @@ def test_a_budget_that_fits_is_planned_and_stored(tiny_llama, store_dir):
     assert plan["estimate_bytes"]["total"] <= 2e9 and plan["dtype"] == "float32"
     assert read_json(run / "run.json")["memory_plan"] == plan
     assert "train: memory plan: 8 sequences of 64 tokens in 1 wave(s) of 8 KV slots, micro-batch 4" in result.stderr
+    # The plan fits as the recipe asks: the log and the report say it changed nothing.
+    assert "train: memory plan: the recipe's settings, unchanged" in result.stderr
+    assert read_json(run / "report.json")["memory_plan_changes"] == "the recipe's settings, unchanged"
+    assert "Memory plan: 8 sequences of 64 tokens" in (run / "report.md").read_text()
 
 
 def test_build_engine_under_torchrun_plans_one_rank_share_of_the_step(tiny_llama, store_dir, monkeypatch):
@@ -284,3 +288,22 @@ def test_a_budget_above_the_gpu_is_refused_and_free_memory_counts_the_cache(monk
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 9 * 10**9)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 2 * 10**9)
     assert plan_mod.step_budget(None, gpu) == (12 * 10**9, "free GPU memory", False)
+
+
+def test_the_trainer_runs_the_plans_settings_and_the_run_says_what_the_plan_changed():
+    import dataclasses
+
+    from qerl_pipe.jobs.train_config import plan_changes, train_config
+
+    path = ROOT / "recipes" / "ladder" / "qwen2.5-7b-nvfp4-16gb.yaml"  # micro-batch 8 -> 2, chunk 1024 -> 128
+    recipe, plan = load_recipe(path), _recipe_plan(path)
+    cfg = train_config(recipe.train, plan)
+    assert (cfg.micro_batch, cfg.logprob_chunk) == (plan.micro_batch, plan.logprob_chunk) == (2, 128)
+    assert train_config(recipe.train).micro_batch == recipe.train.micro_batch_size == 8  # no plan: the recipe's
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.micro_batch = 8  # type: ignore[misc]
+    assert [(c.setting, c.asked, c.planned) for c in plan.changes()] == [("micro_batch", 8, 2),
+                                                                         ("logprob_chunk", 1024, 128)]
+    assert plan_changes(plan) == ("train.micro_batch_size 8 -> 2, LM-head chunk 1024 -> 128, to fit "
+                                  "train.memory_budget_gb = 16.0 GB (estimated peak 15.2 GB)")
+    assert plan_changes(_recipe_plan(path, budget_gb=200)) == "the recipe's settings, unchanged"

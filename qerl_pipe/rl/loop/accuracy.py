@@ -1,6 +1,6 @@
 """Accuracy of the current policy (adapter as it is, no AQN noise) through the engine.
 
-`generate_and_grade` is shared by the train stage (greedy before/after) and the eval stage
+`generate_and_grade` is shared by the train job (greedy before/after) and the eval job
 (greedy, or average pass@1 over k samples). Grading is `rewards.score`: the whole extracted answer
 against the whole gold answer, numerically or with math-verify.
 """
