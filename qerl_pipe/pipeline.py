@@ -13,7 +13,7 @@ from typing import Any
 
 import qerl_pipe.stages  # noqa: F401  (registers each stage's entry point with the DAG)
 from qerl_pipe.artifacts import Artifact, ArtifactStore
-from qerl_pipe.dag import Input, Stage, check_recipe, entry_point, stage
+from qerl_pipe.dag import EVAL, EXPORT, TRAIN, Input, Stage, check_recipe, entry_point, stage
 from qerl_pipe.errors import QerlError
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.rl.loop.distributed import launched_by_torchrun
@@ -62,10 +62,11 @@ def run_recipe(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> 
 def _check_full_run_stages(recipe: Recipe) -> None:
     """A full fine-tuning run has no adapter: refuse, before the first stage, the export and eval
     settings that need one (so the error comes before training, not after)."""
-    if "export" in recipe.stages and recipe.export.format == "peft":
+    listed = set(recipe.stages)
+    if EXPORT.name in listed and recipe.export.format == "peft":
         raise QerlError("export.format=peft with train.adapter=full: a full run has no adapter; set "
                         "export.format=merged-bf16 (the whole trained model) or merged-nvfp4")
-    exported = "export" in recipe.stages and recipe.export.format == "merged-bf16"
-    if "eval" in recipe.stages and "train" in recipe.stages and not exported:
+    exported = EXPORT.name in listed and recipe.export.format == "merged-bf16"
+    if {EVAL.name, TRAIN.name} <= listed and not exported:
         raise QerlError("eval after train.adapter=full evaluates the run's merged-bf16 export: add export to stages "
                         "with export.format=merged-bf16, or drop eval from stages")

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from qerl_pipe.engine import Engine, plan_limits
+from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.model.load import init_random_model, load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled, lora_parameters
 from qerl_pipe.model.norm import RMSNorm
-from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.recipe import TrainSection
 from qerl_pipe.rl.algo.aqn import noisy_norms
 from qerl_pipe.rl.algo.logprobs import sequence_logprobs
-from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 from qerl_pipe.rl.loop.trainer import Group, Trainer, build_batch
+from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,

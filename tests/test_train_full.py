@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from qerl_pipe.engine import Engine, plan_limits
-from qerl_pipe.model.save import hf_tensors
+from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.model.full import FullTraining, full_training_bytes, make_fully_trainable
 from qerl_pipe.model.load import init_random_model, load_model
 from qerl_pipe.model.lora import LoraSpec
-from qerl_pipe.jobs.train_config import train_config
+from qerl_pipe.model.save import hf_tensors
 from qerl_pipe.recipe import TrainSection
 from qerl_pipe.rl.algo.logprobs import sequence_logprobs
-from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 from qerl_pipe.rl.loop.trainer import Trainer
+from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 from tests.conftest import make_tiny_model
 from tests.test_rl_trainer import CONFIG, rollout_batch, trainer_sampling
 

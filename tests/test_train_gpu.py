@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
+from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled
-from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.recipe import TrainSection
-from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 from qerl_pipe.rl.loop.trainer import Trainer
+from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 from tests.test_rl_trainer import rollout_batch
 
 pytestmark = pytest.mark.gpu

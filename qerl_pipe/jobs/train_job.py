@@ -29,9 +29,9 @@ from qerl_pipe.engine.artifact import load_engine
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer
-from qerl_pipe.log import log
 from qerl_pipe.jobs.step_plan import plan_train
 from qerl_pipe.jobs.train_config import plan_changes
+from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan, enforce_budget
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.full import full_training_bytes
@@ -39,14 +39,14 @@ from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.peft import ADAPTER_DIR, save_adapter
 from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.recipe import Recipe, TrainSection
-from qerl_pipe.rl.loop.distributed import Dist
 from qerl_pipe.rl.loop.accuracy import EvalResult, greedy_eval
+from qerl_pipe.rl.loop.config import TrainConfig
+from qerl_pipe.rl.loop.distributed import Dist
 from qerl_pipe.rl.loop.metrics import PLOTS_DIR, greedy_line, write_plots
+from qerl_pipe.rl.loop.trainer import Trainer, fit
 from qerl_pipe.rl.task.prompts import fit_prompts, stop_token_ids
 from qerl_pipe.rl.task.rewards import CustomReward, load_custom_rewards
 from qerl_pipe.rl.task.tasks import Problem, load_problems
-from qerl_pipe.rl.loop.config import TrainConfig
-from qerl_pipe.rl.loop.trainer import Trainer, fit
 
 # Where a full fine-tuning run keeps its trained weights, a Hugging Face model directory (a LoRA
 # run keeps its adapter in ADAPTER_DIR); export reads them there.

@@ -19,13 +19,13 @@ from qerl_pipe.dag import CALIBRATE, register
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.calibration import CHANNELS_FILE, STATS_FILE
 from qerl_pipe.formats.checkpoint import save_safetensors
+from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
 from qerl_pipe.log import log, progress
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
 from qerl_pipe.runner import StageCall
 from qerl_pipe.sources import model_config_key
-from qerl_pipe.userfiles import data_file_key
 from qerl_pipe.textdata import load_texts, pack_sequences
+from qerl_pipe.userfiles import data_file_key
 
 STAGE = CALIBRATE
 

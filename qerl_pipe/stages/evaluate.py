@@ -25,11 +25,11 @@ from qerl_pipe.dag import EVAL, TRAIN, register
 from qerl_pipe.engine.artifact import check_engine_for
 from qerl_pipe.eval_inputs import build_target_engine, open_adapter, resolve_model_target
 from qerl_pipe.hf import pick_device
+from qerl_pipe.jobs.eval_job import EngineInfo, run_eval_job
 from qerl_pipe.lineage import base_mismatch, engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.model.peft import check_adapter_fits
 from qerl_pipe.recipe import EvalSection, Recipe
-from qerl_pipe.jobs.eval_job import EngineInfo, run_eval_job
 from qerl_pipe.rl.task.tasks import Problem, load_problems
 from qerl_pipe.runner import StageCall
 from qerl_pipe.userfiles import data_file_key

@@ -49,12 +49,12 @@ from qerl_pipe.model.full import FullTraining
 from qerl_pipe.model.lora import lora_disabled, lora_parameters
 from qerl_pipe.rl.algo.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
 from qerl_pipe.rl.algo.aqn import clear_noise, draw_noise
-from qerl_pipe.rl.loop.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
-from qerl_pipe.rl.loop.data_order import DataOrder
-from qerl_pipe.rl.loop.distributed import Dist, global_loss_norm
 from qerl_pipe.rl.algo.logprobs import sequence_logprobs
 from qerl_pipe.rl.algo.losses import LossNorm, policy_loss
+from qerl_pipe.rl.loop.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
 from qerl_pipe.rl.loop.config import TrainConfig
+from qerl_pipe.rl.loop.data_order import DataOrder
+from qerl_pipe.rl.loop.distributed import Dist, global_loss_norm
 from qerl_pipe.rl.loop.metrics import MetricsLog, step_progress
 from qerl_pipe.rl.loop.schedule import step_seed, warmup_cosine
 from qerl_pipe.rl.loop.shares import Draw, KeptGroups
