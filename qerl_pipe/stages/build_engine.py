@@ -3,8 +3,8 @@
 Everything that can be done once per (model, GPU) is done here and stored, so that train and
 eval start in seconds: the base is converted to the kernels' layout (`engine.weights`), the
 KV-cache limits are planned from a memory budget on the target device (`engine.limits`: the KV
-bytes the step planner, `memory.plan`, gives train's step under `train.memory_budget_gb`), and on
-CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`). Tuning is
+bytes the step planner gives train's step under `train.memory_budget_gb`, `jobs.step_plan`), and
+on CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`). Tuning is
 per GPU, so the GPU's name is part of the artifact's identity.
 
 The base comes from the quantize artifact (nvfp4) or from the original model (nf4, the QLoRA
