@@ -1,20 +1,25 @@
-"""The `qerl-pipe` command line: thin over `stages/`.
+"""The `qerl-pipe` command line: thin over the pipeline (`pipeline.py`).
 
-Stage commands print the artifact directory as the last line of stdout (logs and progress go to
-stderr), so a Makefile or a shell can chain them. A user-facing error prints one line and exits 1.
+The stage commands are generated from the DAG (`dag.STAGES`: each stage's name, help and inputs,
+with `EXTRAS` for the few options a stage adds). They print the artifact directory as the last
+line of stdout (logs and progress go to stderr), so a Makefile or a shell can chain them. A
+user-facing error prints one line and exits 1.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Callable, Optional, TypeVar
+from typing import Annotated, Any, Callable, Optional, TypeVar
 
 import typer
 
 from qerl_pipe.bench.cli import bench_app
+from qerl_pipe.dag import EVAL, EXPORT, QUANTIZE, STAGES, TRAIN, Stage
 from qerl_pipe.errors import QerlError
 
 app = typer.Typer(
@@ -67,125 +72,124 @@ def _recipe(recipe: Path | None, overrides: list[str] | None, model: str | None 
     return load_recipe(recipe, overrides)
 
 
-def _run_stage(name: str, recipe, store, refs: dict[str, str | None], **options) -> None:
-    """Run stage `name` through its entry point in the DAG, each input given on the command line
-    (`refs`: keyword -> path or id) resolved in the store, and print the artifact's path."""
-    from qerl_pipe.dag import stage
-
-    inputs = {keyword: store.resolve(ref) for keyword, ref in refs.items() if ref}
-    print(stage(name).entry_point()(recipe, store, **inputs, **options).path)
-
-
 def _store(artifacts: Path | None, verify: bool = False):
     from qerl_pipe.artifacts import ArtifactStore
 
     return ArtifactStore(artifacts, full_verify=verify)
 
 
-@app.command()
-@_user_errors
-def calibrate(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-              artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False) -> None:
-    """Record activation amax and weight statistics of the unquantized model."""
-    _run_stage("calibrate", _recipe(recipe, set_, model), _store(artifacts, verify), {}, force=force)
+# --- the stage commands, generated from the DAG ---------------------------------------------------
 
 
-@app.command()
-@_user_errors
-def quantize(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-             calibration: Annotated[Optional[str], typer.Option(help="Calibration artifact (path or id): gives NVFP4 with input scales; without it, W4A16_NVFP4.")] = None,
-             output: Annotated[Optional[Path], typer.Option(help="Also copy the checkpoint to this new directory.")] = None,
-             artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False) -> None:
-    """Quantize a model to an NVFP4 checkpoint (modelopt unified HF layout)."""
-    _run_stage("quantize", _recipe(recipe, set_, model), _store(artifacts, verify), {"calibration": calibration},
-               output=output, force=force)
+@dataclass(frozen=True)
+class Extra:
+    """A stage command's option beyond the shared ones and its declared inputs: a recipe override
+    (`sets`: the key it sets when given) or, without one, a keyword of the stage's entry point."""
+
+    name: str
+    annotation: Any
+    default: Any = None
+    sets: str | None = None
 
 
-@app.command("build-engine")
-@_user_errors
-def build_engine(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-                 quantized: Annotated[Optional[str], typer.Option(help="Quantize artifact (path or id) to build an nvfp4 engine from; without it, the recipe's (found in the store; made with --build-missing).")] = None,
-                 artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
-                 build_missing: BuildMissingOpt = False) -> None:
-    """Store the model as the kernels run it, with KV-cache limits and (on CUDA) tuned kernels."""
-    _run_stage("build-engine", _recipe(recipe, set_, model), _store(artifacts, verify), {"quantized": quantized},
-               force=force, build_missing=build_missing)
+# Each stage command's own options; everything else about the commands comes from dag.STAGES.
+EXTRAS: dict[Stage, tuple[Extra, ...]] = {
+    QUANTIZE: (Extra("output", Annotated[Optional[Path], typer.Option(
+        help="Also copy the checkpoint to this new directory.")]),),
+    TRAIN: (Extra("nproc", Annotated[int, typer.Option(
+        "--nproc", min=1, help="Data-parallel processes (one per GPU), started through torchrun.")], 1),),
+    EXPORT: (Extra("format_", Annotated[Optional[str], typer.Option(
+        "--format", help="peft, merged-bf16 or merged-nvfp4 (sets export.format; default peft).")],
+        sets="export.format"),),
+    EVAL: (
+        Extra("data", Annotated[Optional[str], typer.Option(
+            help="Problems (sets eval.data): gsm8k:test, math500:test, arithmetic[:N], addition:test or FILE.jsonl.")],
+            sets="eval.data"),
+        Extra("k", Annotated[Optional[int], typer.Option(
+            "--k", help="Samples per problem (sets eval.k); pass@1 is averaged over them.")], sets="eval.k"),
+        Extra("greedy", Annotated[bool, typer.Option(
+            "--greedy", help="Greedy decoding, one sample (sets eval.greedy).")], False, sets="eval.greedy"),
+        Extra("limit", Annotated[Optional[int], typer.Option(
+            help="Evaluate the first N problems (sets eval.limit).")], sets="eval.limit"),
+    ),
+}
+SHARED_FIRST = (Extra("recipe", RecipeOpt), Extra("set_", SetOpt))
+SHARED_LAST = (Extra("artifacts", ArtifactsOpt), Extra("force", ForceOpt, False), Extra("verify", VerifyOpt, False))
+NPROC = "nproc"
 
 
-@app.command()
-@_user_errors
-def train(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-          engine: Annotated[Optional[str], typer.Option(help="Engine artifact (path or id) to train over; without it, the recipe's (found in the store; built with --build-missing).")] = None,
-          artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
-          build_missing: BuildMissingOpt = False,
-          nproc: Annotated[int, typer.Option("--nproc", min=1, help="Data-parallel processes (one per GPU), started through torchrun.")] = 1) -> None:
-    """GRPO/DAPO of a LoRA adapter over the engine's frozen base, with AQN; resumes an interrupted run."""
-    if nproc > 1:
+def _options(stage: Stage) -> tuple[Extra, ...]:
+    """The command's options, in --help order: recipe and overrides, the model source (unless an
+    input takes --model), the declared inputs, the stage's own, the store and the mode."""
+    takes_model = any(inp.option == "--model" for inp in stage.inputs)
+    inputs = tuple(Extra(inp.keyword, Annotated[Optional[str], typer.Option(
+        inp.option, *(("-m",) if inp.option == "--model" else ()), help=inp.help)]) for inp in stage.inputs)
+    looks_up = any(not inp.optional for inp in stage.inputs)  # an input it may find, or build when asked
+    return (*SHARED_FIRST, *(() if takes_model else (Extra("model", ModelOpt),)), *inputs,
+            *EXTRAS.get(stage, ()), *SHARED_LAST, *((Extra("build_missing", BuildMissingOpt, False),)
+                                                         if looks_up else ()))
+
+
+def _flag(extra: Extra) -> str:
+    """The option's long flag: the one its typer.Option names, else the one typer derives from the name."""
+    info = extra.annotation.__metadata__[0]
+    named = [d for d in (info.default, *(info.param_decls or ())) if isinstance(d, str) and d.startswith("--")]
+    return named[0] if named else "--" + extra.name.rstrip("_").replace("_", "-")
+
+
+def _argv(stage: Stage, options: tuple[Extra, ...], values: dict[str, Any]) -> list[str]:
+    """The command line that gives `values`, without --nproc: what each torchrun worker runs."""
+    args = [stage.name]
+    for extra in options:
+        value = values[extra.name]
+        if extra.name == NPROC or value is None or value is False:
+            continue
+        items = value if isinstance(value, list) else [value]
+        args += [_flag(extra)] if value is True else [w for item in items for w in (_flag(extra), str(item))]
+    return args
+
+
+def _run_command(stage: Stage, options: tuple[Extra, ...], values: dict[str, Any]) -> None:
+    from qerl_pipe.pipeline import run_stage
+    from qerl_pipe.rl.loop.distributed import current_dist, group_lifetime
+
+    if values.get(NPROC, 1) > 1:
         from qerl_pipe.launch import relaunch
 
-        raise typer.Exit(relaunch(nproc, _train_args(recipe, set_, model, engine, artifacts, force, verify,
-                                                     build_missing)))
-    from qerl_pipe.rl.distributed import current_dist, group_lifetime
-    from qerl_pipe.stages.train import run_train
-
-    store = _store(artifacts, verify)
-    parsed = _recipe(recipe, set_, model)
-    parent = store.resolve(engine) if engine else None
+        raise typer.Exit(relaunch(values[NPROC], _argv(stage, options, values)))
+    if values.get("greedy") and values.get("k") is None:  # eval's --greedy
+        values["k"] = 1  # greedy gives one response per problem, whatever k the recipe samples
+    overrides = list(values["set_"] or [])
+    overrides += [f"{e.sets}={json.dumps(values[e.name])}" for e in options
+                  if e.sets is not None and values[e.name] not in (None, False)]
+    recipe = _recipe(values["recipe"], overrides, values.get("model"))
+    given = {inp.keyword: values[inp.keyword] for inp in stage.inputs}
+    entry_options = {e.name: values[e.name] for e in EXTRAS.get(stage, ()) if e.sets is None and e.name != NPROC}
     with group_lifetime():
-        artifact = run_train(parsed, store, engine=parent, force=force, build_missing=build_missing)
+        artifact = run_stage(stage, recipe, _store(values["artifacts"], values["verify"]), force=values["force"],
+                             build_missing=values.get("build_missing", False), **given, **entry_options)
         if current_dist().is_main:  # one artifact line on stdout, however many ranks
             print(artifact.path)
 
 
-def _train_args(recipe: Path | None, set_: list[str] | None, model: str | None, engine: str | None,
-                artifacts: Path | None, force: bool, verify: bool = False, build_missing: bool = False) -> list[str]:
-    """`train`'s arguments without --nproc: what each torchrun worker is started with."""
-    args = ["train"]
-    for flag, value in (("--recipe", recipe), ("--model", model), ("--engine", engine), ("--artifacts", artifacts)):
-        if value is not None:
-            args += [flag, str(value)]
-    for item in set_ or []:
-        args += ["--set", item]
-    flags = (("--force", force), ("--verify", verify), ("--build-missing", build_missing))
-    return args + [flag for flag, on in flags if on]
+def _stage_command(stage: Stage) -> Callable[..., None]:
+    """`qerl-pipe <stage>`: a function whose signature typer reads as the command's options."""
+    options = _options(stage)
+
+    def command(**values: Any) -> None:
+        _run_command(stage, options, values)
+
+    params = [inspect.Parameter(e.name, inspect.Parameter.KEYWORD_ONLY, default=e.default, annotation=e.annotation)
+              for e in options]
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {e.name: e.annotation for e in options}
+    command.__name__ = command.__qualname__ = stage.name.replace("-", "_")
+    command.__doc__ = stage.help
+    return command
 
 
-@app.command()
-@_user_errors
-def export(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-           run: Annotated[Optional[str], typer.Option("--run", help="Run artifact (path or id) to export; without it, the recipe's (found in the store; trained with --build-missing).")] = None,
-           format_: Annotated[Optional[str], typer.Option("--format", help="peft, merged-bf16 or merged-nvfp4 (sets export.format; default peft).")] = None,
-           artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
-           build_missing: BuildMissingOpt = False) -> None:
-    """Export a run's LoRA adapter: a PEFT adapter, or merged into the base as a bf16 or NVFP4 model."""
-    overrides = list(set_ or []) + ([f"export.format={json.dumps(format_)}"] if format_ is not None else [])
-    _run_stage("export", _recipe(recipe, overrides, model), _store(artifacts, verify), {"run": run}, force=force,
-               build_missing=build_missing)
-
-
-@app.command("eval")
-@_user_errors
-def eval_(recipe: RecipeOpt = None, set_: SetOpt = None,
-          model: Annotated[Optional[str], typer.Option("--model", "-m", help="Engine artifact (path or id); or a quantize artifact or model source, whose engine the recipe describes (found in the store; built with --build-missing). Default: the recipe's engine.")] = None,
-          adapter: Annotated[Optional[str], typer.Option(help="LoRA adapter to apply: a train run (path or id), or a directory with adapter_model.safetensors + adapter_config.json. Default: none (the base model).")] = None,
-          data: Annotated[Optional[str], typer.Option(help="Problems (sets eval.data): gsm8k:test, math500:test, arithmetic[:N], addition:test or FILE.jsonl.")] = None,
-          k: Annotated[Optional[int], typer.Option("--k", help="Samples per problem (sets eval.k); pass@1 is averaged over them.")] = None,
-          greedy: Annotated[bool, typer.Option("--greedy", help="Greedy decoding, one sample (sets eval.greedy).")] = False,
-          limit: Annotated[Optional[int], typer.Option(help="Evaluate the first N problems (sets eval.limit).")] = None,
-          artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
-          build_missing: BuildMissingOpt = False) -> None:
-    """Accuracy (average pass@1 over k samples, or greedy) of a model with or without a LoRA adapter."""
-    from qerl_pipe.stages.evaluate import run_eval
-
-    overrides = list(set_ or [])
-    if greedy and k is None:
-        k = 1  # greedy gives one response per problem, whatever k the recipe samples
-    for key, value in (("data", data), ("k", k), ("limit", limit), ("greedy", True if greedy else None)):
-        if value is not None:
-            overrides.append(f"eval.{key}={json.dumps(value)}")
-    artifact = run_eval(_recipe(recipe, overrides), _store(artifacts, verify), model=model, adapter=adapter,
-                        force=force, build_missing=build_missing)
-    print(artifact.path)
+for _stage in STAGES:
+    app.command(_stage.name)(_user_errors(_stage_command(_stage)))
 
 
 @app.command()
@@ -193,9 +197,9 @@ def eval_(recipe: RecipeOpt = None, set_: SetOpt = None,
 def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_: SetOpt = None,
         artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False) -> None:
     """Run the recipe's stages in order, making what they need and reusing up-to-date artifacts."""
-    from qerl_pipe.stages.pipeline import run_pipeline
+    from qerl_pipe.pipeline import run_recipe
 
-    results = run_pipeline(_recipe(recipe, set_), _store(artifacts, verify), force=force)
+    results = run_recipe(_recipe(recipe, set_), _store(artifacts, verify), force=force)
     for stage, artifact in results.items():
         typer.echo(f"{stage}: {artifact.path}", err=True)
     print(list(results.values())[-1].path)

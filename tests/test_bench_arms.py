@@ -9,7 +9,7 @@ import pytest
 from qerl_pipe.bench import arms
 from qerl_pipe.bench.arms import parse_greedy_line, parse_step_line
 from qerl_pipe.errors import QerlError
-from qerl_pipe.rl.metrics import greedy_line, step_line
+from qerl_pipe.rl.loop.metrics import greedy_line, step_line
 
 
 def _record(step: int, reward: float, **extra) -> dict:
@@ -120,7 +120,7 @@ def test_kept_greedy_answers_are_graded_again_by_todays_grader(tmp_path):
     ("arithmetic:3:17", "arithmetic"), ("gsm8k:test:4", "gsm8k"), ("math500:test:0", "math"),
     ("mine.jsonl:2", "jsonl")])
 def test_a_problem_id_names_its_kind(problem_id, kind):
-    from qerl_pipe.rl.tasks import kind_of
+    from qerl_pipe.rl.task.tasks import kind_of
     assert kind_of(problem_id) == kind
 
 

@@ -16,11 +16,11 @@ def test_help_shows_the_artifact_store_default():
 
 
 def test_ctrl_c_says_that_running_again_resumes(monkeypatch):
-    import qerl_pipe.stages.pipeline as pipeline
+    import qerl_pipe.pipeline as pipeline
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(pipeline, "run_pipeline", interrupted)
+    monkeypatch.setattr(pipeline, "run_recipe", interrupted)
     result = cli("run", "recipes/quickstart.yaml", ok=False)
     assert result.exit_code == 130
     assert "interrupted" in result.stderr and "resumes a train from its last checkpoint" in result.stderr

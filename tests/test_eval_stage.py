@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from qerl_pipe.engine import Rollouts
-from qerl_pipe.rl.answers import extract_answer, is_correct
-from qerl_pipe.rl.tasks import load_problems, render_prompt
+from qerl_pipe.rl.task.answers import extract_answer, is_correct
+from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 from tests.conftest import read_json
 from tests.stage_cli import cli, last_line, named
 
@@ -162,7 +162,7 @@ def _readable_tokenizer(path, trust_remote_code=False):
 
 
 def test_the_whole_answer_is_graded_not_its_first_character(pipeline, tmp_path, monkeypatch):
-    import qerl_pipe.rl.eval_run as evaluate
+    import qerl_pipe.jobs.eval_job as evaluate
 
     cases = [("What is 70 + 2?", "72", "So it is \\boxed{7}.", False),  # QeRL's script counted this right
              ("What is 70 + 2?", "72", "70 + 2 = 72", True),

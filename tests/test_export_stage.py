@@ -29,8 +29,8 @@ from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.recipe import load_recipe
 from qerl_pipe.engine.artifact import load_engine
-from qerl_pipe.stages.build_engine import run_build_engine
-from qerl_pipe.stages.quantize import run_quantize
+from qerl_pipe.dag import BUILD_ENGINE, CALIBRATE, QUANTIZE
+from qerl_pipe.pipeline import run_stage
 from qerl_pipe.formats import checkpoint
 from tests.conftest import make_tiny_model, read_json
 from tests.stage_cli import cli, last_line
@@ -50,8 +50,8 @@ def exports(store: Path) -> list[str]:
 
 def make_engine(model_dir: Path, store: ArtifactStore, base_format: str):
     recipe = load_recipe(None, [f"model.source={model_dir}", f"engine.base_format={base_format}", *ENGINE])
-    quantized = run_quantize(recipe, store) if base_format == "nvfp4" else None
-    return run_build_engine(recipe, store, quantized=quantized)
+    quantized = run_stage(QUANTIZE, recipe, store) if base_format == "nvfp4" else None
+    return run_stage(BUILD_ENGINE, recipe, store, quantized=quantized)
 
 
 def make_run(store: ArtifactStore, engine, spec: LoraSpec, seed: int = 1):
@@ -241,10 +241,8 @@ def test_merged_nvfp4_keeps_the_calibrated_input_scales(tiny_llama, store_dir):
     store = ArtifactStore(store_dir)
     recipe = load_recipe(None, [f"model.source={tiny_llama}", *ENGINE, "calibrate.num_samples=4",
                                 "calibrate.seq_len=16", "calibrate.device=cpu"])
-    from qerl_pipe.stages.calibrate import run_calibrate
-
-    quantized = run_quantize(recipe, store, calibration=run_calibrate(recipe, store))
-    engine = run_build_engine(recipe, store, quantized=quantized)
+    quantized = run_stage(QUANTIZE, recipe, store, calibration=run_stage(CALIBRATE, recipe, store))
+    engine = run_stage(BUILD_ENGINE, recipe, store, quantized=quantized)
     run = make_run(store, engine, SPEC)
     out = last_line(cli("export", "--run", run.path, "--format", "merged-nvfp4", "--artifacts", store_dir))
     assert read_json(out / "hf_quant_config.json")["quantization"]["quant_algo"] == "NVFP4"

@@ -109,7 +109,7 @@ def test_kernel_copy_bytes_count_the_nvfp4_bytes_of_the_routed_layers() -> None:
 
 def test_planner_gives_up_the_copies_before_any_step_setting() -> None:
     c = DecoderConfig.from_hf(QWEN25_SHAPES["qwen2.5-7b"])
-    shape = StepShape(64, 8, 1280, 256, 32, 64, 8)
+    shape = StepShape(64, 8, 1280, 256, 32, 64, 8, 1024)
     copies = kernel_copy_bytes(c, {GATE_UP})
     free = plan_step(c, "nvfp4", shape, None, kernel_copies=copies)
     assert free.kernel_copies and free.estimate["kernel_copies"] == copies

@@ -13,11 +13,13 @@ import torch
 from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.errors import RecipeError
+from qerl_pipe.jobs.step_plan import train_step_shape
 from qerl_pipe.memory.plan import (GB, MIN_LOGPROB_CHUNK, MemoryBudgetError, StepShape, candidates, enforce_budget,
-                                   plan_step, train_step_shape)
+                                   plan_step)
 from qerl_pipe.memory.step import estimate_step_bytes
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import load_recipe
+from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
 from tests.stage_cli import cli, named
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,16 +85,16 @@ def plan_config(path: Path) -> DecoderConfig:
 
 
 def test_no_budget_keeps_the_recipe_settings():
-    shape = StepShape(64, 8, 1280, 256, 32, max_kv_slots=48, max_micro_batch=4)
+    shape = StepShape(64, 8, 1280, 256, 32, max_kv_slots=48, max_micro_batch=4, max_logprob_chunk=DEFAULT_CHUNK)
     plan = plan_step(plan_config(LADDER[0]), "nvfp4", shape, None)
     assert (plan.kv_slots, plan.micro_batch, plan.logprob_chunk, plan.budget_bytes) == (48, 4, 1024, None)
     # Never more slots or a larger micro-batch than sequences.
-    small = plan_step(plan_config(LADDER[0]), "nvfp4", StepShape(6, 3, 64, 32, 8, 64, 8), None)
+    small = plan_step(plan_config(LADDER[0]), "nvfp4", StepShape(6, 3, 64, 32, 8, 64, 8, DEFAULT_CHUNK), None)
     assert (small.kv_slots, small.micro_batch) == (6, 6)
 
 
 def test_candidates_only_shrink_chunk_then_micro_batch_then_slots():
-    chain = candidates(StepShape(64, 8, 1280, 256, 32, 64, 8))
+    chain = candidates(StepShape(64, 8, 1280, 256, 32, 64, 8, DEFAULT_CHUNK))
     assert chain[0] == (64, 8, 1024) and chain[-1] == (1, 1, MIN_LOGPROB_CHUNK)
     for before, after in zip(chain, chain[1:]):
         assert all(a <= b for a, b in zip(after, before)) and after != before
@@ -105,7 +107,7 @@ def test_candidates_only_shrink_chunk_then_micro_batch_then_slots():
                                           ("qwen2.5-14b", "nf4"), ("qwen2.5-7b", "bf16")])
 def test_a_smaller_budget_never_gives_larger_settings(shape, quant):
     config = DecoderConfig.from_hf(QWEN25_SHAPES[shape])
-    step = StepShape(64, 8, 1280, 256, 32, 64, 8)
+    step = StepShape(64, 8, 1280, 256, 32, 64, 8, DEFAULT_CHUNK)
     smallest = estimate_step_bytes(config, quant, step.size(1, 1, MIN_LOGPROB_CHUNK))["total"]
     largest = estimate_step_bytes(config, quant, step.size(64, 8, 1024))["total"]
     previous = None
@@ -124,7 +126,7 @@ def test_a_smaller_budget_never_gives_larger_settings(shape, quant):
 
 def test_the_refusal_names_the_smallest_budget_that_fits():
     config = DecoderConfig.from_hf(QWEN25_SHAPES["qwen2.5-72b"])
-    step = StepShape(64, 8, 1280, 256, 32, 64, 4)
+    step = StepShape(64, 8, 1280, 256, 32, 64, 4, DEFAULT_CHUNK)
     with pytest.raises(MemoryBudgetError) as exc:
         plan_step(config, "bf16", step, 80 * GB)
     message = str(exc.value)
@@ -141,10 +143,10 @@ def test_the_refusal_names_the_smallest_budget_that_fits():
 
 def test_full_fine_tuning_and_float32_are_planned_too():
     config = DecoderConfig.from_hf(QWEN25_SHAPES["qwen2.5-7b"])
-    full = StepShape(64, 8, 1280, 256, 32, 64, 4, adapter="full")
+    full = StepShape(64, 8, 1280, 256, 32, 64, 4, DEFAULT_CHUNK, adapter="full")
     with pytest.raises(MemoryBudgetError, match="masters \\+ AdamW"):
         plan_step(config, "bf16", full, 80 * GB)  # 7.6B weights x 16 bytes of training state
-    lora = StepShape(64, 8, 1280, 256, 32, 64, 4)
+    lora = StepShape(64, 8, 1280, 256, 32, 64, 4, DEFAULT_CHUNK)
     bf16 = plan_step(config, "bf16", lora, None).estimate
     fp32 = plan_step(config, "bf16", lora, None, dtype=torch.float32).estimate
     assert fp32["kv_cache"] == 2 * bf16["kv_cache"] and fp32["weights"] > 1.9 * bf16["weights"]
@@ -242,6 +244,10 @@ def test_a_budget_that_fits_is_planned_and_stored(tiny_llama, store_dir):
     assert plan["estimate_bytes"]["total"] <= 2e9 and plan["dtype"] == "float32"
     assert read_json(run / "run.json")["memory_plan"] == plan
     assert "train: memory plan: 8 sequences of 64 tokens in 1 wave(s) of 8 KV slots, micro-batch 4" in result.stderr
+    # The plan fits as the recipe asks: the log and the report say it changed nothing.
+    assert "train: memory plan: the recipe's settings, unchanged" in result.stderr
+    assert read_json(run / "report.json")["memory_plan_changes"] == "the recipe's settings, unchanged"
+    assert "Memory plan: 8 sequences of 64 tokens" in (run / "report.md").read_text()
 
 
 def test_build_engine_under_torchrun_plans_one_rank_share_of_the_step(tiny_llama, store_dir, monkeypatch):
@@ -250,14 +256,16 @@ def test_build_engine_under_torchrun_plans_one_rank_share_of_the_step(tiny_llama
     import json
 
     from qerl_pipe.artifacts import ArtifactStore
-    from qerl_pipe.rl.distributed import Dist
+    from qerl_pipe.dag import BUILD_ENGINE
+    from qerl_pipe.pipeline import run_stage
+    from qerl_pipe.rl.loop.distributed import Dist
     from qerl_pipe.stages import build_engine
     from tests.conftest import read_json
 
     monkeypatch.setattr(build_engine, "current_dist", lambda: Dist(0, 2))
     overrides = [a for a in ENGINE if a != "--set"] + [
         f"model.source={json.dumps(str(tiny_llama))}", "engine.base_format=bf16", "train.memory_budget_gb=2"]
-    engine = build_engine.run_build_engine(load_recipe(None, overrides), ArtifactStore(store_dir))
+    engine = run_stage(BUILD_ENGINE, load_recipe(None, overrides), ArtifactStore(store_dir))
     spec = read_json(engine.path / "engine.json")
     assert spec["memory_plan"]["step"]["sequences"] == 4 and spec["limits"]["max_batch"] == 4
 
@@ -280,3 +288,22 @@ def test_a_budget_above_the_gpu_is_refused_and_free_memory_counts_the_cache(monk
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 9 * 10**9)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 2 * 10**9)
     assert plan_mod.step_budget(None, gpu) == (12 * 10**9, "free GPU memory", False)
+
+
+def test_the_trainer_runs_the_plans_settings_and_the_run_says_what_the_plan_changed():
+    import dataclasses
+
+    from qerl_pipe.jobs.train_config import plan_changes, train_config
+
+    path = ROOT / "recipes" / "ladder" / "qwen2.5-7b-nvfp4-16gb.yaml"  # micro-batch 8 -> 2, chunk 1024 -> 128
+    recipe, plan = load_recipe(path), _recipe_plan(path)
+    cfg = train_config(recipe.train, plan)
+    assert (cfg.micro_batch, cfg.logprob_chunk) == (plan.micro_batch, plan.logprob_chunk) == (2, 128)
+    assert train_config(recipe.train).micro_batch == recipe.train.micro_batch_size == 8  # no plan: the recipe's
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.micro_batch = 8  # type: ignore[misc]
+    assert [(c.setting, c.asked, c.planned) for c in plan.changes()] == [("micro_batch", 8, 2),
+                                                                         ("logprob_chunk", 1024, 128)]
+    assert plan_changes(plan) == ("train.micro_batch_size 8 -> 2, LM-head chunk 1024 -> 128, to fit "
+                                  "train.memory_budget_gb = 16.0 GB (estimated peak 15.2 GB)")
+    assert plan_changes(_recipe_plan(path, budget_gb=200)) == "the recipe's settings, unchanged"

@@ -6,7 +6,7 @@ import pytest
 
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.recipe import STAGE_ORDER, load_recipe
-from qerl_pipe.rl.tasks import load_problems
+from qerl_pipe.rl.task.tasks import load_problems
 
 
 def write(tmp_path: Path, text: str) -> Path:

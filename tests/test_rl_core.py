@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from qerl_pipe.rl.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
-from qerl_pipe.rl.aqn import AqnError, AqnSchedule, clear_noise, draw_noise, noisy_norms
-from qerl_pipe.rl.losses import LossNorm, PolicyLossConfig, k3_kl, policy_loss
+from qerl_pipe.rl.algo.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
+from qerl_pipe.rl.algo.aqn import AqnError, AqnSchedule, clear_noise, draw_noise, noisy_norms
+from qerl_pipe.rl.algo.losses import LossNorm, PolicyLossConfig, k3_kl, policy_loss
 
 
 def test_group_advantages_by_hand():

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from qerl_pipe.errors import QerlError
-from qerl_pipe.rl.rewards import RewardError, RewardSpec, extract_answer, is_correct, load_custom_rewards, score
-from qerl_pipe.rl.tasks import Problem
+from qerl_pipe.rl.task.rewards import RewardError, RewardSpec, extract_answer, is_correct, load_custom_rewards, score
+from qerl_pipe.rl.task.tasks import Problem
 
 POLAR = "\\left( 3, \\frac{\\pi}{2} \\right)"
 
@@ -117,7 +117,7 @@ def test_is_correct_off_the_main_thread():
 
 @pytest.mark.parametrize("spec", ["math500:test", "gsm8k:test"])
 def test_every_packaged_gold_answer_grades_correct_against_itself(spec):
-    from qerl_pipe.rl.tasks import load_problems
+    from qerl_pipe.rl.task.tasks import load_problems
 
     forms = ["So the answer is \\boxed{{{}}}."] + (["The answer is {}."] if spec.startswith("gsm8k") else [])
     wrong = [(form, p.answer) for p in load_problems(spec) for form in forms

@@ -4,19 +4,21 @@ AQN noise in rollouts only, overlong masking, dynamic sampling, KL, and GRPO rai
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from qerl_pipe.engine import Engine, plan_limits
+from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.model.load import init_random_model, load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled, lora_parameters
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.recipe import TrainSection
-from qerl_pipe.rl.aqn import noisy_norms
-from qerl_pipe.rl.logprobs import sequence_logprobs
-from qerl_pipe.rl.tasks import load_problems, render_prompt
-from qerl_pipe.rl.trainer import Group, Trainer, build_batch
+from qerl_pipe.rl.algo.aqn import noisy_norms
+from qerl_pipe.rl.algo.logprobs import sequence_logprobs
+from qerl_pipe.rl.loop.trainer import Group, Trainer, build_batch
+from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -91,13 +93,12 @@ def make_trainer(tiny, **overrides) -> Trainer:
     limits = plan_limits(model.config, max_seq_len=128, max_batch=32, dtype=torch.float32)
     problems = load_problems("arithmetic:64", seed=section.seed)
     prompts = [render_prompt(tokenizer, p, section.instruction) for p in problems]
-    return Trainer(model, Engine(model, limits), tokenizer, problems, prompts, section, (tokenizer.eos_token_id,))
+    return Trainer(model, Engine(model, limits), tokenizer, problems, prompts, train_config(section),
+                   (tokenizer.eos_token_id,))
 
 
 def _lora_grads(trainer: Trainer, micro_batch_size: int, loss: str, batch) -> list[torch.Tensor]:
-    trainer.cfg.micro_batch_size = micro_batch_size
-    trainer.cfg.loss = loss
-    trainer.loss_cfg = trainer.loss_cfg.__class__(loss, 0.2, 0.28, 0.0, trainer.cfg.max_new_tokens)
+    trainer.cfg = replace(trainer.cfg, micro_batch=micro_batch_size, loss=replace(trainer.cfg.loss, loss_type=loss))
     captured = []
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda: captured.append([p.grad.clone() for p in trainer.params])  # no update

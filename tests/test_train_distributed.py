@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from qerl_pipe.errors import QerlError
 from qerl_pipe.launch import torchrun_command
-from qerl_pipe.rl.distributed import NVLS_OFF, Dist, disable_nvls, global_loss_norm, shard
-from qerl_pipe.rl.losses import LossNorm, PolicyLossConfig, policy_loss
+from qerl_pipe.rl.algo.losses import LossNorm, PolicyLossConfig, policy_loss
+from qerl_pipe.rl.loop.distributed import NVLS_OFF, Dist, disable_nvls, global_loss_norm, shard
 from tests.test_train_stage import ENGINE, TRAIN, cli, last_line, named
 
 ROOT = Path(__file__).parents[1]

@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from qerl_pipe.engine import Engine, plan_limits
-from qerl_pipe.model.save import hf_tensors
+from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.model.full import FullTraining, full_training_bytes, make_fully_trainable
 from qerl_pipe.model.load import init_random_model, load_model
 from qerl_pipe.model.lora import LoraSpec
+from qerl_pipe.model.save import hf_tensors
 from qerl_pipe.recipe import TrainSection
-from qerl_pipe.rl.logprobs import sequence_logprobs
-from qerl_pipe.rl.tasks import load_problems, render_prompt
-from qerl_pipe.rl.trainer import Trainer
+from qerl_pipe.rl.algo.logprobs import sequence_logprobs
+from qerl_pipe.rl.loop.trainer import Trainer
+from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 from tests.conftest import make_tiny_model
 from tests.test_rl_trainer import CONFIG, rollout_batch, trainer_sampling
 
@@ -37,7 +38,8 @@ def _full_trainer(model_dir, dtype: torch.dtype, **overrides) -> Trainer:
     limits = plan_limits(model.config, max_seq_len=128, max_batch=32, dtype=dtype)
     problems = load_problems("arithmetic:64", seed=section.seed)
     prompts = [render_prompt(tokenizer, p, section.instruction) for p in problems]
-    return Trainer(model, Engine(model, limits), tokenizer, problems, prompts, section, (tokenizer.eos_token_id,))
+    return Trainer(model, Engine(model, limits), tokenizer, problems, prompts, train_config(section),
+                   (tokenizer.eos_token_id,))
 
 
 @pytest.mark.parametrize("fixture, dtype", [("tiny_llama", torch.float32), ("tiny_tied_qwen2", torch.bfloat16)])

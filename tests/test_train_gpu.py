@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
+from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled
 from qerl_pipe.recipe import TrainSection
-from qerl_pipe.rl.tasks import load_problems, render_prompt
-from qerl_pipe.rl.trainer import Trainer
+from qerl_pipe.rl.loop.trainer import Trainer
+from qerl_pipe.rl.task.tasks import load_problems, render_prompt
 from tests.test_rl_trainer import rollout_batch
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +38,8 @@ def test_training_steps_on_cuda_with_graph_rollouts(tiny_llama, base_format):
     assert engine.uses_cuda_graphs
     problems = load_problems("arithmetic:64")
     prompts = [render_prompt(tokenizer, p) for p in problems]
-    trainer = Trainer(model, engine, tokenizer, problems, prompts, section, (tokenizer.eos_token_id,))
+    trainer = Trainer(model, engine, tokenizer, problems, prompts, train_config(section),
+                      (tokenizer.eos_token_id,))
     records = [trainer.step() for _ in range(6)]
     for r in records:
         assert math.isfinite(r["loss"]) and r["peak_gpu_memory_gib"] > 0 and r["rollout_tokens_per_s"] > 0
@@ -77,7 +79,8 @@ def test_full_fine_tuning_on_cuda_with_graph_rollouts(tiny_llama):
     assert engine.uses_cuda_graphs
     problems = load_problems("arithmetic:64")
     prompts = [render_prompt(tokenizer, p) for p in problems]
-    trainer = Trainer(model, engine, tokenizer, problems, prompts, section, (tokenizer.eos_token_id,))
+    trainer = Trainer(model, engine, tokenizer, problems, prompts, train_config(section),
+                      (tokenizer.eos_token_id,))
     params = SamplingParams(temperature=0.5, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,), seed=7)
     engine.generate(prompts[:4], n=2, sampling=params)  # captures the graphs the last rollout replays
     captured = dict(engine._runner._graphs)

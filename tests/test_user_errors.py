@@ -12,7 +12,7 @@ import pytest
 
 from qerl_pipe.artifacts import ArtifactStore
 from qerl_pipe.errors import ArtifactError
-from qerl_pipe.rl.tasks import TaskError, load_problems
+from qerl_pipe.rl.task.tasks import TaskError, load_problems
 from qerl_pipe.textdata import load_texts
 from qerl_pipe.userfiles import describe_os_error
 from tests.stage_cli import cli, last_line, named
@@ -156,7 +156,7 @@ def test_a_checkpoint_on_a_full_disk_is_one_error_that_says_the_run_resumes(tmp_
     import torch
 
     from qerl_pipe.errors import QerlError
-    from qerl_pipe.rl.checkpoint import latest_checkpoint, save_checkpoint
+    from qerl_pipe.rl.loop.checkpoint import latest_checkpoint, save_checkpoint
     from tests.test_rl_trainer import _random_lora_model
 
     model = _random_lora_model("bf16")

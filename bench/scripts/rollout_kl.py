@@ -31,7 +31,7 @@ from qerl_pipe.engine.limits import plan_limits
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import load_model
 from qerl_pipe.recipe import ModelSection
-from qerl_pipe.rl.logprobs import sequence_logprobs
+from qerl_pipe.rl.algo.logprobs import sequence_logprobs
 from qerl_pipe.sources import resolve_model
 from qerl_pipe.textdata import load_texts
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.errors import QerlError
-from qerl_pipe.rl.rewards import RewardSpec, score
-from qerl_pipe.rl.tasks import Problem, kind_of
+from qerl_pipe.rl.task.rewards import RewardSpec, score
+from qerl_pipe.rl.task.tasks import Problem, kind_of
 
 PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
            ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))

@@ -30,7 +30,7 @@ import torch
 
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.bench.shapes import QWEN25_SHAPES
-from qerl_pipe.rl.distributed import disable_nvls
+from qerl_pipe.rl.loop.distributed import disable_nvls
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
@@ -60,10 +60,11 @@ def measure(shape: str, device: str, prompts_per_step: int, group_size: int, pro
     from qerl_pipe.model.config import DecoderConfig
     from qerl_pipe.model.load import init_random_model
     from qerl_pipe.model.lora import LoraSpec
+    from qerl_pipe.jobs.train_config import train_config
     from qerl_pipe.recipe import TrainSection
-    from qerl_pipe.rl.distributed import init_distributed
-    from qerl_pipe.rl.tasks import load_problems
-    from qerl_pipe.rl.trainer import Trainer
+    from qerl_pipe.rl.loop.distributed import init_distributed
+    from qerl_pipe.rl.task.tasks import load_problems
+    from qerl_pipe.rl.loop.trainer import Trainer
     from qerl_pipe.hf import pick_device
 
     dist, device_name = init_distributed(device)
@@ -81,7 +82,8 @@ def measure(shape: str, device: str, prompts_per_step: int, group_size: int, pro
     problems = load_problems("arithmetic:256", seed=0)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, config["vocab_size"], (prompt_len,), generator=gen).tolist() for _ in problems]
-    trainer = Trainer(model, Engine(model, limits), _IdsAsText(), problems, prompts, section, (), dist=dist)
+    trainer = Trainer(model, Engine(model, limits), _IdsAsText(), problems, prompts, train_config(section), (),
+                      dist=dist)
     for _ in range(warmup):  # kernels, CUDA graphs, allocator
         trainer.step()
     dist.barrier()
@@ -150,7 +152,7 @@ def worker_main(argv: list[str] | None = None) -> None:
                  "micro-batch-size"):
         ap.add_argument(f"--{name}", type=int, required=True)
     a = ap.parse_args(argv)
-    from qerl_pipe.rl.distributed import group_lifetime
+    from qerl_pipe.rl.loop.distributed import group_lifetime
 
     with group_lifetime():
         row = measure(a.shape, a.device, prompts_per_step=a.prompts_per_step, group_size=a.group_size,

@@ -39,7 +39,7 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from qerl_pipe.engine.sampling import SamplingParams
 from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budget, plan_step, release_budget
 from qerl_pipe.memory.step import StepSize, kernel_copy_bytes
 from qerl_pipe.errors import QerlError
+from qerl_pipe.jobs.train_config import train_config as trainer_config
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.kernels import dispatch
 from qerl_pipe.model.decoder import Decoder
@@ -59,9 +60,9 @@ from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
 from qerl_pipe.recipe import TrainSection, load_recipe
-from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
-from qerl_pipe.rl.tasks import Problem
-from qerl_pipe.rl.trainer import Trainer
+from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
+from qerl_pipe.rl.task.tasks import Problem
+from qerl_pipe.rl.loop.trainer import Trainer
 
 GIB = 2**30
 QUANTS = ("bf16", "nf4", "nvfp4")
@@ -179,8 +180,8 @@ def _trainer(model: Decoder, engine: Engine, prompts: list[list[int]], cfg: Trai
              logprob_chunk: int) -> Trainer:
     problems = [Problem(f"synthetic:{i}", "", "0", "arithmetic") for i in range(len(prompts))]
     # No stop ids: every response runs to max_new_tokens.
-    return Trainer(model, engine, LetterTokenizer(), problems, prompts, cfg, stop_token_ids=(),
-                   logprob_chunk=logprob_chunk)
+    run = replace(trainer_config(cfg), logprob_chunk=logprob_chunk)  # the section's micro-batch is the plan's
+    return Trainer(model, engine, LetterTokenizer(), problems, prompts, run, stop_token_ids=())
 
 
 # ---------------------------------------------------------------------- GPU bookkeeping

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from qerl_pipe.artifacts import Artifact, load_artifact
-from qerl_pipe.dag import BUILD_ENGINE
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.engine.weights import load_engine_model
 from qerl_pipe.errors import ArtifactError, QerlError
@@ -25,7 +24,7 @@ from qerl_pipe.model.lora import LoraSpec
 
 ENGINE_FILE = "engine.json"
 ENGINE_FORMAT_VERSION = 1
-KIND = BUILD_ENGINE.kind
+KIND = "engine"  # the artifact kind build-engine makes (dag.BUILD_ENGINE declares it)
 
 
 def device_kind(device: torch.device) -> str:

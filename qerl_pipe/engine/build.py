@@ -1,15 +1,14 @@
 """Building an engine directory: what build-engine stores so that train and eval start in seconds.
 
-`plan_engine` decides, before any weight is read, the compute dtype, the KV budget and the KV-cache
-limits it gives, CUDA graphs and kernel tuning, so a bad setting fails before any work. Without
-`engine.kv_budget_gib` the KV budget is the KV cache the step planner (`memory.plan`) gives train's
-step under `train.memory_budget_gb` (on CUDA, by default, the memory free at start), so a step that
-cannot fit is refused here too. `write_engine` then (capped to an explicit budget on CUDA) loads the
+`plan_engine` decides, before any weight is read, the compute dtype, the KV-cache limits a KV budget
+gives, CUDA graphs and kernel tuning, so a bad setting fails before any work. The budget is the
+caller's: build-engine takes it from `engine.kv_budget_gib` or from the memory plan of train's step
+(`jobs.step_plan.engine_budget`), and caps the process while it builds. `write_engine` loads the
 base in the kernels' layout, tunes the 4-bit kernels for the model's layer shapes on CUDA (for
 NVFP4 on Hopper: measures the dispatch table over ours / humming / dequantize + cuBLAS), and
-writes the weights (`engine.weights`), the model's files and `engine.json` (with the memory plan),
-which `engine.artifact.load_engine` reads. The stage (`stages/build_engine.py`) only chooses the
-base and keys the artifact.
+writes the weights (`engine.weights`), the model's files and `engine.json` (with the memory plan it
+is given), which `engine.artifact.load_engine` reads. The stage (`stages/build_engine.py`) only
+chooses the base and keys the artifact.
 """
 
 from __future__ import annotations
@@ -32,22 +31,29 @@ from qerl_pipe.formats.modelopt_writer import copy_model_files
 from qerl_pipe.hf import compute_dtype, count_parameters
 from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, table_to_json
 from qerl_pipe.log import log
-from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_engine_step, release_budget
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model, model_memory_bytes
-from qerl_pipe.recipe import EngineSection, TrainSection
-
-# Without engine.kv_budget_gib the KV cache is what the step planner (memory.plan) gives train's
-# step under train.memory_budget_gb (on CUDA, by default, the memory free at start); on a CPU
-# without a budget, this.
-CPU_KV_BUDGET_BYTES = 2 * 2**30
 # Tuning covers the M buckets the engine decodes at (up to its max batch) and a training-sized M
 # (the M >= 1024 bucket: prefill and the training forward); dX runs only in training, so only
 # there. Tuning every bucket for both ops would take minutes on a 7B model for no use.
 PREFILL_TUNING_M = 4096
 TUNING_MS = (*M_BUCKETS[:-1], PREFILL_TUNING_M)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine asked for (a recipe's `engine` section, less what the caller decides: the KV
+    budget and the device)."""
+
+    base_format: str  # "nvfp4", "nf4" or "bf16"
+    max_seq_len: int
+    max_batch: int
+    cuda_graphs: str  # "auto", "on" or "off"
+    tune_kernels: str  # "auto", "on" or "off"
+    dtype: str  # "auto" or a torch dtype's name
+    deterministic: bool = True  # NVFP4: the dispatch's deterministic column (kernels.dispatch)
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,6 @@ class EnginePlan:
     limits: EngineLimits  # the KV cache and graphs that budget gives
     cuda_graphs: bool
     tune: bool
-    memory_plan: MemoryPlan | None = None  # train's step, when it sized the KV cache
-    enforce: bool = False  # cap the process at the plan's budget (CUDA, train.memory_budget_gb)
 
 
 def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool:
@@ -70,13 +74,11 @@ def _switch(choice: str, auto: bool, possible: bool, key: str, why: str) -> bool
     return choice == "on" or (choice == "auto" and auto)
 
 
-def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch.device,
-                train: TrainSection, processes: int = 1) -> EnginePlan:
-    """What the engine section, train's step (its memory budget; each of `processes` ranks runs its
-    share of the step over its own copy of the engine) and the model's config.json decide. Raises,
-    before any weight is read, on a setting that cannot work: sequences longer than the model's
-    positions, CUDA graphs or tuning forced on where they cannot run, a KV budget that holds not one
-    sequence, a train step that no plan fits into train.memory_budget_gb."""
+def plan_engine(section: EngineSpec, hf_config: dict[str, Any], device: torch.device,
+                kv_budget_bytes: int) -> EnginePlan:
+    """What the engine asked for, its KV budget and the model's config.json decide. Raises, before
+    any weight is read, on a setting that cannot work: sequences longer than the model's positions,
+    CUDA graphs or tuning forced on where they cannot run, a KV budget that holds not one sequence."""
     config = DecoderConfig.from_hf(hf_config)
     if section.max_seq_len > config.max_position_embeddings:
         raise QerlError(
@@ -89,17 +91,10 @@ def plan_engine(section: EngineSection, hf_config: dict[str, Any], device: torch
     tune = _switch(section.tune_kernels, cuda and four_bit, cuda and four_bit, "tune_kernels",
                    "needs a CUDA device and a 4-bit base (nvfp4 or nf4)")
     dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
-    memory_plan, enforce = None, False
-    if section.kv_budget_gib is not None:
-        budget = int(section.kv_budget_gib * 2**30)
-    else:
-        # Refuses a step that cannot fit.
-        memory_plan, enforce = plan_engine_step(train, section, config, device, dtype, processes)
-        budget = memory_plan.estimate["kv_cache"] if memory_plan is not None else CPU_KV_BUDGET_BYTES
     # Raises now when not even one sequence fits.
     limits = plan_limits(config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
-                         kv_budget_bytes=budget, dtype=dtype, cuda_graphs=graphs)
-    return EnginePlan(config, dtype, budget, limits, graphs, tune, memory_plan, enforce)
+                         kv_budget_bytes=kv_budget_bytes, dtype=dtype, cuda_graphs=graphs)
+    return EnginePlan(config, dtype, kv_budget_bytes, limits, graphs, tune)
 
 
 def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
@@ -117,27 +112,17 @@ def _check_finite(model: torch.nn.Module) -> None:
                             "re-download or re-convert it")
 
 
-def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, section: EngineSection, device: torch.device, out: Path) -> dict[str, Any]:
+def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, section: EngineSpec,
+                 device: torch.device, out: Path, memory_plan: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the engine of the base in `base_dir` (its config.json as `hf_config`) into `out`;
-    returns the manifest summary. Under an enforced budget the process is capped while it builds."""
-    started = time.perf_counter()
-    capped = plan.enforce  # only set when a step plan was made
-    if capped:
-        enforce_budget(plan.memory_plan.budget_bytes, device)
-    try:
-        return _write_engine(base_dir, hf_config, plan, section, device, out, started)
-    finally:
-        if capped:  # later stages of `run` in this process set their own cap
-            release_budget(device)
-
-
-def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, section: EngineSection,
-                  device: torch.device, out: Path, started: float) -> dict[str, Any]:
+    returns the manifest summary. `memory_plan` (the plan of train's step that sized the KV cache,
+    as JSON) is recorded in engine.json and the summary."""
     from qerl_pipe.kernels.cuda_ext import available as cuda_kernels_available
     from qerl_pipe.kernels.dispatch import ROWS_M
     from qerl_pipe.kernels.dispatch_measure import measure_table
     from qerl_pipe.kernels.tuning import tune_kernels
 
+    started = time.perf_counter()
     model = load_model(base_dir, section.base_format, plan.dtype, device)
     _check_finite(model)
     budget, limits = plan.kv_budget_bytes, plan.limits
@@ -165,7 +150,7 @@ def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, s
         "dtype": str(plan.dtype).removeprefix("torch."),
         "limits": limits.to_json(),
         "kv_budget_bytes": budget,
-        "memory_plan": plan.memory_plan.to_json() if plan.memory_plan is not None else None,
+        "memory_plan": memory_plan,
         "kernel_table": table_to_json(table) if table is not None else None,
         "dispatch_table": dispatch_table.to_json() if dispatch_table is not None else None,
         "deterministic": section.deterministic,
@@ -188,10 +173,8 @@ def _write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, s
         "tuned_kernel_entries": len(table) if table is not None else 0,
         "dispatch_rows": len(dispatch_table.deterministic) if dispatch_table is not None else 0,
         "seconds": seconds,
-        **({"memory_plan": engine["memory_plan"]} if plan.memory_plan is not None else {}),
+        **({"memory_plan": memory_plan} if memory_plan is not None else {}),
     }
-    if plan.memory_plan is not None:
-        log(f"build-engine: KV cache from train's memory plan: {plan.memory_plan.describe()}")
     log(f"build-engine: {section.base_format} base in {summary['dtype']} on {summary['device']}, "
         f"{summary['model_mib']} MiB; max_batch {limits.max_batch} x max_seq_len {limits.max_seq_len} "
         f"(KV cache {summary['kv_cache_mib']} of {summary['kv_budget_mib']} MiB); "

@@ -8,7 +8,8 @@ planner's to choose, each bounded above by the recipe:
   `waves = ceil(sequences / slots)` when every response runs to the end, and with responses that
   stop early every freed slot takes the next sequence, so each slot counts;
 - the training micro-batch (`train.micro_batch_size`): sequences per forward/backward;
-- the LM-head chunk: response tokens whose logits exist at once (`rl.logprobs`), 1024 by default.
+- the LM-head chunk: response tokens whose logits exist at once (`rl.algo.logprobs`; its default
+  is the bound).
 
 The candidates form one chain from the recipe's settings down to (1 slot, micro-batch 1, chunk
 128): first the chunk halves (the LM head is ~2% of a step's FLOPs, so its chunk costs little),
@@ -23,24 +24,24 @@ micro-batch or the chunk (any rule with that guarantee and slots first must do t
 A budget that not even the last candidate meets raises `MemoryBudgetError`, which names the
 smallest budget that fits (that candidate's estimate, rounded up to 0.1 GB). Budgets are in GB,
 10^9 bytes, as GPU memory is sold.
+
+This module takes plain numbers (`StepShape`, a budget in bytes); what a recipe's sections ask of
+it is `jobs.step_plan`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.errors import QerlError
-from qerl_pipe.formats.hf_config import read_model_config
-from qerl_pipe.kernels.dispatch import DispatchTable, humming_copy_shapes, table_for
-from qerl_pipe.memory.step import BASE_FORMATS, StepSize, estimate_step_bytes, kernel_copy_bytes
+from qerl_pipe.memory.step import BASE_FORMATS, StepSize, estimate_step_bytes
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.rl.logprobs import DEFAULT_CHUNK
 
 GB = 10**9
 MIN_LOGPROB_CHUNK = 128
@@ -71,7 +72,7 @@ class StepShape:
     lora_rank: int
     max_kv_slots: int  # engine.max_batch (no more than `sequences` are ever used)
     max_micro_batch: int  # train.micro_batch_size
-    max_logprob_chunk: int = DEFAULT_CHUNK
+    max_logprob_chunk: int  # the log-probabilities' default chunk
     adapter: str = "lora"  # or "full" (every weight trains; a bf16 base only)
 
     def __post_init__(self) -> None:
@@ -82,6 +83,17 @@ class StepShape:
     def size(self, kv_slots: int, micro_batch: int, logprob_chunk: int) -> StepSize:
         return StepSize(self.sequences, self.seq_len, self.prompt_len, self.prompts, kv_slots, micro_batch,
                         self.lora_rank, logprob_chunk)
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    """One setting the plan lowered: what the step would use without a budget, and what it uses."""
+
+    SETTINGS = ("kv_slots", "micro_batch", "logprob_chunk")
+
+    setting: str  # one of SETTINGS
+    asked: int
+    planned: int
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,13 @@ class MemoryPlan:
             "base_format": self.base_format, "dtype": self.dtype, "step": asdict(self.shape),
             "kernel_copies": self.kernel_copies, "kernel_copies_asked_bytes": self.kernel_copies_asked,
         }
+
+    def changes(self) -> list[PlanChange]:
+        """The settings this plan lowers below what the step would use without a budget (the recipe's
+        bounds, each capped at the step's sequences); none when the recipe's settings fit."""
+        asked = candidates(self.shape)[0]
+        planned = (self.kv_slots, self.micro_batch, self.logprob_chunk)
+        return [PlanChange(name, a, p) for name, a, p in zip(PlanChange.SETTINGS, asked, planned) if p != a]
 
     def describe(self) -> str:
         """One line: the settings, the estimate and the budget."""
@@ -256,61 +275,15 @@ def release_budget(device: torch.device) -> None:
         torch.cuda.set_per_process_memory_fraction(1.0, _indexed(device))
 
 
-# ---------------------------------------------------------------------------- recipes and engines
-
-
-def train_step_shape(train: Any, max_seq_len: int, max_batch: int, processes: int = 1) -> StepShape:
-    """The step a recipe's `train` section (a TrainSection, or anything with its keys) asks of each
-    of `processes` ranks over an engine of `max_batch` slots of `max_seq_len` tokens."""
-    prompts = max(1, train.prompts_per_step // processes)
-    return StepShape(sequences=prompts * train.group_size, prompts=prompts, seq_len=max_seq_len,
-                     prompt_len=max(0, max_seq_len - train.max_new_tokens), lora_rank=train.lora.rank,
-                     max_kv_slots=max_batch, max_micro_batch=train.micro_batch_size,
-                     adapter=getattr(train, "adapter", "lora"))
-
-
-def _plan_train_step(train: Any, config: DecoderConfig, base_format: str, dtype: torch.dtype, max_seq_len: int,
-                     max_batch: int, processes: int, budget: int | None, budget_source: str, what: str,
-                     kernel_copies: int = 0) -> MemoryPlan:
-    """The plan of `train`'s step on each of `processes` ranks over an engine of `max_batch` slots
-    of `max_seq_len` tokens, to `budget` (from `step_budget`): what train and build-engine share."""
-    shape = train_step_shape(train, max_seq_len, max_batch, processes)
-    return plan_step(config, base_format, shape, budget, dtype=dtype, budget_source=budget_source,
-                     what=f"train's step {what}", kernel_copies=kernel_copies)
-
-
-def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: int = 1) -> tuple[MemoryPlan, bool]:
-    """The plan of `train`'s step over the engine artifact in `engine_dir` (its config.json,
-    base format, dtype and limits), to `train.memory_budget_gb` (see `step_budget`), and whether
-    the budget is to be enforced. Raises MemoryBudgetError before anything is loaded."""
-    from qerl_pipe.engine.artifact import read_engine_json
-
-    spec = read_engine_json(engine_dir)
-    config = DecoderConfig.from_hf(read_model_config(engine_dir))
-    limits = EngineLimits.from_json(spec["limits"])
-    budget, source, enforced = step_budget(train.memory_budget_gb, device)
-    copies = 0
-    if spec["base_format"] == "nvfp4":  # the humming copies the engine's dispatch table asks for
-        measured = spec.get("dispatch_table")
-        table = DispatchTable.from_json(measured) if measured else None
-        copies = kernel_copy_bytes(config, humming_copy_shapes(device, table, spec.get("deterministic", True)))
-    plan = _plan_train_step(train, config, spec["base_format"], getattr(torch, spec["dtype"]), limits.max_seq_len,
-                            limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}", copies)
-    return plan, enforced
-
-
-def plan_engine_step(train: Any, engine: Any, config: DecoderConfig, device: torch.device,
-                     dtype: torch.dtype, processes: int = 1) -> tuple[MemoryPlan | None, bool]:
-    """The plan of `train`'s step on each of `processes` ranks over the engine a recipe's `engine`
-    section builds (its base format, max_seq_len, max_batch) and whether to enforce it; (None, False)
-    when there is no budget (a CPU and no `train.memory_budget_gb`). Raises MemoryBudgetError before
-    anything is loaded."""
-    budget, source, enforced = step_budget(train.memory_budget_gb, device)
+@contextmanager
+def budget_cap(budget: int | None, device: torch.device) -> Iterator[None]:
+    """The process capped at `budget` bytes (None: not capped) while the block runs, then uncapped,
+    so that a later stage in the same process sets its own cap."""
     if budget is None:
-        return None, False
-    # The table is measured later in the build: the shipped one for this GPU stands in for it.
-    copies = (kernel_copy_bytes(config, humming_copy_shapes(device, table_for(device), engine.deterministic))
-              if engine.base_format == "nvfp4" else 0)
-    plan = _plan_train_step(train, config, engine.base_format, dtype, engine.max_seq_len, engine.max_batch,
-                            processes, budget, source, f"({engine.base_format} base)", copies)
-    return plan, enforced
+        yield
+        return
+    enforce_budget(budget, device)
+    try:
+        yield
+    finally:
+        release_budget(device)

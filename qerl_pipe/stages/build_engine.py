@@ -3,8 +3,8 @@
 Everything that can be done once per (model, GPU) is done here and stored, so that train and
 eval start in seconds: the base is converted to the kernels' layout (`engine.weights`), the
 KV-cache limits are planned from a memory budget on the target device (`engine.limits`: the KV
-bytes the step planner, `memory.plan`, gives train's step under `train.memory_budget_gb`), and on
-CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`). Tuning is
+bytes the step planner gives train's step under `train.memory_budget_gb`, `jobs.step_plan`), and
+on CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`). Tuning is
 per GPU, so the GPU's name is part of the artifact's identity.
 
 The base comes from the quantize artifact (nvfp4) or from the original model (nf4, the QLoRA
@@ -18,18 +18,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
-from qerl_pipe.dag import BUILD_ENGINE, check_kind, find_or_build, input_artifact
+import torch
+
+from qerl_pipe.artifacts import Artifact, PendingArtifact
+from qerl_pipe.dag import BUILD_ENGINE, register
 from qerl_pipe.engine.artifact import device_kind
-from qerl_pipe.engine.build import plan_engine, write_engine
+from qerl_pipe.engine.build import EnginePlan, EngineSpec, plan_engine, write_engine
 from qerl_pipe.errors import ModelSourceError, QerlError
 from qerl_pipe.formats.checkpoint import detect_quant_format
-from qerl_pipe.hf import pick_device
-from qerl_pipe.log import log
-from qerl_pipe.recipe import Recipe
-from qerl_pipe.rl.distributed import current_dist
 from qerl_pipe.formats.hf_config import read_model_config
-from qerl_pipe.sources import model_config_key, resolve_model
+from qerl_pipe.hf import pick_device
+from qerl_pipe.jobs.step_plan import EngineBudget, engine_budget
+from qerl_pipe.log import log
+from qerl_pipe.memory.plan import budget_cap
+from qerl_pipe.recipe import EngineSection, Recipe
+from qerl_pipe.rl.loop.distributed import current_dist
+from qerl_pipe.runner import StageCall
+from qerl_pipe.sources import model_config_key, peek_model_config
 
 STAGE = BUILD_ENGINE
 
@@ -44,16 +49,11 @@ class _Base:
     parents: list[str]
 
 
-def _check_quantized(artifact: Artifact) -> None:
-    check_kind(artifact, "quantize", "--quantized")
-
-
 def _unused_quantized(artifact: Artifact, model_key: dict[str, Any], recipe: Recipe, base_format: str) -> None:
     """An nf4 or bf16 engine reads the original model, not a quantize artifact. A chain of stage
     commands (the Makefile, the Airflow DAG) hands build-engine the quantize artifact whatever the
     base, so one quantized from this very model is accepted and left unused; one of another model
     is refused, as the two inputs then disagree about the base."""
-    _check_quantized(artifact)
     if artifact.manifest["config"].get("model") != model_key:
         raise QerlError(f"{artifact.path} was quantized from another model than model.source "
                         f"({recipe.model.source}); an engine.base_format={base_format} engine reads model.source "
@@ -62,33 +62,47 @@ def _unused_quantized(artifact: Artifact, model_key: dict[str, Any], recipe: Rec
         "(quantized from it) is not used")
 
 
+def engine_spec(section: EngineSection) -> EngineSpec:
+    """The engine the section asks for, as the engine package takes it (the KV budget and the
+    device are decided here)."""
+    return EngineSpec(section.base_format, section.max_seq_len, section.max_batch, section.cuda_graphs,
+                      section.tune_kernels, section.dtype, section.deterministic)
+
+
+def _plan(recipe: Recipe, hf_config: dict[str, Any], device: torch.device,
+          processes: int) -> tuple[EnginePlan, EngineBudget]:
+    """The engine's plan and the budget that sized its KV cache; raises before any work."""
+    budget = engine_budget(recipe, hf_config, device, processes)  # refuses a train step that cannot fit
+    return plan_engine(engine_spec(recipe.engine), hf_config, device, budget.kv_bytes), budget
+
+
 def _quantized_base(artifact: Artifact) -> _Base:
     hf_config = read_model_config(artifact.path)
     return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
 
 
-def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifact | None = None,
-                     force: bool = False, build_missing: bool = False, find_only: bool = False) -> Artifact:
+@register(STAGE)
+def run_build_engine(call: StageCall) -> Artifact:
     """Build (or reuse) the engine the recipe's `engine` section describes.
 
-    nvfp4 builds from `quantized`, or from the quantize artifact the recipe describes (found; made
-    only with `build_missing`); nf4 and bf16 build from `recipe.model`. `force` redoes this stage only.
+    nvfp4 builds from the quantize artifact passed, or the one the recipe describes (found; made
+    only with `build_missing`); nf4 and bf16 build from the recipe's model. `force` redoes this
+    stage only.
     """
+    recipe = call.recipe
     section = recipe.engine
     device = pick_device(section.device)
     # Under `train --nproc N` (rank 0 building a missing engine) each rank runs 1/N of the step.
     processes = current_dist().world_size
     if section.base_format == "nvfp4":
-        if quantized is None:
-            # Fails before quantizing when the engine cannot be built.
-            plan_engine(section, resolve_model(recipe.model, store).config, device, recipe.train, processes)
-            quantized = input_artifact(STAGE.name, "--quantized", recipe, store, build_missing=build_missing,
-                                       find_only=find_only)
-        _check_quantized(quantized)
-        base = _quantized_base(quantized)
+        early_config = peek_model_config(recipe.model) if call.passed("quantized") is None else None
+        if early_config is not None:  # an engine that cannot be built fails before calibrate and quantize
+            _plan(recipe, early_config, device, processes)
+        base = _quantized_base(call.input("quantized"))
     else:
-        resolved = resolve_model(recipe.model, store)
+        resolved = call.model()
         model_key = model_config_key(resolved, recipe.model)
+        quantized = call.input("quantized")  # not used by this base: only the one passed, if any
         if quantized is not None:
             _unused_quantized(quantized, model_key, recipe, section.base_format)
         quant = detect_quant_format(resolved.config)
@@ -96,13 +110,17 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
             raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
-    plan = plan_engine(section, base.hf_config, device, recipe.train, processes)
+    plan, budget = _plan(recipe, base.hf_config, device, processes)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
-    if plan.memory_plan is not None and recipe.train.memory_budget_gb is not None:
+    if budget.plan is not None and recipe.train.memory_budget_gb is not None:
         config["memory_budget_gb"] = recipe.train.memory_budget_gb  # sized the KV cache (engines without one keep their ids)
 
     def build(pending: PendingArtifact) -> None:
-        pending.summary.update(write_engine(base.dir, base.hf_config, plan, section, device, pending.dir))
+        memory_plan = budget.plan.to_json() if budget.plan is not None else None
+        if budget.plan is not None:
+            log(f"build-engine: KV cache from train's memory plan: {budget.plan.describe()}")
+        with budget_cap(budget.cap_bytes, device):  # the build proves the budget, as train will
+            pending.summary.update(write_engine(base.dir, base.hf_config, plan, engine_spec(section), device,
+                                                pending.dir, memory_plan))
 
-    return find_or_build(STAGE, store, config=config, parents=base.parents, build=build, force=force,
-                         find_only=find_only)
+    return call.seal(config=config, parents=base.parents, build=build)

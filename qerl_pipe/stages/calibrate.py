@@ -14,20 +14,19 @@ import time
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
-from qerl_pipe.dag import CALIBRATE, find_or_build
+from qerl_pipe.artifacts import Artifact, PendingArtifact
+from qerl_pipe.dag import CALIBRATE, register
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.calibration import CHANNELS_FILE, STATS_FILE
 from qerl_pipe.formats.checkpoint import save_safetensors
+from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
 from qerl_pipe.log import log, progress
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.recipe import Recipe
-from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
-from qerl_pipe.sources import model_config_key, resolve_model
-from qerl_pipe.userfiles import data_file_key
+from qerl_pipe.runner import StageCall
+from qerl_pipe.sources import model_config_key
 from qerl_pipe.textdata import load_texts, pack_sequences
+from qerl_pipe.userfiles import data_file_key
 
-# Version 2: per-channel mean squares of each linear's input (CHANNELS_FILE).
 STAGE = CALIBRATE
 
 
@@ -72,10 +71,11 @@ def collect_input_stats(model: torch.nn.Module, batches) -> tuple[dict[str, floa
     return {name: float(value) for name, value in amax.items()}, mean_square, tokens
 
 
-def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False, build_missing: bool = False,
-                  find_only: bool = False) -> Artifact:
+@register(STAGE)
+def run_calibrate(call: StageCall) -> Artifact:
     """Calibrate the recipe's model (no inputs, so `build_missing` changes nothing)."""
-    resolved = resolve_model(recipe.model, store)
+    recipe = call.recipe
+    resolved = call.model()
     DecoderConfig.from_hf(resolved.config)
     section = recipe.calibrate
     config = {"model": model_config_key(resolved, recipe.model), "calibrate": section.model_dump()}
@@ -112,8 +112,7 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False, 
         })
         log(f"calibrate: {tokens} tokens through {len(linears)} linears in {pending.summary['seconds']} s")
 
-    return find_or_build(STAGE, store, config=config, parents=resolved.parents, build=build, force=force,
-                         find_only=find_only)
+    return call.seal(config=config, parents=resolved.parents, build=build)
 
 
 def _check_finite(linears: dict[str, dict[str, float]], mean_square: dict[str, torch.Tensor]) -> None:

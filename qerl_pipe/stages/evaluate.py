@@ -9,7 +9,7 @@ gold answer (numerically or with math-verify). The artifact (kind `eval`): `repo
 artifact when it is one.
 
 What --model and --adapter name is resolved by `eval_inputs`; the generation, grading and
-report files are `rl.eval_run`; this module keys the evaluation and seals it.
+report files are `jobs.eval_job`; this module keys the evaluation and seals it.
 
 Everything that can be wrong with the inputs (data file, adapter format, adapter shapes against
 the model's config.json, a --model that is no model) is checked before any engine is built or
@@ -18,23 +18,22 @@ any weight is read.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
-from qerl_pipe.dag import EVAL, TRAIN, find_or_build
+from qerl_pipe.artifacts import Artifact, PendingArtifact
+from qerl_pipe.dag import EVAL, TRAIN, register
 from qerl_pipe.engine.artifact import check_engine_for
 from qerl_pipe.eval_inputs import build_target_engine, open_adapter, resolve_model_target
 from qerl_pipe.hf import pick_device
+from qerl_pipe.jobs.eval_job import EngineInfo, run_eval_job
 from qerl_pipe.lineage import base_mismatch, engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.model.peft import check_adapter_fits
 from qerl_pipe.recipe import EvalSection, Recipe
-from qerl_pipe.rl.eval_run import EngineInfo, evaluate_engine
-from qerl_pipe.rl.tasks import Problem, load_problems
+from qerl_pipe.rl.task.tasks import Problem, load_problems
+from qerl_pipe.runner import StageCall
 from qerl_pipe.userfiles import data_file_key
 
-# Version 2: an arithmetic expression no longer grades as a numeric answer (accuracies made before are not reused).
 STAGE = EVAL
 
 
@@ -61,22 +60,22 @@ def _sampling_key(section: EvalSection) -> dict[str, Any]:
     return key
 
 
-def run_eval(recipe: Recipe, store: ArtifactStore, *, model: Artifact | str | None = None,
-             adapter: Path | Artifact | str | None = None, force: bool = False, build_missing: bool = False,
-             find_only: bool = False) -> Artifact:
-    """Evaluate the recipe's `eval` section on `model` (an engine artifact, a reference to one, a
-    quantize checkpoint or a model source; None = the recipe's engine; an engine that is not in the
-    store is built only with `build_missing`) with
-    `adapter` applied (a train run, an artifact or directory holding a PEFT LoRA adapter; None =
-    the base model). Reuses an up-to-date artifact unless `force`."""
-    section = recipe.eval
+@register(STAGE, check=check_eval_inputs)
+def run_eval(call: StageCall) -> Artifact:
+    """Evaluate the recipe's `eval` section on the --model passed (an engine artifact, a reference
+    to one, a quantize checkpoint or a model source; None = the recipe's engine; an engine that is
+    not in the store is built only with `build_missing`) with the --adapter passed applied (a train
+    run, an artifact or directory holding a PEFT LoRA adapter; None = the base model). Reuses an
+    up-to-date artifact unless `force`."""
+    recipe, store, section = call.recipe, call.store, call.recipe.eval
     device = pick_device(section.device)
     problems = check_eval_inputs(recipe)
+    adapter = call.passed("adapter")
     adapter_in = open_adapter(adapter, store) if adapter is not None else None
-    target = resolve_model_target(model, recipe, store)
+    target = resolve_model_target(call.passed("model"), call)
     if adapter_in is not None:  # before an engine is built or a weight read
         check_adapter_fits(adapter_in.files, target.hf_config, target.name)
-    engine_art = build_target_engine(target, store, build_missing and not find_only)
+    engine_art = build_target_engine(target, call)
     check_engine_for(engine_art, "eval", section.max_new_tokens, "--model")
     if adapter_in is not None and adapter_in.artifact is not None and adapter_in.artifact.kind == TRAIN.kind:
         note = base_mismatch(adapter_in.artifact, engine_art, store)
@@ -92,11 +91,10 @@ def run_eval(recipe: Recipe, store: ArtifactStore, *, model: Artifact | str | No
     def build(pending: PendingArtifact) -> None:
         engine = EngineInfo(engine_art.path, engine_art.id, engine_model_name(engine_art, store),
                             engine_art.summary.get("base_format"), engine_art.summary.get("dtype"))
-        pending.summary.update(evaluate_engine(section, engine, adapter_in.files if adapter_in else None,
+        pending.summary.update(run_eval_job(section, engine, adapter_in.files if adapter_in else None,
                                                adapter_in.artifact if adapter_in else None, problems, device,
                                                pending.dir, recipe.model.trust_remote_code))
 
-    artifact = find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
-                             find_only=find_only)
+    artifact = call.seal(config=config, parents=parents, build=build)
     log(f"eval: {artifact.path}")
     return artifact

@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import Tensor
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
-from qerl_pipe.dag import EXPORT, check_kind, find_or_build, input_artifact
+from qerl_pipe.artifacts import Artifact, PendingArtifact, load_artifact
+from qerl_pipe.dag import EXPORT, register
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.checkpoint import list_shards
 from qerl_pipe.formats.hf_config import read_model_config
@@ -37,8 +37,8 @@ from qerl_pipe.model.merge import check_adapter_fits_checkpoint, write_merged
 from qerl_pipe.model.peft import (
     ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, LoraTensors, copy_adapter, lora_tensors, read_adapter,
 )
-from qerl_pipe.recipe import Recipe
-from qerl_pipe.rl.run import MODEL_DIR
+from qerl_pipe.jobs.train_job import MODEL_DIR
+from qerl_pipe.runner import StageCall
 
 STAGE = EXPORT
 KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}
@@ -46,7 +46,6 @@ KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvf
 
 def _check_run(run: Artifact) -> Path:
     """The run's adapter directory, or for a full run its trained model directory."""
-    check_kind(run, "train", "--run")
     if is_full_run(run):
         model = run.path / MODEL_DIR
         if not (model / "config.json").is_file() or not list_shards(model):
@@ -61,16 +60,15 @@ def _check_run(run: Artifact) -> Path:
     return adapter
 
 
-def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = None, force: bool = False,
-               build_missing: bool = False, find_only: bool = False) -> Artifact:
-    """Export `run` (default: the recipe's run, found in the store; trained only with
+@register(STAGE)
+def run_export(call: StageCall) -> Artifact:
+    """Export the run passed (default: the recipe's run, found in the store; trained only with
     `build_missing`) in `recipe.export.format`.
 
     Every input is checked (run kind, chain, base, adapter fit) before anything is written.
     """
-    section = recipe.export
-    if run is None:
-        run = input_artifact(STAGE.name, "--run", recipe, store, build_missing=build_missing, find_only=find_only)
+    store, section = call.store, call.recipe.export
+    run = call.input("run")
     adapter_dir = _check_run(run)
     config: dict[str, Any] = {"format": section.format}
     parents = [run.id]
@@ -124,5 +122,4 @@ def run_export(recipe: Recipe, store: ArtifactStore, *, run: Artifact | None = N
         over = f" over the {summary['base']}" if "base" in summary else ""
         log(f"export: {section.format} of {run.path.name}{over}, {summary['size_mb']:.1f} MB in {summary['seconds']} s")
 
-    return find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
-                         find_only=find_only, kind=KINDS[section.format])
+    return call.seal(config=config, parents=parents, build=build, kind=KINDS[section.format])

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, artifact_id
+from qerl_pipe.artifacts import Artifact, PendingArtifact, artifact_id
 from qerl_pipe.artifacts.store import check_output_dir, copy_to
-from qerl_pipe.dag import QUANTIZE, check_kind, find_or_build
+from qerl_pipe.dag import QUANTIZE, register
 from qerl_pipe.errors import ModelSourceError, QerlError, RecipeError
 from qerl_pipe.formats.calibration import CHANNELS_FILE, read_channel_mean_square, read_input_amax
 from qerl_pipe.formats.checkpoint import list_shards
@@ -27,8 +27,8 @@ from qerl_pipe.log import log
 from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.quality import layer_error_report, perplexity_report, print_quality_report
-from qerl_pipe.recipe import Recipe
-from qerl_pipe.sources import model_config_key, resolve_model
+from qerl_pipe.runner import StageCall
+from qerl_pipe.sources import model_config_key
 
 
 STAGE = QUANTIZE
@@ -52,18 +52,18 @@ def _channel_stats(method: str, calibration: Artifact | None, plan: WritePlan) -
 
 
 def _check_calibration(calibration: Artifact, model_key: dict) -> None:
-    check_kind(calibration, "calibrate", "--calibration")
     if calibration.manifest["config"].get("model") != model_key:
         raise QerlError(f"calibration {calibration.path.name} was made for another model (or another version of it); "
                         "run `qerl-pipe calibrate` with the same model first")
 
 
-def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact | None = None,
-                 output: Path | None = None, force: bool = False, build_missing: bool = False,
-                 find_only: bool = False) -> Artifact:
-    """Quantize the recipe's model: NVFP4 with input scales from `calibration`, else weight-only
-    (W4A16_NVFP4); the calibration is an optional input, so none is looked for or built here."""
-    resolved = resolve_model(recipe.model, store)
+@register(STAGE)
+def run_quantize(call: StageCall, *, output: Path | None = None) -> Artifact:
+    """Quantize the recipe's model: NVFP4 with input scales from the calibration passed, else
+    weight-only (W4A16_NVFP4); the calibration is an optional input, so none is looked for or built
+    here. `output`: a new directory to copy the checkpoint to."""
+    recipe, calibration = call.recipe, call.input("calibration")
+    resolved = call.model()
     DecoderConfig.from_hf(resolved.config)
     section = recipe.quantize
     model_key = model_config_key(resolved, recipe.model)
@@ -119,8 +119,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
         })
         print_quality_report(quality["summary"], ppl, pending.summary, output_basis)
 
-    artifact = find_or_build(STAGE, store, config=config, parents=parents, build=build, force=force,
-                             find_only=find_only)
+    artifact = call.seal(config=config, parents=parents, build=build)
     if output is not None:
         if not output_done and copy_to(artifact, output):
             log(f"quantize: the checkpoint is in {output}")

@@ -1,18 +1,17 @@
 """`qerl-pipe train`: GRPO/DAPO of a LoRA adapter over an engine's frozen base (or, with
 `train.adapter: full`, of every weight of a bf16 base), with AQN.
 
-Reads an engine artifact (`--engine`, else the recipe's, found in the store), trains in a work
-directory that is stable for the run's id, `<store>/.runs/train-<id>/`, so that a killed run
-started again with the same inputs resumes from its last checkpoint. When the last step is done
-it evaluates, exports the adapter, and the whole work directory becomes the artifact (hard links
-into the store's pending directory, sealed by its manifest; the work directory is removed after).
-What happens inside the work directory, and its layout, is `rl.run`; this module keys the run,
-finds its engine, plans its step to `train.memory_budget_gb` (`rl.run.plan_run`, before any
-work) and seals the result (plus `run.json`, which holds the plan).
+Reads an engine artifact (`--engine`, else the recipe's, found in the store) and trains in a work
+directory stable for the run's id, `<store>/.runs/train-<id>/`, so that a killed run started again
+with the same inputs resumes from its last checkpoint; when done, the directory becomes the
+artifact (hard links into the store's pending directory, sealed by its manifest). This module keys
+the run, plans its step to `train.memory_budget_gb` before any work (`jobs.train_job.plan_run`),
+builds the trainer's `TrainConfig` from the section and that plan (the stage boundary), and seals
+the result (plus `run.json`, which holds the plan); the run itself is `jobs.train_job`.
 
-Under torchrun (WORLD_SIZE > 1) every rank trains (rl/distributed.py); rank 0 alone resolves the
-engine, holds the store's lock, evaluates and writes the artifact, and tells the other ranks the
-run directory and the result, so they all agree on one run.
+Under torchrun (WORLD_SIZE > 1) every rank trains (rl/loop/distributed.py); rank 0 alone resolves
+the engine, holds the store's lock, evaluates and writes the artifact, and tells the other ranks
+the run directory and the result, so they all agree on one run.
 """
 
 from __future__ import annotations
@@ -24,23 +23,26 @@ from typing import Any
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
+from qerl_pipe.artifacts import Artifact, PendingArtifact, load_artifact
 from qerl_pipe.artifacts.store import link_tree
-from qerl_pipe.dag import TRAIN, find_or_build, input_artifact
+from qerl_pipe.dag import TRAIN, register
 from qerl_pipe.engine.artifact import check_engine_for
 from qerl_pipe.hf import pick_device
+from qerl_pipe.jobs.step_plan import plan_recipe_step
+from qerl_pipe.jobs.train_config import train_config
+from qerl_pipe.jobs.train_job import check_train_inputs, plan_run, run_train_job
 from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan
-from qerl_pipe.memory.preflight import check_recipe_step
 from qerl_pipe.recipe import Recipe, TrainSection
-from qerl_pipe.rl.distributed import Dist, init_distributed
-from qerl_pipe.rl.rewards import custom_reward_digests
-from qerl_pipe.rl.run import check_train_inputs, plan_run, train_run
-from qerl_pipe.rl.tasks import Problem
+from qerl_pipe.rl.loop.config import TrainConfig
+from qerl_pipe.rl.loop.distributed import Dist, init_distributed
+from qerl_pipe.rl.task.rewards import custom_reward_digests
+from qerl_pipe.rl.task.tasks import Problem
+from qerl_pipe.runner import StageCall
+from qerl_pipe.sources import peek_model_config
 from qerl_pipe.userfiles import data_file_key
 
-# Version 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused).
 STAGE = TRAIN
 RUN_FILE = "run.json"
 
@@ -56,37 +58,41 @@ def train_key(section: TrainSection) -> dict[str, Any]:
     return key
 
 
-def run_dir_for(store: ArtifactStore, art_id: str) -> Path:
-    return store.work_dir_for(STAGE.name, art_id)
-
-
 def check_train_recipe(recipe: Recipe) -> None:
     """`run`'s check before its first stage: the train inputs (`check_train_inputs`) and the step
-    against train.memory_budget_gb, from the model's config.json alone (`memory.preflight`)."""
+    against train.memory_budget_gb, from the model's config.json when it can be read without work
+    (not a GGUF file to import: build-engine and train check it then)."""
     check_train_inputs(recipe)
-    check_recipe_step(recipe)
+    if (hf_config := peek_model_config(recipe.model)) is not None:
+        plan_recipe_step(recipe, hf_config)
 
 
-def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None = None, force: bool = False,
-              build_missing: bool = False, find_only: bool = False) -> Artifact:
-    """Train the recipe's `train` section over `engine` (default: the recipe's engine, found in the
-    store; built only with `build_missing`).
+def _engine(call: StageCall, dist: Dist) -> Artifact:
+    """The engine passed, or the recipe's, which rank 0 alone finds (or builds) and the others load."""
+    if call.passed("engine") is not None:
+        return call.input("engine")
+    found = call.input("engine") if dist.is_main else None
+    path = dist.broadcast(found.path if found is not None else None)
+    return found if found is not None else load_artifact(path, verify=False)
+
+
+@register(STAGE, check=check_train_recipe)
+def run_train(call: StageCall) -> Artifact:
+    """Train the recipe's `train` section over the engine passed (default: the recipe's engine,
+    found in the store; built only with `build_missing`).
 
     An interrupted run with the same inputs is resumed from its last checkpoint; `force` starts it
     over (and redoes a finished one). Under torchrun every rank calls this; all return the artifact.
     """
-    section = recipe.train
+    recipe, store, section = call.recipe, call.store, call.recipe.train
     dist, device_choice = init_distributed(section.device)
     device = pick_device(device_choice)
-    problems, eval_problems, custom_rewards = check_train_inputs(recipe, engine)  # before any model work
+    problems, eval_problems, custom_rewards = check_train_inputs(recipe, call.passed("engine"))  # before any work
     dist.share(section.prompts_per_step)  # B must split evenly over the ranks
-    if engine is None:  # rank 0 finds (or builds) it; the others load what it found
-        found = input_artifact(STAGE.name, "--engine", recipe, store, build_missing=build_missing,
-                               find_only=find_only) if dist.is_main else None
-        path = dist.broadcast(found.path if found is not None else None)
-        engine = found if found is not None else load_artifact(path, verify=False)
+    engine = _engine(call, dist)
     check_engine_for(engine, "train", section.max_new_tokens, "--engine")
     plan = plan_run(section, engine.path, device, dist)  # over train.memory_budget_gb: refused now
+    cfg = train_config(section, plan)
     config = {"train": train_key(section), "device": device.type}
     for key, spec in (("data_sha256", section.data), ("eval_data_sha256", section.eval_data)):
         digest = data_file_key(spec)
@@ -98,26 +104,25 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
     if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
         config["processes"] = dist.world_size
     if not dist.is_main:
-        return _follow_train(recipe, section, engine, problems, eval_problems, device, plan, dist)
+        return _follow_train(recipe, cfg, engine, problems, eval_problems, device, plan, dist)
     built: list[Path] = []
 
     def build(pending: PendingArtifact) -> None:
-        run_dir = run_dir_for(store, pending.id)
+        run_dir = store.work_dir_for(STAGE.name, pending.id)
         dist.broadcast((None, str(run_dir)))
-        if force and run_dir.exists():
+        if call.force and run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
         (run_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
         dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
-        summary = train_run(section, engine.path, problems, eval_problems, device, run_dir,
-                            engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
+        summary = run_train_job(section, cfg, engine.path, problems, eval_problems, device,
+                                run_dir, engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
         link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
         built.append(run_dir)
 
-    artifact = find_or_build(STAGE, store, config=config, parents=[engine.id], build=build, force=force,
-                             find_only=find_only)
+    artifact = call.seal(config=config, parents=[engine.id], build=build)
     if not built:
         dist.broadcast((str(artifact.path), None))
         return artifact
@@ -127,7 +132,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
     return artifact
 
 
-def _follow_train(recipe: Recipe, section: TrainSection, engine: Artifact, problems: list[Problem],
+def _follow_train(recipe: Recipe, cfg: TrainConfig, engine: Artifact, problems: list[Problem],
                   eval_problems: list[Problem], device: torch.device, plan: MemoryPlan, dist: Dist) -> Artifact:
     """A rank other than 0: train in the run directory rank 0 chose, then return the artifact it sealed.
 
@@ -138,6 +143,6 @@ def _follow_train(recipe: Recipe, section: TrainSection, engine: Artifact, probl
     if existing is not None:
         return load_artifact(Path(existing), verify=False)
     dist.barrier()
-    train_run(section, engine.path, problems, eval_problems, device, Path(run_dir), "",
-              recipe.model.trust_remote_code, dist, plan)
+    run_train_job(recipe.train, cfg, engine.path, problems, eval_problems, device, Path(run_dir),
+                  "", recipe.model.trust_remote_code, dist, plan)
     return load_artifact(Path(dist.broadcast(None)), verify=False)

@@ -4,8 +4,9 @@ and the reports. The train stage keys the run, picks the work directory and seal
 artifact; everything that happens inside the directory is here.
 
 The step's memory is planned here too (`plan_run`: `memory.plan` over the engine, to
-`train.memory_budget_gb`, the process capped to it on CUDA): the plan's KV slots, micro-batch and
-LM-head chunk are what the run uses.
+`train.memory_budget_gb`, the process capped to it on CUDA). The run uses the plan's KV slots, and
+its micro-batch and LM-head chunk through the `TrainConfig` the stage builds from it
+(`jobs.train_config`); the log and the report say what the plan changed and why.
 
 The directory: `adapter/` (PEFT; a full run has `model/` instead, a Hugging Face model directory
 of the trained weights), `metrics.jsonl`, `plots/`, `report.json` / `report.md`,
@@ -28,21 +29,24 @@ from qerl_pipe.engine.artifact import load_engine
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer
+from qerl_pipe.jobs.step_plan import plan_train
+from qerl_pipe.jobs.train_config import plan_changes
 from qerl_pipe.log import log
-from qerl_pipe.memory.plan import MemoryPlan, enforce_budget, plan_train
+from qerl_pipe.memory.plan import MemoryPlan, enforce_budget
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.full import full_training_bytes
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.peft import ADAPTER_DIR, save_adapter
 from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.recipe import Recipe, TrainSection
-from qerl_pipe.rl.distributed import Dist
-from qerl_pipe.rl.evaluate import EvalResult, greedy_eval
-from qerl_pipe.rl.metrics import PLOTS_DIR, greedy_line, write_plots
-from qerl_pipe.rl.prompts import fit_prompts, stop_token_ids
-from qerl_pipe.rl.rewards import CustomReward, load_custom_rewards
-from qerl_pipe.rl.tasks import Problem, load_problems
-from qerl_pipe.rl.trainer import Trainer, fit
+from qerl_pipe.rl.loop.accuracy import EvalResult, greedy_eval
+from qerl_pipe.rl.loop.config import TrainConfig
+from qerl_pipe.rl.loop.distributed import Dist
+from qerl_pipe.rl.loop.metrics import PLOTS_DIR, greedy_line, write_plots
+from qerl_pipe.rl.loop.trainer import Trainer, fit
+from qerl_pipe.rl.task.prompts import fit_prompts, stop_token_ids
+from qerl_pipe.rl.task.rewards import CustomReward, load_custom_rewards
+from qerl_pipe.rl.task.tasks import Problem, load_problems
 
 # Where a full fine-tuning run keeps its trained weights, a Hugging Face model directory (a LoRA
 # run keeps its adapter in ADAPTER_DIR); export reads them there.
@@ -87,12 +91,13 @@ def check_train_inputs(recipe: Recipe, engine: Artifact | None = None
 
 
 def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist: Dist = Dist()) -> MemoryPlan:
-    """The plan of each rank's step over the engine in `engine_dir` (`memory.plan.plan_train`), said
+    """The plan of each rank's step over the engine in `engine_dir` (`jobs.step_plan.plan_train`), said
     by rank 0; under train.memory_budget_gb on CUDA the process is capped to the budget. Raises
     MemoryBudgetError, naming the smallest budget that fits, before anything is loaded."""
     plan, enforced = plan_train(section, engine_dir, device, dist.world_size)
     if dist.is_main:
         log(f"train: memory plan: {plan.describe()}")
+        log(f"train: memory plan: {plan_changes(plan)}")
     if enforced:
         enforce_budget(plan.budget_bytes, device)
     return plan
@@ -106,7 +111,7 @@ def _write_eval(run_dir: Path, name: str, result: EvalResult) -> None:
 
 
 def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]], before: dict | None,
-            after: dict | None, seconds: float, device: str) -> dict[str, Any]:
+                 after: dict | None, seconds: float, device: str, plan: MemoryPlan) -> dict[str, Any]:
     tenth = max(1, len(records) // 10)
 
     def mean(key: str, rows: list[dict[str, Any]]) -> float:
@@ -125,13 +130,15 @@ def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, A
         "accuracy_last_tenth": mean("accuracy", records[-tenth:]),
         "rollout_tokens_per_s": mean("rollout_tokens_per_s", records),
         "step_seconds_mean": mean("step_seconds", records),
+        "memory_plan_changes": plan_changes(plan),
     }
     (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Training report ({len(records)} steps on {device}: {report['step_seconds_total']} s of RL steps in "
              f"all sessions; this session {report['seconds_this_session']} s with loading and evaluation)", "",
              f"Loss {section.loss}, B={section.prompts_per_step} prompts x G={section.group_size}, lr {section.lr}, "
              f"{_what_trains(section)}, AQN {section.aqn.schedule} {section.aqn.sigma_start:g} -> "
-             f"{section.aqn.sigma_end:g}, data {section.data}.", ""]
+             f"{section.aqn.sigma_end:g}, data {section.data}.", "",
+             f"Memory plan: {plan.describe()}; {plan_changes(plan)}.", ""]
     if before and after:
         lines += [f"Greedy accuracy on {before['total']} problems of {section.eval_data}:", "",
                   "| | accuracy | mean length | truncated |", "|---|---|---|---|"]
@@ -172,11 +179,12 @@ def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
     return line, {"trained_parameters": params, "train_state_gib": round(extra / 2**30, 3)}
 
 
-def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], eval_problems: list[Problem],
-              device: torch.device, run_dir: Path, base_model: str, trust_remote_code: bool,
-              dist: Dist, plan: MemoryPlan) -> dict[str, Any]:
+def run_train_job(section: TrainSection, cfg: TrainConfig, engine_dir: Path, problems: list[Problem],
+                  eval_problems: list[Problem], device: torch.device, run_dir: Path, base_model: str,
+                  trust_remote_code: bool, dist: Dist, plan: MemoryPlan) -> dict[str, Any]:
     """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary. `plan`
-    (`plan_run`) sets the KV slots, micro-batch and LM-head chunk.
+    (`plan_run`) sets the KV slots; `cfg`, built from the section and the plan, is what the
+    trainer runs (the section gives the adapter's shape, the prompts and the report's words).
 
     With several ranks all of them train; rank 0 alone evaluates and writes the files (the
     others return {} once training is done).
@@ -199,8 +207,7 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
     with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
         if dense_bytes and dist.is_main:
             log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
-        cfg, chunk = section.model_copy(update={"micro_batch_size": plan.micro_batch}), plan.logprob_chunk
-        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, cfg, stops, chunk, dist=dist)
+        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, cfg, stops, dist=dist)
         memory: dict[str, Any] = {}
         if full and dist.is_main:
             line, memory = _full_memory_line(model)
@@ -228,7 +235,7 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
     else:
         save_adapter(model, spec, run_dir / ADAPTER_DIR, base_model)
     write_plots(records, run_dir / PLOTS_DIR)
-    report = write_report(run_dir, section, records, before, after, time.perf_counter() - started, str(device))
+    report = write_report(run_dir, section, records, before, after, time.perf_counter() - started, str(device), plan)
     return {
         "steps": len(records),
         "accuracy_before": before["accuracy"] if before else None,

@@ -24,9 +24,9 @@ from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.lora import lora_disabled
 from qerl_pipe.model.peft import ADAPTER_WEIGHTS, AdapterFiles, load_adapter_weights
 from qerl_pipe.recipe import EvalSection
-from qerl_pipe.rl.evaluate import Graded, generate_and_grade, pass_rates
-from qerl_pipe.rl.prompts import fit_prompts, stop_token_ids
-from qerl_pipe.rl.tasks import Problem
+from qerl_pipe.rl.loop.accuracy import Graded, generate_and_grade, pass_rates
+from qerl_pipe.rl.task.prompts import fit_prompts, stop_token_ids
+from qerl_pipe.rl.task.tasks import Problem
 
 SECTION = "eval"  # the recipe section, named in messages
 REPORT_JSON = "report.json"
@@ -148,7 +148,7 @@ def _markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def evaluate_engine(section: EvalSection, engine: EngineInfo, adapter: AdapterFiles | None,
+def run_eval_job(section: EvalSection, engine: EngineInfo, adapter: AdapterFiles | None,
                     adapter_artifact: Artifact | None, problems: list[Problem], device: torch.device, out: Path,
                     trust_remote_code: bool = False) -> dict[str, Any]:
     """Generate, grade and write the three files into `out`; returns the manifest summary.

@@ -1,6 +1,6 @@
 """Accuracy of the current policy (adapter as it is, no AQN noise) through the engine.
 
-`generate_and_grade` is shared by the train stage (greedy before/after) and the eval stage
+`generate_and_grade` is shared by the train job (greedy before/after) and the eval job
 (greedy, or average pass@1 over k samples). Grading is `rewards.score`: the whole extracted answer
 against the whole gold answer, numerically or with math-verify.
 """
@@ -14,9 +14,9 @@ from typing import Any
 
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.log import heartbeat
-from qerl_pipe.rl.aqn import clear_noise
-from qerl_pipe.rl.rewards import RewardSpec, score
-from qerl_pipe.rl.tasks import Problem
+from qerl_pipe.rl.algo.aqn import clear_noise
+from qerl_pipe.rl.task.rewards import RewardSpec, score
+from qerl_pipe.rl.task.tasks import Problem
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from qerl_pipe.errors import QerlError
 from qerl_pipe.log import log
-from qerl_pipe.rl.tasks import Problem, render_prompt
+from qerl_pipe.rl.task.tasks import Problem, render_prompt
 
 
 def stop_token_ids(tokenizer, engine_dir: Path) -> tuple[int, ...]:

@@ -17,11 +17,15 @@ One step (`Trainer.step`), from prompts to optimizer:
 
 `fit` runs steps with checkpoints, resume and metrics around them.
 
+What the trainer reads is a `TrainConfig` (rl/loop/config.py), fixed for the run: the recipe's
+settings with the memory plan's micro-batch and LM-head chunk.
+
 Under torchrun (`Dist` with several ranks) each rank samples its contiguous share of every
 draw's prompts, numbering its sequences as one process would (so the samples are the same); the
-draw's rewards are gathered, so every rank keeps the same groups, computes the advantages over
-the whole batch and reports whole-batch metrics; the loss normaliser counts every rank's tokens;
-the LoRA gradients are summed before clipping. Rank 0 alone writes metrics and checkpoints.
+draw is gathered, so every rank keeps the same groups, computes the advantages over the whole
+batch and reports whole-batch metrics (rl/loop/shares.py); the loss normaliser counts every
+rank's tokens; the LoRA gradients are summed before clipping. Rank 0 alone writes metrics and
+checkpoints.
 """
 
 from __future__ import annotations
@@ -32,31 +36,30 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from qerl_pipe.engine import Engine, SamplingParams
+from qerl_pipe.engine import Engine, Rollouts, SamplingParams
 from qerl_pipe.errors import QerlError
 from qerl_pipe.log import heartbeat, log
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.full import FullTraining
 from qerl_pipe.model.lora import lora_disabled, lora_parameters
-from qerl_pipe.rl.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
-from qerl_pipe.rl.aqn import AqnSchedule, clear_noise, draw_noise
-from qerl_pipe.rl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
-from qerl_pipe.rl.data_order import DataOrder
-from qerl_pipe.rl.distributed import Dist, global_loss_norm
-from qerl_pipe.rl.logprobs import DEFAULT_CHUNK, sequence_logprobs
-from qerl_pipe.rl.losses import LossNorm, PolicyLossConfig, policy_loss
-from qerl_pipe.rl.metrics import MetricsLog, step_progress
-from qerl_pipe.rl.rewards import RewardSpec, score
-from qerl_pipe.rl.schedule import step_seed, warmup_cosine
-from qerl_pipe.rl.tasks import Problem
-
-if TYPE_CHECKING:  # only an annotation: the trainer itself runs without pydantic (GPU benchmarks)
-    from qerl_pipe.recipe import TrainSection
+from qerl_pipe.rl.algo.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
+from qerl_pipe.rl.algo.aqn import clear_noise, draw_noise
+from qerl_pipe.rl.algo.logprobs import sequence_logprobs
+from qerl_pipe.rl.algo.losses import LossNorm, policy_loss
+from qerl_pipe.rl.loop.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
+from qerl_pipe.rl.loop.config import TrainConfig
+from qerl_pipe.rl.loop.data_order import DataOrder
+from qerl_pipe.rl.loop.distributed import Dist, global_loss_norm
+from qerl_pipe.rl.loop.metrics import MetricsLog, step_progress
+from qerl_pipe.rl.loop.schedule import step_seed, warmup_cosine
+from qerl_pipe.rl.loop.shares import Draw, KeptGroups
+from qerl_pipe.rl.task.rewards import score
+from qerl_pipe.rl.task.tasks import Problem
 
 # step_seed streams: sampling of the first draw, the AQN noise, then extra dynamic-sampling draws.
 _SAMPLING, _NOISE = 0, 1
@@ -72,19 +75,6 @@ class Group:
     finish_reasons: list[str]
     rewards: Tensor  # [G]
     advantages: Tensor | None = None  # [G], set by the trainer from the whole batch's rewards
-
-
-@dataclass
-class _Draw:
-    """One rank's share of one rollout draw: what the other ranks need to see (small, picklable)."""
-
-    rewards: Tensor  # [P * G], its prompts in order
-    correct: list[bool]
-    lengths: list[int]
-    finish_reasons: list[str]
-    tokens: int
-    seconds: float
-    sample: tuple[str, str]  # (question, completion) of its first rollout: kept in metrics.jsonl
 
 
 @dataclass
@@ -136,30 +126,21 @@ class Trainer:
     """One RL run's state: the model (shared with `engine`), optimizer, LR schedule, data order, step."""
 
     def __init__(self, model: Decoder, engine: Engine, tokenizer, problems: Sequence[Problem],
-                 prompts: Sequence[Sequence[int]], cfg: TrainSection, stop_token_ids: tuple[int, ...],
-                 logprob_chunk: int = DEFAULT_CHUNK, dist: Dist | None = None):
+                 prompts: Sequence[Sequence[int]], cfg: TrainConfig, stop_token_ids: tuple[int, ...],
+                 dist: Dist | None = None):
         if engine.model is not model:
             raise ValueError("the engine must generate from the model being trained (one shared model)")
         self.model, self.engine, self.tokenizer, self.cfg = model, engine, tokenizer, cfg
         self.problems, self.prompts = list(problems), [list(p) for p in prompts]
-        self.stop_token_ids, self.logprob_chunk = tuple(stop_token_ids), logprob_chunk
+        self.stop_token_ids = tuple(stop_token_ids)
         self.device = model.embed_tokens.weight.device
         model.gradient_checkpointing = cfg.gradient_checkpointing
         # Full fine-tuning: AdamW steps float32 masters of every weight, copied back into the
         # shared model after each step (model/full.py); LoRA: the adapter's own float32 tensors.
-        # getattr: the GPU benchmarks pass a plain namespace that may predate the setting.
-        self.full = FullTraining(model) if getattr(cfg, "adapter", "lora") == "full" else None
-        if self.full is not None and cfg.kl_coef > 0:
-            raise ValueError("kl_coef > 0 needs a frozen base policy, which full fine-tuning does not keep")
+        self.full = FullTraining(model) if cfg.full else None
         self.params = self.full.masters if self.full is not None else lora_parameters(model)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, cfg.steps)
-        a = cfg.aqn
-        self.aqn = AqnSchedule(a.schedule, a.sigma_start, a.sigma_end, a.num_stages)
-        self.loss_cfg = PolicyLossConfig(cfg.loss, cfg.eps_low, cfg.eps_high, cfg.kl_coef, cfg.max_new_tokens,
-                                         cfg.tis_cap)
-        self.reward_spec = RewardSpec(cfg.rewards.accuracy, cfg.rewards.format, tuple(cfg.rewards.custom))
-        self.overlong_buffer = cfg.overlong.buffer or max(1, cfg.max_new_tokens // 4)
         # Every rank walks the same data order and takes whole draws; each then samples its share.
         self.data = DataOrder(len(self.prompts), cfg.seed)
         self.dist = dist or Dist()
@@ -178,8 +159,8 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps beside the adapter, optimizer, scheduler and RNG states."""
         return {"step": self.step_count, "data": self.data.state_dict(),
-                "aqn": {"schedule": self.aqn.kind, "sigma_start": self.aqn.sigma_start,
-                        "sigma_end": self.aqn.sigma_end, "num_stages": self.aqn.num_stages,
+                "aqn": {"schedule": self.cfg.aqn.kind, "sigma_start": self.cfg.aqn.sigma_start,
+                        "sigma_end": self.cfg.aqn.sigma_end, "num_stages": self.cfg.aqn.num_stages,
                         "total_steps": self.cfg.steps}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -195,12 +176,12 @@ class Trainer:
         started = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        sigma = self.aqn.sigma(step, cfg.steps)
+        sigma = cfg.aqn.sigma(step, cfg.steps)
         noise_gen = torch.Generator(device=self.device).manual_seed(step_seed(cfg.seed, step, _NOISE))
         draw_noise(self.model, sigma, noise_gen)
         groups, rollout = self._rollouts(step)
         kept = rollout.pop("kept_groups")  # over all ranks; this rank may hold none of them
-        if not cfg.aqn.apply_in_training:
+        if not cfg.aqn_in_training:
             clear_noise(self.model)
         lr = self.scheduler.get_last_lr()[0]
         trained = time.perf_counter()
@@ -225,69 +206,55 @@ class Trainer:
         """Sample, score and keep groups (dynamic sampling: only groups with a reward spread).
 
         Returns this rank's kept groups, with advantages over the whole batch, and the metrics.
-        The keep/stop decisions use the gathered rewards of the whole draw, so every rank makes
-        the same ones and the kept groups are those one process would keep, in its order.
+        The keep/stop decisions use the whole draw's rewards, so every rank makes the same ones and
+        the kept groups are those one process would keep, in its order.
         """
         cfg, g = self.cfg, self.cfg.group_size
-        dynamic = cfg.dynamic_sampling.enabled
-        kept: list[Group | None] = []  # the whole batch's kept groups; None = another rank's
-        kept_rewards: list[Tensor] = []
-        rewards_seen, correct, lengths, finishes = [], [], [], []
-        seconds, tokens, draws = 0.0, 0, 0
-        sample: dict[str, Any] = {}
-        for draw in range(cfg.dynamic_sampling.max_draws if dynamic else 1):
-            draws += 1
-            mine, out, parts = self._draw(step, draw)
-            # Each rank drew its own rollouts: all ranks see the summed count, so all stop.
-            self._refuse_non_finite("the rollout's log-probabilities", self.dist.sum([_non_finite(out.logprobs)])[0])
-            rewards = torch.cat([part.rewards for part in parts])  # the whole draw, prompt by prompt
-            seconds += max(part.seconds for part in parts)
-            tokens += sum(part.tokens for part in parts)
-            rewards_seen.append(rewards)
-            if draw == 0:  # one rollout as it was generated, so a run's answers can be read later
-                question, completion = parts[0].sample
-                sample = {"question": question, "completion": completion, "reward": float(rewards[0])}
-            for part in parts:
-                correct += part.correct
-                lengths += part.lengths
-                finishes += part.finish_reasons
-            flat = zero_variance_groups(rewards, g).tolist()
+        kept: KeptGroups[Group] = KeptGroups(self.share, g, cfg.prompts_per_step)
+        draws: list[Draw] = []
+        for draw in range(cfg.max_draws if cfg.dynamic_sampling else 1):
+            mine, out, whole = self._draw(step, draw)
+            draws.append(whole)
+            flat = zero_variance_groups(whole.rewards, g).tolist()
             for p in range(cfg.prompts_per_step):
-                if dynamic and flat[p]:
+                if cfg.dynamic_sampling and flat[p]:
                     continue
-                kept_rewards.append(rewards[p * g:(p + 1) * g])
-                local = p - self.share.start
-                rows = slice(local * g, (local + 1) * g)
-                kept.append(Group(self.prompts[mine[local]], out.tokens[rows], out.logprobs[rows],
-                                  out.finish_reasons[rows], rewards[p * g:(p + 1) * g])
-                            if p in self.share else None)
-            if len(kept) >= cfg.prompts_per_step:
+                rewards = whole.rewards[p * g:(p + 1) * g]
+                kept.keep(p, rewards, lambda i: self._group(mine[i], out, i, rewards))
+            if kept.full():
                 break
-        kept, kept_rewards = kept[:cfg.prompts_per_step], kept_rewards[:cfg.prompts_per_step]
-        if kept:  # 'batch' scaling needs the std of every rank's rewards: computed on all of them
-            advantages = group_advantages(torch.cat(kept_rewards), g, cfg.scale_rewards)
-            for i, group in enumerate(kept):
-                if group is not None:
-                    group.advantages = advantages[i * g:(i + 1) * g]
-        all_rewards = torch.cat(rewards_seen)
+        groups = []
+        for group, advantages in kept.with_advantages(cfg.scale_rewards):
+            group.advantages = advantages
+            groups.append(group)
+        all_rewards = torch.cat([d.rewards for d in draws])
+        lengths = [n for d in draws for n in d.lengths]
+        finishes = [f for d in draws for f in d.finish_reasons]
+        seconds = sum(d.seconds for d in draws)
         n = len(lengths)
-        return [group for group in kept if group is not None], {
+        question, completion = draws[0].sample  # one rollout as it was generated, so a run's answers can be read
+        return groups, {
             "reward_mean": float(all_rewards.mean()),
             "reward_std": float(all_rewards.std()) if n > 1 else 0.0,
-            "accuracy": sum(correct) / n,
+            "accuracy": sum(c for d in draws for c in d.correct) / n,
             "response_length_mean": sum(lengths) / n,
             "truncation_rate": finishes.count("length") / n,
             "zero_variance_fraction": float(zero_variance_groups(all_rewards, g).float().mean()),
-            "draws": draws,
+            "draws": len(draws),
             "rollout_seconds": seconds,
-            "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "rollout_tokens_per_s": sum(d.tokens for d in draws) / seconds if seconds > 0 else 0.0,
             "kept_groups": len(kept),
-            "sample": sample,
+            "sample": {"question": question, "completion": completion, "reward": float(draws[0].rewards[0])},
         }
 
-    def _draw(self, step: int, draw: int) -> tuple[list[int], Any, list[_Draw]]:
+    def _group(self, problem: int, out: Rollouts, i: int, rewards: Tensor) -> Group:
+        """The group of this rank's i-th prompt of a draw (problem `problem`), from its rollouts `out`."""
+        rows = slice(i * self.cfg.group_size, (i + 1) * self.cfg.group_size)
+        return Group(self.prompts[problem], out.tokens[rows], out.logprobs[rows], out.finish_reasons[rows], rewards)
+
+    def _draw(self, step: int, draw: int) -> tuple[list[int], Rollouts, Draw]:
         """Sample and score this rank's share of one draw of B prompts; returns its problem
-        indices, its rollouts, and every rank's `_Draw` (in rank order)."""
+        indices, its rollouts, and the whole draw (every rank's share, gathered)."""
         cfg, g = self.cfg, self.cfg.group_size
         indices = self.data.take(cfg.prompts_per_step)  # all ranks take the whole draw: same data state
         mine = [indices[i] for i in self.share]
@@ -299,18 +266,20 @@ class Trainer:
         out = self.engine.generate([self.prompts[i] for i in mine], n=g, sampling=params,
                                    first_sequence_id=self.share.start * g)
         seconds = time.perf_counter() - t0
+        # Each rank drew its own rollouts: all ranks see the summed count, so all stop.
+        self._refuse_non_finite("the rollout's log-probabilities", self.dist.sum([_non_finite(out.logprobs)])[0])
         texts = self.tokenizer.batch_decode(out.tokens, skip_special_tokens=True)
-        scored = score(texts, [self.problems[i] for i in mine for _ in range(g)], self.reward_spec)
+        scored = score(texts, [self.problems[i] for i in mine for _ in range(g)], cfg.rewards)
         rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-        if cfg.overlong.soft_penalty:
-            rewards += soft_overlong_penalty(torch.tensor(out.lengths), cfg.max_new_tokens, self.overlong_buffer)
-        part = _Draw(rewards, scored.correct, out.lengths, out.finish_reasons, out.generated_tokens, seconds,
+        if cfg.overlong_penalty:
+            rewards += soft_overlong_penalty(torch.tensor(out.lengths), cfg.max_new_tokens, cfg.overlong_buffer)
+        drawn = Draw(rewards, scored.correct, out.lengths, out.finish_reasons, out.generated_tokens, seconds,
                      (self.problems[mine[0]].question, texts[0]))
-        return mine, out, self.dist.all_gather(part)
+        return mine, out, drawn.gather(self.dist)
 
     def _logprobs(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         return sequence_logprobs(self.model, batch.input_ids, batch.attention_mask, batch.response_mask,
-                                 self.cfg.temperature, self.logprob_chunk)
+                                 self.cfg.temperature, self.cfg.logprob_chunk)
 
     @torch.no_grad()
     def _fixed_logprobs(self, micro: list[RolloutBatch], base: bool) -> list[Tensor]:
@@ -329,21 +298,21 @@ class Trainer:
         """mu AdamW updates on this rank's groups (possibly none, with several ranks)."""
         cfg = self.cfg
         advantages = self._advantages(groups)
-        if cfg.kl_coef == 0 and not self.dist.sum([float(bool(advantages.any()))])[0]:
+        if cfg.loss.kl_coef == 0 and not self.dist.sum([float(bool(advantages.any()))])[0]:
             return self._zero_signal_update()
-        batch = build_batch(groups, advantages, cfg.overlong.mask, self.device) if groups else None
-        micro = batch.split(cfg.micro_batch_size) if batch is not None else []
+        batch = build_batch(groups, advantages, cfg.overlong_mask, self.device) if groups else None
+        micro = batch.split(cfg.micro_batch) if batch is not None else []
         # Whole-batch counts (every rank's) for every micro-batch.
         norm = global_loss_norm(LossNorm.of(batch.loss_mask) if batch is not None else LossNorm(0, 0), self.dist)
         old = self._fixed_logprobs(micro, base=False) if cfg.mu > 1 else [None] * len(micro)
-        ref = self._fixed_logprobs(micro, base=True) if cfg.kl_coef > 0 else [None] * len(micro)
+        ref = self._fixed_logprobs(micro, base=True) if cfg.loss.kl_coef > 0 else [None] * len(micro)
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": 0.0}
         counted = response_tokens = 0
         for update in range(cfg.mu):
             self.optimizer.zero_grad(set_to_none=True)
             for k, mb in enumerate(micro):
                 logp, entropy = self._logprobs(mb)
-                loss, m = policy_loss(logp, mb.advantages, mb.loss_mask, self.loss_cfg, old_logp=old[k],
+                loss, m = policy_loss(logp, mb.advantages, mb.loss_mask, cfg.loss, old_logp=old[k],
                                       ref_logp=ref[k], rollout_logp=mb.rollout_logp, norm=norm)
                 loss.backward()
                 tokens = int(mb.loss_mask.sum())
@@ -359,7 +328,7 @@ class Trainer:
             totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) / cfg.mu
             self.optimizer.step()
             self._push()
-        passes = cfg.mu + (cfg.mu > 1) + (cfg.kl_coef > 0)  # forward passes over the batch
+        passes = cfg.mu + (cfg.mu > 1) + (cfg.loss.kl_coef > 0)  # forward passes over the batch
         train_tokens = int(batch.attention_mask.sum()) * passes if batch is not None else 0
         # Each rank's loss is its share of the global loss: sums over ranks give the batch's figures.
         (totals["loss"], totals["clip_fraction"], totals["kl"], counted, totals["entropy"], response_tokens,

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from qerl_pipe.errors import QerlError
-from qerl_pipe.rl.answers import extract_answer, is_correct, last_boxed
-from qerl_pipe.rl.tasks import Problem
+from qerl_pipe.rl.task.answers import extract_answer, is_correct, last_boxed
+from qerl_pipe.rl.task.tasks import Problem
 
 __all__ = ["RewardError", "RewardSpec", "Scored", "extract_answer", "is_correct", "load_custom_rewards", "score"]
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from qerl_pipe.errors import QerlError
-from qerl_pipe.rl.losses import LossNorm
+from qerl_pipe.rl.algo.losses import LossNorm
 
 NVLS_OFF: dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",

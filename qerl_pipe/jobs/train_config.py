@@ -1,0 +1,53 @@
+"""The trainer's config at the stage boundary: the recipe's train section with the memory plan's
+settings in place of the recipe's bounds (`train_config`), and what the plan changed, in words
+for the run's log and report (`plan_changes`)."""
+
+from __future__ import annotations
+
+from qerl_pipe.memory.plan import GB, MemoryPlan
+from qerl_pipe.recipe import TrainSection
+from qerl_pipe.rl.algo.aqn import AqnSchedule
+from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
+from qerl_pipe.rl.algo.losses import PolicyLossConfig
+from qerl_pipe.rl.loop.config import TrainConfig
+from qerl_pipe.rl.task.rewards import RewardSpec
+
+# The plan's settings as a recipe reader knows them.
+SETTING_NAMES = {"kv_slots": "KV slots (engine.max_batch)", "micro_batch": "train.micro_batch_size",
+                 "logprob_chunk": "LM-head chunk"}
+
+
+def train_config(section: TrainSection, plan: MemoryPlan | None = None) -> TrainConfig:
+    """`section` as the trainer runs it: with `plan`, its micro-batch and LM-head chunk; without one
+    (a trainer built by hand), the recipe's micro-batch and the default chunk."""
+    a, o = section.aqn, section.overlong
+    return TrainConfig(
+        steps=section.steps, seed=section.seed, prompts_per_step=section.prompts_per_step,
+        group_size=section.group_size, max_new_tokens=section.max_new_tokens, temperature=section.temperature,
+        top_p=section.top_p, top_k=section.top_k,
+        loss=PolicyLossConfig(section.loss, section.eps_low, section.eps_high, section.kl_coef,
+                              section.max_new_tokens, section.tis_cap),
+        scale_rewards=section.scale_rewards,
+        rewards=RewardSpec(section.rewards.accuracy, section.rewards.format, tuple(section.rewards.custom)),
+        aqn=AqnSchedule(a.schedule, a.sigma_start, a.sigma_end, a.num_stages), aqn_in_training=a.apply_in_training,
+        overlong_mask=o.mask, overlong_penalty=o.soft_penalty,
+        overlong_buffer=o.buffer or max(1, section.max_new_tokens // 4),
+        dynamic_sampling=section.dynamic_sampling.enabled, max_draws=section.dynamic_sampling.max_draws,
+        mu=section.mu, lr=section.lr, weight_decay=section.weight_decay, warmup_steps=section.warmup_steps,
+        max_grad_norm=section.max_grad_norm, full=section.adapter == "full",
+        micro_batch=plan.micro_batch if plan is not None else section.micro_batch_size,
+        logprob_chunk=plan.logprob_chunk if plan is not None else DEFAULT_CHUNK,
+        gradient_checkpointing=section.gradient_checkpointing,
+    )
+
+
+def plan_changes(plan: MemoryPlan) -> str:
+    """One sentence: the settings the plan lowered below what the step would use without a budget,
+    and why; or that the recipe's settings are used as they are."""
+    changes = plan.changes()
+    if not changes:
+        return "the recipe's settings, unchanged"
+    lowered = ", ".join(f"{SETTING_NAMES[c.setting]} {c.asked} -> {c.planned}" for c in changes)
+    # A plan lowers a setting only to fit a budget, so there is one here.
+    return (f"{lowered}, to fit {plan.budget_source} = {plan.budget_bytes / GB:.1f} GB "
+            f"(estimated peak {plan.estimate_bytes / GB:.1f} GB)")

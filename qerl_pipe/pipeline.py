@@ -1,0 +1,72 @@
+"""The pipeline's front door: a stage as its command runs it (`run_stage`), and `qerl-pipe run`
+(`run_recipe`), the one command that builds upstream artifacts without being asked to.
+
+`run` is not a stage: it checks the recipe as a whole (the stage settings a full fine-tuning run
+cannot have, and every listed stage's declared check) before the first stage starts, then makes
+each listed stage's artifact in DAG order, reusing what is up to date. Importing this module
+registers every stage's entry point.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import qerl_pipe.stages  # noqa: F401  (registers each stage's entry point with the DAG)
+from qerl_pipe.artifacts import Artifact, ArtifactStore
+from qerl_pipe.dag import EVAL, EXPORT, TRAIN, Input, Stage, check_recipe, entry_point, stage
+from qerl_pipe.errors import QerlError
+from qerl_pipe.recipe import Recipe
+from qerl_pipe.rl.loop.distributed import launched_by_torchrun
+from qerl_pipe.runner import StageCall, recipe_artifact
+
+
+def _opened(inp: Input, value: Any, store: ArtifactStore) -> Any:
+    """What was passed to `inp`: a path or id resolved (and verified) in the store, unless the stage
+    resolves it itself (a loose input) or it is an artifact already."""
+    if value is None or inp.loose or isinstance(value, Artifact):
+        return value
+    return store.resolve(str(value))
+
+
+def run_stage(stage_: Stage, recipe: Recipe, store: ArtifactStore, *, force: bool = False,
+              build_missing: bool = False, **given: Any) -> Artifact:
+    """`stage_` as its command runs it. A keyword that names one of its inputs passes that input (an
+    artifact, a path or an id; for a loose input any reference the stage resolves); an input not
+    passed is found by the stage when it needs it, built only with `build_missing`. Other keywords
+    are the stage's own options (quantize's `output`)."""
+    inputs = {inp.keyword: inp for inp in stage_.inputs}
+    passed = {key: _opened(inputs[key], value, store) for key, value in given.items() if key in inputs}
+    options = {key: value for key, value in given.items() if key not in inputs}
+    call = StageCall(stage_, recipe, store, passed, force=force, build_missing=build_missing)
+    return entry_point(stage_)(call, **options)
+
+
+def run_recipe(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> dict[str, Artifact]:
+    """Run `recipe.stages`; `force` redoes every stage. Returns each stage's artifact."""
+    if launched_by_torchrun():  # every rank would run every stage against one store
+        raise QerlError("`run` is one process; for several GPUs run the stages before train once, then "
+                        "`qerl-pipe train --nproc N` (or torchrun ... -m qerl_pipe train), then export and eval")
+    if recipe.train.adapter == "full":
+        _check_full_run_stages(recipe)
+    # Each stage's declared check (data files, reward names, train's step against its memory
+    # budget) runs before the first stage; a full run's eval of its export is declared in the DAG
+    # (`dag.full_run_eval`).
+    for name in recipe.stages:
+        check_recipe(stage(name), recipe)
+    made: dict[str, Artifact] = {}
+    for name in recipe.stages:
+        recipe_artifact(stage(name), recipe, store, build=True, force=force, made=made)
+    return {name: made[name] for name in recipe.stages}
+
+
+def _check_full_run_stages(recipe: Recipe) -> None:
+    """A full fine-tuning run has no adapter: refuse, before the first stage, the export and eval
+    settings that need one (so the error comes before training, not after)."""
+    listed = set(recipe.stages)
+    if EXPORT.name in listed and recipe.export.format == "peft":
+        raise QerlError("export.format=peft with train.adapter=full: a full run has no adapter; set "
+                        "export.format=merged-bf16 (the whole trained model) or merged-nvfp4")
+    exported = EXPORT.name in listed and recipe.export.format == "merged-bf16"
+    if {EVAL.name, TRAIN.name} <= listed and not exported:
+        raise QerlError("eval after train.adapter=full evaluates the run's merged-bf16 export: add export to stages "
+                        "with export.format=merged-bf16, or drop eval from stages")

@@ -1,0 +1,1 @@
+"""Running the RL method: the trainer, its config, data order, checkpoints, metrics, data-parallel ranks."""
