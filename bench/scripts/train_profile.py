@@ -16,8 +16,8 @@ import statistics
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from qerl_pipe.bench.kernel_kinds import profile_kinds
 from qerl_pipe.bench.results import results_file
 from qerl_pipe.bench.shapes import QWEN25_SHAPES
 from qerl_pipe.model.load import init_random_model
@@ -33,21 +33,6 @@ ap.add_argument("--response-len", type=int, default=1024)
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--out", type=Path, required=True)
 args = ap.parse_args()
-
-KINDS = (  # first match wins; lower-case substrings of the kernel name
-    ("humming", ("humming",)),
-    ("w4a16 (ours)", ("w4a16", "qerl")),
-    ("gemm (cuBLAS/CUTLASS)", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "cublas")),
-    ("attention", ("flash", "attention", "fmha", "sdpa", "efficient")),
-    ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill")),
-    ("elementwise / reduce / norm", ("elementwise", "reduce", "norm", "softmax", "vectorized", "triton")),
-)
-
-
-def kind(name: str) -> str:
-    low = name.lower()
-    return next((k for k, words in KINDS if any(w in low for w in words)), "other")
-
 
 def batch(vocab: int, device: str) -> tuple:
     gen = torch.Generator(device=device).manual_seed(0)
@@ -73,23 +58,6 @@ def timed(fn) -> float:
     return statistics.median(times)
 
 
-def kernel_kinds(fn) -> dict:
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    by_kind: dict[str, float] = {}
-    top = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0.0)
-        if us <= 0:
-            continue
-        by_kind[kind(e.key)] = by_kind.get(kind(e.key), 0.0) + us / 1e3
-        top.append((us / 1e3, e.count, e.key[:120]))
-    top.sort(reverse=True)
-    return {"ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"ms": ms, "calls": n, "name": k} for ms, n, k in top[:25]]}
-
-
 rows = []
 for base in args.bases.split(","):
     model = init_random_model(QWEN25_SHAPES[args.shape], base_format=base, device="cuda", lora=LoraSpec(32, 64.0))
@@ -106,8 +74,8 @@ for base in args.bases.split(","):
 
     row = {"base": base, "shape": args.shape, "tokens": ids.numel(),
            "logprob_pass_s": timed(scored), "train_pass_s": timed(trained)}
-    row["logprob_pass_profile"] = kernel_kinds(scored)
-    row["train_pass_profile"] = kernel_kinds(trained)
+    row["logprob_pass_profile"] = profile_kinds(scored)[1]
+    row["train_pass_profile"] = profile_kinds(trained)[1]
     print(json.dumps({k: v for k, v in row.items() if not k.endswith("profile")}), flush=True)
     for what in ("logprob_pass_profile", "train_pass_profile"):
         print(what, json.dumps(row[what]["ms_by_kind"]), flush=True)

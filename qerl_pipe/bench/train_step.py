@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from qerl_pipe.bench.kernel_kinds import profile_kinds
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
@@ -98,6 +99,8 @@ class StepSettings:
     # The NVFP4 dispatch column (kernels.dispatch): "deterministic" (the default) or "fast"
     # (humming's stream-K rows too: not the same bits run to run).
     kernels: str = "deterministic"
+    # Run one more step with torch.profiler around its training phase (kernel time by kind).
+    profile_train: bool = False
 
     @property
     def sequences(self) -> int:
@@ -254,6 +257,23 @@ def _lora_param_bytes(model: Decoder) -> int:
     return sum(p.numel() * p.element_size() for p in lora_parameters(model))
 
 
+def _profiled_training(trainer: Trainer) -> dict:
+    """One more step, with the profiler around its training phase only (the rollout's thousands of
+    graph replays would drown it): where the training time goes, by kernel kind."""
+    update, summary = trainer._update, {}
+
+    def profiled(groups):
+        result, summary["profile"] = profile_kinds(lambda: update(groups))
+        return result
+
+    trainer._update = profiled  # the instance attribute shadows the method for this one step
+    try:
+        trainer.step()
+    finally:
+        del trainer._update
+    return summary["profile"]
+
+
 def _optimizer_bytes(trainer: Trainer) -> int:
     """AdamW's moments, and under full fine-tuning the float32 masters it steps (not model weights)."""
     moments = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
@@ -301,7 +321,8 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     rollout_tokens = s.sequences * round(m["response_length_mean"])
     lora_bytes = _lora_param_bytes(model) if s.adapter == "lora" else 0  # full: the weights are the model's
     resident = model_memory_bytes(model)
-    return {
+    profiled = {"train_profile": _profiled_training(trainer)} if s.profile_train and _cuda(device) else {}
+    return {**profiled,
         "kernels": s.kernels, "humming_linears": sum(m.humming is not None for m in model.modules()
                                                      if isinstance(m, QuantLinear)),
         "build_s": build_s, "build_peak_allocated_bytes": build_peak, "warmup": warmup,
