@@ -170,9 +170,10 @@ def _prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 def train_config(s: StepSettings, micro: int, prompts: int, group: int, new_tokens: int) -> TrainSection:
     """The recipe's `train` section the step runs, built and validated as a recipe's is: its
     defaults, with the step's sizes, sampling at temperature 1 without top-p/top-k, the DAPO loss,
-    the synthetic reward alone, no evaluation and no checkpoints."""
+    the synthetic reward alone, no evaluation and no checkpoints. Two steps with --profile-train
+    (the profiled one is the second: the AQN schedule must reach it)."""
     return TrainSection(
-        eval_data=None, eval_limit=0, steps=1, prompts_per_step=prompts, group_size=group, max_new_tokens=new_tokens,
+        eval_data=None, eval_limit=0, steps=2 if s.profile_train else 1, prompts_per_step=prompts, group_size=group, max_new_tokens=new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, loss="dapo", micro_batch_size=micro, lr=s.lr,
         gradient_checkpointing=True, adapter=s.adapter, lora={"rank": s.lora_rank, "alpha": 2.0 * s.lora_rank},
         rewards={"accuracy": 0.0, "format": 0.0, "custom": [SYNTHETIC_REWARD]}, checkpoint_every=0, seed=0,
