@@ -7,7 +7,6 @@ stderr), so a Makefile or a shell can chain them. A user-facing error prints one
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Callable, Optional, TypeVar
@@ -16,6 +15,7 @@ import typer
 
 from qerl_pipe.bench.cli import bench_app
 from qerl_pipe.errors import QerlError
+from qerl_pipe.strict_json import dumps
 
 app = typer.Typer(
     name="qerl-pipe", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -63,7 +63,7 @@ def _recipe(recipe: Path | None, overrides: list[str] | None, model: str | None 
 
     overrides = list(overrides or [])
     if model is not None:
-        overrides.append(f"model.source={json.dumps(model)}")
+        overrides.append(f"model.source={dumps(model)}")
     return load_recipe(recipe, overrides)
 
 
@@ -158,7 +158,7 @@ def export(recipe: RecipeOpt = None, set_: SetOpt = None, model: ModelOpt = None
            artifacts: ArtifactsOpt = None, force: ForceOpt = False, verify: VerifyOpt = False,
            build_missing: BuildMissingOpt = False) -> None:
     """Export a run's LoRA adapter: a PEFT adapter, or merged into the base as a bf16 or NVFP4 model."""
-    overrides = list(set_ or []) + ([f"export.format={json.dumps(format_)}"] if format_ is not None else [])
+    overrides = list(set_ or []) + ([f"export.format={dumps(format_)}"] if format_ is not None else [])
     _run_stage("export", _recipe(recipe, overrides, model), _store(artifacts, verify), {"run": run}, force=force,
                build_missing=build_missing)
 
@@ -182,7 +182,7 @@ def eval_(recipe: RecipeOpt = None, set_: SetOpt = None,
         k = 1  # greedy gives one response per problem, whatever k the recipe samples
     for key, value in (("data", data), ("k", k), ("limit", limit), ("greedy", True if greedy else None)):
         if value is not None:
-            overrides.append(f"eval.{key}={json.dumps(value)}")
+            overrides.append(f"eval.{key}={dumps(value)}")
     artifact = run_eval(_recipe(recipe, overrides), _store(artifacts, verify), model=model, adapter=adapter,
                         force=force, build_missing=build_missing)
     print(artifact.path)
@@ -222,7 +222,7 @@ def show(ref: Annotated[str, typer.Argument(help="Artifact path, directory name 
          artifacts: ArtifactsOpt = None) -> None:
     """Print an artifact's manifest."""
     artifact = _store(artifacts).resolve(ref, verify=False)
-    print(json.dumps(artifact.manifest, indent=2))
+    print(dumps(artifact.manifest, indent=2))
 
 
 @app.command()

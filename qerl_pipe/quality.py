@@ -86,6 +86,9 @@ def _measure_perplexity(resolved: ResolvedModel, checkpoint: Path, q: QualitySec
     reference = perplexity(model, ids, batch_size=4, label="16-bit")
     load_dequantized_weights(model, checkpoint)
     quantized = perplexity(model, ids, batch_size=4, label="nvfp4")
+    if not (math.isfinite(reference) and math.isfinite(quantized)):  # the weights are checked: an overflow
+        raise QerlError(f"the perplexity is not finite (16-bit {reference}, NVFP4 {quantized}, computed in "
+                        f"{str(dtype).removeprefix('torch.')}: an activation overflowed)")
     return {
         "data": q.data, "tokens": ids.numel(), "compute_dtype": str(dtype).removeprefix("torch."),
         "bf16": round(reference, 4), "nvfp4_w4a16": round(quantized, 4),

@@ -20,9 +20,10 @@ from qerl_pipe.userfiles import read_user_text
 
 
 class _Section(BaseModel):
-    """Base for every recipe section: unknown keys are errors, values are checked on assignment."""
+    """Base for every recipe section: unknown keys are errors, values are checked on assignment, and
+    NaN or infinity is no value (it would reach artifact ids and manifests, which are strict JSON)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):

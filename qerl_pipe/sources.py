@@ -8,7 +8,6 @@ imported once into the artifact store as a bf16 safetensors directory and reused
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log, quiet_transformers
 from qerl_pipe.recipe import ModelSection
+from qerl_pipe.strict_json import write_json
 
 # Built-in names for models that a package ships, so the default needs no hub.
 ALIASES = {
@@ -125,7 +125,7 @@ def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
     config.pop("quantization_config", None)
     config["torch_dtype"] = "bfloat16"
     config.pop("dtype", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_json(out / "config.json", config)
     model.generation_config.to_json_file(str(out / "generation_config.json"))
     tokenizer.save_pretrained(out)
 

@@ -322,3 +322,21 @@ def test_cli_show_and_verify_take_a_short_prefix(tmp_path):
         assert cli("verify", art.id[:6], "--artifacts", tmp_path).stdout.strip().endswith(art.path.name)
     bad = cli("show", "demo-", "--artifacts", tmp_path, ok=False)
     assert bad.exit_code == 1 and "matches 2 artifacts" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_nan_in_a_summary_is_refused_and_leaves_no_artifact(tmp_path):
+    from qerl_pipe.strict_json import NonFiniteError
+
+    store = ArtifactStore(tmp_path)
+    with pytest.raises(NonFiniteError, match=r"summary\.perplexity\.nvfp4_w4a16 is nan, which strict JSON"):
+        with store.create(stage="demo", stage_version=1, kind="k", config={}, parents=[]) as (pending, _):
+            pending.summary["perplexity"] = {"bf16": 15.5, "nvfp4_w4a16": float("nan")}
+    assert [p.name for p in tmp_path.iterdir() if p.name != ".locks"] == []
+
+
+def test_every_json_the_package_writes_goes_through_the_strict_writer():
+    # json.dumps writes NaN as a bare `NaN` unless told not to; qerl_pipe.strict_json always tells it
+    root = Path(__file__).parents[1] / "qerl_pipe"
+    loose = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py")) if path.name != "strict_json.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if "json.dump" in line]
+    assert loose == [], loose

@@ -95,3 +95,10 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_recipe(write(tmp_path, "model: [unclosed\n"))
     with pytest.raises(RecipeError, match="is a value, not a section"):
         load_recipe(write(tmp_path, "model:\n  source: a\n"), ["model.source.x=1"])
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_nan_and_infinity_are_no_recipe_value(value):
+    # rewards weights have no bounds, so only this refuses them; a NaN would reach ids and manifests
+    with pytest.raises(RecipeError, match=r"'train\.rewards\.accuracy': .*finite"):
+        load_recipe(None, [f"train.rewards.accuracy={value}"])

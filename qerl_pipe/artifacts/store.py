@@ -24,6 +24,7 @@ from qerl_pipe.artifacts.manifest import (
 )
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.log import log
+from qerl_pipe.strict_json import write_json
 
 ENV_VAR = "QERL_ARTIFACTS"
 DEFAULT_ROOT = Path("artifacts")
@@ -276,7 +277,7 @@ class ArtifactStore:
                     art_id=art_id, kind=kind, stage=stage, stage_version=stage_version,
                     config=config, parents=parents, root=tmp, summary=pending.summary,
                 )
-                (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+                write_json(tmp / MANIFEST_NAME, manifest)
                 self._swap_into_place(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

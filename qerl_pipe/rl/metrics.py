@@ -13,6 +13,7 @@ from typing import Any, Callable
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from qerl_pipe.log import console, log
+from qerl_pipe.strict_json import dumps
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -36,14 +37,14 @@ class MetricsLog:
             lines = [line for line in self.path.read_text().splitlines() if line.strip()]
             self.records = [r for r in map(json.loads, lines) if r["step"] <= first_step]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        tmp.write_text("".join(dumps(r) + "\n" for r in self.records))
         tmp.replace(self.path)
         self._file = self.path.open("a")
         self._tb = _tensorboard(run_dir / TENSORBOARD_DIR, first_step)
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in record.items():

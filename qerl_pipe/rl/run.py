@@ -43,6 +43,7 @@ from qerl_pipe.rl.prompts import fit_prompts, stop_token_ids
 from qerl_pipe.rl.rewards import CustomReward, load_custom_rewards
 from qerl_pipe.rl.tasks import Problem, load_problems
 from qerl_pipe.rl.trainer import Trainer, fit
+from qerl_pipe.strict_json import dumps, write_json
 
 # Where a full fine-tuning run keeps its trained weights, a Hugging Face model directory (a LoRA
 # run keeps its adapter in ADAPTER_DIR); export reads them there.
@@ -101,8 +102,8 @@ def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist
 def _write_eval(run_dir: Path, name: str, result: EvalResult) -> None:
     out = run_dir / EVAL_DIR
     out.mkdir(exist_ok=True)
-    (out / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in result.samples))
-    (out / f"{name}.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    (out / f"{name}.jsonl").write_text("".join(dumps(s) + "\n" for s in result.samples))
+    write_json(out / f"{name}.json", result.summary())
 
 
 def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]], before: dict | None,
@@ -126,7 +127,7 @@ def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, A
         "rollout_tokens_per_s": mean("rollout_tokens_per_s", records),
         "step_seconds_mean": mean("step_seconds", records),
     }
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(run_dir / "report.json", report)
     lines = [f"# Training report ({len(records)} steps on {device}: {report['step_seconds_total']} s of RL steps in "
              f"all sessions; this session {report['seconds_this_session']} s with loading and evaluation)", "",
              f"Loss {section.loss}, B={section.prompts_per_step} prompts x G={section.group_size}, lr {section.lr}, "

@@ -1,14 +1,13 @@
 """`qerl-pipe quantize`: an HF model to an NVFP4 checkpoint in modelopt's unified HF layout.
 
 The model is streamed shard by shard and tensor by tensor, so host memory stays near one shard
-plus one tensor. A first pass reads every linear weight once to check it (finite, K % 16 == 0)
-and to take the amax of each fused group (q/k/v, gate/up share one global scale); only then does
-the second pass write anything. The artifact directory is itself a loadable model directory.
+plus one tensor. A first pass reads every tensor once to check it (finite, a norm's included; a
+linear weight also K % 16 == 0) and to take the amax of each fused group (q/k/v, gate/up share
+one global scale); only then does the second pass write anything. The artifact directory is itself a loadable model directory.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.quality import layer_error_report, perplexity_report, print_quality_report
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import model_config_key, resolve_model
+from qerl_pipe.strict_json import write_json
 
 
 STAGE = QUANTIZE
@@ -97,7 +97,7 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
         quant_algo = "NVFP4" if calibration else "W4A16_NVFP4"
         write_configs(resolved.dir, pending.dir, quant_algo, sorted({"lm_head", *plan.excluded}), dtype)
         quality = layer_error_report(section.method, errors, output_basis)
-        (pending.dir / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
+        write_json(pending.dir / "quality.json", quality)
         ppl = perplexity_report(resolved, pending.dir, section.quality, recipe.model.trust_remote_code)
         size_in = sum(p.stat().st_size for p in shards)
         size_out = sum(p.stat().st_size for p in pending.dir.glob("*.safetensors"))

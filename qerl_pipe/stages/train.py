@@ -17,7 +17,6 @@ run directory and the result, so they all agree on one run.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from qerl_pipe.rl.distributed import Dist, init_distributed
 from qerl_pipe.rl.rewards import custom_reward_digests
 from qerl_pipe.rl.run import check_train_inputs, plan_run, train_run
 from qerl_pipe.rl.tasks import Problem
+from qerl_pipe.strict_json import write_json
 from qerl_pipe.userfiles import data_file_key
 
 # Version 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused).
@@ -108,7 +108,7 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
-        (run_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+        write_json(run_dir / RUN_FILE, run)
         dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
         summary = train_run(section, engine.path, problems, eval_problems, device, run_dir,
                             engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
