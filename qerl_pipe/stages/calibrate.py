@@ -24,7 +24,7 @@ from qerl_pipe.recipe import Recipe
 from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
 from qerl_pipe.sources import model_config_key, resolve_model
 from qerl_pipe.strict_json import write_json
-from qerl_pipe.userfiles import data_file_key
+from qerl_pipe.userfiles import data_file_key, data_spec_key
 from qerl_pipe.textdata import load_texts, pack_sequences
 
 # Version 2: per-channel mean squares of each linear's input (CHANNELS_FILE).
@@ -78,7 +78,8 @@ def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False, 
     resolved = resolve_model(recipe.model, store)
     DecoderConfig.from_hf(resolved.config)
     section = recipe.calibrate
-    config = {"model": model_config_key(resolved, recipe.model), "calibrate": section.model_dump()}
+    config = {"model": model_config_key(resolved, recipe.model),
+              "calibrate": section.model_dump() | {"data": data_spec_key(section.data)}}
     data_sha256 = data_file_key(section.data)
     if data_sha256 is not None:
         config["data_sha256"] = data_sha256  # an edited file is new data

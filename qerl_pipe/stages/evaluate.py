@@ -32,7 +32,7 @@ from qerl_pipe.model.peft import check_adapter_fits
 from qerl_pipe.recipe import EvalSection, Recipe
 from qerl_pipe.rl.eval_run import EngineInfo, evaluate_engine
 from qerl_pipe.rl.tasks import Problem, load_problems
-from qerl_pipe.userfiles import data_file_key
+from qerl_pipe.userfiles import data_file_key, data_spec_key
 
 # Version 2: an arithmetic expression no longer grades as a numeric answer (accuracies made before are not reused).
 STAGE = EVAL
@@ -54,7 +54,7 @@ def check_eval_inputs(recipe: Recipe) -> list[Problem]:
 def _sampling_key(section: EvalSection) -> dict[str, Any]:
     """The section as it decides the result: sampling knobs are dropped when greedy ignores them,
     and the device is named separately, so equal evaluations share an id."""
-    key = section.model_dump(exclude={"device"})
+    key = section.model_dump(exclude={"device"}) | {"data": data_spec_key(section.data)}
     if section.greedy:
         for unused in ("temperature", "top_p", "top_k"):
             key.pop(unused)

@@ -38,7 +38,7 @@ from qerl_pipe.rl.rewards import custom_reward_digests
 from qerl_pipe.rl.run import check_train_inputs, plan_run, train_run
 from qerl_pipe.rl.tasks import Problem
 from qerl_pipe.strict_json import write_json
-from qerl_pipe.userfiles import data_file_key
+from qerl_pipe.userfiles import data_file_key, data_spec_key
 
 # Version 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused).
 STAGE = TRAIN
@@ -48,6 +48,7 @@ RUN_FILE = "run.json"
 def train_key(section: TrainSection) -> dict[str, Any]:
     """The train section as the run's id sees it."""
     key = section.model_dump()
+    key["data"], key["eval_data"] = data_spec_key(section.data), data_spec_key(section.eval_data)
     del key["memory_budget_gb"]  # it changes the plan, not the method: the same run on a smaller GPU
     if key["adapter"] == "lora":
         del key["adapter"]  # the default: runs made before the setting existed keep their ids
