@@ -185,9 +185,10 @@ def test_recipe_key(tmp_path):
     for bad in ("0", "-1", "lots"):
         with pytest.raises(RecipeError, match="'train.memory_budget_gb'"):
             load_recipe(None, [f"train.memory_budget_gb={bad}"])
-    # The budget changes the plan, not the method: runs keep their ids.
+    # No budget (the free memory) keeps the ids runs had; a budget sets the micro-batch and the waves,
+    # so it is part of the id.
     assert "memory_budget_gb" not in train_key(recipe.train)
-    assert train_key(load_recipe(None, ["train.memory_budget_gb=24"]).train) == train_key(recipe.train)
+    assert train_key(load_recipe(None, ["train.memory_budget_gb=24"]).train)["memory_budget_gb"] == 24.0
 
 
 ENGINE = ["--set", "quantize.quality.perplexity=never", "--set", "engine.max_seq_len=64",
@@ -235,6 +236,9 @@ def test_a_budget_that_fits_is_planned_and_stored(tiny_llama, store_dir):
     spec = read_json(engine / "engine.json")
     assert spec["memory_plan"]["budget_gb"] == 2.0 and spec["limits"]["max_batch"] == spec["memory_plan"]["kv_slots"] == 8
     assert read_json(engine / "manifest.json")["config"]["memory_budget_gb"] == 2.0
+    # train's step sized the KV cache engine.json records: another step is another engine
+    smaller = cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *args, "--set", "train.group_size=2")
+    assert Path(smaller.stdout.strip().splitlines()[-1]) != engine and "build-engine: up to date" not in smaller.stderr
     result = cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--engine", engine, *args)
     run = Path(result.stdout.strip().splitlines()[-1])
     plan = read_json(run / "manifest.json")["summary"]["memory_plan"]

@@ -14,7 +14,7 @@ baseline; bf16); choosing it and keying the artifact is this module, the build i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,10 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
     plan = plan_engine(section, base.hf_config, device, recipe.train, processes)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
     if plan.memory_plan is not None and recipe.train.memory_budget_gb is not None:
-        config["memory_budget_gb"] = recipe.train.memory_budget_gb  # sized the KV cache (engines without one keep their ids)
+        # The budget and train's step sized the KV cache, and engine.json holds that plan (engines
+        # without a budget keep their ids).
+        config["memory_budget_gb"] = recipe.train.memory_budget_gb
+        config["train_step"] = asdict(plan.memory_plan.shape)
 
     def build(pending: PendingArtifact) -> None:
         pending.summary.update(write_engine(base.dir, base.hf_config, plan, section, device, pending.dir))

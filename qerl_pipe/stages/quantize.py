@@ -25,7 +25,8 @@ from qerl_pipe.formats.modelopt_writer import (
 from qerl_pipe.log import log
 from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.quality import layer_error_report, perplexity_report, print_quality_report
+from qerl_pipe.hf import count_parameters
+from qerl_pipe.quality import layer_error_report, perplexity_report, print_quality_report, quality_key
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import model_config_key, resolve_model
 from qerl_pipe.strict_json import write_json
@@ -72,11 +73,13 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
     elif section.method == "act-mse":
         raise RecipeError("quantize.method=act-mse weighs errors by calibration statistics: run "
                           "`qerl-pipe calibrate` and pass --calibration ART, or use `qerl-pipe run`, which chains them")
-    # The quality report's settings do not change the weights, so they are not part of the id:
-    # switching the report off or on reuses the same checkpoint.
     quantize_key = section.model_dump(exclude={"quality"})
     if quantize_key["method"] == "rtn":
         del quantize_key["method"]  # the default: artifacts made before the setting existed keep their ids
+    # The quality report is in the manifest: a setting that changes it is part of the id.
+    quality = quality_key(section.quality, count_parameters(resolved.config))
+    if quality is not None:
+        quantize_key["quality"] = quality
     config = {"model": model_key, "quantize": quantize_key, "calibrated": calibration is not None}
     parents = resolved.parents + ([calibration.id] if calibration else [])
     output_done = check_output_dir(output, artifact_id(STAGE.name, STAGE.version, config, parents))  # before any work

@@ -49,7 +49,10 @@ def train_key(section: TrainSection) -> dict[str, Any]:
     """The train section as the run's id sees it."""
     key = section.model_dump()
     key["data"], key["eval_data"] = data_spec_key(section.data), data_spec_key(section.eval_data)
-    del key["memory_budget_gb"]  # it changes the plan, not the method: the same run on a smaller GPU
+    if key["memory_budget_gb"] is None:
+        # Planned to the GPU's free memory, which is no setting (runs made before keep their ids). A
+        # budget sets the micro-batch and the rollout waves (the adapter's bits) and run.json's plan.
+        del key["memory_budget_gb"]
     if key["adapter"] == "lora":
         del key["adapter"]  # the default: runs made before the setting existed keep their ids
     else:
