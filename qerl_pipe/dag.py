@@ -57,9 +57,10 @@ class Stage:
     """A stage: its command and artifact name (`<name>-<id>`), version (part of every id: bump it
     when the output for the same inputs changes), kind, inputs and entry point (`module:function`,
     called as `fn(recipe, store, *, <input keywords>, force, build_missing, find_only)`). `check`
-    (`module:function`, called as `fn(recipe)`) refuses, without a model, what would fail hours
-    into a `run` (data files, reward names, a train step no plan fits into train.memory_budget_gb);
-    `run` calls it before the first stage."""
+    (`module:function`, called as `fn(recipe, store)`) refuses, from the recipe and the model's
+    config.json alone, what would fail hours into a `run` (data files, reward names, sequences
+    longer than the model's positions, a train step no plan fits into train.memory_budget_gb);
+    `run` and `--build-missing` call it for every stage they will build, before the first one."""
 
     name: str
     version: int
@@ -72,9 +73,9 @@ class Stage:
     def entry_point(self) -> Callable[..., "Artifact"]:
         return _named(self.entry)
 
-    def check_recipe(self, recipe: "Recipe") -> None:
+    def check_recipe(self, recipe: "Recipe", store: "ArtifactStore") -> None:
         if self.check is not None:
-            _named(self.check)(recipe)
+            _named(self.check)(recipe, store)
 
 
 def _named(entry: str) -> Callable[..., Any]:
@@ -93,14 +94,16 @@ def full_run_eval(recipe: "Recipe") -> bool:
     return recipe.train.adapter == "full" and "train" in recipe.stages
 
 
-CALIBRATE = Stage("calibrate", 2, "calibration", "calibration", (), "qerl_pipe.stages.calibrate:run_calibrate")
+CALIBRATE = Stage("calibrate", 2, "calibration", "calibration", (), "qerl_pipe.stages.calibrate:run_calibrate",
+                  check="qerl_pipe.stages.calibrate:check_calibrate_recipe")
 QUANTIZE = Stage("quantize", 1, "nvfp4-checkpoint", "quantize checkpoint",
                  (Input("--calibration", "calibrate", used=_in_recipe("calibrate")),),
-                 "qerl_pipe.stages.quantize:run_quantize")
+                 "qerl_pipe.stages.quantize:run_quantize", check="qerl_pipe.stages.quantize:check_quantize_recipe")
 BUILD_ENGINE = Stage("build-engine", 1, "engine", "engine",
                      # an nf4 or bf16 engine reads the original model, not a quantize checkpoint
                      (Input("--quantized", "quantize", used=lambda r: r.engine.base_format == "nvfp4"),),
-                     "qerl_pipe.stages.build_engine:run_build_engine")
+                     "qerl_pipe.stages.build_engine:run_build_engine",
+                     check="qerl_pipe.stages.build_engine:check_engine_recipe")
 TRAIN = Stage("train", 2, "run", "run", (Input("--engine", "build-engine"),), "qerl_pipe.stages.train:run_train",
               check="qerl_pipe.stages.train:check_train_recipe")
 # export's kind is export-<format> (export-peft, export-merged-bf16, export-merged-nvfp4)
@@ -110,7 +113,7 @@ EXPORT = Stage("export", 1, "export-peft", "export", (Input("--run", "train"),),
 EVAL = Stage("eval", 2, "eval", "evaluation report",
              (Input("--model", "build-engine", made_by=lambda r: "export" if full_run_eval(r) else "build-engine"),
               Input("--adapter", "train", used=lambda r: "train" in r.stages and not full_run_eval(r))),
-             "qerl_pipe.stages.evaluate:run_eval", check="qerl_pipe.stages.evaluate:check_eval_inputs")
+             "qerl_pipe.stages.evaluate:run_eval", check="qerl_pipe.stages.evaluate:check_eval_recipe")
 
 STAGES: tuple[Stage, ...] = (CALIBRATE, QUANTIZE, BUILD_ENGINE, TRAIN, EXPORT, EVAL)
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
@@ -158,6 +161,31 @@ def find_or_build(stage_: Stage, store: "ArtifactStore", *, config: dict[str, An
     return store.sealed(stage_.name, pending.id)
 
 
+def upstream(names: list[str], recipe: "Recipe", made: tuple[str, ...] = ()) -> list[str]:
+    """The stages `recipe_artifact` visits for `names` (each input it uses, recursively), inputs
+    first, leaving out `made` (artifacts already in hand) and what only they need."""
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in order or name in made:
+            return
+        for inp in stage(name).inputs:
+            if inp.used_by(recipe):
+                visit(inp.stage_for(recipe))
+        order.append(name)
+
+    for name in names:
+        visit(name)
+    return order
+
+
+def preflight(names: list[str], recipe: "Recipe", store: "ArtifactStore", made: tuple[str, ...] = ()) -> None:
+    """Every check of the stages that building `names` runs, before the first one starts: a bad
+    value is refused before any of them spends minutes (a calibration, an import, a quantize)."""
+    for name in upstream(names, recipe, made):
+        stage(name).check_recipe(recipe, store)
+
+
 def recipe_artifact(name: str, recipe: "Recipe", store: "ArtifactStore", *, build: bool, force: bool = False,
                     made: dict[str, "Artifact"] | None = None) -> "Artifact":
     """Stage `name`'s artifact as `qerl-pipe run` makes it for `recipe`: each input it uses comes
@@ -181,6 +209,8 @@ def input_artifact(for_stage: str, option: str, recipe: "Recipe", store: "Artifa
     (`qerl-pipe run`, `--build-missing`). A stage command never starts upstream work unasked; a
     missing input is one error naming the command that makes it."""
     inp = next(i for i in stage(for_stage).inputs if i.option == option)
+    if build_missing and not find_only:
+        preflight([inp.stage], recipe, store)
     try:
         return recipe_artifact(inp.stage, recipe, store, build=build_missing and not find_only)
     except MissingArtifact as exc:
@@ -204,9 +234,9 @@ def check_kind(artifact: "Artifact", stage_name: str, option: str) -> None:
 def run_pipeline(recipe: "Recipe", store: "ArtifactStore", *, force: bool = False) -> dict[str, "Artifact"]:
     """`qerl-pipe run`: the recipe's stages in DAG order, each handed its inputs, building what they
     need; `force` redoes every stage the recipe lists. Returns each listed stage's artifact.
-    Every listed stage's `check` runs first, so a bad data file fails before the first stage."""
-    for name in recipe.stages:
-        stage(name).check_recipe(recipe)
+    The `check` of every stage it will build runs first (`preflight`), so a bad data file or an
+    engine longer than the model's positions fails before the first stage."""
+    preflight(list(recipe.stages), recipe, store)
     made: dict[str, "Artifact"] = {}
     for name in recipe.stages:
         recipe_artifact(name, recipe, store, build=True, force=force, made=made)

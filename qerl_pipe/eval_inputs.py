@@ -15,7 +15,7 @@ from typing import Any
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.artifacts.manifest import MANIFEST_NAME
-from qerl_pipe.dag import BUILD_ENGINE, EVAL, QUANTIZE, TRAIN, MissingArtifact, recipe_artifact
+from qerl_pipe.dag import BUILD_ENGINE, EVAL, QUANTIZE, TRAIN, MissingArtifact, preflight, recipe_artifact
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.lineage import engine_model_name, is_full_run
@@ -125,6 +125,8 @@ def build_target_engine(target: ModelTarget, store: ArtifactStore, build_missing
     if target.engine is not None:
         return target.engine
     made = {"quantize": target.quantized} if target.quantized is not None else {}
+    if build_missing:
+        preflight([BUILD_ENGINE.name], target.recipe, store, made=tuple(made))
     try:
         return recipe_artifact(BUILD_ENGINE.name, target.recipe, store, build=build_missing, made=made)
     except MissingArtifact as exc:

@@ -7,13 +7,14 @@ imported once into the artifact store as a bf16 safetensors directory and reused
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore
+from qerl_pipe.artifacts import Artifact, ArtifactStore, artifact_id
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log, quiet_transformers
@@ -83,9 +84,19 @@ def _packaged_file(spec: str) -> Path:
     return path
 
 
+def _import_config(gguf: Path, section: ModelSection) -> dict[str, Any]:
+    """The import artifact's config: what names a GGUF file's bf16 copy (computable without importing)."""
+    stat = gguf.stat()
+    return {"gguf": gguf.name, "size": stat.st_size, "mtime": int(stat.st_mtime),
+            "trust_remote_code": section.trust_remote_code}
+
+
+def _import_id(gguf: Path, section: ModelSection) -> str:
+    return artifact_id(IMPORT_STAGE, IMPORT_VERSION, _import_config(gguf, section), [])
+
+
 def _import_gguf(gguf: Path, store: ArtifactStore, section: ModelSection, force: bool) -> ResolvedModel:
-    config = {"gguf": gguf.name, "size": gguf.stat().st_size, "mtime": int(gguf.stat().st_mtime),
-              "trust_remote_code": section.trust_remote_code}
+    config = _import_config(gguf, section)
     with store.create(stage=IMPORT_STAGE, stage_version=IMPORT_VERSION, kind="hf-model",
                       config=config, parents=[], force=force) as (pending, existing):
         if existing is not None:
@@ -197,13 +208,18 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: 
     return replace(_resolve(source, section, store, force_import), source=source.canonical)
 
 
-def _resolve(source: _Source, section: ModelSection, store: ArtifactStore, force_import: bool) -> ResolvedModel:
+def _gguf_file(source: _Source) -> Path:
+    """The GGUF file of a package or gguf source; a missing one is a ModelSourceError."""
     if source.kind == "package":
-        return _import_gguf(_packaged_file(source.spec), store, section, force_import)
-    if source.kind == "gguf":
-        if not source.path.is_file():
-            raise ModelSourceError(f"GGUF file {source.path} does not exist")
-        return _import_gguf(source.path, store, section, force_import)
+        return _packaged_file(source.spec)
+    if not source.path.is_file():
+        raise ModelSourceError(f"GGUF file {source.path} does not exist")
+    return source.path
+
+
+def _resolve(source: _Source, section: ModelSection, store: ArtifactStore, force_import: bool) -> ResolvedModel:
+    if source.kind in ("package", "gguf"):
+        return _import_gguf(_gguf_file(source), store, section, force_import)
     if source.kind == "dir":
         config = _check_hf_dir(source.path)
         return ResolvedModel(dir=source.path, fingerprint=dir_fingerprint(source.path), config=config)
@@ -212,22 +228,65 @@ def _resolve(source: _Source, section: ModelSection, store: ArtifactStore, force
     return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": source.spec}, config=config)
 
 
+def _model_key(section: Any, canonical: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    return {"source": section.model_dump() | {"source": canonical}, "content": fingerprint}
+
+
 def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
     """The part of a stage's config that names the model: the recipe's model section with the
     source as it resolved (not as it was typed), plus the content fingerprint."""
-    return {"source": section.model_dump() | {"source": resolved.source},
-            "content": resolved.fingerprint}
+    return _model_key(section, resolved.source, resolved.fingerprint)
 
 
-def peek_model_config(section: ModelSection) -> dict[str, Any] | None:
-    """The source's config.json without importing or downloading weights: a local directory's, or a
-    hub id's (that one file); None for a GGUF file (read only by its import), for a value that names
-    no source, or when the hub cannot provide it (the stage that resolves the source reports those)."""
+def peek_model_key(section: ModelSection) -> dict[str, Any] | None:
+    """`model_config_key` without importing or downloading anything, so that an input made from
+    another model is refused before a GGUF import; None for a hub id (known once downloaded) and
+    for a value that names no source (resolving it reports that)."""
     try:
         source = _classify(section)
+        if source.kind == "hub":
+            return None
+        fingerprint = (dir_fingerprint(source.path) if source.kind == "dir"
+                       else {"artifact": _import_id(_gguf_file(source), section)})
     except ModelSourceError:
         return None
-    if source.kind in ("package", "gguf"):
+    return _model_key(section, source.canonical, fingerprint)
+
+
+def _gguf_config(gguf: Path, store: ArtifactStore, section: ModelSection) -> dict[str, Any] | None:
+    """A GGUF model's config: its imported copy's config.json when the store has it, else read from
+    the file's metadata (seconds, where the import takes a minute)."""
+    art_id = _import_id(gguf, section)
+    imported = store.path_for(IMPORT_STAGE, art_id)
+    if (imported / "config.json").is_file():
+        return read_model_config(imported)
+    config = _gguf_metadata_config(gguf, art_id, section.trust_remote_code)
+    return dict(config) if config is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_metadata_config(gguf: Path, art_id: str, trust_remote_code: bool) -> dict[str, Any] | None:
+    """Read once per process (`run` checks several stages; `art_id` changes with the file)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                            trust_remote_code=trust_remote_code).to_dict()
+    except Exception:  # noqa: BLE001 - an unreadable file: the import words that error
+        return None
+    config.pop("quantization_config", None)  # as the import writes it
+    return config
+
+
+def peek_model_config(section: ModelSection, store: ArtifactStore) -> dict[str, Any] | None:
+    """The source's config.json without importing or downloading weights: a local directory's, a
+    hub id's (that one file), a GGUF file's (`_gguf_config`); None for a value that names no source,
+    or when the hub cannot provide it (the stage that resolves the source reports those)."""
+    try:
+        source = _classify(section)
+        if source.kind in ("package", "gguf"):
+            return _gguf_config(_gguf_file(source), store, section)
+    except ModelSourceError:
         return None
     if source.kind == "dir":
         return read_model_config(source.path) if (source.path / "config.json").is_file() else None

@@ -116,7 +116,9 @@ def test_bad_train_inputs_fail_before_any_work(tiny_llama, store_dir, tmp_path, 
     for command in ("train", "run"):
         if command == "run":
             recipe = tmp_path / "r.yaml"
-            recipe.write_text(f"stages: [calibrate, quantize, build-engine, train]\nmodel:\n  source: {tiny_llama}\n")
+            # an engine the model can hold: `run` checks it (before train's inputs) too
+            recipe.write_text(f"stages: [calibrate, quantize, build-engine, train]\nmodel:\n  source: {tiny_llama}\n"
+                              "engine:\n  max_seq_len: 128\n")
             result = cli("run", recipe, "--artifacts", store_dir, "--set", override, ok=False)
         else:
             result = cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *ENGINE, "--set",

@@ -4,6 +4,7 @@ download of the weights. (Unlike `memory.plan`, this reads recipes and model sou
 
 from __future__ import annotations
 
+from qerl_pipe.artifacts import ArtifactStore
 from qerl_pipe.hf import compute_dtype, count_parameters, pick_device
 from qerl_pipe.memory.plan import MemoryPlan, plan_engine_step
 from qerl_pipe.model.config import DecoderConfig
@@ -11,11 +12,11 @@ from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import peek_model_config
 
 
-def check_recipe_step(recipe: Recipe) -> MemoryPlan | None:
+def check_recipe_step(recipe: Recipe, store: ArtifactStore) -> MemoryPlan | None:
     """The plan of the recipe's train step (raises MemoryBudgetError when none fits); None when
     there is no budget to check (a CPU without train.memory_budget_gb) or the model's config.json
-    cannot be read without work (a GGUF file to import): build-engine and train check it then."""
-    hf_config = peek_model_config(recipe.model)
+    cannot be read without work (a hub id offline): build-engine and train check it then."""
+    hf_config = peek_model_config(recipe.model, store)
     if hf_config is None:
         return None
     device = pick_device(recipe.train.device)

@@ -29,7 +29,7 @@ from qerl_pipe.log import log
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.rl.distributed import current_dist
 from qerl_pipe.formats.hf_config import read_model_config
-from qerl_pipe.sources import model_config_key, resolve_model
+from qerl_pipe.sources import model_config_key, peek_model_config, resolve_model
 
 STAGE = BUILD_ENGINE
 
@@ -67,6 +67,16 @@ def _quantized_base(artifact: Artifact) -> _Base:
     return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
 
 
+def check_engine_recipe(recipe: Recipe, store: ArtifactStore) -> None:
+    """The check before any work (`run`'s, before its first stage): what `plan_engine` refuses, from
+    the model's config.json alone (a GGUF file's metadata; a hub id offline is checked once
+    downloaded)."""
+    hf_config = peek_model_config(recipe.model, store)
+    if hf_config is not None:
+        plan_engine(recipe.engine, hf_config, pick_device(recipe.engine.device), recipe.train,
+                    current_dist().world_size)
+
+
 def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifact | None = None,
                      force: bool = False, build_missing: bool = False, find_only: bool = False) -> Artifact:
     """Build (or reuse) the engine the recipe's `engine` section describes.
@@ -80,8 +90,7 @@ def run_build_engine(recipe: Recipe, store: ArtifactStore, *, quantized: Artifac
     processes = current_dist().world_size
     if section.base_format == "nvfp4":
         if quantized is None:
-            # Fails before quantizing when the engine cannot be built.
-            plan_engine(section, resolve_model(recipe.model, store).config, device, recipe.train, processes)
+            check_engine_recipe(recipe, store)  # before quantizing (or importing) for an engine that cannot be built
             quantized = input_artifact(STAGE.name, "--quantized", recipe, store, build_missing=build_missing,
                                        find_only=find_only)
         _check_quantized(quantized)

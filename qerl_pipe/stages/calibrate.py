@@ -72,9 +72,15 @@ def collect_input_stats(model: torch.nn.Module, batches) -> tuple[dict[str, floa
     return {name: float(value) for name, value in amax.items()}, mean_square, tokens
 
 
+def check_calibrate_recipe(recipe: Recipe, store: ArtifactStore) -> None:
+    """The check before any work (and `run`'s before its first stage): the calibration text loads."""
+    load_texts(recipe.calibrate.data, recipe.calibrate.field)
+
+
 def run_calibrate(recipe: Recipe, store: ArtifactStore, *, force: bool = False, build_missing: bool = False,
                   find_only: bool = False) -> Artifact:
     """Calibrate the recipe's model (no inputs, so `build_missing` changes nothing)."""
+    check_calibrate_recipe(recipe, store)  # before a GGUF import
     resolved = resolve_model(recipe.model, store)
     DecoderConfig.from_hf(resolved.config)
     section = recipe.calibrate

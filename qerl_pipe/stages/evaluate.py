@@ -51,6 +51,11 @@ def check_eval_inputs(recipe: Recipe) -> list[Problem]:
     return load_problems(section.data, limit=section.limit, seed=section.seed, **fields)
 
 
+def check_eval_recipe(recipe: Recipe, store: ArtifactStore) -> None:
+    """`run`'s check before its first stage (`check_eval_inputs`)."""
+    check_eval_inputs(recipe)
+
+
 def _sampling_key(section: EvalSection) -> dict[str, Any]:
     """The section as it decides the result: sampling knobs are dropped when greedy ignores them,
     and the device is named separately, so equal evaluations share an id."""

@@ -28,7 +28,7 @@ from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.hf import count_parameters
 from qerl_pipe.quality import layer_error_report, perplexity_report, print_quality_report, quality_key
 from qerl_pipe.recipe import Recipe
-from qerl_pipe.sources import model_config_key, resolve_model
+from qerl_pipe.sources import model_config_key, peek_model_key, resolve_model
 from qerl_pipe.strict_json import write_json
 
 
@@ -52,6 +52,13 @@ def _channel_stats(method: str, calibration: Artifact | None, plan: WritePlan) -
     return stats, f"from {CHANNELS_FILE} of calibration {calibration.id}"
 
 
+def check_quantize_recipe(recipe: Recipe, store: ArtifactStore) -> None:
+    """`run`'s check before its first stage: act-mse needs the calibration `run` makes."""
+    if recipe.quantize.method == "act-mse" and "calibrate" not in recipe.stages:
+        raise RecipeError("quantize.method=act-mse weighs errors by calibration statistics: add calibrate to the "
+                          "recipe's stages (before quantize), or use another quantize.method")
+
+
 def _check_calibration(calibration: Artifact, model_key: dict) -> None:
     check_kind(calibration, "calibrate", "--calibration")
     if calibration.manifest["config"].get("model") != model_key:
@@ -64,15 +71,18 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
                  find_only: bool = False) -> Artifact:
     """Quantize the recipe's model: NVFP4 with input scales from `calibration`, else weight-only
     (W4A16_NVFP4); the calibration is an optional input, so none is looked for or built here."""
-    resolved = resolve_model(recipe.model, store)
-    DecoderConfig.from_hf(resolved.config)
     section = recipe.quantize
-    model_key = model_config_key(resolved, recipe.model)
-    if calibration is not None:
-        _check_calibration(calibration, model_key)
-    elif section.method == "act-mse":
+    if calibration is None and section.method == "act-mse":
         raise RecipeError("quantize.method=act-mse weighs errors by calibration statistics: run "
                           "`qerl-pipe calibrate` and pass --calibration ART, or use `qerl-pipe run`, which chains them")
+    early_key = peek_model_key(recipe.model) if calibration is not None else None
+    if early_key is not None:
+        _check_calibration(calibration, early_key)  # before a GGUF import (a hub id: after its download)
+    resolved = resolve_model(recipe.model, store)
+    DecoderConfig.from_hf(resolved.config)
+    model_key = model_config_key(resolved, recipe.model)
+    if calibration is not None and early_key is None:
+        _check_calibration(calibration, model_key)
     quantize_key = section.model_dump(exclude={"quality"})
     if quantize_key["method"] == "rtn":
         del quantize_key["method"]  # the default: artifacts made before the setting existed keep their ids

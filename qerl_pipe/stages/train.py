@@ -64,11 +64,11 @@ def run_dir_for(store: ArtifactStore, art_id: str) -> Path:
     return store.work_dir_for(STAGE.name, art_id)
 
 
-def check_train_recipe(recipe: Recipe) -> None:
+def check_train_recipe(recipe: Recipe, store: ArtifactStore) -> None:
     """`run`'s check before its first stage: the train inputs (`check_train_inputs`) and the step
     against train.memory_budget_gb, from the model's config.json alone (`memory.preflight`)."""
     check_train_inputs(recipe)
-    check_recipe_step(recipe)
+    check_recipe_step(recipe, store)
 
 
 def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None = None, force: bool = False,
