@@ -24,8 +24,8 @@ app = typer.Typer(
 
 F = TypeVar("F", bound=Callable)
 
-RecipeOpt = Annotated[Optional[Path], typer.Option("--recipe", "-r", help="Recipe YAML file (defaults apply without one).")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe value: section.key=value (repeatable).")]
+RecipeOpt = Annotated[Optional[Path], typer.Option("--recipe", "-r", help="Recipe YAML file (defaults apply without one); `qerl-pipe keys` lists its keys.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe value: section.key=value (repeatable); `qerl-pipe keys` (or `qerl-pipe keys train`) lists every key, its type, default and meaning.")]
 # Defaults that are not the value itself go in show_default: rich reads "[default: ...]" written in
 # a help text as a markup tag and drops it (--help said "Artifact store directory .").
 ArtifactsOpt = Annotated[Optional[Path], typer.Option("--artifacts", envvar="QERL_ARTIFACTS", help="Artifact store directory.", show_default="./artifacts")]
@@ -33,6 +33,24 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Redo the stage even if 
 VerifyOpt = Annotated[bool, typer.Option("--verify", help="Re-hash every file of each artifact used (by default only files whose size or mtime changed since it was made).")]
 BuildMissingOpt = Annotated[bool, typer.Option("--build-missing", help="Make the inputs the recipe describes that are not in the store (calibrate, quantize, ... as `run` would); without it a missing input is an error naming the command that makes it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model source (sets model.source): HF directory, hub id, .gguf file or alias.")]
+
+
+def _flags_without_a_type() -> None:
+    """typer 0.29 prints a flag's type in --help (`--force <bool>`), though a flag takes no value."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_hidden", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_hidden = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_without_a_type()
 
 
 def _user_errors(fn: F) -> F:
@@ -199,6 +217,15 @@ def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_:
     for stage, artifact in results.items():
         typer.echo(f"{stage}: {artifact.path}", err=True)
     print(list(results.values())[-1].path)
+
+
+@app.command()
+@_user_errors
+def keys(section: Annotated[Optional[str], typer.Argument(help="A section (train, train.lora, engine, ...) or a key; default: every key.")] = None) -> None:
+    """List the recipe keys (a recipe file's, and --set section.key=value's): type, default and meaning."""
+    from qerl_pipe.recipe_keys import format_keys, recipe_keys
+
+    print(format_keys(recipe_keys(section)))
 
 
 @app.command("ls")

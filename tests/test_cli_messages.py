@@ -69,3 +69,11 @@ def test_kernels_cuda_targets_of_unmeasured_m_are_left_out():
     names = [t["name"] for t in _targets(rows, ceiling=4.0)]
     assert any("M 1-16" in n for n in names) and any("gate_up and down" in n for n in names)
     assert not any("M 64" in n or "M 1024" in n or "M 4096" in n or "M 256" in n for n in names)
+
+
+def test_stage_help_says_where_the_recipe_keys_are_and_shows_flags_without_a_type():
+    for command in ("calibrate", "quantize", "build-engine", "train", "export", "eval", "run"):
+        out = " ".join(cli(command, "--help").stdout.split())
+        assert "qerl-pipe keys" in out, command
+        assert "<bool>" not in out and "--force" in out, command  # a flag takes no value
+    assert "<bool>" not in cli("bench", "quantize", "--help").stdout

@@ -228,7 +228,7 @@ def train_run(section: TrainSection, engine_dir: Path, problems: list[Problem], 
         _save_full_model(model, engine_dir, run_dir / MODEL_DIR)
     else:
         save_adapter(model, spec, run_dir / ADAPTER_DIR, base_model)
-    write_plots(records, run_dir / PLOTS_DIR)
+    write_plots(records, run_dir / PLOTS_DIR, section.max_new_tokens)
     report = write_report(run_dir, section, records, before, after, time.perf_counter() - started, str(device))
     return {
         "steps": len(records),
