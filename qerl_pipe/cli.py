@@ -231,7 +231,7 @@ def keys(section: Annotated[Optional[str], typer.Argument(help="A section (train
 @app.command("ls")
 @_user_errors
 def list_artifacts(artifacts: ArtifactsOpt = None) -> None:
-    """List the artifacts in the store, oldest first; then damaged ones and unfinished temporary directories."""
+    """List the artifacts in the store, oldest first and each under its parents; then damaged ones and unfinished temporary directories."""
     store = _store(artifacts)
     found, unfinished = store.survey()
     if not found and not unfinished:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -202,10 +203,20 @@ def _classify(section: ModelSection) -> _Source:
     return _Source("hub", spec)
 
 
+# What each store object (one a command) has resolved: `run` resolves its model in several stages,
+# which re-checked the import and said "import: reusing" each time.
+_RESOLVED: weakref.WeakKeyDictionary[ArtifactStore, dict[str, ResolvedModel]] = weakref.WeakKeyDictionary()
+
+
 def resolve_model(section: ModelSection, store: ArtifactStore, *, force_import: bool = False) -> ResolvedModel:
-    """Turn a recipe's model source into a local HF directory (importing GGUF files once)."""
-    source = _classify(section)
-    return replace(_resolve(source, section, store, force_import), source=source.canonical)
+    """Turn a recipe's model source into a local HF directory (importing GGUF files once), once per
+    store object unless `force_import`."""
+    known = _RESOLVED.setdefault(store, {})
+    key = section.model_dump_json()
+    if key not in known or force_import:
+        source = _classify(section)
+        known[key] = replace(_resolve(source, section, store, force_import), source=source.canonical)
+    return known[key]
 
 
 def _gguf_file(source: _Source) -> Path:
