@@ -7,6 +7,7 @@ stderr), so a Makefile or a shell can chain them. A user-facing error prints one
 from __future__ import annotations
 
 import functools
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Callable, Optional, TypeVar
@@ -53,13 +54,33 @@ def _flags_without_a_type() -> None:
 _flags_without_a_type()
 
 
+# The command line as typed (set by `main`), for the line that says how to resume a stopped command.
+_COMMAND: list[str] | None = None
+
+
+def _stopped_line(exc: KeyboardInterrupt) -> str:
+    """One line for a stopped command: what was saved, and the same command to resume it."""
+    from qerl_pipe.stops import Stopped
+
+    name, detail = (exc.name, exc.detail) if isinstance(exc, Stopped) else ("SIGINT", "")
+    again = f": {shlex.join(['qerl-pipe', *_COMMAND])}" if _COMMAND else ""
+    if detail:
+        return f"stopped by {name} {detail}; the same command resumes from there{again}"
+    return (f"stopped by {name}: no partial artifact was kept; the same command again reuses the finished stages and "
+            f"resumes a train from its last checkpoint{again}")
+
+
 def _user_errors(fn: F) -> F:
-    """Report QerlError (and OSError: disk full, permissions) as one line on stderr and exit 1, instead of a traceback."""
+    """Report QerlError (and OSError: disk full, permissions) as one line on stderr and exit 1, instead of a
+    traceback; a SIGINT or SIGTERM as one line saying how to resume (`stops`), exit 128 + the signal."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from qerl_pipe.stops import stop_on_signals
+
         try:
-            return fn(*args, **kwargs)
+            with stop_on_signals():
+                return fn(*args, **kwargs)
         except QerlError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
@@ -68,10 +89,9 @@ def _user_errors(fn: F) -> F:
 
             typer.echo(f"error: {describe_os_error(exc)}", err=True)
             raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            typer.echo("interrupted: no partial artifact was kept; the same command again reuses the finished "
-                       "stages and resumes a train from its last checkpoint", err=True)
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as exc:  # Stopped too (SIGTERM)
+            typer.echo(_stopped_line(exc), err=True)
+            raise typer.Exit(getattr(exc, "exit_code", 130)) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -278,6 +298,8 @@ app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:
+    global _COMMAND
+    _COMMAND = sys.argv[1:]
     app()
 
 

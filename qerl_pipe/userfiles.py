@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +64,26 @@ _FIX = {
 }
 
 
-def describe_os_error(exc: OSError) -> str:
-    """One line: the file, the system's reason and the fix."""
+def describe_os_error(exc: OSError, fix: str | None = None) -> str:
+    """One line: the file, the system's reason and the fix (`fix`, else the usual one for the errno)."""
     where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
     reason = exc.strerror or str(exc)
     text = f"{where}: {reason}" if where else reason
-    fix = _FIX.get(exc.errno or 0)
+    fix = fix or _FIX.get(exc.errno or 0)
     return f"{text}; {fix}" if fix else text
+
+
+@contextmanager
+def resumable_on_full_disk(work_dir: Path) -> Iterator[None]:
+    """A full disk while a resumable stage works in `work_dir`: unlike an artifact's temporary
+    directory, the work directory stays, so the fix is space and the same command, which resumes."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise QerlError(describe_os_error(exc, f"free space, then run the same command again: it resumes from "
+                                               f"the last checkpoint in {work_dir}, which is kept")) from None
 
 
 DATA_FILE_SUFFIXES = (".jsonl", ".txt")

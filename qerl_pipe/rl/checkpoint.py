@@ -92,7 +92,7 @@ def _save_state(state: dict[str, Any], path: Path) -> None:
         free_mb = shutil.disk_usage(path.parent).free / 2**20
         raise QerlError(f"cannot write the checkpoint {path} ({str(exc).splitlines()[0]}; {free_mb:.0f} MB free on "
                         "its disk): free space, then run the same command again, which resumes from the last "
-                        "checkpoint") from None
+                        f"checkpoint (the run's work directory {path.parents[2]} is kept)") from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -38,7 +38,7 @@ from qerl_pipe.rl.rewards import custom_reward_digests
 from qerl_pipe.rl.run import check_train_inputs, plan_run, train_run
 from qerl_pipe.rl.tasks import Problem
 from qerl_pipe.strict_json import write_json
-from qerl_pipe.userfiles import data_file_key, data_spec_key
+from qerl_pipe.userfiles import data_file_key, data_spec_key, resumable_on_full_disk
 
 # Version 2: an arithmetic expression no longer grades as a numeric answer (runs made before are not reused).
 STAGE = TRAIN
@@ -110,13 +110,14 @@ def run_train(recipe: Recipe, store: ArtifactStore, *, engine: Artifact | None =
         dist.broadcast((None, str(run_dir)))
         if force and run_dir.exists():
             shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
-        write_json(run_dir / RUN_FILE, run)
-        dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
-        summary = train_run(section, engine.path, problems, eval_problems, device, run_dir,
-                            engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
-        link_tree(run_dir, pending.dir)
+        with resumable_on_full_disk(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
+            write_json(run_dir / RUN_FILE, run)
+            dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
+            summary = train_run(section, engine.path, problems, eval_problems, device, run_dir,
+                                engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
+            link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
         built.append(run_dir)
 
