@@ -284,3 +284,35 @@ def test_a_budget_above_the_gpu_is_refused_and_free_memory_counts_the_cache(monk
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 9 * 10**9)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 2 * 10**9)
     assert plan_mod.step_budget(None, gpu) == (12 * 10**9, "free GPU memory", False)
+
+
+def test_a_cpu_plan_counts_the_base_it_dequantizes_once():
+    """On a CPU the 4-bit linears are also held dequantized (model.dense_copy): SmolLM2-135M's
+    405 MiB in float32, which the plan line left out (it said 3.2 GB; the run's peak: 3.4-3.6)."""
+    from qerl_pipe.memory.step import dense_base_bytes
+
+    smollm2 = DecoderConfig.from_hf({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                                     "max_position_embeddings": 8192, "tie_word_embeddings": True})
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml")
+    cpu, gpu = (train_step_shape(recipe.train, 256, 32, dense_base=dense) for dense in (True, False))
+    on_cpu = plan_step(smollm2, "nvfp4", cpu, None, dtype=torch.float32)
+    assert on_cpu.estimate["dense_base"] == dense_base_bytes(smollm2, torch.float32) == 424_673_280  # 405 MiB
+    assert "base dequantized for the CPU 0.4" in on_cpu.describe() and "estimated peak 3.6 GB" in on_cpu.describe()
+    assert "dense_base" not in plan_step(smollm2, "nvfp4", gpu, None).estimate  # a GPU decodes per layer
+    assert "dense_base" not in plan_step(smollm2, "bf16", cpu, None, dtype=torch.float32).estimate  # nothing to dequantize
+
+
+def test_a_standalone_train_hands_freed_memory_back_before_it_loads_the_engine(tiny_llama, store_dir, monkeypatch):
+    """As quantize does (memwatch.return_freed_tensors_to_os): without it a standalone CPU train
+    peaked at 5.2 GB where `run`, which had it from its quantize, peaked at 3.6."""
+    import qerl_pipe.rl.run as rl_run
+    import qerl_pipe.stages.train as train_stage
+
+    order: list[str] = []
+    load = rl_run.load_engine
+    monkeypatch.setattr(train_stage, "return_freed_tensors_to_os", lambda: order.append("freed"))
+    monkeypatch.setattr(rl_run, "load_engine", lambda *a, **k: (order.append("engine"), load(*a, **k))[1])
+    cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *ENGINE,
+        "--set", "train.steps=1", "--set", "train.eval_limit=0")
+    assert order == ["freed", "engine"]

@@ -47,6 +47,7 @@ BUDGET_KEY = "train.memory_budget_gb"
 # What each part of the estimate is called in messages.
 PART_NAMES = {"weights": "weights", "lora_and_optimizer": "LoRA + AdamW", "full_and_optimizer": "masters + AdamW",
               "kv_cache": "KV cache", "activations": "activations", "dequant_scratch": "dequant scratch",
+              "dense_base": "base dequantized for the CPU",
               "slack": "slack"}
 
 
@@ -71,6 +72,7 @@ class StepShape:
     max_micro_batch: int  # train.micro_batch_size
     max_logprob_chunk: int = DEFAULT_CHUNK
     adapter: str = "lora"  # or "full" (every weight trains; a bf16 base only)
+    dense_base: bool = False  # a CPU run: a 4-bit base is also held dequantized (memory.step.dense_base_bytes)
 
     def __post_init__(self) -> None:
         for key in ("sequences", "prompts", "seq_len", "max_kv_slots", "max_micro_batch", "max_logprob_chunk"):
@@ -79,7 +81,7 @@ class StepShape:
 
     def size(self, kv_slots: int, micro_batch: int, logprob_chunk: int) -> StepSize:
         return StepSize(self.sequences, self.seq_len, self.prompt_len, self.prompts, kv_slots, micro_batch,
-                        self.lora_rank, logprob_chunk)
+                        self.lora_rank, logprob_chunk, self.dense_base)
 
 
 @dataclass(frozen=True)
@@ -243,21 +245,25 @@ def release_budget(device: torch.device) -> None:
 # ---------------------------------------------------------------------------- recipes and engines
 
 
-def train_step_shape(train: Any, max_seq_len: int, max_batch: int, processes: int = 1) -> StepShape:
+def train_step_shape(train: Any, max_seq_len: int, max_batch: int, processes: int = 1,
+                     dense_base: bool = False) -> StepShape:
     """The step a recipe's `train` section (a TrainSection, or anything with its keys) asks of each
-    of `processes` ranks over an engine of `max_batch` slots of `max_seq_len` tokens."""
+    of `processes` ranks over an engine of `max_batch` slots of `max_seq_len` tokens (`dense_base`:
+    on a CPU, where the 4-bit base is also held dequantized)."""
     prompts = max(1, train.prompts_per_step // processes)
     return StepShape(sequences=prompts * train.group_size, prompts=prompts, seq_len=max_seq_len,
                      prompt_len=max(0, max_seq_len - train.max_new_tokens), lora_rank=train.lora.rank,
                      max_kv_slots=max_batch, max_micro_batch=train.micro_batch_size,
-                     adapter=getattr(train, "adapter", "lora"))
+                     adapter=getattr(train, "adapter", "lora"), dense_base=dense_base)
 
 
 def _plan_train_step(train: Any, config: DecoderConfig, base_format: str, dtype: torch.dtype, max_seq_len: int,
-                     max_batch: int, processes: int, budget: int | None, budget_source: str, what: str) -> MemoryPlan:
+                     max_batch: int, processes: int, budget: int | None, budget_source: str, what: str,
+                     device: torch.device) -> MemoryPlan:
     """The plan of `train`'s step on each of `processes` ranks over an engine of `max_batch` slots
-    of `max_seq_len` tokens, to `budget` (from `step_budget`): what train and build-engine share."""
-    shape = train_step_shape(train, max_seq_len, max_batch, processes)
+    of `max_seq_len` tokens on `device`, to `budget` (from `step_budget`): what train and
+    build-engine share."""
+    shape = train_step_shape(train, max_seq_len, max_batch, processes, dense_base=device.type == "cpu")
     return plan_step(config, base_format, shape, budget, dtype=dtype, budget_source=budget_source,
                      what=f"train's step {what}")
 
@@ -273,7 +279,7 @@ def plan_train(train: Any, engine_dir: Path, device: torch.device, processes: in
     limits = EngineLimits.from_json(spec["limits"])
     budget, source, enforced = step_budget(train.memory_budget_gb, device)
     plan = _plan_train_step(train, config, spec["base_format"], getattr(torch, spec["dtype"]), limits.max_seq_len,
-                            limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}")
+                            limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}", device)
     return plan, enforced
 
 
@@ -287,5 +293,5 @@ def plan_engine_step(train: Any, engine: Any, config: DecoderConfig, device: tor
     if budget is None:
         return None, False
     plan = _plan_train_step(train, config, engine.base_format, dtype, engine.max_seq_len, engine.max_batch,
-                            processes, budget, source, f"({engine.base_format} base)")
+                            processes, budget, source, f"({engine.base_format} base)", device)
     return plan, enforced

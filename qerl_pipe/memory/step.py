@@ -47,6 +47,7 @@ class StepSize:
     micro_batch: int
     lora_rank: int
     logprob_chunk: int
+    dense_base: bool = False  # a CPU run: the 4-bit base also held dequantized, once (model.dense_copy)
 
 
 def _linears(c: DecoderConfig) -> list[tuple[int, tuple[int, ...]]]:
@@ -127,10 +128,17 @@ def scratch_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch
     return max(k * sum(outs) for k, outs in _linears(c)) * element_bytes(dtype)
 
 
+def dense_base_bytes(c: DecoderConfig, dtype: torch.dtype) -> int:
+    """A CPU run's copy of the 4-bit linears dequantized once into the model dtype (instead of at
+    every call): every linear weight, in place of the shared decode buffer."""
+    return sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers * element_bytes(dtype)
+
+
 def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter: str = "lora",
                         dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Each part of the step's peak and their `total`, in bytes. `adapter`: "lora", or "full"
-    (every weight trains; a bf16 base only)."""
+    (every weight trains; a bf16 base only). With `s.dense_base` (a CPU run) a 4-bit base's
+    dequantized copy replaces the decode buffer."""
     if adapter == "full" and base_format != "bf16":
         raise ValueError(f"full fine-tuning needs a bf16 base, not {base_format}")
     trained = {"full_and_optimizer": full_bytes(c, dtype)} if adapter == "full" else {
@@ -140,7 +148,8 @@ def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter
         **trained,
         "kv_cache": kv_bytes_per_token(c, dtype) * s.kv_slots * s.seq_len,
         "activations": activation_bytes(c, s, dtype),
-        "dequant_scratch": scratch_bytes(c, base_format, dtype),
+        **({"dense_base": dense_base_bytes(c, dtype)} if s.dense_base and base_format != "bf16" else
+           {"dequant_scratch": scratch_bytes(c, base_format, dtype)}),
         "slack": SLACK_BYTES,
     }
     return {**parts, "total": sum(parts.values())}
