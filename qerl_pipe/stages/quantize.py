@@ -3,7 +3,8 @@
 The model is streamed shard by shard and tensor by tensor, so host memory stays near one shard
 plus one tensor. A first pass reads every tensor once to check it (finite, a norm's included; a
 linear weight also K % 16 == 0) and to take the amax of each fused group (q/k/v, gate/up share
-one global scale); only then does the second pass write anything. The artifact directory is itself a loadable model directory.
+one global scale); only then does the second pass write anything. The artifact directory is
+itself a loadable model directory.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from qerl_pipe.formats.checkpoint import list_shards
 from qerl_pipe.formats.modelopt_writer import (
     WritePlan, input_scales, out_dtype, plan_checkpoint, write_configs, write_shards,
 )
+from qerl_pipe.hf import count_parameters
 from qerl_pipe.log import log
 from qerl_pipe.memwatch import PeakRSS, return_freed_tensors_to_os
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.hf import count_parameters
 from qerl_pipe.quality import layer_error_report, perplexity_report, print_quality_report, quality_key
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import model_config_key, peek_model_key, resolve_model
@@ -87,9 +88,9 @@ def run_quantize(recipe: Recipe, store: ArtifactStore, *, calibration: Artifact 
     if quantize_key["method"] == "rtn":
         del quantize_key["method"]  # the default: artifacts made before the setting existed keep their ids
     # The quality report is in the manifest: a setting that changes it is part of the id.
-    quality = quality_key(section.quality, count_parameters(resolved.config))
-    if quality is not None:
-        quantize_key["quality"] = quality
+    report_key = quality_key(section.quality, count_parameters(resolved.config))
+    if report_key is not None:
+        quantize_key["quality"] = report_key
     config = {"model": model_key, "quantize": quantize_key, "calibrated": calibration is not None}
     parents = resolved.parents + ([calibration.id] if calibration else [])
     output_done = check_output_dir(output, artifact_id(STAGE.name, STAGE.version, config, parents))  # before any work
