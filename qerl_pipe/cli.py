@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,7 @@ import typer
 from qerl_pipe.bench.cli import bench_app
 from qerl_pipe.dag import EVAL, EXPORT, QUANTIZE, STAGES, TRAIN, Stage
 from qerl_pipe.errors import QerlError
+from qerl_pipe.strict_json import dumps
 
 app = typer.Typer(
     name="qerl-pipe", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -29,8 +30,8 @@ app = typer.Typer(
 
 F = TypeVar("F", bound=Callable)
 
-RecipeOpt = Annotated[Optional[Path], typer.Option("--recipe", "-r", help="Recipe YAML file (defaults apply without one).")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe value: section.key=value (repeatable).")]
+RecipeOpt = Annotated[Optional[Path], typer.Option("--recipe", "-r", help="Recipe YAML file (defaults apply without one); `qerl-pipe keys` lists its keys.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe value: section.key=value (repeatable); `qerl-pipe keys` (or `qerl-pipe keys train`) lists every key, its type, default and meaning.")]
 # Defaults that are not the value itself go in show_default: rich reads "[default: ...]" written in
 # a help text as a markup tag and drops it (--help said "Artifact store directory .").
 ArtifactsOpt = Annotated[Optional[Path], typer.Option("--artifacts", envvar="QERL_ARTIFACTS", help="Artifact store directory.", show_default="./artifacts")]
@@ -40,13 +41,51 @@ BuildMissingOpt = Annotated[bool, typer.Option("--build-missing", help="Make the
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model source (sets model.source): HF directory, hub id, .gguf file or alias.")]
 
 
+def _flags_without_a_type() -> None:
+    """typer 0.29 prints a flag's type in --help (`--force <bool>`), though a flag takes no value."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_hidden", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_hidden = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_without_a_type()
+
+
+# The command line as typed (set by `main`), for the line that says how to resume a stopped command.
+_COMMAND: list[str] | None = None
+
+
+def _stopped_line(exc: KeyboardInterrupt) -> str:
+    """One line for a stopped command: what was saved, and the same command to resume it."""
+    from qerl_pipe.stops import Stopped
+
+    name, detail = (exc.name, exc.detail) if isinstance(exc, Stopped) else ("SIGINT", "")
+    again = f": {shlex.join(['qerl-pipe', *_COMMAND])}" if _COMMAND else ""
+    if detail:
+        return f"stopped by {name} {detail}; the same command resumes from there{again}"
+    return (f"stopped by {name}: no partial artifact was kept; the same command again reuses the finished stages and "
+            f"resumes a train from its last checkpoint{again}")
+
+
 def _user_errors(fn: F) -> F:
-    """Report QerlError (and OSError: disk full, permissions) as one line on stderr and exit 1, instead of a traceback."""
+    """Report QerlError (and OSError: disk full, permissions) as one line on stderr and exit 1, instead of a
+    traceback; a SIGINT or SIGTERM as one line saying how to resume (`stops`), exit 128 + the signal."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from qerl_pipe.stops import stop_on_signals
+
         try:
-            return fn(*args, **kwargs)
+            with stop_on_signals():
+                return fn(*args, **kwargs)
         except QerlError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
@@ -55,10 +94,9 @@ def _user_errors(fn: F) -> F:
 
             typer.echo(f"error: {describe_os_error(exc)}", err=True)
             raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            typer.echo("interrupted: no partial artifact was kept; the same command again reuses the finished "
-                       "stages and resumes a train from its last checkpoint", err=True)
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as exc:  # Stopped too (SIGTERM)
+            typer.echo(_stopped_line(exc), err=True)
+            raise typer.Exit(getattr(exc, "exit_code", 130)) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -68,7 +106,7 @@ def _recipe(recipe: Path | None, overrides: list[str] | None, model: str | None 
 
     overrides = list(overrides or [])
     if model is not None:
-        overrides.append(f"model.source={json.dumps(model)}")
+        overrides.append(f"model.source={dumps(model)}")
     return load_recipe(recipe, overrides)
 
 
@@ -160,7 +198,7 @@ def _run_command(stage: Stage, options: tuple[Extra, ...], values: dict[str, Any
     if values.get("greedy") and values.get("k") is None:  # eval's --greedy
         values["k"] = 1  # greedy gives one response per problem, whatever k the recipe samples
     overrides = list(values["set_"] or [])
-    overrides += [f"{e.sets}={json.dumps(values[e.name])}" for e in options
+    overrides += [f"{e.sets}={dumps(values[e.name])}" for e in options
                   if e.sets is not None and values[e.name] not in (None, False)]
     recipe = _recipe(values["recipe"], overrides, values.get("model"))
     given = {inp.keyword: values[inp.keyword] for inp in stage.inputs}
@@ -205,10 +243,19 @@ def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_:
     print(list(results.values())[-1].path)
 
 
+@app.command()
+@_user_errors
+def keys(section: Annotated[Optional[str], typer.Argument(help="A section (train, train.lora, engine, ...) or a key; default: every key.")] = None) -> None:
+    """List the recipe keys (a recipe file's, and --set section.key=value's): type, default and meaning."""
+    from qerl_pipe.recipe_keys import format_keys, recipe_keys
+
+    print(format_keys(recipe_keys(section)))
+
+
 @app.command("ls")
 @_user_errors
 def list_artifacts(artifacts: ArtifactsOpt = None) -> None:
-    """List the artifacts in the store, oldest first; then damaged ones and unfinished temporary directories."""
+    """List the artifacts in the store, oldest first and each under its parents; then damaged ones and unfinished temporary directories."""
     store = _store(artifacts)
     found, unfinished = store.survey()
     if not found and not unfinished:
@@ -226,7 +273,7 @@ def show(ref: Annotated[str, typer.Argument(help="Artifact path, directory name 
          artifacts: ArtifactsOpt = None) -> None:
     """Print an artifact's manifest."""
     artifact = _store(artifacts).resolve(ref, verify=False)
-    print(json.dumps(artifact.manifest, indent=2))
+    print(dumps(artifact.manifest, indent=2))
 
 
 @app.command()
@@ -255,6 +302,8 @@ app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:
+    global _COMMAND
+    _COMMAND = sys.argv[1:]
     app()
 
 

@@ -25,11 +25,14 @@ if TYPE_CHECKING:  # annotations only: the recipe module needs pydantic
     from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
     from qerl_pipe.recipe import Recipe
 
-# A stage's entry point, `fn(call: runner.StageCall, **options) -> Artifact`, and its check of the
-# recipe alone, `fn(recipe)`, which refuses what would fail hours into a `run` (data files, reward
-# names, a train step no plan fits into train.memory_budget_gb).
+# A stage's entry point, `fn(call: runner.StageCall, **options) -> Artifact`, and its check,
+# `fn(recipe, store)`, which refuses from the recipe and the model's config.json alone (a GGUF
+# file's metadata; the store only to find an import already made) what would fail hours into a
+# `run`: data files, reward names, sequences longer than the model's positions, a train step no
+# plan fits into train.memory_budget_gb. `run` and `--build-missing` call it for every stage they
+# will build, before the first one (`runner.preflight`).
 EntryPoint = Callable[..., "Artifact"]
-Check = Callable[["Recipe"], Any]
+Check = Callable[["Recipe", "ArtifactStore"], Any]
 
 
 @dataclass(frozen=True)
@@ -171,9 +174,9 @@ def entry_point(stage_: Stage) -> EntryPoint:
     return _ENTRY_POINTS[stage_.name]
 
 
-def check_recipe(stage_: Stage, recipe: "Recipe") -> None:
+def check_recipe(stage_: Stage, recipe: "Recipe", store: "ArtifactStore") -> None:
     if stage_.name in _CHECKS:
-        _CHECKS[stage_.name](recipe)
+        _CHECKS[stage_.name](recipe, store)
 
 
 # --- finding, reusing or making an artifact ------------------------------------------------------

@@ -9,11 +9,13 @@ why). Rank 0 prints the artifact path, so the last line of stdout is what one pr
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.loop.distributed import disable_nvls, launched_by_torchrun
+from qerl_pipe.stops import Stopped
 
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:
@@ -27,4 +29,14 @@ def relaunch(nproc: int, args: list[str]) -> int:
     if launched_by_torchrun():
         raise QerlError("--nproc was given inside a torchrun worker; pass --nproc or use torchrun, not both")
     env = disable_nvls(dict(os.environ))
-    return subprocess.run(torchrun_command(nproc, args), env=env).returncode
+    proc = subprocess.Popen(torchrun_command(nproc, args), env=env)
+    try:
+        return proc.wait()
+    except Stopped as exc:
+        # A Ctrl-C reaches the whole process group; a SIGTERM only this process, so it is passed on
+        # (torchrun hands it to the workers, which save their step). Never killed: workers would
+        # train on, orphaned.
+        if exc.signum == signal.SIGTERM:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        raise

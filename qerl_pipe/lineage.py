@@ -5,7 +5,6 @@ that base; it lives here because following parents is the store's knowledge, not
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log
 from qerl_pipe.sources import dir_fingerprint
+from qerl_pipe.strict_json import dumps
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def _frozen_base(engine: Artifact) -> tuple[str, str] | None:
     content = base.get("model", {}).get("content")
     if content is None:
         return None
-    return fmt, "model " + json.dumps(content, sort_keys=True)
+    return fmt, "model " + dumps(content, sort_keys=True)
 
 
 def base_mismatch(run: Artifact, engine: Artifact, store: ArtifactStore) -> str | None:

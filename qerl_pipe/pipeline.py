@@ -2,9 +2,9 @@
 (`run_recipe`), the one command that builds upstream artifacts without being asked to.
 
 `run` is not a stage: it checks the recipe as a whole (the stage settings a full fine-tuning run
-cannot have, and every listed stage's declared check) before the first stage starts, then makes
-each listed stage's artifact in DAG order, reusing what is up to date. Importing this module
-registers every stage's entry point.
+cannot have, and the declared check of every stage it will build) before the first stage starts,
+then makes each listed stage's artifact in DAG order, reusing what is up to date. Importing this
+module registers every stage's entry point.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import qerl_pipe.stages  # noqa: F401  (registers each stage's entry point with the DAG)
 from qerl_pipe.artifacts import Artifact, ArtifactStore
-from qerl_pipe.dag import EVAL, EXPORT, TRAIN, Input, Stage, check_recipe, entry_point, stage
+from qerl_pipe.dag import EVAL, EXPORT, TRAIN, Input, Stage, entry_point, stage
 from qerl_pipe.errors import QerlError
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.rl.loop.distributed import launched_by_torchrun
-from qerl_pipe.runner import StageCall, recipe_artifact
+from qerl_pipe.runner import StageCall, preflight, recipe_artifact
 
 
 def _opened(inp: Input, value: Any, store: ArtifactStore) -> Any:
@@ -48,11 +48,10 @@ def run_recipe(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> 
                         "`qerl-pipe train --nproc N` (or torchrun ... -m qerl_pipe train), then export and eval")
     if recipe.train.adapter == "full":
         _check_full_run_stages(recipe)
-    # Each stage's declared check (data files, reward names, train's step against its memory
-    # budget) runs before the first stage; a full run's eval of its export is declared in the DAG
-    # (`dag.full_run_eval`).
-    for name in recipe.stages:
-        check_recipe(stage(name), recipe)
+    # The declared check of every stage it will build (data files, reward names, the engine
+    # against the model's positions, train's step against its memory budget) runs before the
+    # first stage; a full run's eval of its export is declared in the DAG (`dag.full_run_eval`).
+    preflight([stage(name) for name in recipe.stages], recipe, store)
     made: dict[str, Artifact] = {}
     for name in recipe.stages:
         recipe_artifact(stage(name), recipe, store, build=True, force=force, made=made)

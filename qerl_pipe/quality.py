@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from qerl_pipe.log import console, log, progress
 from qerl_pipe.recipe import QualitySection
 from qerl_pipe.sources import ResolvedModel
 from qerl_pipe.textdata import load_texts, pack_available
+from qerl_pipe.userfiles import data_file_key, data_spec_key
 
 # "auto" measures models up to this size: the 16-bit reference forward is the costly part.
 _PERPLEXITY_AUTO_MAX_PARAMS = 1_000_000_000
@@ -56,13 +58,33 @@ def load_dequantized_weights(model: torch.nn.Module, checkpoint_dir: Path) -> in
     return replaced
 
 
+def _reports(q: QualitySection, n_params: int) -> bool:
+    return q.perplexity == "always" or (q.perplexity == "auto" and n_params <= _PERPLEXITY_AUTO_MAX_PARAMS)
+
+
+def quality_key(q: QualitySection, n_params: int) -> dict[str, Any] | str | None:
+    """What of `quantize.quality` the quantize id holds. The report is part of the artifact (its
+    manifest's summary), so a setting that changes it changes the id: "off" when no report is made
+    where the defaults make one, else the settings that shape it (a data file by its resolved path
+    and sha256). None where the result is the defaults' own (artifacts made before these settings
+    were keyed keep their ids): `perplexity` auto and always agree on a model they both measure,
+    and no setting matters when no report is made."""
+    default = QualitySection()
+    if not _reports(q, n_params):
+        return "off" if _reports(default, n_params) else None
+    settings = q.model_dump(exclude={"perplexity"})
+    if _reports(default, n_params) and settings == default.model_dump(exclude={"perplexity"}):
+        return None
+    return settings | {"data": data_spec_key(q.data), "data_sha256": data_file_key(q.data)}
+
+
 def perplexity_report(resolved: ResolvedModel, checkpoint: Path, q: QualitySection,
                       trust_remote_code: bool) -> dict | None:
     """quantize's report: bf16 vs NVFP4 perplexity, or None when switched off. The report is
     optional: whatever goes wrong in it is a warning and {"skipped": why}, never a failed stage
     that loses the checkpoint."""
     n_params = count_parameters(resolved.config)
-    if q.perplexity == "never" or (q.perplexity == "auto" and n_params > _PERPLEXITY_AUTO_MAX_PARAMS):
+    if not _reports(q, n_params):
         return None
     try:
         return _measure_perplexity(resolved, checkpoint, q, n_params, trust_remote_code)
@@ -86,6 +108,9 @@ def _measure_perplexity(resolved: ResolvedModel, checkpoint: Path, q: QualitySec
     reference = perplexity(model, ids, batch_size=4, label="16-bit")
     load_dequantized_weights(model, checkpoint)
     quantized = perplexity(model, ids, batch_size=4, label="nvfp4")
+    if not (math.isfinite(reference) and math.isfinite(quantized)):  # the weights are checked: an overflow
+        raise QerlError(f"the perplexity is not finite (16-bit {reference}, NVFP4 {quantized}, computed in "
+                        f"{str(dtype).removeprefix('torch.')}: an activation overflowed)")
     return {
         "data": q.data, "tokens": ids.numel(), "compute_dtype": str(dtype).removeprefix("torch."),
         "bf16": round(reference, 4), "nvfp4_w4a16": round(quantized, 4),

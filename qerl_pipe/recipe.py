@@ -7,6 +7,7 @@ that name the key and the file, because a typo silently ignored costs a GPU-hour
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,9 +21,10 @@ from qerl_pipe.userfiles import read_user_text
 
 
 class _Section(BaseModel):
-    """Base for every recipe section: unknown keys are errors, values are checked on assignment."""
+    """Base for every recipe section: unknown keys are errors, values are checked on assignment, and
+    NaN or infinity is no value (it would reach artifact ids and manifests, which are strict JSON)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):
@@ -43,25 +45,33 @@ class CalibrateSection(_Section):
     num_samples: int = Field(128, ge=1, description="Number of calibration sequences.")
     seq_len: int = Field(256, ge=8, description="Tokens per calibration sequence.")
     batch_size: int = Field(8, ge=1, description="Sequences per forward pass (bounds memory).")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto = CUDA when there "
+                                                   "is a GPU.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Compute dtype; auto is bfloat16 on CUDA, float32 on CPU for models under 2B parameters."
     )
 
 
 class QualitySection(_Section):
+    """quantize's quality report. Its figures are in the quantize artifact's manifest, so a setting
+    that changes them is part of that artifact's id (`quality.quality_key`)."""
+
     perplexity: Literal["auto", "always", "never"] = Field(
-        "auto", description="Compare bf16 vs dequantized-NVFP4 perplexity; auto does it for models under 1B parameters."
+        "auto", description="Compare bf16 vs dequantized-NVFP4 perplexity; auto does it for models under 1B parameters. "
+        "The report is in the quantize artifact's manifest: a quality setting that changes it is part of its id."
     )
-    data: str = "gsm8k:test"
-    field: str | None = None
-    num_samples: int = Field(16, ge=1)
-    seq_len: int = Field(256, ge=8)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    data: str = Field("gsm8k:test", description="Held-out text for the perplexity: 'gsm8k:test', 'gsm8k:train', "
+                      "'math500:test' or a .jsonl/.txt file.")
+    field: str | None = Field(None, description="JSONL field holding the text (default: the dataset's question "
+                              "field, or 'text').")
+    num_samples: int = Field(16, ge=1, description="Sequences measured (fewer when the text runs out).")
+    seq_len: int = Field(256, ge=8, description="Tokens per sequence.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the perplexity is measured; auto = "
+                                                   "CUDA when there is a GPU.")
 
 
 class QuantizeSection(_Section):
-    format: Literal["nvfp4"] = "nvfp4"
+    format: Literal["nvfp4"] = Field("nvfp4", description="The 4-bit format (NVFP4 is the one there is).")
     method: Literal["rtn", "mse", "act-mse"] = Field(
         "rtn", description="Block scales: rtn = max calibration, byte-exact with NVIDIA Model Optimizer; "
         "mse = per block, the E4M3 scale near it with the least squared error; act-mse = the same with each "
@@ -164,7 +174,8 @@ class OverlongSection(_Section):
 class DynamicSamplingSection(_Section):
     """DAPO's dynamic sampling: groups whose rewards are all equal carry no signal; draw more prompts."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="Draw more prompts while groups with equal rewards leave the batch "
+                          "short.")
     max_draws: int = Field(3, ge=1, description="Most generation rounds per step (the first included).")
 
 
@@ -217,7 +228,8 @@ class TrainSection(_Section):
         "(qerl_pipe/memory/plan.py) picks the most KV slots (rollout waves), the largest micro-batch (up to "
         "micro_batch_size) and LM-head chunk whose estimated step peak fits, and on CUDA the process is capped to "
         "it (on a CPU it is planned to, not enforced). null = the GPU's free memory at start, not capped; on a "
-        "CPU, none. A budget no plan meets is an error before any work, naming the smallest that fits.",
+        "CPU, none. A budget no plan meets is an error before any work, naming the smallest that fits. A budget "
+        "is part of the run's id (it sets the micro-batch and the rollout waves); the free memory is not.",
     )
     adapter: Literal["lora", "full"] = Field(
         "lora", description="What trains: lora = adapters over the frozen base (section lora); full = every "
@@ -306,7 +318,8 @@ class EvalSection(_Section):
 class Recipe(_Section):
     """The whole recipe. `stages` lists what `qerl-pipe run` executes, in pipeline order."""
 
-    stages: list[str] = Field(default_factory=lambda: list(STAGE_ORDER))
+    stages: list[str] = Field(default_factory=lambda: list(STAGE_ORDER),
+                              description="What `qerl-pipe run` makes, in pipeline order (a subset of the default).")
     model: ModelSection = Field(default_factory=ModelSection)
     calibrate: CalibrateSection = Field(default_factory=CalibrateSection)
     quantize: QuantizeSection = Field(default_factory=QuantizeSection)
@@ -332,12 +345,32 @@ class Recipe(_Section):
         return self
 
 
+def did_you_mean(word: str, known: list[str], prefix: str = "") -> str:
+    """` (did you mean 'prefix.x'?)` for the closest of `known`, or nothing when none is close."""
+    close = difflib.get_close_matches(word, known, n=1)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the section at `loc` (a validation error's path, without its last part) has."""
+    model: Any = Recipe
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        model = field.annotation
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+
+
 def _format_validation_error(err: ValidationError, origin: str) -> str:
     parts = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            parts.append(f"unknown key '{key}'")
+            section = ".".join(str(p) for p in e["loc"][:-1])
+            hint = did_you_mean(str(e["loc"][-1]), _keys_at(e["loc"][:-1]), f"{section}." if section else "")
+            where = f"`qerl-pipe keys {section}`" if section else "`qerl-pipe keys`"
+            parts.append(f"unknown key '{key}'{hint}; {where} lists the keys")
         else:
             parts.append(f"'{key}': {e['msg']}")
     return f"{origin}: " + "; ".join(parts)

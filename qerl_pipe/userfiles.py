@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,23 +64,52 @@ _FIX = {
 }
 
 
-def describe_os_error(exc: OSError) -> str:
-    """One line: the file, the system's reason and the fix."""
+def describe_os_error(exc: OSError, fix: str | None = None) -> str:
+    """One line: the file, the system's reason and the fix (`fix`, else the usual one for the errno)."""
     where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
     reason = exc.strerror or str(exc)
     text = f"{where}: {reason}" if where else reason
-    fix = _FIX.get(exc.errno or 0)
+    fix = fix or _FIX.get(exc.errno or 0)
     return f"{text}; {fix}" if fix else text
+
+
+@contextmanager
+def resumable_on_full_disk(work_dir: Path) -> Iterator[None]:
+    """A full disk while a resumable stage works in `work_dir`: unlike an artifact's temporary
+    directory, the work directory stays, so the fix is space and the same command, which resumes."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise QerlError(describe_os_error(exc, f"free space, then run the same command again: it resumes from "
+                                               f"the last checkpoint in {work_dir}, which is kept")) from None
 
 
 DATA_FILE_SUFFIXES = (".jsonl", ".txt")
 
 
+def _data_file(spec: str | None) -> Path | None:
+    """The file a recipe's data spec names; None for packaged data and generated tasks."""
+    if spec is None or not spec.endswith(DATA_FILE_SUFFIXES) or not Path(spec).is_file():
+        return None
+    return Path(spec)
+
+
 def data_file_key(spec: str | None) -> str | None:
     """The sha256 of a data file named by a recipe (None for packaged data and generated tasks):
     an artifact id keyed by the path alone would reuse results of data edited since."""
-    if spec is None or not spec.endswith(DATA_FILE_SUFFIXES) or not Path(spec).is_file():
+    path = _data_file(spec)
+    if path is None:
         return None
     from qerl_pipe.artifacts.manifest import sha256_file
 
-    return sha256_file(Path(spec))
+    return sha256_file(path)
+
+
+def data_spec_key(spec: str | None) -> str | None:
+    """A data spec as artifact ids name it: a file by its resolved path (`data.jsonl`,
+    `./data.jsonl` and its absolute path are one input; its content enters the id through
+    `data_file_key`), anything else as it is."""
+    path = _data_file(spec)
+    return str(path.resolve()) if path is not None else spec

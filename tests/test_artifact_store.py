@@ -322,3 +322,51 @@ def test_cli_show_and_verify_take_a_short_prefix(tmp_path):
         assert cli("verify", art.id[:6], "--artifacts", tmp_path).stdout.strip().endswith(art.path.name)
     bad = cli("show", "demo-", "--artifacts", tmp_path, ok=False)
     assert bad.exit_code == 1 and "matches 2 artifacts" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_nan_in_a_summary_is_refused_and_leaves_no_artifact(tmp_path):
+    from qerl_pipe.strict_json import NonFiniteError
+
+    store = ArtifactStore(tmp_path)
+    with pytest.raises(NonFiniteError, match=r"summary\.perplexity\.nvfp4_w4a16 is nan, which strict JSON"):
+        with store.create(stage="demo", stage_version=1, kind="k", config={}, parents=[]) as (pending, _):
+            pending.summary["perplexity"] = {"bf16": 15.5, "nvfp4_w4a16": float("nan")}
+    assert [p.name for p in tmp_path.iterdir() if p.name != ".locks"] == []
+
+
+def test_every_json_the_package_writes_goes_through_the_strict_writer():
+    # json.dumps writes NaN as a bare `NaN` unless told not to; qerl_pipe.strict_json always tells it
+    root = Path(__file__).parents[1] / "qerl_pipe"
+    loose = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py")) if path.name != "strict_json.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if "json.dump" in line]
+    assert loose == [], loose
+
+
+def test_a_run_that_only_reuses_still_removes_what_a_killed_run_left(tmp_path):
+    store = ArtifactStore(tmp_path)
+    made, _ = make(store, {"k": 1})
+    abandoned = tmp_path / ".tmp-demo-aaaaaaaaaaaaaaaa-999999"  # its lock is free: its writer is gone
+    (abandoned / "sub").mkdir(parents=True)
+    assert dict(store.unfinished())[abandoned].startswith("abandoned (the next run on this store removes it)")
+    again, created = make(store, {"k": 1})
+    assert not created and again.path == made.path and not abandoned.exists()
+
+
+def test_ls_lists_each_artifact_after_its_parents(tmp_path):
+    """A `run` seals several artifacts within one second: `created` ties, and name order put an
+    export above the train run it was made from."""
+    store = ArtifactStore(tmp_path)
+
+    def seal(stage: str, parents: list[str]):
+        with store.create(stage=stage, stage_version=1, kind=stage, config={}, parents=parents) as (pending, _):
+            (pending.dir / "f").write_text(stage)
+        return store.find_existing(stage, pending.id)
+
+    train = seal("train", [])
+    export = seal("export", [train.id])
+    for artifact in (train, export):  # the same second, as a fast run makes them
+        manifest = json.loads((artifact.path / "manifest.json").read_text())
+        (artifact.path / "manifest.json").write_text(json.dumps({**manifest, "created": "2025-01-01T00:00:00+00:00"}))
+    assert [a.stage for a in store.list()] == ["train", "export"]
+    listed = [line.split()[0] for line in cli("ls", "--artifacts", tmp_path).stdout.splitlines()]
+    assert listed == [train.path.name, export.path.name]

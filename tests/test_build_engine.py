@@ -248,3 +248,29 @@ def test_nan_weights_are_refused_before_any_artifact(tiny_llama, store_dir, tmp_
         last = result.stderr.strip().splitlines()[-1]
         assert result.exit_code == 1 and last.startswith("error:") and "non-finite" in last, result.stderr
         assert not named(store_dir, args[0] + "-")
+
+
+def test_run_and_build_missing_check_the_engine_against_the_model_before_any_stage(tiny_llama, store_dir, tmp_path):
+    """engine.max_seq_len past the model's positions is refused before calibrate or quantize run
+    (by `run`, and by a train that would build its engine), with nothing in the store."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  source: {tiny_llama}\nengine:\n  max_seq_len: 1024\n  device: cpu\n")
+    for command in (["run", recipe], ["train", "--recipe", recipe, "--build-missing"]):
+        result = cli(*command, "--artifacts", store_dir, ok=False)
+        assert result.exit_code == 1 and "exceeds the model's max_position_embeddings (512)" in result.stderr
+        assert result.stderr.strip().startswith("error:") and len(result.stderr.strip().splitlines()) == 1
+        assert [p for p in named(store_dir, "") if p != ".locks"] == []  # no calibration, no quantize
+
+
+def test_a_gguf_source_is_checked_from_its_metadata_before_it_is_imported(tiny_llama, store_dir):
+    """The packaged SmolLM2 GGUF (8192 positions): a longer engine, and a calibration of another
+    model, are refused before the minute-long import."""
+    result = cli("run", Path(__file__).parents[1] / "recipes" / "quickstart.yaml", "--artifacts", store_dir, "--set", "engine.max_seq_len=9000",
+                 ok=False)
+    assert result.exit_code == 1 and "max_position_embeddings (8192)" in result.stderr, result.stderr
+    calibration = last_line(cli("calibrate", "--model", tiny_llama, "--artifacts", store_dir, "--set",
+                                "calibrate.num_samples=2", "--set", "calibrate.seq_len=16"))
+    result = cli("quantize", "--model", "smollm2-135m-instruct", "--calibration", calibration, "--artifacts",
+                 store_dir, ok=False)
+    assert result.exit_code == 1 and "was made for another model" in result.stderr, result.stderr
+    assert named(store_dir, "import-") == [] and named(store_dir, "quantize-") == []

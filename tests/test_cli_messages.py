@@ -23,7 +23,45 @@ def test_ctrl_c_says_that_running_again_resumes(monkeypatch):
     monkeypatch.setattr(pipeline, "run_recipe", interrupted)
     result = cli("run", "recipes/quickstart.yaml", ok=False)
     assert result.exit_code == 130
-    assert "interrupted" in result.stderr and "resumes a train from its last checkpoint" in result.stderr
+    assert "stopped by SIGINT" in result.stderr and "resumes a train from its last checkpoint" in result.stderr
+
+
+def test_sigterm_during_a_command_is_one_line_that_says_how_to_resume(monkeypatch):
+    import os
+    import signal
+
+    import qerl_pipe.pipeline as pipeline
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler stops a job
+        time.sleep(5)  # never reached: the handler raises at once
+    def runner_hit(signum, frame):  # the command did not handle it: fail here, not end the test run
+        raise RuntimeError("SIGTERM reached the test's own handler")
+    monkeypatch.setattr(pipeline, "run_recipe", terminated)
+    before = signal.signal(signal.SIGTERM, runner_hit)
+    try:
+        result = cli("run", "recipes/quickstart.yaml", ok=False)
+        assert result.exit_code == 143 and signal.getsignal(signal.SIGTERM) is runner_hit, result.exception
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert result.stderr.strip() == ("stopped by SIGTERM: no partial artifact was kept; the same command again reuses "
+                                     "the finished stages and resumes a train from its last checkpoint")
+
+
+def test_a_training_loop_finishes_its_step_on_a_signal_and_stops_at_once_on_a_second():
+    import os
+    import signal
+
+    import pytest
+
+    from qerl_pipe.stops import Stopped, stop_after_step
+
+    with stop_after_step("train") as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT  # recorded: the step in progress goes on
+        with pytest.raises(Stopped) as now:
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert now.value.exit_code == 143 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_process_waiting_for_another_ones_lock_says_so(tmp_path, capsys):
@@ -69,3 +107,11 @@ def test_kernels_cuda_targets_of_unmeasured_m_are_left_out():
     names = [t["name"] for t in _targets(rows, ceiling=4.0)]
     assert any("M 1-16" in n for n in names) and any("gate_up and down" in n for n in names)
     assert not any("M 64" in n or "M 1024" in n or "M 4096" in n or "M 256" in n for n in names)
+
+
+def test_stage_help_says_where_the_recipe_keys_are_and_shows_flags_without_a_type():
+    for command in ("calibrate", "quantize", "build-engine", "train", "export", "eval", "run"):
+        out = " ".join(cli(command, "--help").stdout.split())
+        assert "qerl-pipe keys" in out, command
+        assert "<bool>" not in out and "--force" in out, command  # a flag takes no value
+    assert "<bool>" not in cli("bench", "quantize", "--help").stdout

@@ -187,9 +187,10 @@ def test_recipe_key(tmp_path):
     for bad in ("0", "-1", "lots"):
         with pytest.raises(RecipeError, match="'train.memory_budget_gb'"):
             load_recipe(None, [f"train.memory_budget_gb={bad}"])
-    # The budget changes the plan, not the method: runs keep their ids.
+    # No budget (the free memory) keeps the ids runs had; a budget sets the micro-batch and the waves,
+    # so it is part of the id.
     assert "memory_budget_gb" not in train_key(recipe.train)
-    assert train_key(load_recipe(None, ["train.memory_budget_gb=24"]).train) == train_key(recipe.train)
+    assert train_key(load_recipe(None, ["train.memory_budget_gb=24"]).train)["memory_budget_gb"] == 24.0
 
 
 ENGINE = ["--set", "quantize.quality.perplexity=never", "--set", "engine.max_seq_len=64",
@@ -237,6 +238,9 @@ def test_a_budget_that_fits_is_planned_and_stored(tiny_llama, store_dir):
     spec = read_json(engine / "engine.json")
     assert spec["memory_plan"]["budget_gb"] == 2.0 and spec["limits"]["max_batch"] == spec["memory_plan"]["kv_slots"] == 8
     assert read_json(engine / "manifest.json")["config"]["memory_budget_gb"] == 2.0
+    # train's step sized the KV cache engine.json records: another step is another engine
+    smaller = cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, *args, "--set", "train.group_size=2")
+    assert Path(smaller.stdout.strip().splitlines()[-1]) != engine and "build-engine: up to date" not in smaller.stderr
     result = cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--engine", engine, *args)
     run = Path(result.stdout.strip().splitlines()[-1])
     plan = read_json(run / "manifest.json")["summary"]["memory_plan"]
@@ -307,3 +311,34 @@ def test_the_trainer_runs_the_plans_settings_and_the_run_says_what_the_plan_chan
     assert plan_changes(plan) == ("train.micro_batch_size 8 -> 2, LM-head chunk 1024 -> 128, to fit "
                                   "train.memory_budget_gb = 16.0 GB (estimated peak 15.2 GB)")
     assert plan_changes(_recipe_plan(path, budget_gb=200)) == "the recipe's settings, unchanged"
+
+
+def test_a_cpu_plan_counts_the_base_it_dequantizes_once():
+    """On a CPU the 4-bit linears are also held dequantized (model.dense_copy): SmolLM2-135M's
+    405 MiB in float32, which the plan line left out (it said 3.2 GB; the run's peak: 3.4-3.6)."""
+    from qerl_pipe.memory.step import dense_base_bytes
+
+    smollm2 = DecoderConfig.from_hf({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                                     "max_position_embeddings": 8192, "tie_word_embeddings": True})
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml")
+    cpu, gpu = (train_step_shape(recipe.train, 256, 32, dense_base=dense) for dense in (True, False))
+    on_cpu = plan_step(smollm2, "nvfp4", cpu, None, dtype=torch.float32)
+    assert on_cpu.estimate["dense_base"] == dense_base_bytes(smollm2, torch.float32) == 424_673_280  # 405 MiB
+    assert "base dequantized for the CPU 0.4" in on_cpu.describe() and "estimated peak 3.6 GB" in on_cpu.describe()
+    assert "dense_base" not in plan_step(smollm2, "nvfp4", gpu, None).estimate  # a GPU decodes per layer
+    assert "dense_base" not in plan_step(smollm2, "bf16", cpu, None, dtype=torch.float32).estimate  # nothing to dequantize
+
+
+def test_a_standalone_train_hands_freed_memory_back_before_it_loads_the_engine(tiny_llama, store_dir, monkeypatch):
+    """As quantize does (memwatch.return_freed_tensors_to_os): without it a standalone CPU train
+    peaked at 5.2 GB where `run`, which had it from its quantize, peaked at 3.6."""
+    import qerl_pipe.jobs.train_job as train_job
+
+    order: list[str] = []
+    load = train_job.load_engine
+    monkeypatch.setattr(train_job, "return_freed_tensors_to_os", lambda: order.append("freed"))
+    monkeypatch.setattr(train_job, "load_engine", lambda *a, **k: (order.append("engine"), load(*a, **k))[1])
+    cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *ENGINE,
+        "--set", "train.steps=1", "--set", "train.eval_limit=0")
+    assert order == ["freed", "engine"]

@@ -265,7 +265,7 @@ def test_calibrate_data_file_edited_is_new_data(tiny_llama, store_dir, tmp_path)
     assert last_line(cli(*opts)) != first  # the path alone must not name the artifact
 
 
-def test_a_quality_report_short_of_text_shrinks_and_never_fails_or_renames_the_checkpoint(tiny_llama, store_dir, tmp_path):
+def test_a_quality_report_short_of_text_shrinks_and_never_fails_the_stage(tiny_llama, store_dir, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("one two three four five six seven eight nine ten\n\neleven twelve thirteen\n")
     report = ["--set", "quantize.quality.perplexity=always", "--set", f"quantize.quality.data={short}",
@@ -275,18 +275,44 @@ def test_a_quality_report_short_of_text_shrinks_and_never_fails_or_renames_the_c
     ppl = read_json(ckpt / "manifest.json")["summary"]["perplexity"]
     assert 2 <= ppl["tokens"] < 64 * 256 and ppl["bf16"] > 1, ppl
     assert "fewer than quality.num_samples x seq_len" in made.stderr
-    # The report's settings are not the weights': switching it off names the same checkpoint.
-    off = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST)
-    assert last_line(off) == ckpt and "up to date" in off.stderr
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"text": ""}\n')
     failing = ["--set", "quantize.quality.perplexity=always", "--set", f"quantize.quality.data={empty}"]
-    forced = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, "--force", *failing)
-    assert last_line(forced) == ckpt and "warning: no perplexity report" in forced.stderr
-    assert read_json(ckpt / "manifest.json")["summary"]["perplexity"] == {
+    skipped = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *failing)
+    assert last_line(skipped) != ckpt and "warning: no perplexity report" in skipped.stderr
+    assert read_json(last_line(skipped) / "manifest.json")["summary"]["perplexity"] == {
         "skipped": "the text data gives 1 tokens; a perplexity needs at least 2"}
-    cli("verify", ckpt)
+    cli("verify", last_line(skipped))
+
+
+def test_quality_settings_that_change_the_report_change_the_quantize_id(tiny_llama, store_dir):
+    """The report is in the manifest: another data size, or no report, is another artifact, never
+    the old report reused; perplexity auto and always measure a small model alike, so they agree."""
+    measured = ["--set", "quantize.quality.num_samples=2", "--set", "quantize.quality.seq_len=16"]
+    first = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *measured, "--set",
+                          "quantize.quality.perplexity=always"))
+    assert read_json(first / "manifest.json")["summary"]["perplexity"]["tokens"] == 32
+    longer = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *measured, "--set",
+                 "quantize.quality.seq_len=32")
+    assert last_line(longer) != first and "up to date" not in longer.stderr
+    assert read_json(last_line(longer) / "manifest.json")["summary"]["perplexity"]["tokens"] == 64
+    off = last_line(cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *FAST))
+    assert off not in (first, last_line(longer)) and read_json(off / "manifest.json")["summary"]["perplexity"] is None
+    auto = cli("quantize", "--model", tiny_llama, "--artifacts", store_dir, *measured)  # perplexity: auto
+    assert last_line(auto) == first and "up to date" in auto.stderr
+
+
+def test_default_quality_settings_keep_the_ids_made_before_they_were_keyed():
+    from qerl_pipe.quality import quality_key
+    from qerl_pipe.recipe import QualitySection
+
+    small, large = 10**8, 10**10  # the report's auto limit is 1B parameters
+    assert quality_key(QualitySection(), small) is None and quality_key(QualitySection(), large) is None
+    assert quality_key(QualitySection(perplexity="always"), small) is None
+    assert quality_key(QualitySection(perplexity="never"), large) is None  # no report either way
+    assert quality_key(QualitySection(perplexity="never"), small) == "off"
+    assert quality_key(QualitySection(perplexity="always"), large)["num_samples"] == 16
 
 
 def test_a_damaged_parent_names_the_stage_that_re_creates_it(tiny_llama, store_dir):
@@ -314,3 +340,31 @@ def test_verify_and_ls_with_a_broken_manifest(tiny_llama, store_dir):
     summary.write_text(json.dumps(manifest))
     edited = cli("verify", ckpt, ok=False)
     assert edited.exit_code == 1 and "manifest.json: edited after the artifact was made" in edited.stderr
+
+
+def test_a_model_and_data_typed_three_ways_are_one_artifact_each(tiny_llama, tmp_path, monkeypatch):
+    """`models/llama`, its absolute path and `models/llama/` are one input: one quantize artifact,
+    one calibration (its data file typed relative and absolute), never a recomputation."""
+    shutil.copytree(tiny_llama, tmp_path / "models" / "llama")
+    (tmp_path / "calib.txt").write_text("\n\n".join(f"{n} apples and {n + 1} pears" for n in range(200)))
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "store"
+    spellings = ["models/llama", str(tmp_path / "models" / "llama"), "./models/llama/"]
+    made = {last_line(cli("quantize", "--model", model, "--artifacts", store, *FAST)) for model in spellings}
+    assert len(made) == 1 and [p.name for p in store.glob("quantize-*")] == [made.pop().name]
+    data = ["calib.txt", "./calib.txt", str(tmp_path / "calib.txt")]
+    calibrations = {last_line(cli("calibrate", "--model", spellings[i], "--artifacts", store, *CAL, "--set",
+                                  f"calibrate.data={data[i]}")) for i in range(3)}
+    assert len(calibrations) == 1 and len(list(store.glob("calibrate-*"))) == 1
+
+
+def test_a_packaged_gguf_is_named_by_its_alias_and_a_path_by_its_resolved_form(tmp_path, monkeypatch):
+    from qerl_pipe.recipe import ModelSection
+    from qerl_pipe.sources import ALIASES, _classify
+
+    alias, spec = next(iter(ALIASES.items()))
+    assert _classify(ModelSection(source=spec)).canonical == _classify(ModelSection(source=alias)).canonical == alias
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    assert _classify(ModelSection(source="m.gguf")).canonical == str((tmp_path / "m.gguf").resolve())
+    assert _classify(ModelSection(source="./m.gguf")).canonical == str((tmp_path / "m.gguf").resolve())

@@ -95,3 +95,44 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_recipe(write(tmp_path, "model: [unclosed\n"))
     with pytest.raises(RecipeError, match="is a value, not a section"):
         load_recipe(write(tmp_path, "model:\n  source: a\n"), ["model.source.x=1"])
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_nan_and_infinity_are_no_recipe_value(value):
+    # rewards weights have no bounds, so only this refuses them; a NaN would reach ids and manifests
+    with pytest.raises(RecipeError, match=r"'train\.rewards\.accuracy': .*finite"):
+        load_recipe(None, [f"train.rewards.accuracy={value}"])
+
+
+def test_an_unknown_key_names_the_closest_one_and_where_the_keys_are_listed(tmp_path):
+    with pytest.raises(RecipeError, match=r"unknown key 'train\.lrr' \(did you mean 'train\.lr'\?\); "
+                                          r"`qerl-pipe keys train` lists the keys"):
+        load_recipe(None, ["train.lrr=1e-4"])
+    recipe = write(tmp_path, "trian:\n  steps: 3\nengine:\n  max_seq: 512\n")
+    with pytest.raises(RecipeError) as both:
+        load_recipe(recipe)
+    assert "'trian' (did you mean 'train'?)" in str(both.value)
+    assert "'engine.max_seq' (did you mean 'engine.max_seq_len'?)" in str(both.value)
+    with pytest.raises(RecipeError, match=r"unknown key 'train\.zzzzzz'; `qerl-pipe keys train`"):  # nothing close
+        load_recipe(None, ["train.zzzzzz=1"])
+
+
+def test_keys_lists_every_recipe_key_with_its_type_default_and_meaning():
+    from qerl_pipe.recipe import Recipe
+    from tests.stage_cli import cli
+
+    def leaves(value, prefix=""):
+        for key, item in value.items():
+            yield from leaves(item, f"{prefix}{key}.") if isinstance(item, dict) else [f"{prefix}{key}"]
+
+    out = cli("keys").stdout
+    listed = [line.split(":", 1)[0] for line in out.splitlines() if not line.startswith(" ")]
+    assert listed == list(leaves(Recipe().model_dump()))  # every key --set takes, in recipe order
+    meanings = [line for line in out.splitlines() if line.startswith("    ")]
+    assert len(meanings) == len(listed) and all(m.strip() for m in meanings)  # none without its meaning
+    assert "train.lr: float (> 0); default 1e-05\n    AdamW peak learning rate." in out
+    assert "train.loss: one of grpo, dapo, dr_grpo; default dapo" in out
+    lora = cli("keys", "train.lora").stdout
+    assert lora.startswith("train.lora.rank: int (>= 1); default 32") and "train.lr:" not in lora
+    wrong = cli("keys", "trian", ok=False)
+    assert wrong.exit_code == 1 and "did you mean 'train'?" in wrong.stderr

@@ -181,3 +181,24 @@ def test_noise_reaches_the_logits_by_the_expected_amount(tiny_llama):
         assert torch.equal(model.logits(ids), clean)
     # Same draw scaled 10x: to first order the logits move 10x as far.
     assert deltas[0] > 0 and deltas[1] / deltas[0] == pytest.approx(10, rel=0.2)
+
+
+def test_train_plots_label_their_y_axis_and_the_length_plot_marks_the_token_cap():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from qerl_pipe.rl.loop.metrics import plot_figures
+
+    records = [{"step": s, "reward_mean": 0.1 * s, "accuracy": 0.1 * s, "entropy": 1.0, "sigma": 0.01,
+                "response_length_mean": 10.0 + s} for s in (1, 2, 3)]
+    figures = dict(plot_figures(records, token_cap=16))
+    assert set(figures) == {"reward_mean.png", "accuracy.png", "entropy.png", "sigma.png",
+                            "response_length_mean.png"}
+    for name, fig in figures.items():
+        assert fig.axes[0].get_ylabel(), name
+    caps = [line for line in figures["response_length_mean.png"].axes[0].get_lines()
+            if list(line.get_ydata()) == [16, 16]]
+    assert len(caps) == 1 and "max_new_tokens = 16" in caps[0].get_label()
+    assert all(len(f.axes[0].get_lines()) == 1 for n, f in figures.items() if n != "response_length_mean.png")
+    for fig in figures.values():
+        plt.close(fig)

@@ -100,3 +100,26 @@ def test_text_data(tmp_path, tiny_llama):
     assert ids.shape == (3, 40) and (ids == tok.eos_token_id).any()  # documents joined by EOS
     with pytest.raises(RecipeError, match="fewer than num_samples x seq_len"):
         pack_sequences(["short"], tok, 4, 64)
+
+
+def test_a_run_checks_and_announces_an_imported_gguf_once(tiny_llama, tmp_path):
+    """calibrate and quantize each resolve the model; its imported copy is checked, and `import: up
+    to date, reusing` said, once per command."""
+    import shutil
+
+    from qerl_pipe.dag import IMPORT
+    from qerl_pipe.sources import _import_config
+    from tests.stage_cli import cli
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"a stand-in: its bf16 copy is in the store already")
+    store = ArtifactStore(tmp_path / "store")
+    config = _import_config(gguf, ModelSection(source=str(gguf)))
+    with store.create(stage=IMPORT.name, stage_version=IMPORT.version, kind=IMPORT.kind, config=config,
+                      parents=[]) as (pending, _):
+        shutil.copytree(tiny_llama, pending.dir, dirs_exist_ok=True)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"stages: [calibrate, quantize]\nmodel:\n  source: {gguf}\n")
+    result = cli("run", recipe, "--artifacts", store.root, "--set", "calibrate.num_samples=2", "--set",
+                 "calibrate.seq_len=16", "--set", "quantize.quality.perplexity=never")
+    assert result.stderr.count("import: up to date, reusing") == 1, result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -116,7 +117,9 @@ def test_bad_train_inputs_fail_before_any_work(tiny_llama, store_dir, tmp_path, 
     for command in ("train", "run"):
         if command == "run":
             recipe = tmp_path / "r.yaml"
-            recipe.write_text(f"stages: [calibrate, quantize, build-engine, train]\nmodel:\n  source: {tiny_llama}\n")
+            # an engine the model can hold: `run` checks it (before train's inputs) too
+            recipe.write_text(f"stages: [calibrate, quantize, build-engine, train]\nmodel:\n  source: {tiny_llama}\n"
+                              "engine:\n  max_seq_len: 128\n")
             result = cli("run", recipe, "--artifacts", store_dir, "--set", override, ok=False)
         else:
             result = cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *ENGINE, "--set",
@@ -225,3 +228,57 @@ def test_an_edited_custom_reward_is_never_reused(tiny_llama, store_dir, tmp_path
     assert list(digests) == ["my_rewards_21:shorter"] and len(digests["my_rewards_21:shorter"]) == 64
     module.write_text("def shorter(completion, problem):\n    return -len(completion) / 10\n")
     assert last_line(cli(*opts)) != first  # the same name, another function: a run of its own
+
+
+def _short_run(model: Path, store: Path) -> list[str]:
+    """A 6-step run with no checkpoint due before its end and no evaluation: quick to stop and resume."""
+    args = ["train", "--model", model, "--artifacts", store, "--build-missing", *ENGINE, *TRAIN,
+            "--set", "train.steps=6", "--set", "train.checkpoint_every=0", "--set", "train.eval_limit=0"]
+    return [sys.executable, "-m", "qerl_pipe", *map(str, args)]
+
+
+def test_sigterm_saves_the_step_in_progress_and_says_how_to_resume(tiny_llama, tmp_path):
+    store = tmp_path / "store"
+    proc = subprocess.Popen(_short_run(tiny_llama, store), env=_env(QERL_TEST_SLOW_REWARD="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    try:
+        while sum(len(m.read_text().splitlines()) for m in store.glob(".runs/train-*/metrics.jsonl")) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its 2nd step"
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # mid-step: no checkpoint is due before step 6
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    (run_dir,) = store.glob(".runs/train-*")
+    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert 2 <= done < 6 and [c.name for c in (run_dir / "checkpoints").iterdir()] == [f"step-{done:06d}"]
+    last = err.strip().splitlines()[-1]
+    assert last == (f"stopped by SIGTERM after step {done} of 6, saved in {run_dir}; the same command resumes from "
+                    f"there: {shlex.join(['qerl-pipe', *_short_run(tiny_llama, store)[3:]])}"), last
+    assert named(store, "train-") == [] and named(store, ".tmp-") == []
+    resumed = subprocess.run(_short_run(tiny_llama, store), env=_env(), capture_output=True, text=True)
+    assert resumed.returncode == 0 and f"resuming {run_dir} after step {done} of 6" in resumed.stderr, resumed.stderr
+
+
+def test_a_full_disk_mid_train_keeps_the_work_directory_and_says_the_same_command_resumes(
+        tiny_llama, store_dir, monkeypatch):
+    import errno
+
+    import qerl_pipe.jobs.train_job as train_job
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(store_dir / "adapter_model.safetensors"))
+    monkeypatch.setattr(train_job, "save_adapter", full)  # after the last step, as the adapter is written
+    args = ["train", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *ENGINE, *TRAIN,
+            "--set", "train.steps=2", "--set", "train.eval_limit=0"]
+    result = cli(*args, ok=False)
+    (run_dir,) = store_dir.glob(".runs/train-*")
+    err = result.stderr.strip().splitlines()[-1]  # after the lines of the work that ran
+    assert result.exit_code == 1 and err.startswith("error:"), result.stderr
+    assert (f"No space left on device; free space, then run the same command again: it resumes from the last "
+            f"checkpoint in {run_dir}, which is kept") in err and "nothing" not in err
+    assert (run_dir / "checkpoints" / "step-000002").is_dir() and named(store_dir, "train-") == []
+    monkeypatch.undo()
+    again = cli(*args)
+    assert f"resuming {run_dir} after step 2 of 2" in again.stderr and last_line(again).name.startswith("train-")

@@ -171,3 +171,19 @@ def test_a_checkpoint_on_a_full_disk_is_one_error_that_says_the_run_resumes(tmp_
                                         r"disk\): free space, then run the same command again, which resumes"):
         save_checkpoint(tmp_path, 2, model, optimizer, scheduler, {"step": 2})
     assert latest_checkpoint(tmp_path) is None  # nothing half-written counts as a checkpoint
+
+
+def test_a_nan_in_a_norm_weight_is_refused_by_quantize_and_calibrate_naming_the_tensor(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = copy_model(tiny_llama, tmp_path / "model")
+    tensors = load_file(str(model / "model.safetensors"))
+    name = "model.layers.1.post_attention_layernorm.weight"
+    tensors[name][3] = float("nan")  # not a linear: quantize copies it as it is
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    store = tmp_path / "store"
+    for command in (["quantize", *FAST], ["calibrate", "--set", "calibrate.num_samples=2", "--set",
+                                          "calibrate.seq_len=16"]):
+        result = cli(command[0], "--model", model, "--artifacts", store, *command[1:], ok=False)
+        one_line_failure(result, f"{name} has non-finite values", "re-download or re-convert")
+        assert named(store, command[0]) == [] and not list(store.glob(".tmp-*"))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import qerl_pipe
+from qerl_pipe.strict_json import dumps
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 1
@@ -35,7 +36,7 @@ def sha256_file(path: Path) -> str:
 
 def canonical_json(value: Any) -> str:
     """JSON with sorted keys and no whitespace: equal configs give equal text, hence equal ids."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
 def artifact_id(stage: str, stage_version: int, config: dict[str, Any], parents: list[str]) -> str:
@@ -56,7 +57,7 @@ def describe_files(root: Path) -> dict[str, dict[str, Any]]:
 def manifest_digest(manifest: dict[str, Any]) -> str:
     """sha256 of the manifest without its digest, as it reads back from JSON (tuples are lists)."""
     body = {k: v for k, v in manifest.items() if k != "digest"}
-    return hashlib.sha256(canonical_json(json.loads(json.dumps(body))).encode()).hexdigest()
+    return hashlib.sha256(canonical_json(json.loads(dumps(body))).encode()).hexdigest()
 
 
 def build_manifest(

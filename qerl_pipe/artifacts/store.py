@@ -24,6 +24,7 @@ from qerl_pipe.artifacts.manifest import (
 )
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.log import log
+from qerl_pipe.strict_json import write_json
 
 ENV_VAR = "QERL_ARTIFACTS"
 DEFAULT_ROOT = Path("artifacts")
@@ -58,6 +59,26 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             return manifest
         why = "not a qerl-pipe manifest (no id or files)"
     raise ArtifactError(f"{path} is damaged: manifest.json is {why}; {repair_advice(path, stage_of(path))}")
+
+
+def _parents_first(artifacts: list[Artifact]) -> list[Artifact]:
+    """`artifacts` (oldest first) with each one after its parents in the list: `created` counts
+    seconds, and a `run` seals several artifacts in one, which then fell back to name order (an
+    export above the train run it came from)."""
+    by_id = {a.id: a for a in artifacts}
+    placed: dict[str, Artifact] = {}
+
+    def place(artifact: Artifact, path: tuple[str, ...]) -> None:
+        if artifact.id in placed or artifact.id in path:  # `path`: a hand-edited cycle ends here
+            return
+        for parent in artifact.manifest.get("parents", []):
+            if parent in by_id:
+                place(by_id[parent], path + (artifact.id,))
+        placed[artifact.id] = artifact
+
+    for artifact in artifacts:
+        place(artifact, ())
+    return list(placed.values())
 
 
 def _tmp_owner(path: Path) -> str | None:
@@ -105,7 +126,7 @@ class ArtifactStore:
 
     def survey(self) -> tuple[list[Artifact], list[tuple[Path, str]]]:
         """One pass over the store (each manifest read once, as `ls` shows both lists): the sealed
-        artifacts, oldest first, and what that list leaves out, with its state: artifacts whose
+        artifacts, oldest first and each after its parents, and what that list leaves out, with its state: artifacts whose
         manifest is damaged, temporary directories of artifacts being made ('in progress') or of
         runs that were killed ('abandoned'), and work directories of resumable runs ('in progress'
         or 'interrupted')."""
@@ -130,7 +151,7 @@ class ArtifactStore:
                     found.append(Artifact(path=path, manifest=_read_manifest(path)))
                 except ArtifactError as exc:
                     unfinished.append((path, f"damaged: {exc}"))
-        return sorted(found, key=lambda a: a.manifest.get("created", "")), unfinished
+        return _parents_first(sorted(found, key=lambda a: a.manifest.get("created", ""))), unfinished
 
     @contextmanager
     def _holding_if_free(self, name: str) -> Iterator[bool]:
@@ -259,6 +280,8 @@ class ArtifactStore:
                 if not force or not (final / MANIFEST_NAME).is_file():
                     raise
             if existing is not None and not force:
+                # A run that only reuses still clears what killed runs left (`ls` promises it).
+                self._sweep_abandoned(final.name)
                 yield None, existing
                 return
             # Under this artifact's lock no live process writes one: any temporary directory of it
@@ -276,7 +299,7 @@ class ArtifactStore:
                     art_id=art_id, kind=kind, stage=stage, stage_version=stage_version,
                     config=config, parents=parents, root=tmp, summary=pending.summary,
                 )
-                (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+                write_json(tmp / MANIFEST_NAME, manifest)
                 self._swap_into_place(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

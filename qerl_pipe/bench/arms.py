@@ -24,6 +24,7 @@ from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.task.rewards import RewardSpec, score
 from qerl_pipe.rl.task.tasks import Problem, kind_of
+from qerl_pipe.strict_json import nulls_for_non_finite, write_json
 
 PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
            ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))
@@ -287,5 +288,5 @@ def summarize_arms(arm_specs: Sequence[str], out_dir: Path, title: str = "arms",
     claims = paper_claims(rows, [q for q in quantized.split(",") if q], full, pairs, qlora, par, calibrated)
     extra = {"gpu": gpu} if gpu else {}
     out = results_file(list(rows.values()), claims, note=note, plots=plots, **extra)
-    (out_dir / "arms.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_json(out_dir / "arms.json", nulls_for_non_finite(out))
     return out

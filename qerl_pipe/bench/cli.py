@@ -9,13 +9,13 @@ adds its error policy (a QerlError is one line and exit 1) to every command here
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from qerl_pipe.errors import QerlError
+from qerl_pipe.strict_json import dumps, nulls_for_non_finite
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; results are JSON with a targets block.")
 
@@ -30,7 +30,7 @@ def values(items: list[str] | None, kind: type = str) -> list:
 
 
 def emit(result: dict, out: Path | None) -> None:
-    text = json.dumps(result, indent=2)
+    text = dumps(nulls_for_non_finite(result), indent=2)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")

@@ -13,7 +13,6 @@ The candidates, the check and the timing live in `kernels.tuning` (the engine st
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict
@@ -27,6 +26,7 @@ from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.kernels.configs import KernelConfig, get_config, table_key, table_to_json
 from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4
 from qerl_pipe.kernels.tuning import dx_candidates, fwd_candidates, rel_err, time_graph, tune_one, weight_copies
+from qerl_pipe.strict_json import nulls_for_non_finite, write_json
 
 # (N, K) of each linear: qkv and gate_up are fused, as our model runs them.
 LAYER_SHAPES: dict[str, dict[str, tuple[int, int]]] = {
@@ -223,7 +223,7 @@ def run_kernel_bench(shapes: list[str] | None = None,
                                   tuned_table=table_to_json(tuned))
             if out:
                 out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(result, indent=1) + "\n")
+                write_json(out, nulls_for_non_finite(result), indent=1)
             torch.cuda.empty_cache()
     for t in result["targets"]:
         print(f"target {t['name']:55} {t['target']:<7} measured {t['measured']:.2f} "

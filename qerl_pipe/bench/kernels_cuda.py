@@ -15,7 +15,6 @@ copy ceiling (device-to-device copy of 2 GiB, read + write bytes) is measured in
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -28,6 +27,7 @@ from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chun
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4
 from qerl_pipe.kernels.tuning import rel_err, time_graph, weight_copies
+from qerl_pipe.strict_json import nulls_for_non_finite, write_json
 
 REPS = 50
 GEMM_MS = (1, 8, 16, 32, 64, 128, 256)
@@ -241,7 +241,7 @@ def run(shapes: list[str], out: Path | None, ms: tuple[int, ...] = ALL_MS) -> di
                                   copy_ceiling_tbps=ceiling, sms=sms, tuned_table=cuda_ext.tuned_table(rows))
             if out:
                 out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(result, indent=1) + "\n")
+                write_json(out, nulls_for_non_finite(result), indent=1)
             torch.cuda.empty_cache()
     for t in result["targets"]:
         print(f"target {t['name']:58} {t['target']:<7} measured {t['measured']:.2f} {'MET' if t['met'] else 'MISSED'}")

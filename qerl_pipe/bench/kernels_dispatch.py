@@ -12,7 +12,6 @@ the dispatch uses by default) on every decode row is a target.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from qerl_pipe.kernels.dispatch import BACKENDS, DETERMINISTIC_BACKENDS, ROWS_M
 from qerl_pipe.kernels.dispatch_measure import REPS, Operands, inputs, measure_shape, operands, table_from_rows
 from qerl_pipe.kernels.linear import nvfp4_linear
 from qerl_pipe.kernels.tuning import rel_err, time_graph
+from qerl_pipe.strict_json import nulls_for_non_finite, write_json
 
 
 def _dispatch_row(ops: Operands, m: int) -> dict:
@@ -97,12 +97,12 @@ def run(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out: Pat
     if table_out is not None:
         data = {"source": f"qerl-pipe bench kernels-dispatch ({', '.join(shapes)})", **table.to_json()}
         table_out.parent.mkdir(parents=True, exist_ok=True)
-        table_out.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+        write_json(table_out, data, indent=1)
     result = results_file(rows, _targets(rows), torch=torch.__version__, humming=humming,
                           table=table.to_json(), rows_m=list(ROWS_M), weighted_vs_bf16=_weighted_table(rows, shapes))
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(out, nulls_for_non_finite(result), indent=1)
     for t in result["targets"]:
         print(f"target {t['name']:70} {t['target']:<8} measured {t['measured']:.3f} {'MET' if t['met'] else 'MISSED'}")
     return result

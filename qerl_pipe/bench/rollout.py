@@ -15,7 +15,6 @@ in ours, which makes the comparison slightly favour HF at batch 1-8).
 from __future__ import annotations
 
 import gc
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from qerl_pipe.kernels import dispatch
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 from qerl_pipe.model.lora import LoraSpec
+from qerl_pipe.strict_json import nulls_for_non_finite, write_json
 
 GIB = 2**30
 
@@ -225,7 +225,7 @@ def run_rollout_bench(shapes: list[str], batches: list[int], prompt_len: int = 2
             rows.append({"shape": shape, **row})
             if partial is not None:
                 partial.parent.mkdir(parents=True, exist_ok=True)
-                partial.write_text(json.dumps(result(), indent=1) + "\n")
+                write_json(partial, nulls_for_non_finite(result()), indent=1)
 
         if hf_batches != []:
             bench_hf(config, hf_batches or batches, prompt_len, hf_new_tokens, emit)

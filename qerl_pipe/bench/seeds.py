@@ -17,6 +17,7 @@ from typing import Any
 
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.errors import QerlError
+from qerl_pipe.strict_json import nulls_for_non_finite, write_json
 
 FIGURES = ("greedy_accuracy_before", "greedy_accuracy_after", "reward_first_tenth", "reward_last_tenth",
            "entropy_first_tenth", "step_reward_0.5", "step_reward_0.8")
@@ -60,5 +61,5 @@ def summarize_seeds(arms_files: Sequence[Path], out: Path, note: str = "", gpu: 
     extra = {"gpu": gpu} if gpu else {}
     result = results_file(results, targets, note=note, sources=[str(p) for p in arms_files], **extra)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, nulls_for_non_finite(result))
     return result

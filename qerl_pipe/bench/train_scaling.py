@@ -31,6 +31,7 @@ import torch
 from qerl_pipe.bench.results import results_file, target
 from qerl_pipe.bench.shapes import QWEN25_SHAPES
 from qerl_pipe.rl.loop.distributed import disable_nvls
+from qerl_pipe.strict_json import nulls_for_non_finite, write_json
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
@@ -159,7 +160,7 @@ def worker_main(argv: list[str] | None = None) -> None:
                       prompt_len=a.prompt_len, new_tokens=a.new_tokens, steps=a.steps, warmup=a.warmup,
                       lora_rank=a.lora_rank, micro_batch_size=a.micro_batch_size)
         if row:
-            a.out.write_text(json.dumps(row) + "\n")
+            write_json(a.out, nulls_for_non_finite(row), indent=None)
 
 
 if __name__ == "__main__":

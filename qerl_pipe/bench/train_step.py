@@ -64,6 +64,7 @@ from qerl_pipe.recipe import TrainSection, load_recipe
 from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
 from qerl_pipe.rl.task.tasks import Problem
 from qerl_pipe.rl.loop.trainer import Trainer
+from qerl_pipe.strict_json import dumps, nulls_for_non_finite, write_json
 
 GIB = 2**30
 QUANTS = ("bf16", "nf4", "nvfp4")
@@ -570,9 +571,9 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
         config = shape_configs[name] if name in shape_configs else QWEN25_SHAPES[name]
         rows.append(bench_config(name, config, quant, settings, device, memory_limit_bytes, budget_gb, recipe))
         print(_summary(rows[-1]), file=sys.stderr, flush=True)
-        emit(json.dumps(rows[-1]))
+        emit(dumps(nulls_for_non_finite(rows[-1])))
         latest = result()  # one dict for the file and the caller: its date is taken once
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(latest, indent=1) + "\n")
+            write_json(out, nulls_for_non_finite(latest), indent=1)
     return latest

@@ -13,7 +13,6 @@ chooses the base and keys the artifact.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -27,6 +26,7 @@ from qerl_pipe.engine.artifact import ENGINE_FILE, ENGINE_FORMAT_VERSION, device
 from qerl_pipe.engine.limits import EngineLimits, plan_limits
 from qerl_pipe.engine.weights import save_engine_model
 from qerl_pipe.errors import QerlError
+from qerl_pipe.formats.checkpoint import refuse_non_finite
 from qerl_pipe.formats.modelopt_writer import copy_model_files
 from qerl_pipe.hf import compute_dtype, count_parameters
 from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, table_to_json
@@ -35,6 +35,8 @@ from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model, model_memory_bytes
+from qerl_pipe.strict_json import write_json
+
 # Tuning covers the M buckets the engine decodes at (up to its max batch) and a training-sized M
 # (the M >= 1024 bucket: prefill and the training forward); dX runs only in training, so only
 # there. Tuning every bucket for both ops would take minutes on a 7B model for no use.
@@ -107,9 +109,7 @@ def _check_finite(model: torch.nn.Module) -> None:
     """A bf16 (or NF4) base is built from the source's weights as they are: NaN or inf there would
     give an engine whose every rollout is empty. (A 4-bit quantize already refuses them.)"""
     for name, t in model.state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise QerlError(f"{name} has non-finite values (NaN or inf); the model's weights are damaged, "
-                            "re-download or re-convert it")
+        refuse_non_finite(name, t)
 
 
 def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, section: EngineSpec,
@@ -159,7 +159,7 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
         "build_seconds": seconds,
         "qerl_pipe_version": qerl_pipe.__version__,
     }
-    (out / ENGINE_FILE).write_text(json.dumps(engine, indent=2) + "\n")
+    write_json(out / ENGINE_FILE, engine)
     summary = {
         "base_format": section.base_format,
         "dtype": engine["dtype"],

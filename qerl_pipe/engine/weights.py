@@ -29,6 +29,7 @@ from qerl_pipe.model.config import SUPPORTED, DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import BASE_FORMATS, QuantLinear
 from qerl_pipe.model.lora import LoraSpec, apply_lora
+from qerl_pipe.strict_json import write_json
 
 # 2: NVFP4 bases in the tiled chunk layout of the CUDA kernels (1 held `kernels.packing` words).
 WEIGHTS_FORMAT_VERSION = 2
@@ -140,8 +141,8 @@ def save_engine_model(model: Decoder, out_dir: Path, *, hf_config: Mapping[str, 
         },
         "weight_map": weight_map,
     }
-    (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
-    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    write_json(out_dir / INDEX_NAME, index, indent=1)
+    write_json(out_dir / CONFIG_NAME, config)
 
 
 def _plan_shards(tensors: Mapping[str, Tensor]) -> list[list[str]]:

@@ -19,10 +19,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from qerl_pipe.errors import ModelSourceError
+from qerl_pipe.errors import ModelSourceError, QuantizationError
 from qerl_pipe.formats import compressed_tensors as ct
 from qerl_pipe.formats.modelopt_layout import QUANT_ALGOS
 from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight
+from qerl_pipe.strict_json import write_json
 
 QuantFormat = Literal["modelopt", "compressed-tensors"]
 
@@ -33,6 +34,21 @@ _MODELOPT_PARTS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 _CT_PARTS = (*ct.WEIGHT_SUFFIXES, ct.INPUT_SUFFIX)
 # Suffix that marks a quantized module -> the suffixes of all that module's tensors.
 _MARKERS: dict[str, tuple[str, ...]] = {"weight_scale_2": _MODELOPT_PARTS, "weight_packed": _CT_PARTS}
+
+
+# Elements per isfinite pass: the test's bool temporary stays ~4 MB, not the size of an embedding.
+_FINITE_CHUNK = 1 << 22
+
+
+def refuse_non_finite(name: str, tensor: Tensor) -> None:
+    """Refuse a floating tensor holding NaN or inf, naming it: any such weight (a norm's included)
+    makes every later figure NaN, and a stage that wrote on would seal NaN into its artifact."""
+    if not tensor.is_floating_point():
+        return
+    flat = tensor.reshape(-1)
+    if not all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(_FINITE_CHUNK)):
+        raise QuantizationError(f"{name} has non-finite values (NaN or inf): the model's weights are damaged; "
+                                "re-download or re-convert the model")
 
 
 def detect_quant_format(config: dict[str, Any]) -> QuantFormat | None:
@@ -299,4 +315,4 @@ class ShardWriter:
             weight_map.update({k: name for k in keys})
         if len(names) > 1:
             index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            write_json(self.out / INDEX_FILE, index)

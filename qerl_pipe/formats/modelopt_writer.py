@@ -1,9 +1,9 @@
 """The NVFP4 checkpoint writer (modelopt's unified HF layout), used by `quantize` and by the
 merged-NVFP4 export.
 
-Two passes over a streamed model: `plan_checkpoint` reads every linear weight once to check it
-(finite, K % 16 == 0) and to take the amax of each fused group (q/k/v, gate/up share one global
-scale), so nothing is written before the whole model is known to quantize; `write_shards` then
+Two passes over a streamed model: `plan_checkpoint` reads every tensor once to check it (finite;
+a linear weight also K % 16 == 0) and to take the amax of each fused group (q/k/v, gate/up share
+one global scale), so nothing is written before the whole model is known to quantize; `write_shards` then
 quantizes and writes one output shard per input shard. `write_configs` adds config.json's
 quantization_config, hf_quant_config.json and the tokenizer files.
 """
@@ -11,7 +11,6 @@ quantization_config, hf_quant_config.json and the tokenizer files.
 from __future__ import annotations
 
 import fnmatch
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 import qerl_pipe
 from qerl_pipe.errors import QerlError, QuantizationError
-from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, list_shards, open_shard
+from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, list_shards, open_shard, refuse_non_finite
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.formats.modelopt_layout import config_quantization_config, hf_quant_config, nvfp4_tensors
 from qerl_pipe.formats.names import FUSED_GROUPS, HF_LINEAR_WEIGHT, fused_group_key
@@ -30,6 +29,7 @@ from qerl_pipe.formats.nvfp4 import (
 )
 from qerl_pipe.formats.quant_error import ErrorSums, LayerError
 from qerl_pipe.log import progress
+from qerl_pipe.strict_json import write_json
 
 
 # Tokenizer and generation files copied so the artifact loads as a model directory.
@@ -63,12 +63,13 @@ def plan_checkpoint(shards: list[Path], exclude: list[str]) -> WritePlan:
         with open_shard(shard) as fh:
             for name in fh.keys():
                 match = HF_LINEAR_WEIGHT.match(name)
-                if not match:
+                if not match or is_excluded(match.group(1), exclude):
+                    # Norms, embeddings and excluded linears are copied as they are: checked here.
+                    refuse_non_finite(name, fh.get_tensor(name))
+                    if match:
+                        plan.excluded.add(match.group(1))
                     continue
                 module = match.group(1)
-                if is_excluded(module, exclude):
-                    plan.excluded.add(module)
-                    continue
                 weight = fh.get_tensor(name)
                 if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
                     raise QuantizationError(
@@ -77,7 +78,7 @@ def plan_checkpoint(shards: list[Path], exclude: list[str]) -> WritePlan:
                     )
                 amax = weight.abs().amax().float()  # exact in the weight's own dtype; NaN propagates
                 if not bool(torch.isfinite(amax)):
-                    raise QuantizationError(f"{name} has non-finite values (inf or nan); the model is damaged")
+                    refuse_non_finite(name, weight)
                 plan.quantized[name] = module
                 key = plan.scale_key(module)
                 plan.group_amax[key] = torch.maximum(plan.group_amax[key], amax) if key in plan.group_amax else amax
@@ -159,9 +160,9 @@ def write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: lis
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
     else:
         config["dtype"] = str(dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_json(out / "config.json", config)
     hf_quant = hf_quant_config(quant_algo, exclude_modules, qerl_pipe.__version__)
-    (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+    write_json(out / "hf_quant_config.json", hf_quant)
     copy_model_files(source, out)
 
 
@@ -240,7 +241,7 @@ def write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
     config.pop("quantization_config", None)  # the weights are dense now
     key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
     config[key] = str(dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_json(out / "config.json", config)
     copy_model_files(source, out)
 
 

@@ -6,7 +6,6 @@ what it is pointed at, keys the artifact and seals what this writes.
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from qerl_pipe.recipe import EvalSection
 from qerl_pipe.rl.loop.accuracy import Graded, generate_and_grade, pass_rates
 from qerl_pipe.rl.task.prompts import fit_prompts, stop_token_ids
 from qerl_pipe.rl.task.tasks import Problem
+from qerl_pipe.strict_json import dumps, write_json
 
 SECTION = "eval"  # the recipe section, named in messages
 REPORT_JSON = "report.json"
@@ -171,7 +171,7 @@ def run_eval_job(section: EvalSection, engine: EngineInfo, adapter: AdapterFiles
         graded = generate_and_grade(Engine(model, limits), tokenizer, kept, prompts, sampling, n=k)
     prompt_texts = [tokenizer.decode(ids) for ids in prompts]
     records = sample_records(kept, prompt_texts, graded)
-    (out / SAMPLES).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    (out / SAMPLES).write_text("".join(dumps(r, ensure_ascii=False) + "\n" for r in records))
     report = {
         **summarize(section, graded, skipped),
         "sampling": {"greedy": section.greedy, "temperature": sampling.temperature, "top_p": sampling.top_p,
@@ -185,7 +185,7 @@ def run_eval_job(section: EvalSection, engine: EngineInfo, adapter: AdapterFiles
         "device": str(device),
         "seconds": round(time.perf_counter() - started, 1),
     }
-    (out / REPORT_JSON).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out / REPORT_JSON, report)
     (out / REPORT_MD).write_text(_markdown(report))
     log(f"eval: pass@1 {report['pass@1']:.4f} ± {report['pass@1_stderr']:.4f} over {report['problems']} problems "
         f"x {k} sample(s)" + (f", pass@{k} {report[f'pass@{k}']:.4f}" if k > 1 else ""))

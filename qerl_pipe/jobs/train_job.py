@@ -33,6 +33,7 @@ from qerl_pipe.jobs.step_plan import plan_train
 from qerl_pipe.jobs.train_config import plan_changes
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan, enforce_budget
+from qerl_pipe.memwatch import return_freed_tensors_to_os
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.full import full_training_bytes
 from qerl_pipe.model.lora import LoraSpec, apply_lora
@@ -47,6 +48,7 @@ from qerl_pipe.rl.loop.trainer import Trainer, fit
 from qerl_pipe.rl.task.prompts import fit_prompts, stop_token_ids
 from qerl_pipe.rl.task.rewards import CustomReward, load_custom_rewards
 from qerl_pipe.rl.task.tasks import Problem, load_problems
+from qerl_pipe.strict_json import dumps, write_json
 
 # Where a full fine-tuning run keeps its trained weights, a Hugging Face model directory (a LoRA
 # run keeps its adapter in ADAPTER_DIR); export reads them there.
@@ -106,8 +108,8 @@ def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist
 def _write_eval(run_dir: Path, name: str, result: EvalResult) -> None:
     out = run_dir / EVAL_DIR
     out.mkdir(exist_ok=True)
-    (out / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in result.samples))
-    (out / f"{name}.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    (out / f"{name}.jsonl").write_text("".join(dumps(s) + "\n" for s in result.samples))
+    write_json(out / f"{name}.json", result.summary())
 
 
 def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]], before: dict | None,
@@ -132,7 +134,7 @@ def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, A
         "step_seconds_mean": mean("step_seconds", records),
         "memory_plan_changes": plan_changes(plan),
     }
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(run_dir / "report.json", report)
     lines = [f"# Training report ({len(records)} steps on {device}: {report['step_seconds_total']} s of RL steps in "
              f"all sessions; this session {report['seconds_this_session']} s with loading and evaluation)", "",
              f"Loss {section.loss}, B={section.prompts_per_step} prompts x G={section.group_size}, lr {section.lr}, "
@@ -190,6 +192,9 @@ def run_train_job(section: TrainSection, cfg: TrainConfig, engine_dir: Path, pro
     others return {} once training is done).
     """
     started = time.perf_counter()
+    # As quantize does: the stages' reads before this (a standalone CPU train's engine lookup and
+    # plan) left freed memory in the heap, and the run peaked 55% over its plan line without this.
+    return_freed_tensors_to_os()
     model, limits = load_engine(engine_dir, device)
     limits = limits.with_batch(plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
     spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
@@ -234,7 +239,7 @@ def run_train_job(section: TrainSection, cfg: TrainConfig, engine_dir: Path, pro
         _save_full_model(model, engine_dir, run_dir / MODEL_DIR)
     else:
         save_adapter(model, spec, run_dir / ADAPTER_DIR, base_model)
-    write_plots(records, run_dir / PLOTS_DIR)
+    write_plots(records, run_dir / PLOTS_DIR, section.max_new_tokens)
     report = write_report(run_dir, section, records, before, after, time.perf_counter() - started, str(device), plan)
     return {
         "steps": len(records),

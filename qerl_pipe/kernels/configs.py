@@ -15,6 +15,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from qerl_pipe.strict_json import write_json
+
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 KERNELS = ("skinny", "gemv", "tiled", "dequant")
 
@@ -138,7 +140,7 @@ def table_from_json(data: dict[str, dict[str, int | str]]) -> ConfigTable:
 
 
 def save_table(table: ConfigTable, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(table_to_json(table), indent=1) + "\n")
+    write_json(Path(path), table_to_json(table), indent=1)
 
 
 def load_table(path: str | Path) -> ConfigTable:

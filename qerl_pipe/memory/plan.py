@@ -49,7 +49,7 @@ BUDGET_KEY = "train.memory_budget_gb"
 # What each part of the estimate is called in messages.
 PART_NAMES = {"weights": "weights", "lora_and_optimizer": "LoRA + AdamW", "full_and_optimizer": "masters + AdamW",
               "kv_cache": "KV cache", "activations": "activations", "dequant_scratch": "dequant scratch",
-              "kernel_copies": "humming copies",
+              "kernel_copies": "humming copies", "dense_base": "base dequantized for the CPU",
               "slack": "slack"}
 
 
@@ -74,6 +74,7 @@ class StepShape:
     max_micro_batch: int  # train.micro_batch_size
     max_logprob_chunk: int  # the log-probabilities' default chunk
     adapter: str = "lora"  # or "full" (every weight trains; a bf16 base only)
+    dense_base: bool = False  # a CPU run: a 4-bit base is also held dequantized (memory.step.dense_base_bytes)
 
     def __post_init__(self) -> None:
         for key in ("sequences", "prompts", "seq_len", "max_kv_slots", "max_micro_batch", "max_logprob_chunk"):
@@ -82,7 +83,7 @@ class StepShape:
 
     def size(self, kv_slots: int, micro_batch: int, logprob_chunk: int) -> StepSize:
         return StepSize(self.sequences, self.seq_len, self.prompt_len, self.prompts, kv_slots, micro_batch,
-                        self.lora_rank, logprob_chunk)
+                        self.lora_rank, logprob_chunk, self.dense_base)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class StepSize:
     micro_batch: int
     lora_rank: int
     logprob_chunk: int
+    dense_base: bool = False  # a CPU run: the 4-bit base also held dequantized, once (model.dense_copy)
 
 
 def _linears(c: DecoderConfig) -> list[tuple[int, tuple[int, ...]]]:
@@ -137,11 +138,18 @@ def kernel_copy_bytes(c: DecoderConfig, shapes: Iterable[tuple[int, int]]) -> in
     return per_layer * c.num_layers
 
 
+def dense_base_bytes(c: DecoderConfig, dtype: torch.dtype) -> int:
+    """A CPU run's copy of the 4-bit linears dequantized once into the model dtype (instead of at
+    every call): every linear weight, in place of the shared decode buffer."""
+    return sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers * element_bytes(dtype)
+
+
 def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter: str = "lora",
                         dtype: torch.dtype = torch.bfloat16, kernel_copies: int = 0) -> dict[str, int]:
     """Each part of the step's peak and their `total`, in bytes. `adapter`: "lora", or "full"
     (every weight trains; a bf16 base only). `kernel_copies`: the bytes of humming copies of the
-    base (`kernel_copy_bytes`), 0 without them."""
+    base (`kernel_copy_bytes`), 0 without them. With `s.dense_base` (a CPU run) a 4-bit base's
+    dequantized copy replaces the decode buffer."""
     if adapter == "full" and base_format != "bf16":
         raise ValueError(f"full fine-tuning needs a bf16 base, not {base_format}")
     trained = {"full_and_optimizer": full_bytes(c, dtype)} if adapter == "full" else {
@@ -151,7 +159,8 @@ def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter
         **trained,
         "kv_cache": kv_bytes_per_token(c, dtype) * s.kv_slots * s.seq_len,
         "activations": activation_bytes(c, s, dtype),
-        "dequant_scratch": scratch_bytes(c, base_format, dtype),
+        **({"dense_base": dense_base_bytes(c, dtype)} if s.dense_base and base_format != "bf16" else
+           {"dequant_scratch": scratch_bytes(c, base_format, dtype)}),
         "kernel_copies": kernel_copies,
         "slack": SLACK_BYTES,
     }

@@ -34,6 +34,7 @@ from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.formats.names import LORA_TARGETS, PEFT_LORA_KEY, PEFT_NORM_KEY, PEFT_PREFIX, peft_lora_prefix, projection
 from qerl_pipe.model.lora import LoraSpec, lora_state_dict
 from qerl_pipe.model.norm import RMSNorm
+from qerl_pipe.strict_json import write_json
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -73,7 +74,7 @@ def save_adapter(model: nn.Module, spec: LoraSpec, out_dir: Path, base_model: st
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in lora_state_dict(model).items()}
     save_safetensors(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     config = adapter_config(model, spec, base_model)
-    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    write_json(out_dir / ADAPTER_CONFIG, config)
 
 
 @torch.no_grad()

@@ -14,13 +14,13 @@ baseline; bf16); choosing it and keying the artifact is this module, the build i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, PendingArtifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.dag import BUILD_ENGINE, register
 from qerl_pipe.engine.artifact import device_kind
 from qerl_pipe.engine.build import EnginePlan, EngineSpec, plan_engine, write_engine
@@ -81,7 +81,16 @@ def _quantized_base(artifact: Artifact) -> _Base:
     return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
 
 
-@register(STAGE)
+def check_engine_recipe(recipe: Recipe, store: ArtifactStore) -> None:
+    """The check before any work (`run`'s and `--build-missing`'s, before their first stage): what
+    `_plan` refuses (sequences past the model's positions, a train step no plan fits), from the
+    model's config.json alone (a GGUF file's metadata; a hub id offline is checked once downloaded)."""
+    hf_config = peek_model_config(recipe.model, store)
+    if hf_config is not None:
+        _plan(recipe, hf_config, pick_device(recipe.engine.device), current_dist().world_size)
+
+
+@register(STAGE, check=check_engine_recipe)
 def run_build_engine(call: StageCall) -> Artifact:
     """Build (or reuse) the engine the recipe's `engine` section describes.
 
@@ -95,9 +104,8 @@ def run_build_engine(call: StageCall) -> Artifact:
     # Under `train --nproc N` (rank 0 building a missing engine) each rank runs 1/N of the step.
     processes = current_dist().world_size
     if section.base_format == "nvfp4":
-        early_config = peek_model_config(recipe.model) if call.passed("quantized") is None else None
-        if early_config is not None:  # an engine that cannot be built fails before calibrate and quantize
-            _plan(recipe, early_config, device, processes)
+        if call.passed("quantized") is None:  # an engine that cannot be built fails before calibrate and quantize
+            check_engine_recipe(recipe, call.store)
         base = _quantized_base(call.input("quantized"))
     else:
         resolved = call.model()
@@ -113,7 +121,10 @@ def run_build_engine(call: StageCall) -> Artifact:
     plan, budget = _plan(recipe, base.hf_config, device, processes)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
     if budget.plan is not None and recipe.train.memory_budget_gb is not None:
-        config["memory_budget_gb"] = recipe.train.memory_budget_gb  # sized the KV cache (engines without one keep their ids)
+        # The budget and train's step sized the KV cache, and engine.json holds that plan (engines
+        # without a budget keep their ids).
+        config["memory_budget_gb"] = recipe.train.memory_budget_gb
+        config["train_step"] = asdict(budget.plan.shape)
 
     def build(pending: PendingArtifact) -> None:
         memory_plan = budget.plan.to_json() if budget.plan is not None else None

@@ -8,24 +8,25 @@ weight error by). Weight statistics (amax, rms, their ratio) show which layers h
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, PendingArtifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.dag import CALIBRATE, register
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.calibration import CHANNELS_FILE, STATS_FILE
-from qerl_pipe.formats.checkpoint import save_safetensors
+from qerl_pipe.formats.checkpoint import refuse_non_finite, save_safetensors
 from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
 from qerl_pipe.log import log, progress
 from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.recipe import Recipe
 from qerl_pipe.runner import StageCall
 from qerl_pipe.sources import model_config_key
+from qerl_pipe.strict_json import write_json
 from qerl_pipe.textdata import load_texts, pack_sequences
-from qerl_pipe.userfiles import data_file_key
+from qerl_pipe.userfiles import data_file_key, data_spec_key
 
 STAGE = CALIBRATE
 
@@ -71,14 +72,22 @@ def collect_input_stats(model: torch.nn.Module, batches) -> tuple[dict[str, floa
     return {name: float(value) for name, value in amax.items()}, mean_square, tokens
 
 
-@register(STAGE)
+def check_calibrate_recipe(recipe: Recipe, store: ArtifactStore) -> None:
+    """The check before any work (and `run`'s before its first stage): the calibration text loads."""
+    load_texts(recipe.calibrate.data, recipe.calibrate.field)
+
+
+@register(STAGE, check=check_calibrate_recipe)
 def run_calibrate(call: StageCall) -> Artifact:
     """Calibrate the recipe's model (no inputs, so `build_missing` changes nothing)."""
     recipe = call.recipe
+    if not call.find_only:  # before a GGUF import
+        check_calibrate_recipe(recipe, call.store)
     resolved = call.model()
     DecoderConfig.from_hf(resolved.config)
     section = recipe.calibrate
-    config = {"model": model_config_key(resolved, recipe.model), "calibrate": section.model_dump()}
+    config = {"model": model_config_key(resolved, recipe.model),
+              "calibrate": section.model_dump() | {"data": data_spec_key(section.data)}}
     data_sha256 = data_file_key(section.data)
     if data_sha256 is not None:
         config["data_sha256"] = data_sha256  # an edited file is new data
@@ -90,6 +99,8 @@ def run_calibrate(call: StageCall) -> Artifact:
         tokenizer = load_tokenizer(resolved.dir, recipe.model.trust_remote_code)
         ids = pack_sequences(load_texts(section.data, section.field), tokenizer, section.num_samples, section.seq_len)
         model = load_hf_causal_lm(resolved.dir, dtype, device, recipe.model.trust_remote_code)
+        for name, tensor in model.state_dict().items():  # a NaN norm would surface as some linear's input
+            refuse_non_finite(name, tensor)
         log(f"calibrate: {section.num_samples} x {section.seq_len} tokens of {section.data} on {device} ({dtype})")
         batches = (chunk.to(device) for chunk in ids.split(section.batch_size))
         n_batches = -(-section.num_samples // section.batch_size)
@@ -100,7 +111,7 @@ def run_calibrate(call: StageCall) -> Artifact:
                 linears[name] = {"input_amax": input_amax[name], **_weight_stats(module.weight)}
         _check_finite(linears, mean_square)
         stats = {"tokens": tokens, "data": section.data, "device": str(device), "dtype": str(dtype), "linears": linears}
-        (pending.dir / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
+        write_json(pending.dir / STATS_FILE, stats)
         save_safetensors({name: mean_square[name] for name in linears}, pending.dir / CHANNELS_FILE)
         worst = max(linears.items(), key=lambda kv: kv[1]["weight_amax_over_rms"])
         pending.summary.update({

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qerl_pipe.artifacts import Artifact, PendingArtifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.dag import EVAL, TRAIN, register
 from qerl_pipe.engine.artifact import check_engine_for
 from qerl_pipe.eval_inputs import build_target_engine, open_adapter, resolve_model_target
@@ -32,7 +32,7 @@ from qerl_pipe.model.peft import check_adapter_fits
 from qerl_pipe.recipe import EvalSection, Recipe
 from qerl_pipe.rl.task.tasks import Problem, load_problems
 from qerl_pipe.runner import StageCall
-from qerl_pipe.userfiles import data_file_key
+from qerl_pipe.userfiles import data_file_key, data_spec_key
 
 STAGE = EVAL
 
@@ -50,17 +50,22 @@ def check_eval_inputs(recipe: Recipe) -> list[Problem]:
     return load_problems(section.data, limit=section.limit, seed=section.seed, **fields)
 
 
+def check_eval_recipe(recipe: Recipe, store: ArtifactStore) -> None:
+    """`run`'s check before its first stage (`check_eval_inputs`)."""
+    check_eval_inputs(recipe)
+
+
 def _sampling_key(section: EvalSection) -> dict[str, Any]:
     """The section as it decides the result: sampling knobs are dropped when greedy ignores them,
     and the device is named separately, so equal evaluations share an id."""
-    key = section.model_dump(exclude={"device"})
+    key = section.model_dump(exclude={"device"}) | {"data": data_spec_key(section.data)}
     if section.greedy:
         for unused in ("temperature", "top_p", "top_k"):
             key.pop(unused)
     return key
 
 
-@register(STAGE, check=check_eval_inputs)
+@register(STAGE, check=check_eval_recipe)
 def run_eval(call: StageCall) -> Artifact:
     """Evaluate the recipe's `eval` section on the --model passed (an engine artifact, a reference
     to one, a quantize checkpoint or a model source; None = the recipe's engine; an engine that is

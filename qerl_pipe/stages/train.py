@@ -16,14 +16,13 @@ the run directory and the result, so they all agree on one run.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, PendingArtifact, load_artifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
 from qerl_pipe.artifacts.store import link_tree
 from qerl_pipe.dag import TRAIN, register
 from qerl_pipe.engine.artifact import check_engine_for
@@ -41,7 +40,8 @@ from qerl_pipe.rl.task.rewards import custom_reward_digests
 from qerl_pipe.rl.task.tasks import Problem
 from qerl_pipe.runner import StageCall
 from qerl_pipe.sources import peek_model_config
-from qerl_pipe.userfiles import data_file_key
+from qerl_pipe.strict_json import write_json
+from qerl_pipe.userfiles import data_file_key, data_spec_key, resumable_on_full_disk
 
 STAGE = TRAIN
 RUN_FILE = "run.json"
@@ -50,7 +50,9 @@ RUN_FILE = "run.json"
 def train_key(section: TrainSection) -> dict[str, Any]:
     """The train section as the run's id sees it."""
     key = section.model_dump()
-    del key["memory_budget_gb"]  # it changes the plan, not the method: the same run on a smaller GPU
+    key["data"], key["eval_data"] = data_spec_key(section.data), data_spec_key(section.eval_data)
+    if key["memory_budget_gb"] is None:  # the free memory is no setting: runs made before keep their ids
+        del key["memory_budget_gb"]  # (a budget sets the micro-batch and the rollout waves: it is in the id)
     if key["adapter"] == "lora":
         del key["adapter"]  # the default: runs made before the setting existed keep their ids
     else:
@@ -58,12 +60,12 @@ def train_key(section: TrainSection) -> dict[str, Any]:
     return key
 
 
-def check_train_recipe(recipe: Recipe) -> None:
+def check_train_recipe(recipe: Recipe, store: ArtifactStore) -> None:
     """`run`'s check before its first stage: the train inputs (`check_train_inputs`) and the step
-    against train.memory_budget_gb, from the model's config.json when it can be read without work
-    (not a GGUF file to import: build-engine and train check it then)."""
+    against train.memory_budget_gb, from the model's config.json (a GGUF file's metadata) when it
+    can be read without work (a hub id offline: build-engine and train check it then)."""
     check_train_inputs(recipe)
-    if (hf_config := peek_model_config(recipe.model)) is not None:
+    if (hf_config := peek_model_config(recipe.model, store)) is not None:
         plan_recipe_step(recipe, hf_config)
 
 
@@ -95,11 +97,9 @@ def run_train(call: StageCall) -> Artifact:
     cfg = train_config(section, plan)
     config = {"train": train_key(section), "device": device.type}
     for key, spec in (("data_sha256", section.data), ("eval_data_sha256", section.eval_data)):
-        digest = data_file_key(spec)
-        if digest is not None:
+        if (digest := data_file_key(spec)) is not None:
             config[key] = digest  # an edited file is new data: never a reuse, never a resume
-    rewards = custom_reward_digests(custom_rewards)
-    if rewards:
+    if rewards := custom_reward_digests(custom_rewards):
         config["custom_rewards_sha256"] = rewards  # an edited reward function is a new run
     if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
         config["processes"] = dist.world_size
@@ -112,13 +112,14 @@ def run_train(call: StageCall) -> Artifact:
         dist.broadcast((None, str(run_dir)))
         if call.force and run_dir.exists():
             shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
-        (run_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
-        dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
-        summary = run_train_job(section, cfg, engine.path, problems, eval_problems, device,
-                                run_dir, engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
-        link_tree(run_dir, pending.dir)
+        with resumable_on_full_disk(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
+            write_json(run_dir / RUN_FILE, run)
+            dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
+            summary = run_train_job(section, cfg, engine.path, problems, eval_problems, device, run_dir,
+                                    engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
+            link_tree(run_dir, pending.dir)
         pending.summary.update(summary)
         built.append(run_dir)
 

@@ -10,7 +10,6 @@ of one; older ones are removed after the rename.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -25,6 +24,7 @@ from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.model.full import FullTraining
 from qerl_pipe.model.peft import ADAPTER_WEIGHTS, load_adapter_weights
 from qerl_pipe.model.lora import lora_state_dict
+from qerl_pipe.strict_json import write_json
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.pt"
@@ -74,7 +74,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     if rank_rng_states:
         state["rng_ranks"] = rank_rng_states
     _save_state(state, tmp / STATE_FILE)
-    (tmp / INFO_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
+    write_json(tmp / INFO_FILE, trainer_state)
     if final.exists():  # the same step written again (a resumed run that redid it)
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -92,7 +92,7 @@ def _save_state(state: dict[str, Any], path: Path) -> None:
         free_mb = shutil.disk_usage(path.parent).free / 2**20
         raise QerlError(f"cannot write the checkpoint {path} ({str(exc).splitlines()[0]}; {free_mb:.0f} MB free on "
                         "its disk): free space, then run the same command again, which resumes from the last "
-                        "checkpoint") from None
+                        f"checkpoint (the run's work directory {path.parents[2]} is kept)") from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -13,13 +13,18 @@ from typing import Any, Callable
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from qerl_pipe.log import console, log
+from qerl_pipe.strict_json import dumps
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOTS_DIR = "plots"
-# (metrics key, plot title) of the PNGs written at the end.
-PLOTTED = (("reward_mean", "reward"), ("accuracy", "accuracy"), ("entropy", "entropy"),
-           ("sigma", "AQN sigma"), ("response_length_mean", "response length (tokens)"))
+# (metrics key, plot title, y-axis label) of the PNGs written at the end.
+PLOTTED = (("reward_mean", "reward", "mean reward of the step's responses"),
+           ("accuracy", "accuracy", "fraction of responses correct"),
+           ("entropy", "entropy", "mean token entropy (nats)"),
+           ("sigma", "AQN sigma", "noise std on the norm weights"),
+           ("response_length_mean", "response length (tokens)", "mean response length (tokens)"))
+LENGTH_KEY = "response_length_mean"
 
 
 class MetricsLog:
@@ -36,14 +41,14 @@ class MetricsLog:
             lines = [line for line in self.path.read_text().splitlines() if line.strip()]
             self.records = [r for r in map(json.loads, lines) if r["step"] <= first_step]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        tmp.write_text("".join(dumps(r) + "\n" for r in self.records))
         tmp.replace(self.path)
         self._file = self.path.open("a")
         self._tb = _tensorboard(run_dir / TENSORBOARD_DIR, first_step)
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in record.items():
@@ -94,31 +99,46 @@ def greedy_line(when: str, result: dict[str, Any], data: str) -> str:
             f"({result['correct']}/{result['total']} of {data})")
 
 
-def write_plots(records: list[dict[str, Any]], out_dir: Path) -> list[str]:
-    """One PNG per PLOTTED metric against the step; returns the file names ([] and a log line
-    when matplotlib is not installed)."""
-    try:
-        import matplotlib
+def plot_figures(records: list[dict[str, Any]], token_cap: int | None = None) -> list[tuple[str, Any]]:
+    """(file name, matplotlib figure) per PLOTTED metric that has a finite value, against the step;
+    the length plot has a dashed line at `token_cap` (train.max_new_tokens), where responses are cut."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("train: matplotlib is not installed, so no plots were written (pip install matplotlib)")
-        return []
-    out_dir.mkdir(parents=True, exist_ok=True)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in records]
-    written = []
-    for key, title in PLOTTED:
+    figures = []
+    for key, title, ylabel in PLOTTED:
         values = [r.get(key) for r in records]
         if not any(isinstance(v, (int, float)) and math.isfinite(v) for v in values if v is not None):
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, [math.nan if v is None else v for v in values], marker="." if len(steps) < 50 else None)
+        if key == LENGTH_KEY and token_cap is not None:
+            ax.axhline(token_cap, color="tab:red", linestyle="--", linewidth=1,
+                       label=f"max_new_tokens = {token_cap} (cut here)")
+            ax.legend(loc="lower right", fontsize="small")
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        name = f"{key}.png"
+        figures.append((f"{key}.png", fig))
+    return figures
+
+
+def write_plots(records: list[dict[str, Any]], out_dir: Path, token_cap: int | None = None) -> list[str]:
+    """One PNG per PLOTTED metric (`plot_figures`); returns the file names ([] and a log line when
+    matplotlib is not installed)."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("train: matplotlib is not installed, so no plots were written (pip install matplotlib)")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, fig in plot_figures(records, token_cap):
         fig.savefig(out_dir / name, dpi=100)
         plt.close(fig)
         written.append(name)

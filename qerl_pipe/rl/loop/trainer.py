@@ -60,6 +60,7 @@ from qerl_pipe.rl.loop.schedule import step_seed, warmup_cosine
 from qerl_pipe.rl.loop.shares import Draw, KeptGroups
 from qerl_pipe.rl.task.rewards import score
 from qerl_pipe.rl.task.tasks import Problem
+from qerl_pipe.stops import Stopped, stop_after_step
 
 # step_seed streams: sampling of the first draw, the AQN noise, then extra dynamic-sampling draws.
 _SAMPLING, _NOISE = 0, 1
@@ -375,6 +376,8 @@ def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str
     Checkpoints every `checkpoint_every` steps (0 = only at the end) and after the last step.
     Returns every step's metrics (those of earlier sessions included; other ranks than 0, which
     write nothing, return this session's). Every rank resumes from the checkpoint rank 0 found.
+    SIGINT or SIGTERM stops it after the step in progress, checkpointed (`stops.stop_after_step`):
+    a scheduler's stop costs no finished step.
     """
     total, dist = trainer.cfg.steps, trainer.dist
     checkpoint = dist.broadcast(latest_checkpoint(run_dir) if dist.is_main else None)
@@ -386,7 +389,8 @@ def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str
     metrics = MetricsLog(run_dir, trainer.step_count) if dist.is_main else None
     records: list[dict[str, Any]] = []
     try:
-        with step_progress(total, trainer.step_count) if dist.is_main else nullcontext(records.append) as update:
+        with step_progress(total, trainer.step_count) if dist.is_main else nullcontext(records.append) as update, \
+                stop_after_step("train") as stop:
             while trainer.step_count < total:
                 beat = heartbeat(f"train: step {trainer.step_count + 1}/{total}") if dist.is_main else nullcontext()
                 with beat:  # a step of a large model on a CPU takes minutes: off a terminal, say it goes on
@@ -395,8 +399,11 @@ def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str
                     metrics.append(record)
                 update(record)
                 done = trainer.step_count
-                if done == total or (checkpoint_every and done % checkpoint_every == 0):
+                stopping = int(dist.max([stop.signum or 0])[0])  # every rank stops after the same step
+                if stopping or done == total or (checkpoint_every and done % checkpoint_every == 0):
                     _checkpoint(trainer, run_dir, done)
+                if stopping:
+                    raise Stopped(stopping, f"after step {done} of {total}, saved in {run_dir}")
     finally:
         if metrics is not None:
             metrics.close()

@@ -1,0 +1,69 @@
+"""Every JSON text qerl-pipe writes goes through here, so every one is strict JSON.
+
+Python's `json` writes NaN and the infinities as bare `NaN` / `Infinity`, which strict parsers
+(jq, JavaScript, Go, Rust's serde) reject: a manifest with one is unreadable to the tools a
+pipeline hands it to. Here a non-finite number is refused with the key that holds it, before the
+file is written. Benchmarks, whose NaN means "not measured", say so with `null` instead
+(`nulls_for_non_finite`), so that a long run's results are never lost to one missing figure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from qerl_pipe.errors import QerlError
+
+
+class NonFiniteError(QerlError):
+    """A value about to be written as JSON holds NaN or an infinity."""
+
+
+def _first_non_finite(value: Any, where: str = "") -> tuple[str, float] | None:
+    """(key path, value) of the first NaN or infinity in `value`, depth first."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "(the value itself)", value
+    if isinstance(value, dict):
+        items = ((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for path, item in items:
+        found = _first_non_finite(item, path)
+        if found is not None:
+            return found
+    return None
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """`json.dumps` with `allow_nan=False`; a NaN or infinity is a NonFiniteError naming its key."""
+    try:
+        return json.dumps(value, allow_nan=False, **kwargs)
+    except ValueError:
+        found = _first_non_finite(value)
+        if found is None:  # another ValueError (a circular reference): not ours to word
+            raise
+        raise NonFiniteError(f"{found[0]} is {found[1]}, which strict JSON cannot hold; nothing was written "
+                             "(a NaN here means a computation failed upstream)") from None
+
+
+def write_json(path: Path, value: Any, indent: int | None = 2, **kwargs: Any) -> None:
+    """`value` as strict JSON in `path`, with a final newline (the text is made before the file is opened,
+    so a refused value leaves no file behind)."""
+    text = dumps(value, indent=indent, **kwargs) + "\n"
+    Path(path).write_text(text)
+
+
+def nulls_for_non_finite(value: Any) -> Any:
+    """`value` with every NaN or infinity replaced by None (JSON null): for measurements, where a
+    NaN stands for a figure that could not be taken."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: nulls_for_non_finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nulls_for_non_finite(v) for v in value]
+    return value
