@@ -29,6 +29,7 @@ from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.hf import pick_device
 from qerl_pipe.jobs.step_plan import EngineBudget, engine_budget
+from qerl_pipe.kernels.base_formats import base_format as format_entry
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import budget_cap
 from qerl_pipe.recipe import EngineSection, Recipe
@@ -94,7 +95,8 @@ def run_build_engine(call: StageCall) -> Artifact:
     device = pick_device(section.device)
     # Under `train --nproc N` (rank 0 building a missing engine) each rank runs 1/N of the step.
     processes = current_dist().world_size
-    if section.base_format == "nvfp4":
+    fmt = format_entry(section.base_format)
+    if fmt.from_quantize_artifact:
         early_config = peek_model_config(recipe.model) if call.passed("quantized") is None else None
         if early_config is not None:  # an engine that cannot be built fails before calibrate and quantize
             _plan(recipe, early_config, device, processes)
@@ -106,8 +108,8 @@ def run_build_engine(call: StageCall) -> Artifact:
         if quantized is not None:
             _unused_quantized(quantized, model_key, recipe, section.base_format)
         quant = detect_quant_format(resolved.config)
-        if quant is not None and section.base_format == "nf4":
-            raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
+        if quant is not None and not fmt.loads_nvfp4_checkpoint:
+            raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an {fmt.name} engine needs the "
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
     plan, budget = _plan(recipe, base.hf_config, device, processes)
