@@ -43,7 +43,8 @@ def test_each_entry_answers_the_questions(name):
     dense = fmt.dense_copy(container, torch.float32)
     assert dense.shape == (N, K) and float((dense - w).norm() / w.norm()) < (1e-6 if fmt.dense else 0.2)
     # Bytes per weight: what the buffers hold (per-linear extras apart), in a bf16 model.
-    stored = sum(t.numel() * t.element_size() for t in fmt.tensors(fmt.to_container(fmt.quantize(w, "w", torch.bfloat16))).values())
+    held = fmt.tensors(fmt.to_container(fmt.quantize(w, "w", torch.bfloat16)))
+    stored = sum(t.numel() * t.element_size() for t in held.values())
     assert stored == N * K * fmt.weight_bytes(2) + fmt.bytes_per_linear
     # Which kernels serve it: none for a dense base (a plain matmul), else forward and dX.
     if fmt.dense:
