@@ -99,6 +99,15 @@ def full_run_eval(recipe: "Recipe") -> bool:
     return recipe.train.adapter == "full" and "train" in recipe.stages
 
 
+def _from_quantize_artifact(recipe: "Recipe") -> bool:
+    """Whether the recipe's engine base is built from the quantize artifact (nvfp4; nf4 and bf16
+    read the original model). Imported here, with a recipe at hand: the registry imports torch,
+    which reading the DAG does not."""
+    from qerl_pipe.kernels.base_formats import base_format
+
+    return base_format(recipe.engine.base_format).from_quantize_artifact
+
+
 IMPORT = Stage("import", 1, "hf-model", "imported model",
                "Convert the recipe's GGUF model to a bf16 safetensors directory (the stages that read the model "
                "do it when they need it).", on_demand=True)
@@ -114,7 +123,7 @@ BUILD_ENGINE = Stage("build-engine", 1, "engine", "engine",
                      # an nf4 or bf16 engine reads the original model, not a quantize checkpoint
                      (Input(QUANTIZE, "--quantized", "Quantize artifact (path or id) to build an nvfp4 engine from; "
                             "without it, the recipe's (found in the store; made with --build-missing).",
-                            used=lambda r: r.engine.base_format == "nvfp4"),))
+                            used=lambda r: _from_quantize_artifact(r)),))
 # Version 2: an arithmetic expression no longer grades as a numeric answer.
 TRAIN = Stage("train", 2, "run", "run",
               "GRPO/DAPO of a LoRA adapter over the engine's frozen base, with AQN; resumes an interrupted run.",

@@ -92,7 +92,7 @@ def test_loading_neither_repacks_nor_quantizes(tiny_llama, store_dir, monkeypatc
     def forbidden(*_args, **_kwargs):
         raise AssertionError("the engine loader repacked or quantized a weight")
 
-    for target in ("qerl_pipe.model.linear.tile_nvfp4", "qerl_pipe.model.linear.prepare_nf4",
+    for target in ("qerl_pipe.kernels.base_formats.tile_nvfp4", "qerl_pipe.kernels.base_formats.prepare_nf4",
                    "qerl_pipe.kernels.packing.pack_words", "qerl_pipe.kernels.tiled.tile_nvfp4", "qerl_pipe.formats.nvfp4.quantize_nvfp4",
                    "qerl_pipe.formats.nf4.quantize_nf4"):
         monkeypatch.setattr(target, forbidden)

@@ -15,7 +15,8 @@ from qerl_pipe.bench.shapes import QWEN25_SHAPES
 from qerl_pipe.kernels import dispatch
 from qerl_pipe.kernels.dispatch import ROWS_M, DispatchTable, row_key, row_m
 from qerl_pipe.memory.plan import StepShape, plan_step
-from qerl_pipe.memory.step import BASE_BYTES, kernel_copy_bytes
+from qerl_pipe.kernels.base_formats import NVFP4
+from qerl_pipe.memory.step import kernel_copy_bytes
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import EngineSection
 
@@ -101,7 +102,7 @@ def test_no_table_and_no_copies_off_cuda() -> None:
 
 def test_kernel_copy_bytes_count_the_nvfp4_bytes_of_the_routed_layers() -> None:
     c = DecoderConfig.from_hf(QWEN25_SHAPES["qwen2.5-7b"])
-    per_linear = int(37888 * 3584 * BASE_BYTES["nvfp4"]) + 4
+    per_linear = int(37888 * 3584 * NVFP4.bytes_per_weight) + 4
     assert kernel_copy_bytes(c, {GATE_UP}) == 28 * per_linear
     assert kernel_copy_bytes(c, set()) == 0
     assert kernel_copy_bytes(c, {GATE_UP, QKV}) > kernel_copy_bytes(c, {GATE_UP})

@@ -46,7 +46,7 @@ def test_forward(fmt: str, cfg: KernelConfig, m: int, n: int, k: int) -> None:
     packed = prepare_nvfp4(q) if fmt == "nvfp4" else prepare_nf4(q)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    y = launch_forward(x, fmt, packed, cfg, out=out)
+    y = launch_forward(x, packed, cfg, out=out)
     ref = x.float() @ dense.T
     assert torch.isfinite(y).all()
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
@@ -65,7 +65,7 @@ def test_dx_kernel(fmt: str, ptx: bool, m: int, n: int, k: int) -> None:
     packed = prepare_nvfp4(q) if fmt == "nvfp4" else prepare_nf4(q)
     dy = torch.randn(m, n, device="cuda").to(torch.bfloat16)
     out = torch.full((m, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-    dx = launch_dx(dy, fmt, packed, KernelConfig("tiled", 16, 64, 128, ptx_decode=ptx), out=out)
+    dx = launch_dx(dy, packed, KernelConfig("tiled", 16, 64, 128, ptx_decode=ptx), out=out)
     ref = dy.float() @ dense
     assert float((dx.float() - ref).norm() / ref.norm()) < 1e-2
 
@@ -95,11 +95,11 @@ def test_dequant_scratch_is_shared_and_exact() -> None:
     q = quantize_nvfp4(w)
     big = scratch(1000, 4096, w.device, torch.bfloat16)
     big.fill_(float("nan"))
-    got = dequantize_into(*_operands("nvfp4", prepare_nvfp4(q)), big, KernelConfig("dequant", 1, 32, 256))
+    got = dequantize_into(*_operands(prepare_nvfp4(q)), big, KernelConfig("dequant", 1, 32, 256))
     # One bf16 rounding of the fp32 value (the reference's own rounding may differ by that ulp).
     torch.testing.assert_close(got.float(), dequantize_nvfp4(q, torch.float32), rtol=2**-8, atol=0)
     # The PTX decode computes the same exact products: bit-identical weights.
-    ptx = dequantize_into(*_operands("nvfp4", prepare_nvfp4(q)), torch.empty_like(got),
+    ptx = dequantize_into(*_operands(prepare_nvfp4(q)), torch.empty_like(got),
                           KernelConfig("dequant", 1, 32, 256), ptx=True)
     assert torch.equal(ptx, got)
     small = scratch(10, 64, w.device, torch.bfloat16)

@@ -82,13 +82,11 @@ def _run_case(case: tuple, seed: int) -> float:
     dense = (dequantize_nvfp4 if fmt == "nvfp4" else dequantize_nf4)(w, torch.float32)  # type: ignore[operator]
     if op == "fwd":
         a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-        out = tm.launch_forward(a, fmt, packed, cfg, out=torch.full((m, n), float("nan"),
-                                                                     dtype=torch.bfloat16))
+        out = tm.launch_forward(a, packed, cfg, out=torch.full((m, n), float("nan"), dtype=torch.bfloat16))
         ref = a.float() @ dense.T
     else:
         a = torch.randn(m, n, generator=gen).to(torch.bfloat16)
-        out = tm.launch_dx(a, fmt, packed, cfg, out=torch.full((m, k), float("nan"),
-                                                                dtype=torch.bfloat16))
+        out = tm.launch_dx(a, packed, cfg, out=torch.full((m, k), float("nan"), dtype=torch.bfloat16))
         ref = a.float() @ dense
     if out.shape != ref.shape or out.dtype != torch.bfloat16:
         raise AssertionError(f"output {tuple(out.shape)} {out.dtype}, expected {tuple(ref.shape)}")

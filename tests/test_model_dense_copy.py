@@ -1,6 +1,7 @@
 """The CPU dense copy (`model.dense_copy.dense_base_copy`) gives the numbers of the plain-torch
 reference bit for bit, as docs/training.md says: the forward, the gradients of the LoRA factors
-and of the input, for NVFP4 and NF4 bases, and the copy is gone after the scope."""
+and of the input, for NVFP4 and NF4 bases; each copy belongs to its linear and is gone after the
+scope (or with the base it was made from)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from qerl_pipe.model.dense_copy import dense_base_copy
+from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import init_random_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_parameters
 from tests.conftest import TINY_DIMS
@@ -43,6 +45,19 @@ def test_the_dense_copy_gives_the_reference_numbers_bit_for_bit(base_format, dty
         copied = _forward_backward(model, ids)
     assert torch.equal(reference[0], copied[0])
     assert all(torch.equal(a, b) for a, b in zip(reference[1], copied[1]))
-    from qerl_pipe.kernels import linear as kernel_linear
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(m.dense_copy is None for m in linears)  # the copies are gone after the scope
 
-    assert kernel_linear._dense_copies is None  # the copies are gone after the scope
+
+def test_the_copy_belongs_to_its_linear_and_goes_with_its_base():
+    model = init_random_model(CONFIG, "nf4", dtype=torch.float32, seed=5)
+    linear = next(m for m in model.modules() if isinstance(m, QuantLinear))
+    with dense_base_copy(model) as outer:
+        copy = linear.dense_copy
+        assert copy is not None and linear.kernel_weight.dense is copy
+        with dense_base_copy(model) as inner:  # an inner scope uses the copies it finds
+            assert inner == 0 and linear.dense_copy is copy
+        assert linear.dense_copy is copy  # and leaves them to the scope that made them
+        linear.set_base(linear.base_weight())  # a new base: the old copy would be wrong
+        assert linear.dense_copy is None and outer > 0
+    assert all(m.dense_copy is None for m in model.modules() if isinstance(m, QuantLinear))

@@ -175,9 +175,11 @@ def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: q
 
     import torch
 
+    from qerl_pipe.kernels.base_formats import NAMES
+
     chosen = values(formats)
-    if shape not in QWEN25_SHAPES or not set(chosen) <= {"bf16", "nvfp4", "nf4"}:
-        raise QerlError(f"--shape is one of {sorted(QWEN25_SHAPES)} and --formats of bf16, nvfp4, nf4")
+    if shape not in QWEN25_SHAPES or not set(chosen) <= set(NAMES):
+        raise QerlError(f"--shape is one of {sorted(QWEN25_SHAPES)} and --formats of {', '.join(NAMES)}")
     if not torch.cuda.is_available():
         raise QerlError("bench decode-profile profiles CUDA kernels and needs a CUDA GPU; none is visible here")
     emit(run(shape, chosen, batch, context, steps), out)

@@ -23,6 +23,7 @@ import torch
 from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from qerl_pipe.bench.results import results_file, target
+from qerl_pipe.kernels.base_formats import base_format
 from qerl_pipe.kernels.configs import KernelConfig, get_config, table_key, table_to_json
 from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4
 from qerl_pipe.kernels.tuning import dx_candidates, fwd_candidates, rel_err, time_graph, tune_one, weight_copies
@@ -90,7 +91,7 @@ def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
             [lambda i=i: torch.matmul(x, dequantize_nvfp4(q4s[i], torch.bfloat16).T)
              for i in range(len(q4s))]) * 1e6
 
-        cfg, t, err, log = tune_one(lambda c, i: launch_forward(x, "nvfp4", p4s[i], c), ref,
+        cfg, t, err, log = tune_one(lambda c, i: launch_forward(x, p4s[i], c), ref,
                                     fwd_candidates(m), r_q)
         row.update(nvfp4_us=t * 1e6, nvfp4_config=asdict(cfg) if cfg else None,
                    nvfp4_rel_err=err, nvfp4_tuning=log)
@@ -98,7 +99,7 @@ def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
             tuned[table_key("fwd", "nvfp4", m, n, k)] = cfg
         # NF4 decodes through a table lookup: try the NVFP4 winner and the bucket's first pick.
         nf_cands = list(dict.fromkeys([c for c in (cfg, fwd_candidates(m)[0]) if c]))
-        cfg_nf, t_nf, err_nf, _ = tune_one(lambda c, i: launch_forward(x, "nf4", pnfs[i], c), ref_nf,
+        cfg_nf, t_nf, err_nf, _ = tune_one(lambda c, i: launch_forward(x, pnfs[i], c), ref_nf,
                                            nf_cands, r_q)
         row.update(nf4_us=t_nf * 1e6, nf4_config=asdict(cfg_nf) if cfg_nf else None,
                    nf4_rel_err=err_nf)
@@ -106,7 +107,7 @@ def bench_layer(model: str, layer: str, n: int, k: int, ms: tuple[int, ...],
             tuned[table_key("fwd", "nf4", m, n, k)] = cfg_nf
 
         row["dx_bf16_us"] = time_graph([lambda i=i: torch.matmul(dy, wbs[i]) for i in range(r_b)]) * 1e6
-        cfg_dx, t_dx, err_dx, log_dx = tune_one(lambda c, i: launch_dx(dy, "nvfp4", p4s[i], c), ref_dx,
+        cfg_dx, t_dx, err_dx, log_dx = tune_one(lambda c, i: launch_dx(dy, p4s[i], c), ref_dx,
                                                 dx_candidates(m), r_q)
         row.update(dx_nvfp4_us=t_dx * 1e6, dx_config=asdict(cfg_dx) if cfg_dx else None,
                    dx_rel_err=err_dx, dx_tuning=log_dx)
@@ -130,7 +131,7 @@ def _time_decode_pass(packed: list, n: int, k: int) -> float:
 
     buf = scratch(n, k, torch.device("cuda"), torch.bfloat16)
     cfg = get_config("fwd", "nvfp4", 4096, n, k)
-    return time_graph([lambda p=p: dequantize_into(*_operands("nvfp4", p), buf, cfg)
+    return time_graph([lambda p=p: dequantize_into(*_operands(p), buf, cfg)
                         for p in packed]) * 1e6
 
 
@@ -138,11 +139,10 @@ def _derive(row: dict) -> None:
     m, n, k = row["M"], row["N"], row["K"]
     act = 2 * (m * k + m * n)
     flops = 2 * m * n * k
-    nbytes = {"bf16": 2 * n * k + act, "nvfp4": n * k // 2 + n * k // 16 + act,
-              "nf4": n * k // 2 + n * k // 16 + act}
     for col, key in (("bf16", "bf16_us"), ("nvfp4", "nvfp4_us"), ("nf4", "nf4_us")):
         t = row[key] * 1e-6
-        row[f"{col}_tbps"] = nbytes[col] / t / 1e12
+        nbytes = int(n * k * base_format(col).weight_bytes(2)) + act  # the weight as stored, and x and y
+        row[f"{col}_tbps"] = nbytes / t / 1e12
         row[f"{col}_tflops"] = flops / t / 1e12
     row["speedup_nvfp4"] = row["bf16_us"] / row["nvfp4_us"]
     row["speedup_nf4"] = row["bf16_us"] / row["nf4_us"]

@@ -56,6 +56,7 @@ from qerl_pipe.errors import QerlError
 from qerl_pipe.jobs.train_config import train_config as trainer_config
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.kernels import dispatch
+from qerl_pipe.kernels.base_formats import base_format
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
@@ -357,7 +358,7 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
         dispatch.configure(dispatch.table_for(torch.device(device)), deterministic=s.kernels == "deterministic")
     decoder_config = DecoderConfig.from_hf(config)
     copies = (kernel_copy_bytes(decoder_config, dispatch.humming_copy_shapes(torch.device(device)))
-              if quant == "nvfp4" else 0)
+              if base_format(quant).hopper_dispatch else 0)
     try:
         plan = plan_step(decoder_config, quant, s.shape(name), budget,
                          budget_source="train.memory_budget_gb" if recipe else "--memory-budget-gb",
@@ -447,7 +448,7 @@ def ladder_targets(rows: list[dict]) -> list[dict]:
         r = _ladder_row(rows, shape, quant, gb)
         if r is None:
             continue
-        what = f"ladder: {shape} {quant.upper() if quant == 'nvfp4' else quant} at {gb} GB"
+        what = f"ladder: {shape} {quant if base_format(quant).dense else quant.upper()} at {gb} GB"
         if (shape, quant, gb) in LADDER_REFUSED:
             out.append(target(f"{what}: refused before any work (measured: GB it says it needs)", "refused",
                               r.get("needed_gb"), "GB", r["status"] == "refused"))
@@ -542,7 +543,8 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
     unknown = [q for q in quants if q not in QUANTS] + [n for n in shapes if n not in shape_configs]
     if unknown:
         raise QerlError(f"unknown {unknown}: shapes are {sorted(shape_configs)}, quants {list(QUANTS)}")
-    if shapes and (s.adapter not in ("lora", "full") or (s.adapter == "full" and set(quants) != {"bf16"})):
+    full_over_4bit = s.adapter == "full" and not all(base_format(q).dense for q in quants)
+    if shapes and (s.adapter not in ("lora", "full") or full_over_4bit):
         raise QerlError(f"--adapter {s.adapter} with --quant {','.join(quants)}: the adapter is lora or full, and "
                         "full fine-tuning trains a bf16 base only (pass --quant bf16)")
     steps = [read_recipe(Path(r)) for r in recipes]  # every recipe read before the first build

@@ -3,7 +3,8 @@
 - `limits`: `EngineLimits`, `plan_limits` (how many slots, how long, which CUDA-graph sizes)
 - `sampling`: `SamplingParams`, counter-based Gumbel-max sampling
 - `graphs`: the decode step, eager or replayed from CUDA graphs
-- `engine`: `Engine`, `Rollouts`, the scheduler
+- `scheduler`: `Scheduler`, the queue and slot table (admission, compaction, release)
+- `engine`: `Engine`, `Rollouts`: applies the scheduler's answers to the KV cache and runs the model
 
 See docs/engine.md.
 """

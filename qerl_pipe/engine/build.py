@@ -29,6 +29,7 @@ from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.checkpoint import refuse_non_finite
 from qerl_pipe.formats.modelopt_writer import copy_model_files
 from qerl_pipe.hf import compute_dtype, count_parameters
+from qerl_pipe.kernels.base_formats import NAMES, base_format
 from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, table_to_json
 from qerl_pipe.log import log
 from qerl_pipe.model.config import DecoderConfig
@@ -49,7 +50,7 @@ class EngineSpec:
     """The engine asked for (a recipe's `engine` section, less what the caller decides: the KV
     budget and the device)."""
 
-    base_format: str  # "nvfp4", "nf4" or "bf16"
+    base_format: str  # a name of kernels.base_formats (NAMES)
     max_seq_len: int
     max_batch: int
     cuda_graphs: str  # "auto", "on" or "off"
@@ -88,10 +89,11 @@ def plan_engine(section: EngineSpec, hf_config: dict[str, Any], device: torch.de
             f"({config.max_position_embeddings}); lower engine.max_seq_len"
         )
     cuda = device.type == "cuda"
-    four_bit = section.base_format != "bf16"
+    four_bit = not base_format(section.base_format).dense
     graphs = _switch(section.cuda_graphs, cuda, cuda, "cuda_graphs", "needs a CUDA device")
+    tunable = " or ".join(name for name in NAMES if not base_format(name).dense)
     tune = _switch(section.tune_kernels, cuda and four_bit, cuda and four_bit, "tune_kernels",
-                   "needs a CUDA device and a 4-bit base (nvfp4 or nf4)")
+                   f"needs a CUDA device and a 4-bit base ({tunable})")
     dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
     # Raises now when not even one sequence fits.
     limits = plan_limits(config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
@@ -123,21 +125,22 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
     from qerl_pipe.kernels.tuning import tune_kernels
 
     started = time.perf_counter()
-    model = load_model(base_dir, section.base_format, plan.dtype, device)
+    fmt = base_format(section.base_format)
+    model = load_model(base_dir, fmt.name, plan.dtype, device)
     _check_finite(model)
     budget, limits = plan.kv_budget_bytes, plan.limits
     table: ConfigTable | None = None
-    if plan.tune and section.base_format == "nvfp4" and cuda_kernels_available(device):
+    if plan.tune and fmt.hopper_dispatch and cuda_kernels_available(device):
         # The table holds Triton configs; on this GPU NVFP4 runs the CUDA kernels instead, whose
         # configs ship with the package (kernels/cuda/configs-h200.json).
         log(f"build-engine: NVFP4 runs the CUDA kernels on {device_kind(device)}; no Triton tuning")
     elif plan.tune:
         log(f"build-engine: tuning {section.base_format} kernels on {device_kind(device)}")
         decode_ms = [m for m in TUNING_MS if m <= limits.max_batch]
-        table = tune_kernels(_linear_shapes(model), decode_ms + [PREFILL_TUNING_M], section.base_format, device,
+        table = tune_kernels(_linear_shapes(model), decode_ms + [PREFILL_TUNING_M], fmt.name, device,
                              dx_ms=[PREFILL_TUNING_M])
     dispatch_table = None
-    if section.base_format == "nvfp4" and plan.tune and cuda_kernels_available(device):
+    if fmt.hopper_dispatch and plan.tune and cuda_kernels_available(device):
         log(f"build-engine: measuring the NVFP4 kernel dispatch (ours / humming / dequantize + cuBLAS) on "
             f"{device_kind(device)}")
         dispatch_table, _ = measure_table(_linear_shapes(model), ROWS_M, device, log)

@@ -16,14 +16,17 @@ Scheduling in short (docs/engine.md has the whole story):
 - Steps run one ahead of the host: step t+1 is launched before step t's tokens are read back, so
   the host's bookkeeping overlaps the GPU's work. A sequence that stopped at step t has computed
   one more row at t+1, which is dropped.
+
+Who decides what: the scheduler (engine/scheduler.py) owns the queue and the slot table and says
+which sequences to admit into which slots, which to move and which slots are free again; this
+module applies its answers to the KV cache and the per-slot device buffers, and runs the prefills
+and decode steps.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,14 +37,11 @@ from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.engine.graphs import DecodeRunner, model_fingerprint
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.engine.sampling import SamplingParams, sample, sequence_key
+from qerl_pipe.engine.scheduler import Group, Scheduler
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.kernel_copies import attach_humming, detach_humming
 
-# Refill when at least this fraction of the slots is free (or the next prompt's remaining samples
-# fit): each refill costs a prefill, so refilling one slot per step would prefill the same prompt
-# n times, while waiting for a whole batch would idle it through the long tail.
-_REFILL_FRACTION = 0.25
 DEFAULT_PREFILL_TOKENS = 8192
 
 
@@ -90,7 +90,6 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = ""
-    slot: int = -1  # where it decodes while active
     in_flight: int = 0  # tokens drawn by launched steps and not yet read back (1 at most between steps)
 
 
@@ -230,7 +229,7 @@ class Engine:
         # (outside inference mode: tensors made inside it could not be updated in place later).
         self._lora.refresh()
         with torch.inference_mode():
-            return _Run(self, prompt_lists, n, sampling, first_sequence_id).run()
+            return _Generation(self, prompt_lists, n, sampling, first_sequence_id).run()
 
     # ------------------------------------------------------------------ helpers
 
@@ -278,8 +277,8 @@ class Engine:
         self._fingerprint = fingerprint
 
 
-class _Run:
-    """One generate() call: the queue, the slot table and the output lists."""
+class _Generation:
+    """One generate() call: its sequences, its scheduler and its output lists."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], n: int, params: SamplingParams,
                  first_sequence_id: int = 0):
@@ -289,12 +288,9 @@ class _Run:
             for p, prompt in enumerate(prompts)
             for s in range(n)
         ]
-        self.queue: deque[int] = deque(range(len(self.seqs)))
-        self.active: dict[int, int] = {}  # slot -> sequence index
-        self.slots = engine.limits.max_batch
+        self.sched = Scheduler([s.prompt_index for s in self.seqs], engine.limits.max_batch)
         self.stops = frozenset(params.stop_token_ids)
         self.out = Rollouts([s.prompt_index for s in self.seqs], [s.sample_index for s in self.seqs], [], [], [])
-        self.refill_min = max(1, math.ceil(self.slots * _REFILL_FRACTION))
 
     def run(self) -> Rollouts:
         e = self.e
@@ -303,8 +299,8 @@ class _Run:
         e._live.zero_()
         e._positions.zero_()
         pending: _Step | None = None  # launched, its tokens not yet read back
-        while self.queue or self.active or pending is not None:
-            if self._should_admit() or (pending is not None and not self._needs_step()):
+        while self.sched.busy or pending is not None:
+            if self.sched.should_admit() or (pending is not None and not self._needs_step()):
                 # Admission needs the exact slot table, and with nothing left to draw the step in
                 # flight is the last: read it first.
                 if pending is not None:
@@ -332,34 +328,10 @@ class _Run:
 
     # ------------------------------------------------------------------ admission
 
-    def _should_admit(self) -> bool:
-        free = self.slots - len(self.active)
-        if not self.queue or free == 0:
-            return False
-        if not self.active:
-            return True
-        head = self.seqs[self.queue[0]].prompt_index
-        remaining = sum(1 for _ in self._same_prompt(head))
-        return free >= min(remaining, self.refill_min)
-
-    def _same_prompt(self, prompt_index: int):
-        for i in self.queue:
-            if self.seqs[i].prompt_index != prompt_index:
-                break
-            yield i
-
     def _admit(self) -> None:
-        """Move queued sequences into the lowest free slots, prefill each distinct prompt once."""
+        """Admit the sequences the scheduler places (lowest free slots), prefill each distinct prompt once."""
         e = self.e
-        free = [s for s in range(self.slots) if s not in self.active]
-        taken = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
-        # Groups: consecutive sequences of one prompt (the queue is prompt-major).
-        groups: list[list[tuple[int, int]]] = []  # [(sequence index, slot)]
-        for i, slot in zip(taken, free):
-            if groups and self.seqs[groups[-1][0][0]].prompt_index == self.seqs[i].prompt_index:
-                groups[-1].append((i, slot))
-            else:
-                groups.append([(i, slot)])
+        groups = self.sched.admit()
         # Short prompts together: less padding per prefill batch.
         groups.sort(key=lambda g: len(self.seqs[g[0][0]].prompt))
         rows: list[Tensor] = []  # first-token logits, one per admitted sequence, in `order`
@@ -386,14 +358,11 @@ class _Run:
         e._keys[slots_t] = keys
         e._steps[slots_t] = 1
         e._live[slots_t] = 1
-        for i, slot in order:
-            self.active[slot] = i
-            self.seqs[i].slot = slot
-        self.out.max_active = max(self.out.max_active, len(self.active))
+        self.out.max_active = max(self.out.max_active, len(self.sched.active))
         host = torch.stack((tokens.double(), logprobs.double())).cpu()
         self._record(list(enumerate(seq_ids)), host[0].long().tolist(), host[1].tolist())
 
-    def _prefill(self, groups: list[list[tuple[int, int]]]) -> Tensor:
+    def _prefill(self, groups: list[Group]) -> Tensor:
         """Prefill each group's prompt into its first slot, copy it to the others: logits [G, V]."""
         e = self.e
         prompts = [self.seqs[g[0][0]].prompt for g in groups]
@@ -418,7 +387,7 @@ class _Run:
     def _needs_step(self) -> bool:
         """Whether an active sequence may still draw a token beyond those in flight."""
         limit = self.params.max_new_tokens
-        return any(len(self.seqs[i].tokens) + self.seqs[i].in_flight < limit for i in self.active.values())
+        return any(len(self.seqs[i].tokens) + self.seqs[i].in_flight < limit for i in self.sched.active.values())
 
     def _length(self, i: int) -> int:
         """Positions sequence i's next step needs: its prompt, its tokens and the one in flight."""
@@ -427,17 +396,11 @@ class _Run:
 
     def _launch_step(self) -> _Step:
         """Launch one decode step and its sampling; the record's copy to the host is on its way."""
-        e, runner = self.e, self.e._runner
-        high = max(self.active) + 1
-        b = runner.batch_size_for(high)
-        count = len(self.active)
-        if count < high:
-            target = runner.batch_size_for(count)
-            # Bucketed (graphs): whenever a smaller bucket would do. Eager: when half the rows idle.
-            if target < b and (runner.sizes or count <= high // 2):
-                self._compact(target)
-                b = runner.batch_size_for(max(self.active) + 1)
-        reach = max(self._length(i) for i in self.active.values())
+        e, runner, active = self.e, self.e._runner, self.sched.active
+        b, moves = self.sched.plan_step(runner.batch_size_for, bucketed=bool(runner.sizes))
+        if moves:
+            self._move(moves)
+        reach = max(self._length(i) for i in active.values())
         logits = runner.run(b, runner.length_for(reach))
         record = e._record_buffer[: 2 * b].view(2, b)
         if logits.is_cuda and not self.params.truncates:
@@ -464,9 +427,9 @@ class _Run:
             done.record()
         else:
             host.copy_(record)
-        for i in self.active.values():
+        for i in active.values():
             self.seqs[i].in_flight += 1
-        return _Step([(slot, i) for slot, i in self.active.items()], host, done)
+        return _Step([(slot, i) for slot, i in active.items()], host, done)
 
     def _collect(self, step: _Step) -> None:
         """Wait for a launched step's record and take its tokens."""
@@ -476,22 +439,17 @@ class _Run:
             self.seqs[i].in_flight -= 1
         self._record(step.rows, step.record[0].long().tolist(), step.record[1].tolist())
 
-    def _compact(self, target: int) -> None:
-        """Move the sequences in slots >= target into free slots below it (KV rows and state)."""
+    def _move(self, moves: list[tuple[int, int]]) -> None:
+        """Apply the scheduler's compaction: each (source, destination) slot's KV rows and state."""
         e = self.e
-        movers = sorted(s for s in self.active if s >= target)
-        holes = [s for s in range(target) if s not in self.active][: len(movers)]
-        length = max(self._length(self.active[s]) for s in movers)
-        src = _indices(movers, e.device)
-        dst = _indices(holes, e.device)
+        length = max(self._length(self.sched.active[d]) for _, d in moves)
+        src = _indices([s for s, _ in moves], e.device)
+        dst = _indices([d for _, d in moves], e.device)
         e.cache.copy_slots(src, dst, min(length, e.limits.max_seq_len))
         for buf in (e._tokens, e._positions, e._keys, e._steps, e._live):
             buf[dst] = buf[src]
         e._live[src] = 0
         e._positions[src] = 0
-        for s, d in zip(movers, holes):
-            self.active[d] = self.active.pop(s)
-            self.seqs[self.active[d]].slot = d
         self.out.compactions += 1
 
     def _record(self, rows: list[tuple[int, int]], tokens: list[int], logprobs: list[float]) -> None:
@@ -516,10 +474,9 @@ class _Run:
                 seq.finish = "length"
             else:
                 continue
-            finished.append(seq.slot)
+            finished.append(self.sched.slot_of(i))
         if finished:
-            for slot in finished:
-                del self.active[slot]
+            self.sched.release(finished)
             index = _indices(finished, self.e.device)
             self.e._live[index] = 0
             self.e._positions[index] = 0

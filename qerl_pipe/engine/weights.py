@@ -11,7 +11,6 @@ no repacking, no quantization, one copy of each weight.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,11 +22,10 @@ from torch import Tensor
 
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.formats.checkpoint import save_safetensors
-from qerl_pipe.kernels.packing import PackedNF4
-from qerl_pipe.kernels.tiled import TENSOR_FIELDS, TiledNVFP4
+from qerl_pipe.kernels.base_formats import FORMATS, base_format
 from qerl_pipe.model.config import SUPPORTED, DecoderConfig
 from qerl_pipe.model.decoder import Decoder
-from qerl_pipe.model.linear import BASE_FORMATS, QuantLinear
+from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.strict_json import write_json
 
@@ -37,16 +35,6 @@ INDEX_NAME = "engine.safetensors.index.json"
 CONFIG_NAME = "config.json"
 # Big enough to keep the file count low, small enough that one shard's host copy is cheap.
 SHARD_BYTES = 2 * 2**30
-# Kernel containers by base format; their field names are the QuantLinear buffer names.
-_CONTAINERS: dict[str, type] = {"nvfp4": TiledNVFP4, "nf4": PackedNF4}
-
-
-def _base_fields(base_format: str) -> tuple[str, ...]:
-    if base_format == "bf16":
-        return ("weight",)
-    if base_format == "nvfp4":
-        return TENSOR_FIELDS
-    return tuple(f.name for f in dataclasses.fields(_CONTAINERS[base_format]))
 
 
 def _stored_tensors(model: Decoder) -> dict[str, Tensor]:
@@ -174,7 +162,7 @@ def load_engine_model(engine_dir: Path, device: torch.device | str, lora: LoraSp
     engine_dir = Path(engine_dir)
     index = _read_json(engine_dir / INDEX_NAME, "weight index")
     meta = index.get("metadata", {})
-    if meta.get("format_version") != WEIGHTS_FORMAT_VERSION or meta.get("base_format") not in BASE_FORMATS:
+    if meta.get("format_version") != WEIGHTS_FORMAT_VERSION or meta.get("base_format") not in FORMATS:
         raise ArtifactError(
             f"{engine_dir}: engine weights format {meta.get('format_version')!r} / base "
             f"{meta.get('base_format')!r} is not one this version reads; rebuild the engine with --force"
@@ -198,7 +186,7 @@ def _install(model: Decoder, engine_dir: Path, weight_map: Mapping[str, str], de
             f"{engine_dir}: the stored tensors do not match the model "
             f"(missing {missing[:3]}, unexpected {unknown[:3]}); rebuild the engine with --force"
         )
-    fields = _base_fields(model.base_format)
+    fields = base_format(model.base_format).buffers  # a QuantLinear's base buffers
     pending: dict[str, dict[str, Tensor]] = {}  # QuantLinear name -> base buffers read so far
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
@@ -228,9 +216,6 @@ def _place(model: Decoder, name: str, t: Tensor, target: Tensor, fields: tuple[s
         parts[attr] = t.to(device)
         if len(parts) == len(fields):
             del pending[module_name]
-            fmt = module.base_format
-            if fmt == "nvfp4":
-                parts.update(out_features=module.out_features, in_features=module.in_features)
-            module.set_base(parts["weight"] if fmt == "bf16" else _CONTAINERS[fmt](**parts))
+            module.set_base(module.fmt.make_container(parts, module.out_features, module.in_features))
         return
     target.copy_(t)  # embedding, norms, biases, lm_head: allocated by the Decoder on `device`

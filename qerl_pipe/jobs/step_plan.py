@@ -20,6 +20,7 @@ from qerl_pipe.engine.artifact import read_engine_json
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.hf import compute_dtype, count_parameters, pick_device
+from qerl_pipe.kernels.base_formats import base_format as format_entry
 from qerl_pipe.kernels.dispatch import DispatchTable, humming_copy_shapes, table_for
 from qerl_pipe.memory.plan import MemoryPlan, StepShape, plan_step, step_budget
 from qerl_pipe.memory.step import kernel_copy_bytes
@@ -70,7 +71,7 @@ def _plan(train: TrainSection, config: DecoderConfig, base_format: str, dtype: t
 def _copies(config: DecoderConfig, base_format: str, device: torch.device, table: DispatchTable | None,
             deterministic: bool) -> int:
     """The bytes of the humming copies an NVFP4 engine on `device` makes under `table`'s column."""
-    if base_format != "nvfp4":
+    if not format_entry(base_format).hopper_dispatch:
         return 0
     return kernel_copy_bytes(config, humming_copy_shapes(device, table, deterministic))
 

@@ -31,6 +31,7 @@ from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer
 from qerl_pipe.jobs.step_plan import plan_train
 from qerl_pipe.jobs.train_config import plan_changes
+from qerl_pipe.kernels.base_formats import base_format
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan, enforce_budget
 from qerl_pipe.memwatch import return_freed_tensors_to_os
@@ -81,7 +82,7 @@ def check_train_inputs(recipe: Recipe, engine: Artifact | None = None
     first stage. Returns the training and evaluation problems and the imported custom rewards."""
     if recipe.train.adapter == "full":
         base = engine.summary.get("base_format") if engine is not None else recipe.engine.base_format
-        if base not in (None, "bf16"):
+        if base is not None and not base_format(base).dense:
             source = f"the engine {engine.path.name}" if engine is not None else "engine.base_format"
             fix = ("pass a bf16 engine to --engine" if engine is not None
                    else "set engine.base_format=bf16 (--set engine.base_format=bf16)")

@@ -8,21 +8,20 @@ runs the Triton kernels on a repacked copy, made once per weight.
 
 On the CPU the ops are the plain-torch references, `x @ dequantize(W)^T`, which rebuild the
 weight at every call (for SmolLM2-135M 0.7 s per forward pass against 0.07 s of matmuls at
-decode batch sizes). Within `dequantized_once(weights, dtype)` the listed weights run from a copy
-dequantized once instead: the same numbers, forward and dX, bit for bit.
+decode batch sizes). A weight container that carries a dense copy (`TiledNVFP4.dense`,
+`PackedNF4.dense`: made once per weight by `model.dense_copy` and owned by the linear that holds
+the weight) runs from it instead: the same numbers, forward and dX, bit for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Union
 
 import torch
 from torch import Tensor
 
-from qerl_pipe.formats.nf4 import NF4Weight, dequantize_nf4
-from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
+from qerl_pipe.formats.nf4 import NF4Weight
+from qerl_pipe.formats.nvfp4 import NVFP4Weight
 from qerl_pipe.kernels import reference
 from qerl_pipe.kernels.configs import get_config
 from qerl_pipe.kernels.packing import (
@@ -51,10 +50,10 @@ def _run(op: str, fmt: str, a: Tensor, packed: PackedNVFP4 | PackedNF4) -> Tenso
     n, k = packed.out_features, packed.in_features
     if op == "fwd":
         a2 = _rows(a, k, "x")
-        out = launch_forward(a2, fmt, packed, get_config(op, fmt, a2.shape[0], n, k))
+        out = launch_forward(a2, packed, get_config(op, fmt, a2.shape[0], n, k))
         return out.reshape(*a.shape[:-1], n)
     a2 = _rows(a, n, "dy")
-    out = launch_dx(a2, fmt, packed, get_config(op, fmt, a2.shape[0], n, k))
+    out = launch_dx(a2, packed, get_config(op, fmt, a2.shape[0], n, k))
     return out.reshape(*a.shape[:-1], k)
 
 
@@ -73,38 +72,9 @@ def _triton_layout(w: NVFP4Weight | PackedNVFP4 | TiledNVFP4) -> PackedNVFP4:
     return prepared_nvfp4(w)
 
 
-# CPU only: dequantized copies, by the address of the weight's codes, while `dequantized_once` runs.
-_dense_copies: dict[int, Tensor] | None = None
-
-
-@contextmanager
-def dequantized_once(weights: Iterable[TiledNVFP4 | PackedNF4], dtype: torch.dtype) -> Iterator[int]:
-    """Within this scope the CPU weights among `weights` run from a copy dequantized once into
-    `dtype` (4 bytes per weight in float32: for small models); yields the copies' bytes. GPU
-    weights are skipped: their kernels never dequantize per call. The copies go on exit."""
-    global _dense_copies
-    outer = _dense_copies
-    copies = dict(outer or {})
-    nbytes = 0
-    with torch.no_grad():
-        for w in weights:
-            if w.qweight.device.type != "cpu" or w.qweight.data_ptr() in copies:
-                continue
-            dense = (dequantize_nvfp4(_checkpoint_form(w), dtype) if isinstance(w, TiledNVFP4)
-                     else dequantize_nf4(unprepare_nf4(w), dtype))
-            copies[w.qweight.data_ptr()] = dense
-            nbytes += dense.numel() * dense.element_size()
-    _dense_copies = copies
-    try:
-        yield nbytes
-    finally:
-        _dense_copies = outer
-
-
 def _dense_copy(w: NVFP4Any | NF4Weight | PackedNF4, dtype: torch.dtype) -> Tensor | None:
-    if _dense_copies is None or not isinstance(w, (TiledNVFP4, PackedNF4)):
-        return None
-    dense = _dense_copies.get(w.qweight.data_ptr())
+    """The weight's own dense copy in `dtype`, if its container carries one (CPU only)."""
+    dense = getattr(w, "dense", None)
     return dense if dense is not None and dense.dtype == dtype else None
 
 

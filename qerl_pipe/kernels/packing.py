@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -55,6 +55,8 @@ class PackedNF4:
     qweight: Tensor  # int32 [N, K/8], same word layout as PackedNVFP4
     absmax: Tensor  # float32 [N, K/64]
     code: Tensor  # float32 [16], the NF4 levels (the kernel's lookup table)
+    # On the CPU, the weight dequantized once, where the model made one (as `TiledNVFP4.dense`).
+    dense: Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def out_features(self) -> int:

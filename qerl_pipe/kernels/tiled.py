@@ -132,6 +132,9 @@ class TiledNVFP4:
     # The same weight in humming-kernels' layout, where the engine made one
     # (`kernels.dispatch_attach`): the dispatch sends it the rows humming wins.
     humming: Any = field(default=None, compare=False, repr=False)
+    # On the CPU, the weight dequantized once into the activations' dtype, where the model made
+    # one (`model.dense_copy`): the reference matmuls run from it instead of dequantizing per call.
+    dense: Tensor | None = field(default=None, compare=False, repr=False)
 
 
 def tiled_shapes(n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from qerl_pipe.kernels.configs import KernelConfig
 from qerl_pipe.kernels.dequant_gemm import dequant_matmul
+from qerl_pipe.kernels.packing import PackedNF4
 from qerl_pipe.kernels.triton_dequant import NF4, NVFP4, dequant_tile, tile_scale
 
 
@@ -149,30 +150,30 @@ def _ptx(cfg: KernelConfig) -> bool:
     return cfg.ptx_decode and not _INTERPRETED
 
 
-def _operands(fmt: str, w: object) -> tuple[int, Tensor, Tensor, Tensor, Tensor]:
-    """(FMT, qweight, scale tensor, global-scale tensor, lookup table) of a packed weight."""
-    if fmt == "nvfp4":
-        return NVFP4, w.qweight, w.scales, w.global_scale, w.qweight  # type: ignore[attr-defined]
-    return NF4, w.qweight, w.absmax, w.absmax, w.code  # type: ignore[attr-defined]
+def _operands(w: object) -> tuple[int, Tensor, Tensor, Tensor, Tensor]:
+    """(FMT, qweight, scale tensor, global-scale tensor, lookup table) of a packed weight: its
+    type (`PackedNF4`, else `PackedNVFP4`) says how the kernels read it."""
+    if isinstance(w, PackedNF4):
+        return NF4, w.qweight, w.absmax, w.absmax, w.code
+    return NVFP4, w.qweight, w.scales, w.global_scale, w.qweight  # type: ignore[attr-defined]
 
 
-def _fit_block_k(fmt: str, block_k: int) -> int:
+def _fit_block_k(w: object, block_k: int) -> int:
     # NF4's absmax covers 64 columns; a tile must hold whole absmax blocks.
-    return max(block_k, 64) if fmt == "nf4" else max(block_k, 16)
+    return max(block_k, 64) if isinstance(w, PackedNF4) else max(block_k, 16)
 
 
-def launch_forward(x2: Tensor, fmt: str, w: object, cfg: KernelConfig,
-                   out: Tensor | None = None) -> Tensor:
+def launch_forward(x2: Tensor, w: object, cfg: KernelConfig, out: Tensor | None = None) -> Tensor:
     """y[M, N] = x2[M, K] @ W^T in x2's dtype, written into `out` when given.
 
     One kernel launch; with split-K also a zero-fill of the fp32 workspace and a cast.
     """
-    f, q, s, g, lut = _operands(fmt, w)
+    f, q, s, g, lut = _operands(w)
     if cfg.kernel == "dequant":
         return dequant_matmul(x2, f, q, s, g, lut, cfg, True, _ptx(cfg), out)
     m, k = x2.shape
     n = q.shape[0]
-    block_k = _fit_block_k(fmt, cfg.block_k)
+    block_k = _fit_block_k(w, cfg.block_k)
     split = min(cfg.split_k, triton.cdiv(k, block_k))
     if split == 1:
         y = out if out is not None else torch.empty(m, n, device=x2.device, dtype=x2.dtype)
@@ -195,15 +196,14 @@ def launch_forward(x2: Tensor, fmt: str, w: object, cfg: KernelConfig,
     return y.to(x2.dtype) if out is None else out.copy_(y)
 
 
-def launch_dx(dy2: Tensor, fmt: str, w: object, cfg: KernelConfig,
-              out: Tensor | None = None) -> Tensor:
+def launch_dx(dy2: Tensor, w: object, cfg: KernelConfig, out: Tensor | None = None) -> Tensor:
     """dx[M, K] = dy2[M, N] @ W in dy2's dtype (one launch), written into `out` when given."""
-    f, q, s, g, lut = _operands(fmt, w)
+    f, q, s, g, lut = _operands(w)
     if cfg.kernel == "dequant":
         return dequant_matmul(dy2, f, q, s, g, lut, cfg, False, _ptx(cfg), out)
     m, n = dy2.shape
     k = q.shape[1] * 8
-    block_k = _fit_block_k(fmt, cfg.block_k)
+    block_k = _fit_block_k(w, cfg.block_k)
     dx = out if out is not None else torch.empty(m, k, device=dy2.device, dtype=dy2.dtype)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(k, block_k),)
     _dx_kernel[grid](dy2, q, s, g, lut, dx, m, n, k, dy2.stride(0), dx.stride(0),

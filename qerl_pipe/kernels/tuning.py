@@ -21,16 +21,16 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.errors import QerlError
-from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
-from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chunks
+from qerl_pipe.kernels.base_formats import FORMATS, base_format
 from qerl_pipe.kernels.configs import ConfigTable, KernelConfig, m_bucket, table_key
-from qerl_pipe.kernels.packing import PackedNF4, PackedNVFP4, prepare_nf4, prepare_nvfp4
+from qerl_pipe.kernels.packing import PackedNF4, PackedNVFP4
 
 L2_BYTES = 60 * 2**20
 REPS = 25
 MAX_REL_ERR = 1e-2
 MAX_COPIES = 32
-FORMATS = ("nvfp4", "nf4")
+# The base formats with Triton kernels to tune (nvfp4, nf4).
+TUNED = tuple(name for name, f in FORMATS.items() if f.kernels is not None and f.kernels.triton_layout is not None)
 
 # run(config, copy index) -> output; a timer turns a list of calls into seconds per call.
 Run = Callable[[KernelConfig, int], Tensor]
@@ -173,18 +173,13 @@ def _random_weight(n: int, k: int, fmt: str, device: torch.device,
     Timing needs only the shape (the kernels do the same work for any values), so the model's
     own weights are not needed and tuning can run before or without them.
     """
+    spec = base_format(fmt)
     w = torch.randn(n, k, device=device, generator=gen) * 0.02
-    if fmt == "nvfp4":
-        q4 = quantize_nvfp4_in_row_chunks(w, name=f"tune {n}x{k}")
-        del w
-        dense = dequantize_nvfp4(q4, torch.float32)
-        copies = weight_copies(q4.packed.numel() + q4.block_scales.numel())
-        return [prepare_nvfp4(q4) for _ in range(copies)], dense
-    nf = quantize_nf4(w, name=f"tune {n}x{k}")
+    q = spec.quantize(w, f"tune {n}x{k}", torch.float32)
     del w
-    dense = dequantize_nf4(nf, torch.float32)
-    copies = weight_copies(nf.packed.numel() + 4 * nf.absmax.numel())
-    return [prepare_nf4(nf) for _ in range(copies)], dense
+    dense = spec.dequantize(q, torch.float32)
+    copies = weight_copies(int(n * k * spec.bytes_per_weight))  # codes and scales
+    return [spec.kernels.triton_layout(q) for _ in range(copies)], dense
 
 
 def _representative_ms(ms: Iterable[int]) -> dict[int, int]:
@@ -229,8 +224,8 @@ def _tune_shape(n: int, k: int, ms: list[int], dx_ms: list[int], fmt: str, devic
 def _tune_table(shapes: list[tuple[int, int]], ms: list[int], fmt: str, device: torch.device,
                 launch_fwd: Launch, launch_dx: Launch, timer: Timer, dx_ms: list[int] | None = None) -> ConfigTable:
     """The loop of `tune_kernels` with the launches and the timer passed in (CPU tests fake them)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if fmt not in TUNED:
+        raise ValueError(f"fmt must be one of {TUNED}, got {fmt!r}")
     buckets = list(_representative_ms(ms).values())
     dx_buckets = buckets if dx_ms is None else list(_representative_ms(dx_ms).values())
     table: ConfigTable = {}
@@ -256,5 +251,5 @@ def tune_kernels(shapes: list[tuple[int, int]], ms: list[int], fmt: str,
     from qerl_pipe.kernels.triton_matmul import launch_dx, launch_forward
 
     return _tune_table(list(shapes), list(ms), fmt, device,
-                       lambda x, w, c: launch_forward(x, fmt, w, c),
-                       lambda dy, w, c: launch_dx(dy, fmt, w, c), time_graph, dx_ms)
+                       lambda x, w, c: launch_forward(x, w, c),
+                       lambda dy, w, c: launch_dx(dy, w, c), time_graph, dx_ms)

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from qerl_pipe.errors import QerlError
-from qerl_pipe.memory.step import BASE_FORMATS, StepSize, estimate_step_bytes
+from qerl_pipe.kernels.base_formats import base_format as format_entry
+from qerl_pipe.memory.step import StepSize, estimate_step_bytes
 from qerl_pipe.model.config import DecoderConfig
 
 GB = 10**9
@@ -198,8 +199,7 @@ def plan_step(config: DecoderConfig, base_format: str, shape: StepShape, budget_
     `kernel_copies` (bytes, `step.kernel_copy_bytes`) asks for humming copies of the base: a
     speed option, so they go before any step setting shrinks: the recipe's settings with them,
     else the same without them, else the smaller settings without them."""
-    if base_format not in BASE_FORMATS:
-        raise ValueError(f"unknown base format {base_format!r}; one of {BASE_FORMATS}")
+    fmt = format_entry(base_format)  # raises on an unknown one
     dtype_name = str(dtype).removeprefix("torch.")
     estimate: dict[str, int] = {}
     chain = candidates(shape)
@@ -214,7 +214,7 @@ def plan_step(config: DecoderConfig, base_format: str, shape: StepShape, budget_
     needed = _gb_up(estimate["total"])
     slots, micro, chunk = chain[-1]
     fix = ("a 4-bit base (engine.base_format=nvfp4) holds the weights in about a quarter of the bytes; "
-           if base_format == "bf16" else "")
+           if fmt.dense else "")
     raise MemoryBudgetError(
         f"{what} does not fit {budget_source}={budget_bytes / GB:g} GB: even its smallest plan ({slots} KV slot(s), "
         f"{math.ceil(shape.sequences / slots)} waves, micro-batch {micro}, LM-head chunk {chunk}) needs "

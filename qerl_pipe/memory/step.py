@@ -19,17 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from qerl_pipe.engine.limits import kv_bytes_per_token
-from qerl_pipe.formats.nf4 import NF4_BLOCK
-from qerl_pipe.formats.nvfp4 import BLOCK_SIZE
+from qerl_pipe.kernels.base_formats import NVFP4, base_format as format_entry
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.full import full_training_bytes
 
-# Stored bytes per base-weight element: 4-bit codes plus one scale per block (NVFP4: an fp8
-# scale per 16; NF4: an fp32 absmax per 64); a "bf16" base holds its linears in the model dtype.
-BASE_BYTES = {"bf16": 2.0, "nvfp4": 0.5 + 1 / BLOCK_SIZE, "nf4": 0.5 + 4 / NF4_BLOCK}
-BASE_FORMATS = tuple(BASE_BYTES)
-# And per linear: NVFP4's fp32 global scale, NF4's table of 16 fp32 levels.
-PER_LINEAR_BYTES = {"bf16": 0, "nvfp4": 4, "nf4": 16 * 4}
+# A base's stored bytes per weight and per linear are its entry's (kernels.base_formats): 4-bit
+# codes plus one scale per block, and NVFP4's global scale or NF4's level table per linear; a
+# dense base holds its linears in the model dtype.
 # A LoRA parameter costs its fp32 value, its fp32 gradient and AdamW's two fp32 moments.
 LORA_TRAIN_BYTES = 4 * 4
 # cuBLAS workspaces, CUDA-graph pools, sampling buffers and allocator rounding.
@@ -70,9 +66,9 @@ def weight_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch.
     # Norm weights in the model dtype with their fp32 AQN noise buffers; q/k/v biases for Qwen2.
     norms = (2 * c.num_layers + 1) * c.hidden_size * (e + 4)
     bias = c.num_layers * (c.q_size + 2 * c.kv_size) * e if c.qkv_bias else 0
-    per_linear = len(_linears(c)) * c.num_layers * PER_LINEAR_BYTES[base_format]
-    base = e if base_format == "bf16" else BASE_BYTES[base_format]
-    return int(linear * base) + tables + norms + bias + per_linear
+    fmt = format_entry(base_format)
+    per_linear = len(_linears(c)) * c.num_layers * fmt.bytes_per_linear
+    return int(linear * fmt.weight_bytes(e)) + tables + norms + bias + per_linear
 
 
 def lora_params(c: DecoderConfig, rank: int) -> int:
@@ -124,7 +120,7 @@ def activation_bytes(c: DecoderConfig, s: StepSize, dtype: torch.dtype = torch.b
 
 def scratch_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch.bfloat16) -> int:
     """The 4-bit large-M path decodes the largest linear into one shared buffer of the model dtype."""
-    if base_format == "bf16":
+    if format_entry(base_format).dense:
         return 0
     return max(k * sum(outs) for k, outs in _linears(c)) * element_bytes(dtype)
 
@@ -133,7 +129,7 @@ def kernel_copy_bytes(c: DecoderConfig, shapes: Iterable[tuple[int, int]]) -> in
     """An NVFP4 base's second copy in humming-kernels' layout, for the linears of shape (N, K) in
     `shapes` (those the dispatch table sends rows of to humming): the NVFP4 bytes again."""
     wanted = set(shapes)
-    per_layer = sum(int(k * sum(outs) * BASE_BYTES["nvfp4"]) + PER_LINEAR_BYTES["nvfp4"]
+    per_layer = sum(int(k * sum(outs) * NVFP4.bytes_per_weight) + NVFP4.bytes_per_linear
                     for k, outs in _linears(c) if (sum(outs), k) in wanted)
     return per_layer * c.num_layers
 
@@ -150,7 +146,7 @@ def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter
     (every weight trains; a bf16 base only). `kernel_copies`: the bytes of humming copies of the
     base (`kernel_copy_bytes`), 0 without them. With `s.dense_base` (a CPU run) a 4-bit base's
     dequantized copy replaces the decode buffer."""
-    if adapter == "full" and base_format != "bf16":
+    if adapter == "full" and not format_entry(base_format).dense:
         raise ValueError(f"full fine-tuning needs a bf16 base, not {base_format}")
     trained = {"full_and_optimizer": full_bytes(c, dtype)} if adapter == "full" else {
         "lora_and_optimizer": lora_bytes(c, s.lora_rank, dtype)}
@@ -159,7 +155,7 @@ def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter
         **trained,
         "kv_cache": kv_bytes_per_token(c, dtype) * s.kv_slots * s.seq_len,
         "activations": activation_bytes(c, s, dtype),
-        **({"dense_base": dense_base_bytes(c, dtype)} if s.dense_base and base_format != "bf16" else
+        **({"dense_base": dense_base_bytes(c, dtype)} if s.dense_base and not format_entry(base_format).dense else
            {"dequant_scratch": scratch_bytes(c, base_format, dtype)}),
         "kernel_copies": kernel_copies,
         "slack": SLACK_BYTES,

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from qerl_pipe.formats.names import FUSED_GROUPS
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.fused import fused_for_inference
-from qerl_pipe.model.linear import BaseFormat, QuantLinear
+from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import apply_rope, inv_frequencies, rope_cos_sin
 
@@ -120,7 +120,7 @@ def attend_prefill(
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, base_format: BaseFormat, dtype: torch.dtype, device: Device):
+    def __init__(self, cfg: DecoderConfig, base_format: str, dtype: torch.dtype, device: Device):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
@@ -155,7 +155,7 @@ def silu_gate(gate_up: Tensor) -> Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, base_format: BaseFormat, dtype: torch.dtype, device: Device):
+    def __init__(self, cfg: DecoderConfig, base_format: str, dtype: torch.dtype, device: Device):
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = QuantLinear(
@@ -170,7 +170,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, base_format: BaseFormat, dtype: torch.dtype, device: Device):
+    def __init__(self, cfg: DecoderConfig, base_format: str, dtype: torch.dtype, device: Device):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, base_format, dtype, device)
@@ -192,7 +192,7 @@ class Decoder(nn.Module):
     def __init__(
         self,
         config: DecoderConfig,
-        base_format: BaseFormat = "bf16",
+        base_format: str = "bf16",
         dtype: torch.dtype = torch.bfloat16,
         device: Device = "cpu",
     ):

@@ -1,9 +1,11 @@
-"""CPU only: run a model's 4-bit bases from copies dequantized once (`kernels.linear.dequantized_once`).
+"""CPU only: run a model's 4-bit bases from copies dequantized once.
 
 On CPU the 4-bit matmul is the plain-torch reference, which rebuilds every weight at every call;
-inside `dense_base_copy(model)` the kernels' reference path uses `dequantize(W, model.dtype)` made
-once per weight instead (4 bytes per weight in float32, so this is for small models), with the
-same numbers. GPUs run the CUDA or Triton kernels and never make the copies.
+inside `dense_base_copy(model)` each 4-bit linear on the CPU holds its base dequantized once into
+`model.dtype` (`QuantLinear.dense_copy`, 4 bytes per weight in float32, so this is for small
+models), and the kernels' reference path multiplies by it instead, with the same numbers. The
+copy belongs to its linear: a new base drops it, and so does the linear's end. GPUs run the CUDA
+or Triton kernels and never make the copies.
 """
 
 from __future__ import annotations
@@ -14,14 +16,28 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from qerl_pipe.kernels.linear import dequantized_once
 from qerl_pipe.model.linear import QuantLinear
 
 
 @contextmanager
 def dense_base_copy(model: nn.Module) -> Iterator[int]:
     """Within this scope the model's 4-bit bases on the CPU run from dequantized copies; yields
-    their bytes (0 on other devices and for bf16 bases). The copies are dropped on exit."""
-    weights = [m.kernel_weight for m in model.modules() if isinstance(m, QuantLinear) and m.base_format != "bf16"]
-    with dequantized_once(weights, getattr(model, "dtype", torch.float32)) as nbytes:
+    their bytes (0 on other devices and for bf16 bases). The copies this scope made are dropped
+    on exit (those of an enclosing scope are used and kept)."""
+    dtype = getattr(model, "dtype", torch.float32)
+    made: list[QuantLinear] = []
+    nbytes = 0
+    try:
+        with torch.no_grad():
+            for m in model.modules():
+                if not isinstance(m, QuantLinear) or m.fmt.dense or m.dense_copy is not None:
+                    continue
+                if m._base_device().type != "cpu":
+                    continue
+                m.dense_copy = m.fmt.dense_copy(m.kernel_weight, dtype)
+                made.append(m)
+                nbytes += m.dense_copy.numel() * m.dense_copy.element_size()
         yield nbytes
+    finally:
+        for m in made:
+            m.dense_copy = None

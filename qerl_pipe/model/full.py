@@ -38,7 +38,7 @@ def make_fully_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear):
             continue
-        if module.base_format != "bf16":
+        if not module.fmt.dense:
             raise ValueError(f"{name}: full fine-tuning needs a bf16 base, not {module.base_format} "
                              "(4-bit codes cannot take gradient updates)")
         if len(module.lora_A):

@@ -20,7 +20,7 @@ from qerl_pipe.model.linear import QuantLinear
 
 
 def _nvfp4_linears(model: nn.Module) -> list[QuantLinear]:
-    return [m for m in model.modules() if isinstance(m, QuantLinear) and m.base_format == "nvfp4"]
+    return [m for m in model.modules() if isinstance(m, QuantLinear) and m.fmt.hopper_dispatch]
 
 
 def humming_linears(model: nn.Module) -> list[QuantLinear]:

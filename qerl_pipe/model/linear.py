@@ -7,41 +7,27 @@ are separate LoRA targets and the adapter exports to PEFT as is.
 4-bit bases are stored only in the kernels' layout (NVFP4: the chunk layout of `kernels.tiled`
 that the CUDA kernels read; NF4: `kernels.packing`'s int32 words), converted once when the base
 is set: keeping the checkpoint bytes too would double the weight memory, and converting per call
-would cost a repack every forward.
+would cost a repack every forward. What each base format holds and which kernels serve it is its
+entry in `kernels.base_formats`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Literal, Union
+from typing import Union
 
 import torch
 from torch import Tensor, nn
 
-from qerl_pipe.formats.nf4 import NF4_BLOCK, NF4Weight
-from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight
-from qerl_pipe.kernels import (
-    PackedNF4,
-    PackedNVFP4,
-    nf4_linear,
-    nf4_linear_dx,
-    nvfp4_linear,
-    nvfp4_linear_dx,
-    prepare_nf4,
-)
-from qerl_pipe.kernels.packing import unprepare_nf4, unprepare_nvfp4
-from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4, tiled_shapes, untile_nvfp4
+from qerl_pipe.formats.nf4 import NF4Weight
+from qerl_pipe.formats.nvfp4 import NVFP4Weight
+from qerl_pipe.kernels.base_formats import base_format as format_entry
+from qerl_pipe.kernels.packing import PackedNF4
+from qerl_pipe.kernels.tiled import TiledNVFP4
 
-BaseFormat = Literal["bf16", "nvfp4", "nf4"]
-BASE_FORMATS: tuple[str, ...] = ("bf16", "nvfp4", "nf4")
 BaseWeight = Union[Tensor, NVFP4Weight, NF4Weight]
 KernelWeight = Union[TiledNVFP4, PackedNF4]
-
-_KERNELS: dict[str, tuple[Callable, Callable]] = {
-    "nvfp4": (nvfp4_linear, nvfp4_linear_dx),
-    "nf4": (nf4_linear, nf4_linear_dx),
-}
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
@@ -63,37 +49,6 @@ class _FrozenQuantMatmul(torch.autograd.Function):
         return dx, None, None, None
 
 
-# Buffer names of each base format, in the field order of its kernel container.
-_BASE_BUFFERS = {
-    "bf16": ("weight",),
-    "nvfp4": ("qweight", "scales", "global_scale"),
-    "nf4": ("qweight", "absmax", "code"),
-}
-
-
-def _empty_base(fmt: str, n: int, k: int, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Base buffers on the meta device, with the shapes `fmt` stores for an [n, k] weight."""
-    meta = torch.device("meta")
-    if fmt == "bf16":
-        return {"weight": torch.empty(n, k, dtype=dtype, device=meta)}
-    if fmt == "nvfp4":
-        if k % BLOCK_SIZE:
-            raise ValueError(f"NVFP4 needs in_features divisible by {BLOCK_SIZE}, got {k}")
-        words, scales = tiled_shapes(n, k)
-        return {
-            "qweight": torch.empty(words, dtype=torch.int32, device=meta),
-            "scales": torch.empty(scales, dtype=torch.uint8, device=meta),
-            "global_scale": torch.empty(1, dtype=torch.float32, device=meta),
-        }
-    if fmt == "nf4":
-        return {
-            "qweight": torch.empty(n, k // 8, dtype=torch.int32, device=meta),
-            "absmax": torch.empty(n, k // NF4_BLOCK, dtype=torch.float32, device=meta),
-            "code": torch.empty(16, dtype=torch.float32, device=meta),
-        }
-    raise ValueError(f"unknown base format {fmt!r}; expected one of {BASE_FORMATS}")
-
-
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) + per-projection LoRA, W frozen in `base_format`.
 
@@ -106,7 +61,7 @@ class QuantLinear(nn.Module):
         in_features: int,
         out_sizes: Sequence[int],
         names: Sequence[str],
-        base_format: BaseFormat,
+        base_format: str,
         dtype: torch.dtype,
         device: torch.device | str,
         bias: bool = False,
@@ -118,8 +73,9 @@ class QuantLinear(nn.Module):
         self.out_sizes = tuple(out_sizes)
         self.out_features = sum(self.out_sizes)
         self.names = tuple(names)
-        self.base_format = base_format
-        for key, t in _empty_base(base_format, self.out_features, in_features, dtype).items():
+        self.base_format = base_format  # the name, as configs and files spell it
+        self.fmt = format_entry(base_format)  # what it means: buffers, kernels, bytes
+        for key, t in self.fmt.empty_buffers(self.out_features, in_features, dtype).items():
             self.register_buffer(key, t)
         bias_tensor = torch.zeros(self.out_features, dtype=dtype, device=device) if bias else None
         self.register_buffer("bias", bias_tensor)
@@ -131,44 +87,34 @@ class QuantLinear(nn.Module):
         # NVFP4 only: the base again in humming-kernels' layout, where the engine made one
         # (`model.kernel_copies`); not a buffer: never saved, made from the base on each load.
         self.humming = None
+        # 4-bit bases on the CPU: the base dequantized once into the model dtype, where
+        # `model.dense_copy` made one (the reference matmuls then skip their per-call dequantize);
+        # not a buffer either, and dropped with the base it was made from.
+        self.dense_copy: Tensor | None = None
 
     @property
     def kernel_weight(self) -> Tensor | KernelWeight:
         """The base as the matmul takes it: a dense tensor or a kernel-layout container."""
-        if self.base_format == "bf16":
-            return self.weight
-        if self.base_format == "nvfp4":
-            return TiledNVFP4(self.qweight, self.scales, self.global_scale, self.out_features, self.in_features,
-                              humming=self.humming)
-        return PackedNF4(self.qweight, self.absmax, self.code)
+        buffers = {key: getattr(self, key) for key in self.fmt.buffers}
+        return self.fmt.make_container(buffers, self.out_features, self.in_features, self.humming, self.dense_copy)
 
     def base_weight(self) -> BaseWeight:
         """The base in checkpoint form (dense, NVFP4Weight or NF4Weight); unpacks, so not per step."""
-        w = self.kernel_weight
-        if isinstance(w, TiledNVFP4):
-            return untile_nvfp4(w)
-        return unprepare_nf4(w) if isinstance(w, PackedNF4) else w
+        return self.fmt.to_checkpoint(self.kernel_weight)
 
     def set_base(self, base: BaseWeight | KernelWeight) -> None:
         """Install the frozen weight of all fused projections, concatenated along the output dim.
 
         4-bit weights are repacked to the kernel layout here, once, on their own device.
         """
-        if isinstance(base, PackedNVFP4) and self.base_format == "nvfp4":
-            base = unprepare_nvfp4(base)
-        if isinstance(base, NVFP4Weight) and self.base_format == "nvfp4":
-            base = tile_nvfp4(base)
-        elif isinstance(base, NF4Weight) and self.base_format == "nf4":
-            base = prepare_nf4(base)
-        expected = {"bf16": Tensor, "nvfp4": TiledNVFP4, "nf4": PackedNF4}[self.base_format]
-        if not isinstance(base, expected):
+        base = self.fmt.to_container(base)
+        if not isinstance(base, self.fmt.container):
             raise ValueError(
                 f"{'/'.join(self.names)}: a {self.base_format} base cannot be set from {type(base).__name__}"
             )
-        self.humming = None  # a copy of the old base would be wrong now
-        for key in _BASE_BUFFERS[self.base_format]:
-            # The buffers are named like the kernel container's fields.
-            t = base if self.base_format == "bf16" else getattr(base, key)
+        self.humming = None  # copies of the old base would be wrong now
+        self.dense_copy = None
+        for key, t in self.fmt.tensors(base).items():
             old = getattr(self, key)
             if t.shape != old.shape or t.dtype != old.dtype:
                 raise ValueError(
@@ -199,15 +145,15 @@ class QuantLinear(nn.Module):
         self.lora_scaling = alpha / rank
 
     def _base_device(self) -> torch.device:
-        return getattr(self, _BASE_BUFFERS[self.base_format][0]).device
+        return getattr(self, self.fmt.buffers[0]).device
 
     def base_forward(self, x: Tensor) -> Tensor:
         """x [M, in_features] @ W^T (+ bias): the frozen part, without any adapter."""
-        if self.base_format == "bf16":
+        kernels = self.fmt.kernels
+        if kernels is None:
             y = x @ self.weight.t()
         else:
-            matmul, matmul_dx = _KERNELS[self.base_format]
-            y = _FrozenQuantMatmul.apply(x, self.kernel_weight, matmul, matmul_dx)
+            y = _FrozenQuantMatmul.apply(x, self.kernel_weight, kernels.forward, kernels.dx)
         return y if self.bias is None else y + self.bias
 
     def inference_forward(self, x: Tensor, lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -215,9 +161,10 @@ class QuantLinear(nn.Module):
         [out_features, R]), an adapter's expand with u = x @ A^T computed by the caller). An NVFP4
         base on the CUDA kernels adds bias and expand in the GEMM's epilogue; bf16 folds the bias
         into the matmul."""
-        if self.base_format == "nvfp4":
-            return nvfp4_linear(x, self.kernel_weight, self.bias, lora)
-        if self.base_format == "bf16":
+        kernels = self.fmt.kernels
+        if kernels is not None and kernels.fused_epilogue:
+            return kernels.forward(x, self.kernel_weight, self.bias, lora)
+        if kernels is None:
             y = x @ self.weight.t() if self.bias is None else torch.addmm(self.bias, x, self.weight.t())
         else:
             y = self.base_forward(x)

@@ -19,11 +19,11 @@ from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.checkpoint import detect_quant_format, iter_quantized_checkpoint
 from qerl_pipe.formats.hf_config import CONFIG_NAME, read_model_config
 from qerl_pipe.formats.names import FUSED_INDEX, PROJECTIONS, from_hf_name
-from qerl_pipe.formats.nf4 import NF4Weight, quantize_nf4
 from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4_in_row_chunks
+from qerl_pipe.kernels.base_formats import FORMATS, BaseFormat, base_format as format_entry
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
-from qerl_pipe.model.linear import BASE_FORMATS, BaseFormat, BaseWeight, QuantLinear
+from qerl_pipe.model.linear import BaseWeight, QuantLinear
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_model(
     model_dir: Path | str,
-    base_format: BaseFormat = "bf16",
+    base_format: str = "bf16",
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     lora: LoraSpec | None = None,
@@ -45,16 +45,17 @@ def load_model(
     for `base_format="bf16"`; NF4 needs the bf16 model (re-rounding 4-bit codes would compound).
     """
     model_dir = Path(model_dir)
-    _check_format(base_format)
+    fmt = format_entry(base_format)
     hf = _read_config(model_dir)
-    model = Decoder(DecoderConfig.from_hf(hf), base_format, dtype, device)
+    model = Decoder(DecoderConfig.from_hf(hf), fmt.name, dtype, device)
     quant = detect_quant_format(hf)
-    if quant is not None and base_format == "nf4":
+    if quant is not None and not fmt.loads_nvfp4_checkpoint:
+        readers = " or ".join(repr(f.name) for f in FORMATS.values() if f.loads_nvfp4_checkpoint)
         raise ModelSourceError(
-            f"{model_dir} is an NVFP4 checkpoint ({quant}); NF4 needs the original bf16 model, "
-            "or load this one with base_format='nvfp4' (or 'bf16')"
+            f"{model_dir} is an NVFP4 checkpoint ({quant}); {fmt.name.upper()} needs the original bf16 model, "
+            f"or load this one with base_format={readers}"
         )
-    assembler = _Assembler(model, base_format, dtype, device)
+    assembler = _Assembler(model, fmt, dtype, device)
     # Unquantized checkpoints come through the same reader: every tensor by its own name.
     for name, item, _input_scale in iter_quantized_checkpoint(model_dir):  # W4A16: input scales unused
         assembler.add(name, item)
@@ -66,7 +67,7 @@ def load_model(
 
 def init_random_model(
     config_dict: Mapping[str, Any],
-    base_format: BaseFormat = "bf16",
+    base_format: str = "bf16",
     device: torch.device | str = "cpu",
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
@@ -77,8 +78,8 @@ def init_random_model(
     Each linear is drawn and quantized on `device` one at a time, so a 32B NVFP4 model builds on
     one GPU without the 64 GB bf16 model ever existing: the speed/memory stand-in for a real one.
     """
-    _check_format(base_format)
-    model = Decoder(DecoderConfig.from_hf(config_dict), base_format, dtype, device)
+    fmt = format_entry(base_format)
+    model = Decoder(DecoderConfig.from_hf(config_dict), fmt.name, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         model.embed_tokens.weight.normal_(0.0, 0.02, generator=gen)
@@ -86,7 +87,7 @@ def init_random_model(
             model.lm_head.weight.normal_(0.0, 0.02, generator=gen)
         for name, linear in _linears(model):
             w = torch.empty(linear.out_features, linear.in_features, dtype=dtype, device=device)
-            linear.set_base(_convert(w.normal_(0.0, 0.02, generator=gen), base_format, dtype, name))
+            linear.set_base(fmt.quantize(w.normal_(0.0, 0.02, generator=gen), name, dtype))
             del w
     if lora is not None:
         apply_lora(model, lora, seed)
@@ -108,11 +109,6 @@ def model_memory_bytes(model: nn.Module) -> int:
     return total
 
 
-def _check_format(base_format: str) -> None:
-    if base_format not in BASE_FORMATS:
-        raise ValueError(f"base_format {base_format!r}: choose one of {BASE_FORMATS}")
-
-
 def _read_config(model_dir: Path) -> dict[str, Any]:
     if not (model_dir / CONFIG_NAME).is_file():
         raise ModelSourceError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
@@ -121,25 +117,6 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
 
 def _linears(model: Decoder) -> Iterator[tuple[str, QuantLinear]]:
     return ((n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear))
-
-
-def _chunk_elements(w: Tensor) -> int:
-    """Elements quantized at once. Each chunk costs a few host syncs (finiteness and scale checks),
-    which dominate on a GPU at 4M elements (a 72B build is ~17k chunks); 16M elements keep the GPU
-    busy and the fp32 temporaries near 0.5 GB. On the CPU the smaller chunk bounds host memory."""
-    return 1 << 24 if w.is_cuda else 1 << 22
-
-
-def _convert(w: Tensor, base_format: str, dtype: torch.dtype, name: str) -> BaseWeight:
-    if base_format == "nvfp4":
-        # One tensor for the whole fused group: one amax, so q/k/v (gate/up) share a global scale.
-        # In row chunks: a whole 32B gate_up at once would need ~5 GB of fp32 temporaries.
-        return quantize_nvfp4_in_row_chunks(w, name=name, chunk_elements=_chunk_elements(w))
-    if base_format == "nf4":
-        rows = max(1, _chunk_elements(w) // w.shape[1])  # row chunks for the same reason as NVFP4
-        parts = [quantize_nf4(chunk, name=name) for chunk in w.split(rows)]
-        return NF4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.absmax for p in parts]))
-    return w.to(dtype)
 
 
 def _fuse_nvfp4(parts: list[NVFP4Weight], name: str) -> NVFP4Weight:
@@ -157,8 +134,8 @@ def _fuse_nvfp4(parts: list[NVFP4Weight], name: str) -> NVFP4Weight:
 class _Assembler:
     """Collects checkpoint tensors by HF name and installs each piece as soon as it is complete."""
 
-    def __init__(self, model: Decoder, base_format: str, dtype: torch.dtype, device: torch.device | str):
-        self.model, self.base_format, self.dtype, self.device = model, base_format, dtype, device
+    def __init__(self, model: Decoder, fmt: BaseFormat, dtype: torch.dtype, device: torch.device | str):
+        self.model, self.fmt, self.dtype, self.device = model, fmt, dtype, device
         self.linears = dict(_linears(model))
         self.pending: dict[tuple[str, str], list[Any]] = {}  # (linear, "weight"|"bias") -> parts
         # Everything the checkpoint must provide (a tied lm_head is the embedding: named_parameters
@@ -204,7 +181,7 @@ class _Assembler:
         if linear is None or kind not in ("weight", "bias"):
             raise ModelSourceError(f"checkpoint tensor {module_name}.{kind} has no place in the model")
         part = part.to(self.device)
-        if isinstance(part, NVFP4Weight) and self.base_format == "bf16":
+        if isinstance(part, NVFP4Weight) and self.fmt.dense:
             part = dequantize_nvfp4(part, self.dtype)
         parts = self.pending.setdefault((target, kind), [None] * len(linear.names))
         parts[index] = part
@@ -219,7 +196,7 @@ class _Assembler:
         else:
             # Dense, or a group that the checkpoint's exclusions left partly unquantized.
             dense = [dequantize_nvfp4(p) if isinstance(p, NVFP4Weight) else p for p in parts]
-            linear.set_base(_convert(torch.cat(dense), self.base_format, self.dtype, target))
+            linear.set_base(self.fmt.quantize(torch.cat(dense), target, self.dtype))
         self.missing.discard(f"{target}.{kind}")
 
     def finish(self, model_dir: Path) -> None:

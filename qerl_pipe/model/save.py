@@ -18,13 +18,14 @@ from torch import Tensor
 
 from qerl_pipe.formats.checkpoint import SHARD_BYTES, ShardWriter
 from qerl_pipe.formats.names import hf_name
+from qerl_pipe.kernels.base_formats import base_format as format_entry
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 
 
 def hf_tensors(model: Decoder) -> Iterator[tuple[str, Tensor]]:
     """(HF name, tensor) for every weight of a bf16-base model, in model order, views (no copies)."""
-    if model.base_format != "bf16":
+    if not format_entry(model.base_format).dense:
         raise ValueError(f"only a bf16 base has dense weights to save as a Hugging Face model, not {model.base_format}")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     for name, t in model.state_dict(keep_vars=True).items():

@@ -29,6 +29,7 @@ from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.hf import pick_device
 from qerl_pipe.jobs.step_plan import EngineBudget, engine_budget
+from qerl_pipe.kernels.base_formats import base_format as format_entry
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import budget_cap
 from qerl_pipe.recipe import EngineSection, Recipe
@@ -103,7 +104,7 @@ def run_build_engine(call: StageCall) -> Artifact:
     device = pick_device(section.device)
     # Under `train --nproc N` (rank 0 building a missing engine) each rank runs 1/N of the step.
     processes = current_dist().world_size
-    if section.base_format == "nvfp4":
+    if format_entry(section.base_format).from_quantize_artifact:
         if call.passed("quantized") is None:  # an engine that cannot be built fails before calibrate and quantize
             check_engine_recipe(recipe, call.store)
         base = _quantized_base(call.input("quantized"))
@@ -114,8 +115,8 @@ def run_build_engine(call: StageCall) -> Artifact:
         if quantized is not None:
             _unused_quantized(quantized, model_key, recipe, section.base_format)
         quant = detect_quant_format(resolved.config)
-        if quant is not None and section.base_format == "nf4":
-            raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an nf4 engine needs the "
+        if quant is not None and not fmt.loads_nvfp4_checkpoint:
+            raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an {fmt.name} engine needs the "
                                    "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
     plan, budget = _plan(recipe, base.hf_config, device, processes)
