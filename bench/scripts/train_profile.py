@@ -22,7 +22,7 @@ from qerl_pipe.bench.results import results_file
 from qerl_pipe.bench.shapes import QWEN25_SHAPES
 from qerl_pipe.model.load import init_random_model
 from qerl_pipe.model.lora import LoraSpec
-from qerl_pipe.rl.logprobs import sequence_logprobs
+from qerl_pipe.rl.algo.logprobs import sequence_logprobs
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="qwen2.5-7b", choices=sorted(QWEN25_SHAPES))

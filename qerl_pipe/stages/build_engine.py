@@ -104,7 +104,8 @@ def run_build_engine(call: StageCall) -> Artifact:
     device = pick_device(section.device)
     # Under `train --nproc N` (rank 0 building a missing engine) each rank runs 1/N of the step.
     processes = current_dist().world_size
-    if format_entry(section.base_format).from_quantize_artifact:
+    fmt = format_entry(section.base_format)
+    if fmt.from_quantize_artifact:
         if call.passed("quantized") is None:  # an engine that cannot be built fails before calibrate and quantize
             check_engine_recipe(recipe, call.store)
         base = _quantized_base(call.input("quantized"))
