@@ -1,0 +1,108 @@
+"""Three RL steps in a row after the bench's warm-up, each micro-batch of each step timed: is the
+training phase of the first step slower than that of the next ones, and where.
+
+`bench train-step` times the first step after a short warm-up step (32-token responses). On the
+7B NVFP4 model that step's training phase measured 13.45 s where a second step, profiled, took
+11.38 s (bf16: 11.15 s and 11.25 s; H100, bench/results/profiles/train-step-profile-7b-h100.json).
+This script runs the bench's own configuration (same build, warm-up, planner sizes and trainer)
+for `--steps` steps and records, per step, the rollout and training seconds and the wall time of
+each training micro-batch (CUDA-synchronised at each micro-batch's start), and profiles the
+training phase of the steps named by `--profile-steps` with torch.profiler (kernel time by kind).
+
+python3 bench/scripts/step_by_step.py --bases nvfp4,bf16 --steps 3 --profile-steps 1 --out FILE.json
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from qerl_pipe.bench.kernel_kinds import profile_kinds
+from qerl_pipe.bench.results import results_file
+from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from qerl_pipe.bench.train_step import StepSettings, _prompts, _trainer, _warm_up, train_config
+from qerl_pipe.engine import Engine, plan_limits
+from qerl_pipe.kernels import dispatch
+from qerl_pipe.memory.step import StepSize
+from qerl_pipe.model.load import init_random_model
+from qerl_pipe.model.lora import LoraSpec
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--shape", default="qwen2.5-7b", choices=sorted(QWEN25_SHAPES))
+ap.add_argument("--bases", default="nvfp4,bf16")
+ap.add_argument("--steps", type=int, default=3)
+ap.add_argument("--profile-steps", default="", help="1-based steps whose training phase is profiled")
+ap.add_argument("--micro-batch", type=int, default=8)
+ap.add_argument("--out", type=Path, required=True)
+args = ap.parse_args()
+profiled_steps = {int(s) for s in args.profile_steps.split(",") if s}
+
+
+def sync() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def run_base(base: str) -> dict:
+    s = StepSettings(micro_batch=args.micro_batch)
+    size = StepSize(sequences=s.sequences, seq_len=s.prompt_len + s.response_len, prompt_len=s.prompt_len,
+                    prompts=s.prompts, kv_slots=s.sequences, micro_batch=args.micro_batch,
+                    lora_rank=s.lora_rank, logprob_chunk=s.logprob_chunk)
+    dispatch.configure(dispatch.table_for(torch.device("cuda")), deterministic=True)
+    model = init_random_model(QWEN25_SHAPES[args.shape], base_format=base, device="cuda",
+                              lora=LoraSpec(rank=s.lora_rank, alpha=2.0 * s.lora_rank))
+    limits = plan_limits(model.config, max_seq_len=size.seq_len, max_batch=size.kv_slots, cuda_graphs=True)
+    engine = Engine(model, limits)
+    prompts = _prompts(s.prompts, s.prompt_len, model.config.vocab_size)
+    warmup = _warm_up(model, engine, prompts, s, size, "cuda")
+    cfg = train_config(s, size.micro_batch, s.prompts, s.group_size, s.response_len)
+    # One more step in the schedule than run, so every step is inside the AQN schedule.
+    trainer = _trainer(model, engine, prompts, cfg.model_copy(update={"steps": args.steps + 1}), size.logprob_chunk)
+    marks: list[float] = []
+    logprobs, update = trainer._logprobs, trainer._update
+
+    def timed_logprobs(batch):
+        marks.append(sync())
+        return logprobs(batch)
+
+    trainer._logprobs = timed_logprobs
+    steps = []
+    for k in range(1, args.steps + 1):
+        marks.clear()
+        profile: dict = {}
+
+        def phase(groups):
+            if k not in profiled_steps:
+                out = update(groups)
+                marks.append(sync())
+                return out
+            out, profile["p"] = profile_kinds(lambda: update(groups))
+            marks.append(sync())
+            return out
+
+        trainer._update = phase
+        t0 = sync()
+        m = trainer.step()
+        step_s = sync() - t0
+        micro = [round(b - a, 4) for a, b in zip(marks, marks[1:])]
+        row = {"step": k, "step_s": step_s, "rollout_s": m["rollout_seconds"],
+               "train_s": step_s - (m["step_seconds"] - m["train_seconds"]),
+               "micro_batch_s": micro, "profiled": k in profiled_steps}
+        if profile:
+            row["train_profile"] = profile["p"]
+        print(base, json.dumps({kk: v for kk, v in row.items() if kk != "train_profile"}), flush=True)
+        if profile:
+            print(base, "profile", json.dumps({kk: profile["p"][kk] for kk in ("wall_ms", "kernel_ms", "ms_by_kind")}),
+                  flush=True)
+        steps.append(row)
+    return {"base": base, "shape": args.shape, "warmup": warmup, "steps": steps}
+
+
+rows = []
+for base in args.bases.split(","):
+    rows.append(run_base(base))
+    torch.cuda.empty_cache()
+args.out.parent.mkdir(parents=True, exist_ok=True)
+args.out.write_text(json.dumps(results_file(rows, [], settings=vars(args) | {"out": None}), indent=1,
+                               default=str) + "\n")
