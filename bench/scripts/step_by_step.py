@@ -33,6 +33,7 @@ ap.add_argument("--shape", default="qwen2.5-7b", choices=sorted(QWEN25_SHAPES))
 ap.add_argument("--bases", default="nvfp4,bf16")
 ap.add_argument("--steps", type=int, default=3)
 ap.add_argument("--profile-steps", default="", help="1-based steps whose training phase is profiled")
+ap.add_argument("--host-top", type=int, default=0, help="with --profile-steps: also the host ops with most self time")
 ap.add_argument("--micro-batch", type=int, default=8)
 ap.add_argument("--out", type=Path, required=True)
 args = ap.parse_args()
@@ -77,7 +78,7 @@ def run_base(base: str) -> dict:
                 out = update(groups)
                 marks.append(sync())
                 return out
-            out, profile["p"] = profile_kinds(lambda: update(groups))
+            out, profile["p"] = profile_kinds(lambda: update(groups), cpu_top=args.host_top)
             marks.append(sync())
             return out
 
@@ -95,6 +96,8 @@ def run_base(base: str) -> dict:
         if profile:
             print(base, "profile", json.dumps({kk: profile["p"][kk] for kk in ("wall_ms", "kernel_ms", "ms_by_kind")}),
                   flush=True)
+            for op in profile["p"].get("host_top_ops", [])[:12]:
+                print(base, "host", json.dumps(op), flush=True)
         steps.append(row)
     return {"base": base, "shape": args.shape, "warmup": warmup, "steps": steps}
 

@@ -13,8 +13,9 @@ from torch.profiler import ProfilerActivity, profile
 KINDS = (  # first match wins; lower-case substrings of the kernel name
     ("humming", ("humming",)),
     ("w4a16 (ours)", ("w4a16", "qerl")),
-    ("gemm (cuBLAS/CUTLASS)", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "cublas")),
+    # Before the GEMMs: cuDNN's attention kernels are named "cudnn_..._sdpa_sm90_flash_..._wgmma".
     ("attention", ("flash", "attention", "fmha", "sdpa", "efficient")),
+    ("gemm (cuBLAS/CUTLASS)", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "cublas")),
     ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill")),
     ("elementwise / reduce / norm", ("elementwise", "reduce", "norm", "softmax", "vectorized", "triton")),
 )
@@ -26,11 +27,14 @@ def kind(name: str) -> str:
     return next((k for k, words in KINDS if any(w in low for w in words)), "other")
 
 
-def profile_kinds(fn: Callable[[], Any], top: int = 25) -> tuple[Any, dict[str, Any]]:
-    """Run `fn` once under torch.profiler (CUDA kernels only); returns its result and the summary:
-    milliseconds by kind, the `top` kernels by time, the kernel-time total and the wall time."""
+def profile_kinds(fn: Callable[[], Any], top: int = 25, cpu_top: int = 0) -> tuple[Any, dict[str, Any]]:
+    """Run `fn` once under torch.profiler (CUDA kernels; host ops too with `cpu_top`); returns its
+    result and the summary: milliseconds by kind, the `top` kernels by time, the kernel-time total
+    and the wall time, and with `cpu_top` the host operators with the most self time (where the
+    host spends a wall time the kernels do not fill)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu_top else [])
+    with profile(activities=activities) as prof:
         start.record()
         result = fn()
         end.record()
@@ -46,7 +50,10 @@ def profile_kinds(fn: Callable[[], Any], top: int = 25) -> tuple[Any, dict[str, 
     kernels.sort(reverse=True)
     kernel_ms = sum(by_kind.values())
     wall_ms = start.elapsed_time(end)
+    host = sorted(((e.self_cpu_time_total / 1e3, e.count, e.key[:120]) for e in prof.key_averages()
+                   if e.self_cpu_time_total > 0), reverse=True)[:cpu_top]
     return result, {
+        **({"host_top_ops": [{"self_ms": ms, "calls": n, "name": k} for ms, n, k in host]} if cpu_top else {}),
         "wall_ms": wall_ms, "kernel_ms": kernel_ms,
         # Kernel time over wall time on one stream: below 1, the GPU waited for the host (launches, syncs).
         "gpu_busy_fraction": kernel_ms / wall_ms if wall_ms > 0 else None,

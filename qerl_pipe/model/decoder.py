@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qerl_pipe.formats.names import FUSED_GROUPS
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.fused import fused_for_inference
+from qerl_pipe.model.fused import fused_on_cuda
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import apply_rope, inv_frequencies, rope_cos_sin
@@ -147,7 +147,7 @@ class Attention(nn.Module):
         return project(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
 
 
-@fused_for_inference
+@fused_on_cuda
 def silu_gate(gate_up: Tensor) -> Tensor:
     """SiLU(gate) * up from the fused gate_up projection's output."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl_pipe.formats.nf4 import NF4Weight
@@ -150,10 +151,9 @@ class QuantLinear(nn.Module):
     def base_forward(self, x: Tensor) -> Tensor:
         """x [M, in_features] @ W^T (+ bias): the frozen part, without any adapter."""
         kernels = self.fmt.kernels
-        if kernels is None:
-            y = x @ self.weight.t()
-        else:
-            y = _FrozenQuantMatmul.apply(x, self.kernel_weight, kernels.forward, kernels.dx)
+        if kernels is None:  # the bias in the matmul's epilogue: no pass of its own over y
+            return x @ self.weight.t() if self.bias is None else torch.addmm(self.bias, x, self.weight.t())
+        y = _FrozenQuantMatmul.apply(x, self.kernel_weight, kernels.forward, kernels.dx)
         return y if self.bias is None else y + self.bias
 
     def inference_forward(self, x: Tensor, lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -179,15 +179,32 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _add_lora(self, x: Tensor, y: Tensor) -> Tensor:
-        # All A's in one matmul (x is read once), then each B on its own slice of the rank dim.
+        """y + scaling * (x @ A^T) @ B^T for every adapted projection, in two matmuls: all A's
+        stacked (x is read once), then B block-diagonal [out_features, R * adapted], so the
+        expand of every projection lands in its own output columns in one `addmm` with y as the
+        addend and the scaling as its alpha. Per projection (a matmul, a scaling, an add, then a
+        cat of the fused output) each of those passes read and wrote a [tokens, N] tensor, forward
+        and backward: elementwise and copy kernels were 5.1 s of a 7B training phase of 11.3 s
+        (bench/results/profiles/train-step-profile-7b-h100.json)."""
         names = [n for n in self.names if n in self.lora_A]
         a = torch.cat([self.lora_A[n] for n in names]).to(x.dtype)
-        hs = (x @ a.t()).split(self.lora_rank, dim=-1)
-        outs = list(y.split(self.out_sizes, dim=-1))
-        for name, h in zip(names, hs):
-            i = self.names.index(name)
-            outs[i] = outs[i] + (h @ self.lora_B[name].to(x.dtype).t()) * self.lora_scaling
-        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+        b = self._block_diagonal_b(names, x.dtype)
+        return torch.addmm(y, x @ a.t(), b.t(), alpha=self.lora_scaling)
+
+    def _block_diagonal_b(self, names: list[str], dtype: torch.dtype) -> Tensor:
+        """[out_features, R * len(names)]: projection `names[j]`'s B in its output rows and the
+        j-th block of R columns, zeros elsewhere (projections without an adapter get zero rows)."""
+        r, width = self.lora_rank, self.lora_rank * len(names)
+        if len(self.names) == 1:  # o_proj, down_proj: B itself
+            return self.lora_B[names[0]].to(dtype)
+        blocks = []
+        for name, size in zip(self.names, self.out_sizes):
+            if name in names:
+                j = names.index(name)
+                blocks.append(F.pad(self.lora_B[name].to(dtype), (j * r, width - (j + 1) * r)))
+            else:
+                blocks.append(torch.zeros(size, width, dtype=dtype, device=self.lora_B[names[0]].device))
+        return torch.cat(blocks)
 
     def extra_repr(self) -> str:
         lora = f", lora={list(self.lora_A)} r={self.lora_rank}" if len(self.lora_A) else ""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qerl_pipe.model.fused import fused_for_inference
+from qerl_pipe.model.fused import fused_on_cuda
 
 
-@fused_for_inference
+@fused_on_cuda
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from qerl_pipe.model.config import RopeConfig
-from qerl_pipe.model.fused import fused_for_inference
+from qerl_pipe.model.fused import fused_on_cuda
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -27,7 +27,7 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-@fused_for_inference
+@fused_on_cuda
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +41,7 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-@fused_for_inference
+@fused_on_cuda
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, heads, T, head_dim]; cos/sin: [B, T, head_dim]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
