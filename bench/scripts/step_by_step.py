@@ -12,6 +12,7 @@ training phase of the steps named by `--profile-steps` with torch.profiler (kern
 python3 bench/scripts/step_by_step.py --bases nvfp4,bf16 --steps 3 --profile-steps 1 --out FILE.json
 """
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -38,6 +39,21 @@ ap.add_argument("--micro-batch", type=int, default=8)
 ap.add_argument("--out", type=Path, required=True)
 args = ap.parse_args()
 profiled_steps = {int(s) for s in args.profile_steps.split(",") if s}
+
+
+# Garbage collections over 50 ms (a stall inside a step that is neither a kernel nor an operator).
+gc_pauses: list[dict] = []
+_gc_start: list[float] = []
+
+
+def _gc_watch(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_start[:] = [time.perf_counter()]
+    elif _gc_start and (ms := (time.perf_counter() - _gc_start[0]) * 1e3) > 50:
+        gc_pauses.append({"generation": info["generation"], "ms": round(ms, 1), "collected": info["collected"]})
+
+
+gc.callbacks.append(_gc_watch)
 
 
 def sync() -> float:
@@ -71,6 +87,8 @@ def run_base(base: str) -> dict:
     steps = []
     for k in range(1, args.steps + 1):
         marks.clear()
+        gc_pauses.clear()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         profile: dict = {}
 
         def phase(groups):
@@ -89,7 +107,8 @@ def run_base(base: str) -> dict:
         micro = [round(b - a, 4) for a, b in zip(marks, marks[1:])]
         row = {"step": k, "step_s": step_s, "rollout_s": m["rollout_seconds"],
                "train_s": step_s - (m["step_seconds"] - m["train_seconds"]),
-               "micro_batch_s": micro, "profiled": k in profiled_steps}
+               "micro_batch_s": micro, "profiled": k in profiled_steps, "gc_pauses": list(gc_pauses),
+               "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries}
         if profile:
             row["train_profile"] = profile["p"]
         print(base, json.dumps({kk: v for kk, v in row.items() if kk != "train_profile"}), flush=True)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 KINDS = (  # first match wins; lower-case substrings of the kernel name
@@ -43,7 +44,8 @@ def profile_kinds(fn: Callable[[], Any], top: int = 25, cpu_top: int = 0) -> tup
     kernels = []
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0.0)
-        if us <= 0:
+        # Kernels only: with host activity on, an operator (aten::mm) also carries its kernels' time.
+        if us <= 0 or e.device_type != DeviceType.CUDA:
             continue
         by_kind[kind(e.key)] = by_kind.get(kind(e.key), 0.0) + us / 1e3
         kernels.append((us / 1e3, e.count, e.key[:120]))
