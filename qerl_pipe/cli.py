@@ -18,7 +18,7 @@ from typing import Annotated, Any, Callable, Optional, TypeVar
 
 import typer
 
-from qerl_pipe.bench.cli import bench_app
+from bench.cli import bench_app
 from qerl_pipe.dag import EVAL, EXPORT, QUANTIZE, STAGES, TRAIN, Stage
 from qerl_pipe.errors import QerlError
 from qerl_pipe.strict_json import dumps
@@ -295,7 +295,7 @@ def verify(ref: Annotated[str, typer.Argument(help="Artifact path, directory nam
     print(artifact.path)
 
 
-# The benchmarks (qerl_pipe/bench/cli.py), under this CLI's error policy.
+# The benchmarks (bench/cli.py), under this CLI's error policy.
 for _command in bench_app.registered_commands:
     _command.callback = _user_errors(_command.callback)
 app.add_typer(bench_app, name="bench")

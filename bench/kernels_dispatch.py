@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from qerl_pipe.bench.kernels import LAYER_SHAPES
-from qerl_pipe.bench.results import results_file, target
+from bench.kernels import LAYER_SHAPES
+from bench.results import results_file, target
 from qerl_pipe.kernels import dispatch, humming_backend
 from qerl_pipe.kernels.dispatch import BACKENDS, DETERMINISTIC_BACKENDS, ROWS_M
 from qerl_pipe.kernels.dispatch_measure import REPS, Operands, inputs, measure_shape, operands, table_from_rows

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qerl_pipe.bench.results import results_file, target
+from bench.results import results_file, target
 from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.task.rewards import RewardSpec, score
 from qerl_pipe.rl.task.tasks import Problem, kind_of

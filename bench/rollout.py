@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from bench.results import results_file, target
+from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.errors import QerlError
 from qerl_pipe.engine.limits import kv_bytes_per_token, plan_limits

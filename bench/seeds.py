@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qerl_pipe.bench.results import results_file, target
+from bench.results import results_file, target
 from qerl_pipe.errors import QerlError
 from qerl_pipe.strict_json import nulls_for_non_finite, write_json
 
