@@ -14,8 +14,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from bench.results import nulls_for_non_finite
 from qerl_pipe.errors import QerlError
-from qerl_pipe.strict_json import dumps, nulls_for_non_finite
+from qerl_pipe.strict_json import dumps
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; results are JSON with a targets block.")
 

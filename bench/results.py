@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -59,3 +60,16 @@ def results_file(results: Any, targets: list[dict[str, Any]], **extra: Any) -> d
         "results": results,
         "targets": targets,
     }
+
+
+def nulls_for_non_finite(value: Any) -> Any:
+    """`value` with every NaN or infinity replaced by None (JSON null): for measurements, where a
+    NaN stands for a figure that could not be taken, so that a long run's results are never lost to one
+    missing figure (the product's JSON refuses a NaN instead: qerl_pipe.strict_json)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: nulls_for_non_finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nulls_for_non_finite(v) for v in value]
+    return value

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from bench.results import results_file, target
+from bench.results import nulls_for_non_finite, results_file, target
 from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.rl.loop.distributed import disable_nvls
-from qerl_pipe.strict_json import nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import write_json
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,

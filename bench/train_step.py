@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from bench.kernel_kinds import profile_kinds
-from bench.results import results_file, target
+from bench.results import nulls_for_non_finite, results_file, target
 from bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.engine.sampling import SamplingParams
@@ -65,7 +65,7 @@ from qerl_pipe.recipe import TrainSection, load_recipe
 from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
 from qerl_pipe.rl.task.tasks import Problem
 from qerl_pipe.rl.loop.trainer import Trainer
-from qerl_pipe.strict_json import dumps, nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import dumps, write_json
 
 GIB = 2**30
 QUANTS = ("bf16", "nf4", "nvfp4")
