@@ -303,7 +303,15 @@ class _Lab(TyperGroup):
     def _load(self) -> None:
         if self.commands:
             return
-        from bench.cli import bench_app  # the one place the product reaches the lab (tests/test_layers.py)
+        try:
+            from bench.cli import bench_app  # the one place the product reaches the lab (tests/test_layers.py)
+        except ModuleNotFoundError as exc:
+            if exc.name != "bench":
+                raise
+            # An install made before the lab left qerl_pipe/ (its editable finder maps qerl_pipe only).
+            typer.echo("error: `qerl-pipe bench` needs the package bench (bench/ beside qerl_pipe/), which this "
+                       "install does not have; install the repository again (pip install -e . or pip install .)", err=True)
+            raise typer.Exit(1) from None
 
         for name, command in typer.main.get_command(bench_app).commands.items():
             command.callback = _user_errors(command.callback)

@@ -23,8 +23,20 @@ print(json.dumps({"import": after_import, "run": loaded(), "exit": result.exit_c
 """
 
 
-def probe(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True, check=True)
+# Makes the package bench unfindable, as in an install made before the lab left qerl_pipe/.
+WITHOUT_THE_LAB = """
+import importlib.abc
+class NoLab(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "bench":
+            raise ModuleNotFoundError("No module named 'bench'", name="bench")
+sys.meta_path.insert(0, NoLab())
+"""
+
+
+def probe(*args: str, lab: bool = True) -> dict:
+    code = PROBE if lab else PROBE.replace("import qerl_pipe.cli", WITHOUT_THE_LAB + "import qerl_pipe.cli")
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -41,6 +53,14 @@ def test_the_bench_commands_load_the_lab_and_their_own_benchmark_only_when_run()
     refused = probe("bench", "kernels-cuda", "--ms", "1,3")  # a QerlError: the CLI's one line, exit 1
     assert refused["exit"] == 1 and "error: --ms [3]: this benchmark measures M in" in refused["output"]
     assert "bench.kernels_cuda" in refused["run"] and "bench.train_step" not in refused["run"]
+
+
+def test_an_install_without_the_lab_says_so_in_one_line():
+    assert probe("--help", lab=False)["exit"] == 0
+    seen = probe("bench", "seeds", lab=False)
+    assert seen["exit"] == 1 and seen["output"].strip().splitlines() == [
+        "error: `qerl-pipe bench` needs the package bench (bench/ beside qerl_pipe/), which this install does not "
+        "have; install the repository again (pip install -e . or pip install .)"]
 
 
 def test_the_group_help_is_the_labs_own():
