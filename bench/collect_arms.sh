@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Copies what `python -m qerl_pipe.bench.arms` and `bench.seeds` read from each finished arm of a
+# Copies what `qerl-pipe bench arms` and `bench seeds` read from each finished arm of a
 # `bench/train_arms.sh` session: the train artifact named on the last `train: DIR` line of the
 # arm's log (or `train: up to date, reusing DIR`, an arm that finished in an earlier session),
 # without checkpoints or weights, plus the log itself (an unfinished arm: its log only).

@@ -3,8 +3,8 @@
 Python's `json` writes NaN and the infinities as bare `NaN` / `Infinity`, which strict parsers
 (jq, JavaScript, Go, Rust's serde) reject: a manifest with one is unreadable to the tools a
 pipeline hands it to. Here a non-finite number is refused with the key that holds it, before the
-file is written. Benchmarks, whose NaN means "not measured", say so with `null` instead
-(`nulls_for_non_finite`), so that a long run's results are never lost to one missing figure.
+file is written. (The benchmarks, whose NaN means "not measured", write `null` instead:
+`bench.results.nulls_for_non_finite`.)
 """
 
 from __future__ import annotations
@@ -56,14 +56,3 @@ def write_json(path: Path, value: Any, indent: int | None = 2, **kwargs: Any) ->
     text = dumps(value, indent=indent, **kwargs) + "\n"
     Path(path).write_text(text)
 
-
-def nulls_for_non_finite(value: Any) -> Any:
-    """`value` with every NaN or infinity replaced by None (JSON null): for measurements, where a
-    NaN stands for a figure that could not be taken."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: nulls_for_non_finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [nulls_for_non_finite(v) for v in value]
-    return value

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qerl_pipe.bench.rollout import bench_engine, bench_hf, targets
+from bench.rollout import bench_engine, bench_hf, targets
 
 TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from qerl_pipe.bench import train_step
-from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from bench import train_step
+from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.memory.plan import plan_step
 from qerl_pipe.memory.step import StepSize, estimate_step_bytes
-from qerl_pipe.bench.train_step import StepSettings, run_train_step_bench, targets
+from bench.train_step import StepSettings, run_train_step_bench, targets
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 from qerl_pipe.recipe import load_recipe
@@ -143,7 +143,7 @@ def test_cli_subcommand():
 
 def test_repeated_values_run_once():
     # every shape runs with every base format: a repeated value would rerun whole configurations
-    from qerl_pipe.bench.cli import values
+    from bench.cli import values
 
     assert values(["qwen2.5-72b", "bf16,nvfp4", "nvfp4", "bf16 "]) == ["qwen2.5-72b", "bf16", "nvfp4"]
     assert values(["1, 8", "8 64"], int) == [1, 8, 64]

@@ -100,7 +100,7 @@ def test_bench_kernels_cuda_refuses_an_m_it_does_not_measure():
 
 
 def test_kernels_cuda_targets_of_unmeasured_m_are_left_out():
-    from qerl_pipe.bench.kernels_cuda import _targets
+    from bench.kernels_cuda import _targets
 
     rows = [{"model": m, "layer": layer, "M": 8, "bf16_us": 10.0, "speedup_best": 2.5, "gemm_tbps": 3.0}
             for m in ("qwen2.5-7b", "qwen2.5-32b") for layer in ("qkv", "gate_up", "down")]

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.kernels import dispatch
 from qerl_pipe.kernels.dispatch import ROWS_M, DispatchTable, row_key, row_m
 from qerl_pipe.memory.plan import StepShape, plan_step
@@ -136,7 +136,7 @@ def test_speed_recipes_are_the_papers_setting(tmp_path) -> None:
     """recipes/speed/: one prompt x G of 256 + 2048 tokens, LoRA r32, each base with its twin."""
     from pathlib import Path
 
-    from qerl_pipe.bench.train_step import read_recipe
+    from bench.train_step import read_recipe
 
     files = sorted((Path(__file__).parents[1] / "recipes" / "speed").glob("*.yaml"))
     steps = [read_recipe(p) for p in files]

@@ -1,7 +1,9 @@
 """The layers point down (docs/architecture.md). The import graph of qerl_pipe is read with `ast`
 from the source files (nothing is imported): module-level and in-function imports, those under
 `if TYPE_CHECKING:` apart (annotations only: no edge at run time). No two packages may import
-each other, even through others, and the lower layers must not import the ones above them."""
+each other, even through others, and the lower layers must not import the ones above them. The lab
+(the package `bench`, beside qerl_pipe) sits on top of it all: the product imports nothing of it, but
+for the one hook that starts a `qerl-pipe bench` command (LAB_HOOK)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ FORBIDDEN = {
     "qerl_pipe.rl.loop": PIPELINE | {"qerl_pipe.jobs", "qerl_pipe.recipe"},
     "qerl_pipe.jobs": PIPELINE,
 }
+LAB = "bench"
+# The only edge from the product to the lab: in a method of cli.py's `bench` group, run when a bench
+# command is asked for (tests/test_lab.py checks that `import qerl_pipe.cli` does not run it).
+LAB_HOOK = ("cli.py", "_load", "bench.cli")
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -122,3 +128,28 @@ def test_the_lower_layers_never_import_the_ones_above():
     broken = {(source, target): sorted(edges)[:3] for source, banned in FORBIDDEN.items()
               for target, edges in graph[source].items() if target in banned}
     assert broken == {}
+
+
+def _lab_imports(path: Path) -> Iterator[tuple[str, str]]:
+    """(enclosing function or `<module>`, module) for each import of the lab in `path`, TYPE_CHECKING ones too."""
+    tree = ast.parse(path.read_text())
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    where = {id(inner): f.name for f in functions for inner in ast.walk(f)}  # innermost last: ast.walk is breadth first
+    for node in ast.walk(tree):
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else
+                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        for name in names:
+            if name == LAB or name.startswith(LAB + "."):
+                yield where.get(id(node), "<module>"), name
+
+
+def test_the_lab_finder_finds_an_import_and_where_it_stands(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import bench\nimport benchmark\ndef f():\n    from bench.cli import x\n")
+    assert list(_lab_imports(sample)) == [("<module>", "bench"), ("f", "bench.cli")]
+
+
+def test_the_product_never_imports_the_lab():
+    edges = {(str(path.relative_to(PACKAGE)), function, module)
+             for path in PACKAGE.rglob("*.py") for function, module in _lab_imports(path)}
+    assert edges == {LAB_HOOK}, "qerl_pipe must not import the lab (bench/): the lab imports the product"

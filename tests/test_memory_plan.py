@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
+from bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.jobs.step_plan import train_step_shape
@@ -43,7 +43,7 @@ def _recipe_plan(path: Path, budget_gb: float | None = None):
 
 
 def test_the_ladder_recipes_are_valid_and_complete_for_the_bench():
-    from qerl_pipe.bench.train_step import read_recipe
+    from bench.train_step import read_recipe
 
     assert [p.name for p in LADDER] == sorted(EXPECTED)
     for path in LADDER:

@@ -1,9 +1,14 @@
-"""The package's dependencies install without warnings: every extra asked of a dependency is one it provides."""
+"""The package's dependencies install without warnings: every extra asked of a dependency is one it provides;
+its wheel holds the product (qerl_pipe) and the lab's modules (bench), not the lab's results or scripts."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -22,3 +27,28 @@ def test_every_requested_extra_is_provided_as_spelled():
         assert req.extras <= provided, (req, sorted(provided))
     assert any(r.name == "antlr4-python3-runtime" and "4.13.2" in str(r.specifier) for r in asked)
     assert importlib.metadata.version("antlr4-python3-runtime") == "4.13.2"
+
+
+def test_the_wheel_holds_the_product_and_the_labs_modules_only(tmp_path):
+    # Built from a copy of what the wheel is made of, bench/results/ and bench/scripts/ included, so
+    # that leaving them out is the package discovery's doing (pyproject's include list).
+    source = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in ("qerl_pipe", "bench"):
+        shutil.copytree(ROOT / name, source / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", build, str(tmp_path / "dist")], cwd=source, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    wheel = zipfile.ZipFile(tmp_path / "dist" / done.stdout.split()[-1])
+    names = wheel.namelist()
+    info = next(n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info"))
+    assert {n.split("/")[0] for n in names} == {"qerl_pipe", "bench", info}
+    lab = {n for n in names if n.startswith("bench/")}
+    assert lab == {f"bench/{p.name}" for p in (ROOT / "bench").glob("*.py")}  # no results, scripts or .sh
+    assert {"bench/__init__.py", "bench/cli.py"} <= lab
+    assert not any(n.startswith("qerl_pipe/bench") for n in names)
+    assert {"qerl_pipe/cli.py", "qerl_pipe/data/gsm8k/train.jsonl", "qerl_pipe/kernels/cuda/w4a16.cu"} <= set(names)
+    assert "qerl-pipe = qerl_pipe.cli:main" in wheel.read(f"{info}/entry_points.txt").decode()

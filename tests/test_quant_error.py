@@ -121,7 +121,7 @@ def test_stage_reports_both_errors_per_layer(tiny_llama, store_dir) -> None:
         assert mse["relative_error"][module] <= rtn["relative_error"][module] * (1 + 1e-6), module
 
     # The bench's side-by-side view of the same artifacts.
-    from qerl_pipe.bench.layer_errors import compare_methods, read_layer_errors
+    from bench.layer_errors import compare_methods, read_layer_errors
 
     table = compare_methods({m: read_layer_errors(a) for m, a in artifacts.items()}, worst=2)
     act_vs_rtn = table["methods"]["act-mse"]["vs_rtn"]
@@ -133,7 +133,7 @@ def test_stage_reports_both_errors_per_layer(tiny_llama, store_dir) -> None:
 
 
 def test_compare_methods_needs_the_baseline_and_handles_missing_output() -> None:
-    from qerl_pipe.bench.layer_errors import compare_methods
+    from bench.layer_errors import compare_methods
 
     with pytest.raises(ValueError, match="rtn"):
         compare_methods({"mse": {"a": LayerError(0.1)}})

@@ -156,7 +156,7 @@ def test_two_gloo_processes_train_like_one(tiny_llama, store_dir):
 
 
 def test_scaling_bench_measures_a_step_and_sets_the_target():
-    from qerl_pipe.bench.train_scaling import measure, scaling_targets
+    from bench.train_scaling import measure, scaling_targets
 
     row = measure("tiny", "cpu", prompts_per_step=2, group_size=2, prompt_len=8, new_tokens=4, steps=1, warmup=1,
                   lora_rank=4, micro_batch_size=4)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from qerl_pipe.artifacts import ArtifactStore
-from qerl_pipe.bench.results import results_file
+from bench.results import results_file
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.engine.limits import plan_limits
 from qerl_pipe.model.config import DecoderConfig

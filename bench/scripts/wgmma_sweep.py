@@ -5,7 +5,7 @@ for every Qwen2.5-7B/32B layer and M, times cuBLAS bf16, dequantize + cuBLAS, th
 default config, and each compiled wgmma variant at each K split (each checked against
 `x @ dequantized W` in fp32 first), with the protocol of `bench kernels-cuda` (distinct weight
 copies past L2, one CUDA graph, median of replays). A lab script for choosing the wgmma configs;
-the committed figures come from `qerl_pipe.bench.kernels_cuda`.
+the committed figures come from `bench.kernels_cuda`.
 """
 import argparse
 import json
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from qerl_pipe.bench.kernels import LAYER_SHAPES
-from qerl_pipe.bench.kernels_cuda import layer_operands
-from qerl_pipe.bench.results import results_file, target
+from bench.kernels import LAYER_SHAPES
+from bench.kernels_cuda import layer_operands
+from bench.results import results_file, target
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.tuning import rel_err, time_graph
 

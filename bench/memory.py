@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from bench.results import results_file, target
+from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 

@@ -25,8 +25,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from bench.results import results_file, target
+from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph

@@ -2,7 +2,7 @@
 
 `qerl-pipe bench train-scaling --shape qwen2.5-7b --nproc 1,2 --out FILE.json` launches, for each
 process count, `python -m torch.distributed.run --standalone --nproc-per-node N -m
-qerl_pipe.bench.train_scaling --worker ...` (NVLink multicast off), where every rank builds a
+bench.train_scaling --worker ...` (NVLink multicast off), where every rank builds a
 random-init NVFP4 model of the shape with LoRA and runs `Trainer.step()` on its share of B
 prompts x G samples (rollouts to the full max_new_tokens: no stop token, so every step does the
 same work). Rank 0 times the steps after warm-up and writes one row; the driver collects the rows
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from bench.results import nulls_for_non_finite, results_file, target
+from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.rl.loop.distributed import disable_nvls
-from qerl_pipe.strict_json import nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import write_json
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
@@ -141,7 +141,7 @@ def run_train_scaling_bench(shape: str, nprocs: list[int], device: str = "cuda",
 
 
 def worker_main(argv: list[str] | None = None) -> None:
-    """The torchrun worker `run_train_scaling_bench` launches (`python -m qerl_pipe.bench.train_scaling
+    """The torchrun worker `run_train_scaling_bench` launches (`python -m bench.train_scaling
     --worker ...`): torchrun starts a module, so this is its entry; users run `qerl-pipe bench
     train-scaling`."""
     ap = argparse.ArgumentParser(description="(internal) one torchrun process: measure, rank 0 writes --out")

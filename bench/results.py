@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -34,15 +35,16 @@ def target(name: str, target: str, measured: float, unit: str, met: bool) -> dic
 
 def command_line() -> str:
     """How this process was started, without the machine's paths: `qerl-pipe ...` for the console
-    script, `python3 -m qerl_pipe....` for a module run with -m (sys.argv[0] is then its file)."""
+    script, `python3 -m qerl_pipe ...` or `python3 -m bench....` for a module run with -m (sys.argv[0]
+    is then its file)."""
     if not sys.argv:
         return ""
     first, rest = Path(sys.argv[0]), sys.argv[1:]
     if "qerl-pipe" in first.name:
         return " ".join(["qerl-pipe", *rest])
-    package = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[1]  # where the packages bench and qerl_pipe lie side by side
     try:
-        module = ".".join(first.resolve().with_suffix("").relative_to(package.parent).parts)
+        module = ".".join(first.resolve().with_suffix("").relative_to(root).parts)
     except ValueError:
         return " ".join([first.name, *rest])
     return " ".join(["python3", "-m", module.removesuffix(".__main__"), *rest])
@@ -58,3 +60,16 @@ def results_file(results: Any, targets: list[dict[str, Any]], **extra: Any) -> d
         "results": results,
         "targets": targets,
     }
+
+
+def nulls_for_non_finite(value: Any) -> Any:
+    """`value` with every NaN or infinity replaced by None (JSON null): for measurements, where a
+    NaN stands for a figure that could not be taken, so that a long run's results are never lost to one
+    missing figure (the product's JSON refuses a NaN instead: qerl_pipe.strict_json)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: nulls_for_non_finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nulls_for_non_finite(v) for v in value]
+    return value

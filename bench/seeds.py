@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qerl_pipe.bench.results import results_file, target
+from bench.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.errors import QerlError
-from qerl_pipe.strict_json import nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import write_json
 
 FIGURES = ("greedy_accuracy_before", "greedy_accuracy_after", "reward_first_tenth", "reward_last_tenth",
            "entropy_first_tenth", "step_reward_0.5", "step_reward_0.8")

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from qerl_pipe.bench.kernels import LAYER_SHAPES
-from qerl_pipe.bench.results import results_file, target
+from bench.kernels import LAYER_SHAPES
+from bench.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4
 from qerl_pipe.kernels.tuning import rel_err, time_graph, weight_copies
-from qerl_pipe.strict_json import nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import write_json
 
 REPS = 50
 GEMM_MS = (1, 8, 16, 32, 64, 128, 256)

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from qerl_pipe.bench.kernels import LAYER_SHAPES
-from qerl_pipe.bench.results import results_file, target
+from bench.kernels import LAYER_SHAPES
+from bench.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.kernels import dispatch, humming_backend
 from qerl_pipe.kernels.dispatch import BACKENDS, DETERMINISTIC_BACKENDS, ROWS_M
 from qerl_pipe.kernels.dispatch_measure import REPS, Operands, inputs, measure_shape, operands, table_from_rows
 from qerl_pipe.kernels.linear import nvfp4_linear
 from qerl_pipe.kernels.tuning import rel_err, time_graph
-from qerl_pipe.strict_json import nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import write_json
 
 
 def _dispatch_row(ops: Operands, m: int) -> dict:

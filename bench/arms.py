@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qerl_pipe.bench.results import results_file, target
+from bench.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.task.rewards import RewardSpec, score
 from qerl_pipe.rl.task.tasks import Problem, kind_of
-from qerl_pipe.strict_json import nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import write_json
 
 PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
            ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))

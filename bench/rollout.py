@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.bench.shapes import QWEN25_SHAPES
+from bench.results import nulls_for_non_finite, results_file, target
+from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.errors import QerlError
 from qerl_pipe.engine.limits import kv_bytes_per_token, plan_limits
@@ -31,7 +31,7 @@ from qerl_pipe.kernels import dispatch
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 from qerl_pipe.model.lora import LoraSpec
-from qerl_pipe.strict_json import nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import write_json
 
 GIB = 2**30
 

@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from qerl_pipe.bench.kernel_kinds import profile_kinds
-from qerl_pipe.bench.results import results_file, target
-from qerl_pipe.bench.shapes import QWEN25_SHAPES, shape_for_source
+from bench.kernel_kinds import profile_kinds
+from bench.results import nulls_for_non_finite, results_file, target
+from bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.engine.sampling import SamplingParams
 from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budget, plan_step, release_budget
@@ -65,14 +65,14 @@ from qerl_pipe.recipe import TrainSection, load_recipe
 from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
 from qerl_pipe.rl.task.tasks import Problem
 from qerl_pipe.rl.loop.trainer import Trainer
-from qerl_pipe.strict_json import dumps, nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import dumps, write_json
 
 GIB = 2**30
 QUANTS = ("bf16", "nf4", "nvfp4")
 # Sequences per forward/backward: activations of 8 x 1280 tokens fit easily at 7B/14B; the
 # larger hidden sizes and layer counts of 32B/72B want 4.
 DEFAULT_MICRO_BATCH = {"qwen2.5-7b": 8, "qwen2.5-14b": 8, "qwen2.5-32b": 4, "qwen2.5-72b": 4}
-SYNTHETIC_REWARD = "qerl_pipe.bench.train_step:synthetic_reward"
+SYNTHETIC_REWARD = "bench.train_step:synthetic_reward"
 # The ladder of issue 20 (shape, base, budget GB): each rung's step completes under its budget,
 # except those in LADDER_REFUSED, which must be refused before any work.
 LADDER = (("qwen2.5-7b", "nvfp4", 16), ("qwen2.5-14b", "nvfp4", 24), ("qwen2.5-32b", "nvfp4", 40),

@@ -22,12 +22,12 @@ import torch
 
 from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from qerl_pipe.bench.results import results_file, target
+from bench.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.kernels.base_formats import base_format
 from qerl_pipe.kernels.configs import KernelConfig, get_config, table_key, table_to_json
 from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4
 from qerl_pipe.kernels.tuning import dx_candidates, fwd_candidates, rel_err, time_graph, tune_one, weight_copies
-from qerl_pipe.strict_json import nulls_for_non_finite, write_json
+from qerl_pipe.strict_json import write_json
 
 # (N, K) of each linear: qkv and gate_up are fused, as our model runs them.
 LAYER_SHAPES: dict[str, dict[str, tuple[int, int]]] = {
