@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from qerl_pipe.bench.kernel_kinds import profile_kinds
-from qerl_pipe.bench.results import results_file
-from qerl_pipe.bench.shapes import QWEN25_SHAPES
-from qerl_pipe.bench.train_step import StepSettings, _prompts, _trainer, _warm_up, train_config
+from bench.kernel_kinds import profile_kinds
+from bench.results import results_file
+from bench.shapes import QWEN25_SHAPES
+from bench.train_step import StepSettings, _prompts, _trainer, _warm_up, train_config
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.kernels import dispatch
 from qerl_pipe.memory.step import StepSize
