@@ -10,17 +10,24 @@ each training micro-batch (CUDA-synchronised at each micro-batch's start), and p
 training phase of the steps named by `--profile-steps` with torch.profiler (kernel time by kind).
 
 python3 bench/scripts/step_by_step.py --bases nvfp4,bf16 --steps 3 --profile-steps 1 --out FILE.json
+
+The targets (issue 31's, for the 7B step at 8 x 8, 256 + 1024) compare the steady state: the
+median over the unprofiled steps after the first, NVFP4 against bf16 of the same run. The first
+step's training phase is reported beside them (a one-time cost on NVFP4 that the later steps do
+not pay). `--targets-only FILE` recomputes the targets block of a file this script wrote.
 """
 import argparse
 import gc
 import json
+import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from bench.kernel_kinds import profile_kinds
-from bench.results import results_file
+from bench.results import results_file, target
 from bench.shapes import QWEN25_SHAPES
 from bench.train_step import StepSettings, _prompts, _trainer, _warm_up, train_config
 from qerl_pipe.engine import Engine, plan_limits
@@ -28,6 +35,36 @@ from qerl_pipe.kernels import dispatch
 from qerl_pipe.memory.step import StepSize
 from qerl_pipe.model.load import init_random_model
 from qerl_pipe.model.lora import LoraSpec
+
+
+def steady(row: dict, key: str) -> float | None:
+    """The median of `key` over the unprofiled steps after the first (None with fewer than 2 steps)."""
+    later = [s[key] for s in row["steps"][1:] if not s["profiled"]]
+    return statistics.median(later) if later else None
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    by_base = {r["base"]: r for r in rows}
+    fp4, bf16 = by_base.get("nvfp4"), by_base.get("bf16")
+    if fp4 is None or bf16 is None or steady(fp4, "step_s") is None or steady(bf16, "step_s") is None:
+        return []
+    step = steady(bf16, "step_s") / steady(fp4, "step_s")
+    train = steady(bf16, "train_s") / steady(fp4, "train_s")
+    first = bf16["steps"][0]["train_s"] / fp4["steps"][0]["train_s"]
+    what = f"{fp4['shape']} RL step 8 x 8, 256 + 1024, steady state (median of steps 2-{len(fp4['steps'])})"
+    return [target(f"{what}: NVFP4 over bf16 LoRA, step time", ">= 1.10x", round(step, 3), "x", step >= 1.10),
+            target(f"{what}: training phase NVFP4 over bf16", ">= 0.95x", round(train, 3), "x", train >= 0.95),
+            target(f"{fp4['shape']} first step's training phase NVFP4 over bf16 (one-time costs included)",
+                   ">= 0.95x", round(first, 3), "x", first >= 0.95)]
+
+
+if "--targets-only" in sys.argv:  # recompute the targets of a file this script wrote
+    path = Path(sys.argv[sys.argv.index("--targets-only") + 1])
+    data = json.loads(path.read_text())
+    data["targets"] = targets(data["results"])
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(json.dumps(data["targets"], indent=1))
+    sys.exit(0)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="qwen2.5-7b", choices=sorted(QWEN25_SHAPES))
@@ -126,5 +163,5 @@ for base in args.bases.split(","):
     rows.append(run_base(base))
     torch.cuda.empty_cache()
 args.out.parent.mkdir(parents=True, exist_ok=True)
-args.out.write_text(json.dumps(results_file(rows, [], settings=vars(args) | {"out": None}), indent=1,
+args.out.write_text(json.dumps(results_file(rows, targets(rows), settings=vars(args) | {"out": None}), indent=1,
                                default=str) + "\n")
