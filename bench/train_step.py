@@ -9,7 +9,12 @@ step at once), and the real `Trainer` with a synthetic reward, so the step is wh
 8 prompts x G = 8 samples, 256-token prompts, 1024 sampled tokens at temperature 1 with no stop
 token (every response runs to the end), DAPO loss, logprobs through the LM head in chunks,
 backward with gradient checkpointing, AdamW on the adapter. One small warm-up step and the capture
-of every decode CUDA graph come first, so compilation and capture stay out of the timed step.
+of every decode CUDA graph come first, so compilation and capture stay out of the timed steps.
+`--timed-steps` steps (default 3) are timed one after another; a row's rollout, training and step
+times are the median over those after the first, as a run of many steps sees them. The first
+step's are reported beside them (`first_step`): on the 7B NVFP4 model its training phase paid a
+one-time 1.8-2.3 s more in its first micro-batch (H100, bench/results/profiles/
+step-by-step-fused-7b-h100.json) that no later step pays.
 
 Before building, the step planner (`memory.plan`) chooses the KV slots, micro-batch and LM-head
 chunk: the given ones (`--kv-slots`, `--micro-batch`), or under a memory budget
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 import string
 import sys
 import time
@@ -103,6 +109,9 @@ class StepSettings:
     kernels: str = "deterministic"
     # Run one more step with torch.profiler around its training phase (kernel time by kind).
     profile_train: bool = False
+    # Steps timed one after another: the row's figures are the median of those after the first
+    # (the steady state of a run); the first, which pays one-time costs, is reported beside them.
+    timed_steps: int = 3
 
     @property
     def sequences(self) -> int:
@@ -172,10 +181,10 @@ def _prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 def train_config(s: StepSettings, micro: int, prompts: int, group: int, new_tokens: int) -> TrainSection:
     """The recipe's `train` section the step runs, built and validated as a recipe's is: its
     defaults, with the step's sizes, sampling at temperature 1 without top-p/top-k, the DAPO loss,
-    the synthetic reward alone, no evaluation and no checkpoints. Two steps with --profile-train
-    (the profiled one is the second: the AQN schedule must reach it)."""
+    the synthetic reward alone, no evaluation and no checkpoints. The schedule has the timed steps,
+    and one more with --profile-train (the profiled step must be inside the AQN schedule)."""
     return TrainSection(
-        eval_data=None, eval_limit=0, steps=2 if s.profile_train else 1, prompts_per_step=prompts, group_size=group, max_new_tokens=new_tokens,
+        eval_data=None, eval_limit=0, steps=s.timed_steps + s.profile_train, prompts_per_step=prompts, group_size=group, max_new_tokens=new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, loss="dapo", micro_batch_size=micro, lr=s.lr,
         gradient_checkpointing=True, adapter=s.adapter, lora={"rank": s.lora_rank, "alpha": 2.0 * s.lora_rank},
         rewards={"accuracy": 0.0, "format": 0.0, "custom": [SYNTHETIC_REWARD]}, checkpoint_every=0, seed=0,
@@ -288,7 +297,7 @@ def _optimizer_bytes(trainer: Trainer) -> int:
 
 def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: StepSize,
                  device: str, kernel_copies: bool = True) -> dict[str, Any]:
-    """Build, warm up, time one step; every figure of a row that ran (`kernel_copies`: whether the
+    """Build, warm up, time `s.timed_steps` steps; every figure of a row that ran (`kernel_copies`: whether the
     plan keeps humming copies of an NVFP4 base)."""
     t0 = time.perf_counter()
     lora = LoraSpec(rank=s.lora_rank, alpha=2.0 * s.lora_rank) if s.adapter == "lora" else None
@@ -305,12 +314,19 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     trainer = _trainer(model, engine, prompts, cfg, size.logprob_chunk)
     _sync(device)
     captures = engine._runner.captures
-    t0 = time.perf_counter()
-    m = trainer.step()  # resets the peak counters at its start
-    _sync(device)
-    step_s = time.perf_counter() - t0
-    peaks = _peaks(device)
+    steps, peaks = [], {"allocated": 0, "reserved": 0}
+    for _ in range(s.timed_steps):
+        t0 = time.perf_counter()
+        m = trainer.step()  # resets the peak counters at its start
+        _sync(device)
+        step_s = time.perf_counter() - t0
+        # The trainer's clock stops before the last optimizer kernels finish; the synchronised tail
+        # belongs to training: train = whole step - (noise draw, rollouts, scoring).
+        steps.append({"step_s": step_s, "rollout_s": m["rollout_seconds"],
+                      "train_s": step_s - (m["step_seconds"] - m["train_seconds"])})
+        peaks = {k: None if v is None else max(v, peaks[k] or 0) for k, v in _peaks(device).items()}
     captures = engine._runner.captures - captures
+    steady = {k: statistics.median(st[k] for st in (steps[1:] or steps)) for k in ("step_s", "rollout_s", "train_s")}
     # The same rollout outside the trainer (engine.generate alone, as `bench rollout` runs it):
     # whether the in-step rollout pays for something the engine alone does not.
     sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=s.response_len, seed=1)
@@ -318,9 +334,6 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     engine.generate(prompts, n=s.group_size, sampling=sampling)
     _sync(device)
     rollout_alone_s = time.perf_counter() - t1
-    # The trainer's clock stops before the last optimizer kernels finish; the synchronised tail
-    # belongs to training: train = whole step - (noise draw, rollouts, scoring).
-    train_s = step_s - (m["step_seconds"] - m["train_seconds"])
     rollout_tokens = s.sequences * round(m["response_length_mean"])
     lora_bytes = _lora_param_bytes(model) if s.adapter == "lora" else 0  # full: the weights are the model's
     resident = model_memory_bytes(model)
@@ -329,10 +342,10 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
         "kernels": s.kernels, "humming_linears": sum(m.humming is not None for m in model.modules()
                                                      if isinstance(m, QuantLinear)),
         "build_s": build_s, "build_peak_allocated_bytes": build_peak, "warmup": warmup,
-        "rollout_s": m["rollout_seconds"], "train_s": train_s, "step_s": step_s,
+        **steady, "first_step": steps[0], "timed_steps": steps,
         "rollout_alone_s": rollout_alone_s, "graph_captures_in_step": captures,
-        "rollout_tokens": rollout_tokens, "rollout_tokens_per_s": m["rollout_tokens_per_s"],
-        "train_tokens": m["train_tokens"], "train_tokens_per_s": m["train_tokens"] / train_s,
+        "rollout_tokens": rollout_tokens, "rollout_tokens_per_s": rollout_tokens / steady["rollout_s"],
+        "train_tokens": m["train_tokens"], "train_tokens_per_s": m["train_tokens"] / steady["train_s"],
         "all_responses_full_length": m["response_length_mean"] == s.response_len and m["truncation_rate"] == 1.0,
         "peak_allocated_bytes": peaks["allocated"], "peak_reserved_bytes": peaks["reserved"],
         "peak_allocated_gib": _gib(peaks["allocated"]), "peak_reserved_gib": _gib(peaks["reserved"]),

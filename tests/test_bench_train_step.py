@@ -57,6 +57,21 @@ def test_full_step_rows_on_cpu(tmp_path):
     assert result["targets"] == []  # no Qwen2.5 shape ran
 
 
+def test_row_times_are_the_median_of_the_steps_after_the_first(tmp_path):
+    from dataclasses import replace
+
+    out = tmp_path / "steps.json"
+    result = run_train_step_bench(["tiny"], ["bf16"], replace(SMALL, timed_steps=4), device="cpu", out=out,
+                                  shape_configs={"tiny": TINY}, emit=lambda line: None)
+    r = result["results"][0]
+    steps = r["timed_steps"]
+    assert len(steps) == 4 and r["first_step"] == steps[0]
+    for key in ("step_s", "rollout_s", "train_s"):
+        later = sorted(s[key] for s in steps[1:])
+        assert r[key] == later[1]  # the median of three
+    assert r["rollout_tokens_per_s"] == r["rollout_tokens"] / r["rollout_s"]
+
+
 def test_does_not_fit_and_out_of_memory_are_rows_not_crashes(tmp_path, monkeypatch):
     result = _run(tmp_path, ["bf16"], memory_limit_bytes=1000)
     (row,) = result["results"]
