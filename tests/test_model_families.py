@@ -24,7 +24,7 @@ from qerl_pipe.formats.checkpoint import list_shards
 from qerl_pipe.formats.modelopt_writer import input_scales, plan_checkpoint, write_configs, write_shards
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.load import load_model
-from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_state_dict
+from qerl_pipe.model.lora import LoraSpec, apply_lora, check_lora_targets, lora_state_dict
 from qerl_pipe.model.merge import write_merged
 from qerl_pipe.model.peft import check_adapter_fits, lora_tensors, read_adapter, save_adapter
 from qerl_pipe.rl.algo.aqn import noisy_norms
@@ -331,6 +331,9 @@ def test_phi3_fused_modules_take_all_their_targets_or_none(saved):
     model = load_model(saved["phi3"][0], "bf16", dtype=torch.float32)
     with pytest.raises(ModelSourceError, match=r"q/k/v as one module \(qkv_proj\)"):
         apply_lora(model, LoraSpec(rank=4, alpha=8, targets=("q", "v")))
+    # The same check before any work (train's and `run`'s preflight), from config.json alone.
+    with pytest.raises(ModelSourceError, match=r"gate/up as one module \(gate_up_proj\)"):
+        check_lora_targets(model.config, ("q", "k", "v", "up"))
     apply_lora(model, LoraSpec(rank=4, alpha=8, targets=("o", "down")))
     assert sorted(lora_state_dict(model))[0].endswith("mlp.down_proj.lora_A.weight")
 

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.names import LORA_TARGETS, peft_name, targets_of
+from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
 
@@ -44,6 +45,12 @@ def adapted_projections(names: tuple[str, ...], targets: tuple[str, ...]) -> lis
         if chosen:
             out.append(name)
     return out
+
+
+def check_lora_targets(config: DecoderConfig, targets: tuple[str, ...]) -> None:
+    """Refuse, before any weight is read, LoRA targets that split a module the checkpoint fuses."""
+    for _, _, _, projections in config.layer_linears():
+        adapted_projections(tuple(name for name, _ in projections), targets)
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec, seed: int = 0) -> None:
