@@ -14,6 +14,7 @@ from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec
+from tests.conftest import randomize_lora_b
 from tests.test_model_families import FAMILIES, PROMPTS, argmax_continuation, save_family_model
 
 pytestmark = [
@@ -35,11 +36,7 @@ def saved(tmp_path_factory) -> dict[str, Path]:
 
 def _model(path: Path, base: str, dtype: torch.dtype) -> Decoder:
     model = load_model(path, base, dtype=dtype, device="cuda", lora=LoraSpec(rank=4, alpha=8))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.2)
+    randomize_lora_b(model, 0.2)
     return model
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.conftest import randomize_lora_b, randomize_weights
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
@@ -66,14 +67,8 @@ def save_family_model(out: Path, family: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_hf_config(family), dtype=torch.float32).eval()
     gemma = family.startswith("gemma")
-    with torch.no_grad():  # norms off their init (Gemma's w around 0: a scale of 1 + w)
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.2 * torch.randn_like(p) + (0.0 if gemma else 1.0))
-            elif "embed" in name:
-                p.normal_(0, 0.2 if gemma else 1.0)  # Gemma scales them by sqrt(64) = 8
-            else:
-                p.normal_(0, 0.08)
+    # Gemma's norms scale by 1 + w (centred at 0), and its embeddings are multiplied by sqrt(64) = 8.
+    randomize_weights(model, norm_center=0.0 if gemma else 1.0, embed_std=0.2 if gemma else 1.0)
     model.save_pretrained(out)
     return model
 
@@ -180,21 +175,12 @@ def argmax_continuation(model: Decoder, prompt: list[int], new: int) -> list[int
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_greedy_equals_training_forward(saved, family):
     model = load_model(saved[family][0], "bf16", dtype=torch.float32, lora=LoraSpec(rank=4, alpha=8))
-    randomize_lora(model)
+    randomize_lora_b(model, 0.2)
     engine = Engine(model, plan_limits(model.config, max_seq_len=64, max_batch=4))
     out = engine.generate(PROMPTS, n=2, sampling=SamplingParams(temperature=0, max_new_tokens=14))
     for i, prompt in enumerate(PROMPTS):
         want = argmax_continuation(model, prompt, 14)
         assert out.tokens[2 * i] == want and out.tokens[2 * i + 1] == want
-
-
-def randomize_lora(model: Decoder, seed: int = 0) -> None:
-    """Nonzero LoRA B's, so that the adapters change the outputs."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
 
 
 def test_gemma_aqn_noise_goes_to_the_norms_that_feed_linears(saved):
@@ -206,7 +192,7 @@ def test_gemma_aqn_noise_goes_to_the_norms_that_feed_linears(saved):
 
 def test_gemma2_logprobs_through_the_cap_match_autograd(saved):
     model = load_model(saved["gemma2"][0], "bf16", dtype=torch.float32, lora=LoraSpec(rank=4, alpha=8))
-    randomize_lora(model)
+    randomize_lora_b(model, 0.2)
     ids = _ids(2, 16, seed=5)
     mask, response = torch.ones_like(ids), torch.zeros_like(ids)
     response[:, 8:] = 1
@@ -300,7 +286,7 @@ def test_peft_adapter_loads_over_transformers(saved, tmp_path, family):
     path, _ = saved[family]
     spec = LoraSpec(rank=4, alpha=8, train_norms=True)
     model = load_model(path, "bf16", dtype=torch.float32, lora=spec)
-    randomize_lora(model)
+    randomize_lora_b(model, 0.2)
     with torch.no_grad():  # trained norms too (PEFT's modules_to_save)
         model.layers[1].input_layernorm.weight.add_(0.1)
     save_adapter(model, spec, tmp_path / "adapter", str(path))
