@@ -50,6 +50,31 @@ def make_tiny_model(out: Path, arch: str = "llama", *, seed: int = 0, shard_mb: 
     return out
 
 
+def randomize_weights(model: torch.nn.Module, norm_center: float = 1.0, embed_std: float = 1.0) -> None:
+    """HF init leaves norms at their unit scale (1, or Gemma's 0 of 1 + w) and biases at 0:
+    randomise them (and the rest) so that a mixed-up norm or bias shows in the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(norm_center + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "embed" in name:
+                p.normal_(0, embed_std)
+            else:
+                p.normal_(0, 0.08)
+
+
+def randomize_lora_b(model: torch.nn.Module, scale: float, seed: int = 0) -> None:
+    """Nonzero LoRA B's (drawn on the model's device), so that the adapters change the outputs."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * scale)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")

@@ -67,6 +67,30 @@ def test_decode_attention_matches_reference_and_is_batch_independent(heads, dtyp
     assert torch.equal(longer, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window, cap, rot", [(4096, 0.0, 256), (512, 50.0, 256), (100, 0.0, 64), (0, 0.0, 96)],
+                         ids=["gemma-local", "gemma2-capped", "window-100-partial", "phi4-partial"])
+def test_decode_attention_families(dtype, window, cap, rot):
+    """Gemma's head_dim 256 with a window over splits and its cap, a window inside one split with
+    partial rotary, Phi-4-mini's rotary 96 of 128: against the reference, batch-independent."""
+    b, length = 8, 1280
+    d = 256 if rot == 256 else 128
+    x = _inputs(b, 8, 4, d, length, dtype, seed=rot + window)
+    x["cos"], x["sin"] = x["cos"][:, :rot // 2].repeat(1, 2), x["sin"][:, :rot // 2].repeat(1, 2)
+    scale = d ** -0.5 * (8.0 if cap else 1.0)  # scores large enough for the cap to bend
+
+    def run(fn, rows: slice) -> torch.Tensor:
+        k_full, v_full = x["k_full"].clone(), x["v_full"].clone()
+        return fn(x["q"][rows], x["k"][rows], x["v"][rows], x["cos"][rows], x["sin"][rows],
+                  k_full[1, rows, :, :length], v_full[1, rows, :, :length], x["positions"][rows], scale, window, cap)
+
+    ref = run(decode_ops.decode_attention_reference, slice(0, b))
+    out = run(triton_decode.launch_decode_attention, slice(0, b))
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, ref, **tol)
+    assert torch.equal(run(triton_decode.launch_decode_attention, slice(b - 1, b)), out[b - 1:])
+
+
 def test_decode_attention_replays_in_a_cuda_graph():
     x = _inputs(8, 28, 4, 128, 512, torch.bfloat16, seed=3)
     eager, _, _ = _attend(triton_decode.launch_decode_attention, x, slice(0, 8), 512)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, randomize_lora_b
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.load import load_model
@@ -45,11 +45,7 @@ def _engine(model: Decoder, max_batch: int, graphs: bool, buckets_of: Engine | N
 
 def _with_adapter(path: Path, base: str, dtype: torch.dtype) -> Decoder:
     model = load_model(path, base, dtype=dtype, device="cuda", lora=LoraSpec(rank=4, alpha=8))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.3)
+    randomize_lora_b(model, 0.3)
     return model
 
 

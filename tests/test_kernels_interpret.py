@@ -95,13 +95,17 @@ def _run_case(case: tuple, seed: int) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-# Decode attention: (batch, q heads, kv heads, head_dim, attention length); a length past one
-# split, GQA groups of 1, 2 and 7, the smallest head_dim.
-ATTENTION_CASES = [(3, 4, 2, 16, 300), (2, 5, 1, 32, 64), (1, 7, 1, 64, 200), (2, 2, 2, 16, 129)]
+# Decode attention: (batch, q heads, kv heads, head_dim, attention length, sliding window,
+# score cap, rotary dim); a length past one split, GQA groups of 1, 2 and 7, the smallest
+# head_dim; windows inside one block, across blocks and splits (Mistral, Gemma's local layers),
+# Gemma2's soft cap, Phi3's partial rotary.
+ATTENTION_CASES = [(3, 4, 2, 16, 300, 0, 0.0, 16), (2, 5, 1, 32, 64, 0, 0.0, 32), (1, 7, 1, 64, 200, 0, 0.0, 64),
+                   (2, 2, 2, 16, 129, 0, 0.0, 16), (3, 4, 2, 16, 300, 7, 0.0, 16), (3, 4, 2, 16, 300, 150, 0.0, 16),
+                   (2, 4, 2, 32, 200, 70, 1.5, 32), (3, 4, 1, 32, 150, 0, 0.0, 16)]
 
 
 def _attention_id(case: tuple) -> str:
-    return "attention-b{}-hq{}-hkv{}-d{}-len{}".format(*case)
+    return "attention-b{}-hq{}-hkv{}-d{}-len{}-w{}-cap{}-rot{}".format(*case)
 
 
 def _run_attention_case(case: tuple, seed: int) -> dict:
@@ -109,7 +113,7 @@ def _run_attention_case(case: tuple, seed: int) -> dict:
     gives row 1's bits of the batch (batch independence)."""
     from qerl_pipe.kernels import decode_ops, triton_decode
 
-    b, hq, hkv, d, length = case
+    b, hq, hkv, d, length, window, cap, rot = case
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
@@ -119,20 +123,22 @@ def _run_attention_case(case: tuple, seed: int) -> dict:
     v_cache = torch.randn(k_cache.shape, generator=gen)
     positions = torch.randint(0, length, (b,), generator=gen)
     positions[0] = length - 1
-    angles = positions[:, None].float() * torch.rand(d // 2, generator=gen)
+    angles = positions[:, None].float() * torch.rand(rot // 2, generator=gen)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+    # Scores large enough for the cap to bend them (q scaled up).
+    scale = d ** -0.5 * (4.0 if cap else 1.0)
 
     def view(c: torch.Tensor, rows: slice) -> torch.Tensor:
         return c[1, rows, :, :length]
 
     ref = decode_ops.decode_attention_reference(q, k, v, cos, sin, view(caches[0][0], slice(0, b)),
-                                        view(caches[0][1], slice(0, b)), positions, d ** -0.5)
+                                                view(caches[0][1], slice(0, b)), positions, scale, window, cap)
     out = triton_decode.launch_decode_attention(q, k, v, cos, sin, view(caches[1][0], slice(0, b)),
-                                     view(caches[1][1], slice(0, b)), positions, d ** -0.5)
+                                                view(caches[1][1], slice(0, b)), positions, scale, window, cap)
     row = slice(1, 2) if b > 1 else slice(0, 1)
     alone = triton_decode.launch_decode_attention(q[row], k[row], v[row], cos[row], sin[row], view(caches[2][0], row),
-                                       view(caches[2][1], row), positions[row], d ** -0.5)
+                                                  view(caches[2][1], row), positions[row], scale, window, cap)
     return {"max_err": float((out - ref).abs().max()),
             "same_cache": bool(torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])),
             "batch_independent": bool(torch.equal(alone, out[row]))}
@@ -146,12 +152,12 @@ def _run_norm_case(seed: int) -> dict:
     weight, noise = torch.rand(600, generator=gen), torch.randn(600, generator=gen) * 1e-2
     shrink = torch.randn(37, 600, generator=gen) * 0.05  # R off the block, H over two K steps
     out = {}
-    for name, residual in (("no-residual", None), ("residual", r)):
-        ref, ref_h = decode_ops.add_rms_norm_reference(x, residual, weight, noise, 1e-6)
-        got, got_h, none = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6)
-        fused, fused_h, u = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, shrink)
+    for name, residual, offset in (("no-residual", None, 0.0), ("residual", r, 0.0), ("offset", r, 1.0)):
+        ref, ref_h = decode_ops.add_rms_norm_reference(x, residual, weight, noise, 1e-6, offset)
+        got, got_h, none = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, None, offset)
+        fused, fused_h, u = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, shrink, offset)
         alone = triton_decode.launch_add_rms_norm(x[1:2], None if residual is None else r[1:2], weight, noise, 1e-6,
-                                                  shrink)[2]
+                                                  shrink, offset)[2]
         out[name] = {"max_err": float((got - ref).abs().max()), "same_h": bool(torch.equal(got_h, ref_h)),
                      "no_u": none is None, "same_with_shrink": bool(torch.equal(fused, got) and torch.equal(fused_h, got_h)),
                      "u_max_err": float((u - ref @ shrink.t()).abs().max()),
@@ -232,7 +238,7 @@ def test_decode_attention_matches_reference(results: dict[str, dict], case: tupl
     assert r["batch_independent"], f"seed {r['seed']}: a row alone differs from the same row in the batch"
 
 
-@pytest.mark.parametrize("residual", ["no-residual", "residual"])
+@pytest.mark.parametrize("residual", ["no-residual", "residual", "offset"])
 def test_add_rms_norm_matches_reference(results: dict[str, dict], residual: str) -> None:
     r = results["add-rms-norm"]
     assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"

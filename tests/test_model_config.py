@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -56,17 +57,25 @@ def test_family_specifics():
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        (dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"]),
-         ["Gemma2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"]),
+        (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
+         ["Gemma3ForConditionalGeneration", "LlamaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]),
         (dict(model_type="mixtral", architectures=["MixtralForCausalLM"]), ["MixtralForCausalLM", "supported"]),
         (dict(model_type="qwen2", num_experts=8), ["mixture-of-experts"]),
         (dict(model_type="llama", architectures=["LlamaForSequenceClassification"]),
          ["LlamaForSequenceClassification"]),
-        (dict(model_type="mistral", sliding_window=1024), ["sliding-window", "1024"]),
-        (dict(model_type="qwen2", sliding_window=1024, use_sliding_window=True), ["sliding-window"]),
+        (dict(model_type="qwen2", sliding_window=1024, use_sliding_window=True), ["sliding-window", "1024"]),
         (dict(model_type="qwen3", layer_types=["sliding_attention", "full_attention"]), ["sliding-window"]),
         (dict(model_type="llama", rope_scaling=dict(rope_type="yarn", factor=4.0)), ["'yarn'", "llama3"]),
         (dict(model_type="llama", hidden_act="gelu"), ["gelu"]),
+        (dict(model_type="gemma2", hidden_activation="gelu"), ["'gelu'", "gelu_pytorch_tanh"]),
+        (dict(model_type="llama", rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 8,
+                                                    long_factor=[1.0] * 8)), ["'longrope'", "Phi3"]),
+        (dict(model_type="llama", partial_rotary_factor=0.5), ["partial_rotary_factor", "Phi3"]),
+        (dict(model_type="phi3", rope_scaling=dict(type="longrope", short_factor=[1.0] * 3, long_factor=[1.0] * 3),
+              original_max_position_embeddings=1024), ["short_factor", "needs 8"]),
+        (dict(model_type="gemma3_text", use_bidirectional_attention=True), ["use_bidirectional_attention"]),
+        (dict(model_type="mistral", layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+         ["layer_types", "Gemma"]),
     ],
 )
 def test_unsupported_configs_raise(overrides, words):
@@ -77,8 +86,61 @@ def test_unsupported_configs_raise(overrides, words):
 
 
 def test_load_model_refuses_unsupported_architecture_before_reading_weights(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(dict(BASE, model_type="phi3", architectures=["Phi3ForCausalLM"])))
-    with pytest.raises(ModelSourceError, match="Phi3ForCausalLM.*supported: LlamaForCausalLM"):
+    (tmp_path / "config.json").write_text(json.dumps(dict(BASE, model_type="falcon",
+                                                         architectures=["FalconForCausalLM"])))
+    with pytest.raises(ModelSourceError, match="FalconForCausalLM.*supported: LlamaForCausalLM"):
         load_model(tmp_path)
     with pytest.raises(ModelSourceError, match="config.json"):
         load_model(tmp_path / "nowhere")
+
+
+def test_sliding_windows_per_layer():
+    # Mistral and Phi3: every layer, when shorter than the context; a window that holds every
+    # position changes nothing and is dropped.
+    mistral = DecoderConfig.from_hf(dict(BASE, model_type="mistral", sliding_window=1024))
+    assert mistral.windows == (1024, 1024) and mistral.window(1) == 1024
+    assert DecoderConfig.from_hf(dict(BASE, model_type="mistral", sliding_window=4096)).windows == ()
+    assert DecoderConfig.from_hf(dict(BASE, model_type="phi3", sliding_window=2047)).windows == (2047, 2047)
+    # Gemma2 alternates from layer 0 without layer_types; Gemma3 makes every pattern-th layer global.
+    gemma2 = DecoderConfig.from_hf(dict(BASE, model_type="gemma2", num_hidden_layers=4, sliding_window=512))
+    assert gemma2.windows == (512, 0, 512, 0) and gemma2.window(1) is None
+    gemma3 = DecoderConfig.from_hf(dict(BASE, model_type="gemma3_text", num_hidden_layers=6, sliding_window=512,
+                                        sliding_window_pattern=3))
+    assert gemma3.windows == (512, 512, 0, 512, 512, 0)
+    listed = DecoderConfig.from_hf(dict(BASE, model_type="gemma3_text", sliding_window=512,
+                                        layer_types=["full_attention", "sliding_attention"]))
+    assert listed.windows == (0, 512)
+
+
+def test_gemma_specifics_in_either_config_style():
+    gemma2 = DecoderConfig.from_hf(dict(BASE, model_type="gemma2", query_pre_attn_scalar=144))
+    assert (gemma2.norm_offset, gemma2.sandwich_norms, gemma2.hidden_act) == (1.0, True, "gelu_pytorch_tanh")
+    assert gemma2.embed_scale == 8.0 and gemma2.attn_scale == 144 ** -0.5 and gemma2.tie_word_embeddings
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0) and not gemma2.qk_norm
+    # Gemma3: q/k norms, no attention cap whatever the file says, a RoPE per layer type.
+    old = DecoderConfig.from_hf(dict(BASE, model_type="gemma3_text", rope_theta=1e6, rope_local_base_freq=1e4,
+                                     rope_scaling=dict(rope_type="linear", factor=8.0), attn_logit_softcapping=50.0))
+    new = DecoderConfig.from_hf(dict(BASE, model_type="gemma3_text", rope_parameters={
+        "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+        "sliding_attention": dict(rope_type="default", rope_theta=1e4)}))
+    assert old == new and new.qk_norm and new.attn_softcap is None and new.final_softcap is None
+    assert new.rope == RopeConfig(theta=1e6, type="linear", factor=8.0) and new.local_rope == RopeConfig(theta=1e4)
+    # Two layers, both local under the default pattern (every sixth is global); a window as long as
+    # the context still marks them local, and they rotate with their own RoPE.
+    assert new.windows == (4096, 4096) and new.rope_of(1) == new.local_rope
+
+
+def test_phi3_longrope_and_partial_rotary():
+    factors = dict(short_factor=[1.0] * 6, long_factor=[2.0] * 6)
+    phi = DecoderConfig.from_hf(dict(BASE, model_type="phi3", max_position_embeddings=131072,
+                                     original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                                     rope_scaling=dict(type="longrope", **factors)))
+    assert phi.fused_checkpoint and phi.rope.type == "longrope" and phi.rope.rotary_dim(phi.head_dim) == 12
+    assert phi.rope.factor == 32.0 and phi.rope.original_max_position_embeddings == 4096
+    assert phi.rope.attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    assert [n for _, _, _, projections in phi.layer_linears() for n, _ in projections] == [
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    su = DecoderConfig.from_hf(dict(BASE, model_type="phi3", max_position_embeddings=131072,
+                                    original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                                    rope_scaling=dict(type="su", **factors)))
+    assert su == phi

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qerl_pipe.errors import ModelSourceError
+from tests.conftest import randomize_weights
 from tests.compressed_tensors_writer import compressed_nvfp4_tensors, compressed_tensors_config
 from qerl_pipe.formats.modelopt_layout import config_quantization_config, nvfp4_tensors
 from qerl_pipe.formats.nf4 import dequantize_nf4
@@ -42,17 +43,7 @@ def _save_hf_model(out: Path, arch: str):
     config = getattr(transformers, config_name)(**DIMS, **overrides)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    # HF init leaves norms at 1 and biases at 0: randomise them so a mixed-up norm or bias shows.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-            elif "embed" in name:
-                p.normal_(0, 1.0)
-            else:
-                p.normal_(0, 0.08)
+    randomize_weights(model)
     model.save_pretrained(out, safe_serialization=True)
     return model
 

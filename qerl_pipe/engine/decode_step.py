@@ -13,6 +13,9 @@ batch of single tokens, in as few kernels as the fused pieces allow:
 - each projection's bias and LoRA expand inside its matmul where the base runs on the CUDA NVFP4
   GEMM (`QuantLinear.inference_forward`).
 On CPU both are their plain-torch references (same structure, same math), which the tests use.
+What sets a family apart runs inside the same kernels: a layer's sliding window and score cap in
+the attention kernel (blocks before the window are skipped), partial rotary in its RoPE, Gemma's
+`(1 + w)` norms in the norm kernel; Gemma's norms on a sublayer's output are one norm kernel each.
 
 Shapes never depend on the positions (the new k/v go where `positions` says, attention stops
 there), so the engine can capture the step as a CUDA graph per (batch, attention length).
@@ -25,17 +28,21 @@ from torch import Tensor
 
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention, lora_shrink
-from qerl_pipe.model.decoder import Decoder, KVCache, silu_gate
+from qerl_pipe.model.decoder import Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
-from qerl_pipe.model.rope import rope_cos_sin
 
 
 def _norm(x: Tensor, residual: Tensor | None, norm: RMSNorm, lora: FusedLora,
           following: QuantLinear | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Residual add + RMSNorm, and the LoRA shrink of the projection that reads the result."""
     shrink = None if following is None else lora.shrink_of(following)
-    return add_rms_norm(x, residual, norm.weight, norm.noise, norm.eps, shrink)
+    return add_rms_norm(x, residual, norm.weight, norm.noise, norm.eps, shrink, norm.offset)
+
+
+def _output_norm(x: Tensor, norm: RMSNorm) -> Tensor:
+    """A sublayer's output normed on its own (Gemma's post-attention and post-feed-forward norms)."""
+    return add_rms_norm(x, None, norm.weight, norm.noise, norm.eps, None, norm.offset)[0]
 
 
 @torch.inference_mode()
@@ -51,23 +58,30 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
                          f"got {tuple(tokens.shape)} and {tuple(positions.shape)}")
     cfg = model.config
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    cos, sin = rope_cos_sin(positions, model.inv_freq, model.dtype)  # [B, head_dim] each
+    scale = cfg.attn_scale if cfg.attn_scale is not None else d ** -0.5
+    tables = model.rope_cos_sin(positions)  # per layer, [B, rotary_dim] each
     layers = model.layers
-    normed, residual, u = _norm(model.embed_tokens(tokens), None, layers[0].input_layernorm, lora,
+    normed, residual, u = _norm(model.embed(tokens), None, layers[0].input_layernorm, lora,
                                 layers[0].self_attn.qkv_proj)
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = lora.project(attn.qkv_proj, normed, u).split(attn.sizes, dim=-1)
         q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
-        if attn.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+        if attn.q_norm is not None:  # Qwen3, Gemma3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
-        out = decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, d ** -0.5)
+        cos, sin = tables[i]
+        out = decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, scale,
+                               attn.spec.window or 0, attn.spec.softcap or 0.0)
         attended = lora.project(attn.o_proj, out, lora_shrink(out, lora.shrink_of(attn.o_proj)))
-        normed, residual, u = _norm(attended, residual, layer.post_attention_layernorm, lora, mlp.gate_up_proj)
-        down = lora.project(mlp.down_proj, silu_gate(lora.project(mlp.gate_up_proj, normed, u)))
+        if layer.sandwich:
+            attended = _output_norm(attended, layer.post_attention_layernorm)
+        normed, residual, u = _norm(attended, residual, layer.mlp_norm, lora, mlp.gate_up_proj)
+        down = lora.project(mlp.down_proj, mlp.gate(lora.project(mlp.gate_up_proj, normed, u)))
+        if layer.sandwich:
+            down = _output_norm(down, layer.post_feedforward_layernorm)
         if i + 1 < len(layers):
             following = layers[i + 1]
             normed, residual, u = _norm(down, residual, following.input_layernorm, lora, following.self_attn.qkv_proj)
         else:
             normed, residual, u = _norm(down, residual, model.norm, lora, None)
-    return model.lm_head(normed)
+    return model.head(normed)

@@ -58,7 +58,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def hf_config_from(config: DecoderConfig) -> dict[str, Any]:
     """A config.json dict that `DecoderConfig.from_hf` reads back as `config` (for models built
-    without one, e.g. `init_random_model`)."""
+    without one, e.g. `init_random_model`). The Llama / Qwen / full-attention Mistral block only:
+    the other families' fields have no single spelling to write back; save those with their own
+    config.json (`save_engine_model(..., hf_config=...)`)."""
+    if config.model_type not in ("llama", "mistral", "qwen2", "qwen3") or config.windows:
+        raise ValueError(f"a {config.model_type} model's config.json cannot be rebuilt from its DecoderConfig; "
+                         "pass the model's own config.json as hf_config")
     out: dict[str, Any] = {
         "architectures": [SUPPORTED[config.model_type]],
         "model_type": config.model_type,
@@ -86,6 +91,8 @@ def hf_config_from(config: DecoderConfig) -> dict[str, Any]:
             "low_freq_factor": config.rope.low_freq_factor, "high_freq_factor": config.rope.high_freq_factor,
             "original_max_position_embeddings": config.rope.original_max_position_embeddings,
         }
+    elif config.rope.type == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": config.rope.factor}
     return out
 
 

@@ -23,7 +23,6 @@ PEFT_PREFIX = "base_model.model."
 
 # LoRA targets as recipes and adapter configs name them (`q` is `q_proj`), in model order.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-ATTENTION_TARGETS = ("q", "k", "v", "o")
 
 # Fused group -> its HF projections, in the order their outputs are concatenated.
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
@@ -31,12 +30,19 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
 }
 _GROUP_OF = {proj: group for group, projs in FUSED_GROUPS.items() for proj in projs}
-# Every HF projection of a Llama-family decoder layer.
-PROJECTIONS = tuple(f"{t}_proj" for t in LORA_TARGETS)
+# Fused groups some checkpoints store as one module (Phi3's `qkv_proj`, `gate_up_proj`): one
+# tensor, one NVFP4 global scale, one PEFT target, named as the checkpoint names it.
+CHECKPOINT_FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q", "k", "v"),
+    "gate_up_proj": ("gate", "up"),
+}
+# Every HF projection of a decoder layer: one per LoRA target, and the checkpoint-fused ones.
+PROJECTIONS = tuple(f"{t}_proj" for t in LORA_TARGETS) + tuple(CHECKPOINT_FUSED)
 
-# The linears of a Llama-family decoder layer by HF weight name; embeddings, norms and lm_head
-# are not among them (they stay 16-bit in an NVFP4 checkpoint).
-HF_LINEAR_WEIGHT = re.compile(r"^(.*\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj)\.weight$")
+# The linears of a decoder layer by HF weight name; embeddings, norms and lm_head are not among
+# them (they stay 16-bit in an NVFP4 checkpoint).
+HF_LINEAR_WEIGHT = re.compile(
+    r"^(.*\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj)\.weight$")
 # PEFT names of the LoRA tensors our Decoder can hold: one A/B pair per projection per layer.
 PEFT_LORA_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])\.weight$")
 # Trainable RMSNorm weights (PEFT's modules_to_save), under PEFT's names.
@@ -59,9 +65,9 @@ def projection(target: str) -> str:
     return f"{target}_proj"
 
 
-def block_of(target: str) -> str:
-    """The HF sub-module of a decoder layer that holds a target's projection."""
-    return "self_attn" if target in ATTENTION_TARGETS else "mlp"
+def targets_of(module: str) -> tuple[str, ...]:
+    """The LoRA targets an HF projection module carries: `q_proj` -> (q,), `qkv_proj` -> (q, k, v)."""
+    return CHECKPOINT_FUSED.get(module, (module.removesuffix("_proj"),))
 
 
 def hf_name(name: str) -> str:
@@ -77,11 +83,6 @@ def from_hf_name(name: str) -> str:
 def peft_name(name: str) -> str:
     """Our Decoder's name -> PEFT's (`layers.0.self_attn.q_proj` -> `base_model.model.model.layers...`)."""
     return f"{PEFT_PREFIX}{hf_name(name)}"
-
-
-def peft_lora_prefix(layer: int, target: str) -> str:
-    """PEFT's module name of a target's projection in layer `layer` (no `.lora_A.weight`)."""
-    return f"{PEFT_PREFIX}{HF_PREFIX}layers.{layer}.{block_of(target)}.{projection(target)}"
 
 
 def fused_group_key(param_name: str) -> str | None:

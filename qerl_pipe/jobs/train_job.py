@@ -29,7 +29,7 @@ from qerl_pipe.engine.artifact import load_engine
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer
-from qerl_pipe.jobs.step_plan import plan_train
+from qerl_pipe.jobs.step_plan import plan_recipe_step, plan_train
 from qerl_pipe.jobs.train_config import plan_changes
 from qerl_pipe.kernels.base_formats import base_format
 from qerl_pipe.log import log
@@ -37,7 +37,8 @@ from qerl_pipe.memory.plan import MemoryPlan, enforce_budget
 from qerl_pipe.memwatch import return_freed_tensors_to_os
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.full import full_training_bytes
-from qerl_pipe.model.lora import LoraSpec, apply_lora
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.lora import LoraSpec, apply_lora, check_lora_targets
 from qerl_pipe.model.peft import ADAPTER_DIR, save_adapter
 from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.recipe import Recipe, TrainSection
@@ -91,6 +92,14 @@ def check_train_inputs(recipe: Recipe, engine: Artifact | None = None
                             "4-bit base with train.adapter=lora")
     problems, eval_problems = load_train_problems(recipe.train)
     return problems, eval_problems, load_custom_rewards(recipe.train.rewards.custom)
+
+
+def check_train_model(recipe: Recipe, hf_config: dict[str, Any]) -> None:
+    """The train section against the model's config.json, before any work: LoRA targets the
+    model can carry (all of Phi3's fused q/k/v or none), and a step that fits the memory budget."""
+    if recipe.train.adapter == "lora":
+        check_lora_targets(DecoderConfig.from_hf(hf_config), tuple(recipe.train.lora.targets))
+    plan_recipe_step(recipe, hf_config)
 
 
 def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist: Dist = Dist()) -> MemoryPlan:

@@ -3,8 +3,9 @@
 Each has a plain-torch reference (CPU, and the tests' oracle) and Triton kernels for CUDA
 (`triton_decode`, imported only there: Triton is a Linux-only dependency).
 
-**add_rms_norm(x, residual, weight, noise, eps, shrink=None)** returns (normed, h, u) with h =
-residual + x rounded to x's dtype once (as a bf16 add is) and normed = h / rms(h) * (weight + noise),
+**add_rms_norm(x, residual, weight, noise, eps, shrink=None, offset=0)** returns (normed, h, u) with
+h = residual + x rounded to x's dtype once (as a bf16 add is) and normed = h / rms(h) * (offset +
+weight + noise) (offset 1: Gemma's `(1 + w)` norms),
 computed in fp32 and rounded once: the numbers of `model.norm.rms_norm(residual + x, ...)`, up to
 the order of the mean's sum. `residual=None` normalises x alone (h is x). The decode step chains it
 between sublayers, so the residual stream needs no add kernel of its own. With `shrink` (the next
@@ -17,12 +18,14 @@ input comes from attention, which no norm precedes), else None and the caller mu
 row's u depends on that row alone. (down_proj's shrink stays a cuBLAS matmul: fused with SiLU * up
 in one Triton kernel it measured 13-72 us per call on the H200, against 1.6 + 5.9 us.)
 
-**decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale)** takes the new token's
-q [B, Hq, D] and k, v [B, Hkv, D] (strided views of the q/k/v projection's output are fine),
-rotates q and k (rotate-half RoPE, as Hugging Face Llama), writes k and v at `positions` of each
-cache row and returns softmax(q·K^T·scale)·V over cache positions 0..positions[b] as [B, Hq * D],
-the layout o_proj reads. In the eager step this was RoPE twice, two scatters, a mask, SDPA and a
-transpose copy; on CUDA it is two kernels (split-KV, then a merge; see `triton_decode`).
+**decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window=0, softcap=0)**
+takes the new token's q [B, Hq, D] and k, v [B, Hkv, D] (strided views of the q/k/v projection's
+output are fine), rotates the leading R dims of q and k (rotate-half RoPE, as Hugging Face Llama;
+cos/sin [B, R], R = D but for partial rotary), writes k and v at `positions` of each cache row
+and returns softmax(s)·V over cache positions 0..positions[b] as [B, Hq * D], the layout o_proj
+reads, with s = q·K^T·scale, soft-capped to softcap·tanh(s / softcap) when softcap > 0, and only
+the last `window` positions (the new one included) visible when window > 0 (sliding window). In
+the eager step this was RoPE twice, two scatters, a mask, SDPA and a transpose copy; on CUDA it is two kernels (split-KV, then a merge; see `triton_decode`).
 """
 
 from __future__ import annotations
@@ -32,22 +35,27 @@ from torch import Tensor
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor,
-                           eps: float) -> tuple[Tensor, Tensor]:
+                           eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
     h = x if residual is None else residual + x
     h32 = h.float()
-    normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + noise)).to(x.dtype)
+    scale = weight.float() + offset if offset else weight.float()
+    normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * (scale + noise)).to(x.dtype)
     return normed, h
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE of x [B, H, D] by cos/sin [B, D], computed in fp32 and rounded once."""
-    x32, half = x.float(), x.shape[-1] // 2
-    rot = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return (x32 * cos.float()[:, None] + rot * sin.float()[:, None]).to(x.dtype)
+    """Rotate-half RoPE of the leading R dims of x [B, H, D] by cos/sin [B, R], computed in fp32 and
+    rounded once; dims R..D-1 pass through."""
+    r = cos.shape[-1]
+    x32, half = x.float(), r // 2
+    rot = torch.cat((-x32[..., half:r], x32[..., :half]), dim=-1)
+    rotated = x32[..., :r] * cos.float()[:, None] + rot * sin.float()[:, None]
+    return torch.cat((rotated, x32[..., r:]), dim=-1).to(x.dtype)
 
 
 def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                               v_cache: Tensor, positions: Tensor, scale: float) -> Tensor:
+                               v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
+                               softcap: float = 0.0) -> Tensor:
     """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32."""
     b, hq, d = q.shape
     hkv = k.shape[1]
@@ -56,7 +64,13 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin
     k_cache.scatter_(2, index, k[:, :, None])
     v_cache.scatter_(2, index, v[:, :, None].to(v_cache.dtype))
     scores = q.float().view(b, hkv, hq // hkv, d) @ k_cache.float().transpose(-1, -2) * scale
-    visible = torch.arange(k_cache.shape[2], device=q.device) <= positions.view(b, 1, 1, 1)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    cached = torch.arange(k_cache.shape[2], device=q.device)
+    position = positions.view(b, 1, 1, 1)
+    visible = cached <= position
+    if window:
+        visible = visible & (cached > position - window)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return (probs @ v_cache.float()).to(q.dtype).reshape(b, hq * d)
 
@@ -68,15 +82,15 @@ FUSED_SHRINK_MAX_ROWS = 16
 
 
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
-                 shrink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                 shrink: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor | None]:
     """See the module doc: the Triton kernel on CUDA, else the torch reference (which leaves u to
     the caller, as the kernel does above FUSED_SHRINK_MAX_ROWS)."""
     if x.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_add_rms_norm
 
         fused = shrink is not None and x.shape[0] <= FUSED_SHRINK_MAX_ROWS
-        return launch_add_rms_norm(x, residual, weight, noise, eps, shrink if fused else None)
-    return (*add_rms_norm_reference(x, residual, weight, noise, eps), None)
+        return launch_add_rms_norm(x, residual, weight, noise, eps, shrink if fused else None, offset)
+    return (*add_rms_norm_reference(x, residual, weight, noise, eps, offset), None)
 
 
 def lora_shrink(x: Tensor, shrink: Tensor | None) -> Tensor | None:
@@ -90,11 +104,12 @@ def lora_shrink(x: Tensor, shrink: Tensor | None) -> Tensor | None:
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                     v_cache: Tensor, positions: Tensor, scale: float) -> Tensor:
+                     v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
+                     softcap: float = 0.0) -> Tensor:
     """See the module doc: the Triton kernels on CUDA where they apply, else the torch reference."""
     if q.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_decode_attention, supports
 
         if supports(q, k_cache):
-            return launch_decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale)
-    return decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, positions, scale)
+            return launch_decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, softcap)
+    return decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, softcap)

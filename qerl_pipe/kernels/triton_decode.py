@@ -38,6 +38,7 @@ from torch import Tensor
 from qerl_pipe.kernels.triton_pdl import launch_dependents, pdl_options, wait_previous
 
 SPLIT = 128  # cache positions per program
+FULL_WINDOW = 1 << 30  # the window of a layer with full attention: wider than any cache
 BLOCK_N = 64  # positions per inner step (a tl.dot tile)
 
 
@@ -48,21 +49,34 @@ def supports(q: Tensor, k_cache: Tensor) -> bool:
 
 
 @triton.jit
-def _rope_rows(ptr, rows, row_stride, row_mask, c, s, offs_d, D: tl.constexpr, HALF: tl.constexpr):
-    """RoPE of rows [R, D] at ptr + rows * row_stride, in fp32: x * cos + rotate_half(x) * sin."""
+def _rope_rows(ptr, rows, row_stride, row_mask, c, s, offs_d, ROT: tl.constexpr, HALF: tl.constexpr):
+    """RoPE of rows [R, D] at ptr + rows * row_stride, in fp32: x * cos + rotate_half(x) * sin over
+    the leading ROT dims (c = 1, s = 0 past them: partial rotary passes those through)."""
     base = ptr + rows[:, None] * row_stride
     x = tl.load(base + offs_d[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-    partner = tl.load(base + ((offs_d + HALF) % D)[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    mate = tl.where(offs_d < ROT, (offs_d + HALF) % ROT, offs_d)
+    partner = tl.load(base + mate[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
     rot = tl.where(offs_d[None, :] < HALF, -partner, partner)
     return x * c[None, :] + rot * s[None, :]
 
 
 @triton.jit
+def _soft_cap(scores, cap, CAPPED: tl.constexpr):
+    """cap * tanh(scores / cap) (Gemma2), from exp so that the interpreter runs it too; exact
+    enough in fp32 (saturates to +-cap, never inf / inf)."""
+    if CAPPED:
+        e = tl.exp(-2.0 * tl.abs(scores / cap))
+        t = (1.0 - e) / (1.0 + e)
+        scores = cap * tl.where(scores < 0, -t, t)
+    return scores
+
+
+@triton.jit
 def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
              sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, s_cos, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
-             Hq, S, scale,
-             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT_LEN: tl.constexpr,
-             BLOCK: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+             Hq, S, scale, window, cap,
+             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
+             BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
     dtype = kc_ptr.dtype.element_ty
@@ -71,23 +85,31 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, m_p
     offs_g = tl.arange(0, GP)
     g_ok = offs_g < G
     wait_previous(USE_PDL)  # q, k, v, cos and sin are this step's
-    c = tl.load(cos_ptr + b * s_cos + offs_d).to(tl.float32)
-    sn = tl.load(sin_ptr + b * s_cos + offs_d).to(tl.float32)
+    rotates = offs_d < ROT
+    c = tl.load(cos_ptr + b * s_cos + offs_d, mask=rotates, other=1.0).to(tl.float32)
+    sn = tl.load(sin_ptr + b * s_cos + offs_d, mask=rotates, other=0.0).to(tl.float32)
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
-    q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, D, D // 2).to(dtype)
+    q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, ROT, ROT // 2).to(dtype)
 
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
     lo = s * SPLIT_LEN
     hi = tl.minimum(lo + SPLIT_LEN, pos)  # cached positions before the new token
+    # The sliding window hides positions <= pos - window (`window` is 2**30 for full attention):
+    # blocks wholly before `first` are skipped, the edge one masked, and a split with no visible
+    # position runs no block (its zeros weigh nothing in the merge). Every block that runs holds a
+    # visible position, so its max score is finite.
+    first = tl.maximum(pos - window + 1, 0)
+    lo_w = tl.maximum(lo, first)
+    hi_w = tl.where(lo_w < hi, hi, lo)
     kc = kc_ptr + b * skc_b + h * skc_h
     vc = vc_ptr + b * svc_b + h * svc_h
-    for start in range(lo, hi, BLOCK):
+    for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
-        n_ok = offs_n < hi
+        n_ok = (offs_n < hi) & (offs_n >= first)
         keys = tl.load(kc + offs_n[:, None] * skc_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
+        scores = _soft_cap(tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale, cap, CAPPED)
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
@@ -100,11 +122,11 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, m_p
     if (pos >= lo) & (pos < lo + SPLIT_LEN):
         # The new token: rotate k, write k and v at pos, add its score from registers.
         one = tl.arange(0, 1)
-        k_new = _rope_rows(k_ptr + b * sk_b, h + one, sk_h, one < 1, c, sn, offs_d, D, D // 2).to(dtype)
+        k_new = _rope_rows(k_ptr + b * sk_b, h + one, sk_h, one < 1, c, sn, offs_d, ROT, ROT // 2).to(dtype)
         v_new = tl.load(v_ptr + b * sv_b + h * sv_h + offs_d[None, :] + one[:, None] * 0).to(dtype)
         tl.store(kc + pos * skc_t + offs_d[None, :] + one[:, None] * 0, k_new)
         tl.store(vc + pos * svc_t + offs_d[None, :] + one[:, None] * 0, v_new)
-        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
+        score = _soft_cap(tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale, cap, CAPPED)
         m_new = tl.maximum(m_i, score)
         p_new = tl.exp(score - m_new)
         alpha = tl.exp(m_i - m_new)
@@ -137,7 +159,8 @@ def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, USE_PDL: tl.const
 
 
 def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                            v_cache: Tensor, positions: Tensor, scale: float) -> Tensor:
+                            v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
+                            softcap: float = 0.0) -> Tensor:
     """The two Triton kernels (any device Triton runs on, the interpreter included)."""
     b, hq, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
@@ -153,16 +176,16 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        hq, splits, scale,
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, SPLIT_LEN=SPLIT, BLOCK=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(q.device))
+        hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=SPLIT, BLOCK=BLOCK_N,
+        CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
     return out
 
 
 @triton.jit
-def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, H, R, sx, sr, so, sh, sa, su, eps,
+def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, H, R, sx, sr, so, sh, sa, su, eps, offset,
                   HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (row, 0) writes the row's normed values (and h); program (row, j > 0) computes u's
     # columns [(j - 1) * BLOCK_R, j * BLOCK_R) = normed_row . A[those rows]^T from the same values
@@ -174,7 +197,8 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, H, R
     offs = tl.arange(0, BLOCK)
     ok = offs < H
     # The weights first (no kernel of the step writes them), then the wait for x and the residual.
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(z_ptr + offs, mask=ok, other=0.0)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + offset  # Gemma's (1 + w): offset 1
+    w += tl.load(z_ptr + offs, mask=ok, other=0.0)
     offs_r = (j - 1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = (offs_r >= 0) & (offs_r < R)  # program 0 (the norm) has offs_r < 0: loads nothing
     a = tl.load(a_ptr + offs_r[:, None] * sa + offs[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
@@ -201,7 +225,7 @@ SHRINK_TILE = 16384  # elements of A per shrink program (BLOCK_R rows of the pad
 
 
 def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
-                        shrink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                        shrink: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor | None]:
     """The Triton kernel (any device Triton runs on, the interpreter included); x [rows, H],
     shrink (a LoRA A, [R, H]) or None. Each row's results depend on that row alone."""
     rows, hidden = x.shape
@@ -221,7 +245,7 @@ def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, nois
     block_r = max(1, SHRINK_TILE // block)
     _add_rms_norm[(rows, 1 + triton.cdiv(n_u, block_r))](
         x, r, weight, noise, out, h, a, u_arg, hidden, n_u, x.stride(0), r.stride(0), out.stride(0), h.stride(0),
-        a.stride(0), u_arg.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block, BLOCK_R=block_r,
+        a.stride(0), u_arg.stride(0), eps, float(offset), HAS_RESIDUAL=residual is not None, BLOCK=block, BLOCK_R=block_r,
         num_warps=max(1, min(16, block // 256)), **pdl_options(x.device))
     return out, h, u
 

@@ -49,9 +49,7 @@ class StepSize:
 
 def _linears(c: DecoderConfig) -> list[tuple[int, tuple[int, ...]]]:
     """(in_features, output sizes of its fused projections) of one layer's linears."""
-    i = c.intermediate_size
-    return [(c.hidden_size, (c.q_size, c.kv_size, c.kv_size)), (c.q_size, (c.hidden_size,)),
-            (c.hidden_size, (i, i)), (i, (c.hidden_size,))]
+    return [(k, tuple(n for _, n in projections)) for _, _, k, projections in c.layer_linears()]
 
 
 def element_bytes(dtype: torch.dtype) -> int:
@@ -64,7 +62,7 @@ def weight_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch.
     linear = sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers
     tables = c.vocab_size * c.hidden_size * e * (1 if c.tie_word_embeddings else 2)
     # Norm weights in the model dtype with their fp32 AQN noise buffers; q/k/v biases for Qwen2.
-    norms = (2 * c.num_layers + 1) * c.hidden_size * (e + 4)
+    norms = (c.norms_per_layer * c.num_layers + 1) * c.hidden_size * (e + 4)
     bias = c.num_layers * (c.q_size + 2 * c.kv_size) * e if c.qkv_bias else 0
     fmt = format_entry(base_format)
     per_linear = len(_linears(c)) * c.num_layers * fmt.bytes_per_linear
@@ -89,7 +87,7 @@ def weight_elements(c: DecoderConfig) -> int:
     an untied LM head."""
     linear = sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers
     tables = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    norms = (2 * c.num_layers + 1) * c.hidden_size + (2 * c.num_layers * c.head_dim if c.qk_norm else 0)
+    norms = (c.norms_per_layer * c.num_layers + 1) * c.hidden_size + (2 * c.num_layers * c.head_dim if c.qk_norm else 0)
     i = c.intermediate_size
     bias = c.num_layers * ((c.q_size + 2 * c.kv_size) * c.qkv_bias + c.hidden_size * c.o_bias
                            + (2 * i + c.hidden_size) * c.mlp_bias)

@@ -1,8 +1,9 @@
 """DecoderConfig: the few numbers our decoder needs, read from a Hugging Face config.json dict.
 
-Only the Llama family is supported (one attention + SiLU-gated MLP block, RMSNorm, RoPE); anything
-that would silently compute something else (sliding windows, MoE, other RoPE scalings) is refused
-here, before a single weight is read.
+The supported families share one block (attention + gated MLP, RMSNorm, RoPE); what sets each
+apart (model/families.py) is a field here. Anything that would silently compute something else
+(MoE, other RoPE scalings or activations, Qwen's sliding windows) is refused here, before a single
+weight is read.
 """
 
 from __future__ import annotations
@@ -11,26 +12,23 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from qerl_pipe.errors import ModelSourceError
+from qerl_pipe.formats.names import FUSED_GROUPS
+from qerl_pipe.model.families import activation, check_rope_fits, gemma_fields, layer_windows
+from qerl_pipe.model.hf_rope import RopeConfig, parse_rope, rope_params
+
+__all__ = ["DecoderConfig", "RopeConfig", "SUPPORTED"]
 
 # model_type -> the HF architecture class name it is published under.
 SUPPORTED = {
     "llama": "LlamaForCausalLM",  # Llama 3.x, SmolLM2
-    "mistral": "MistralForCausalLM",
+    "mistral": "MistralForCausalLM",  # full attention or a sliding window
     "qwen2": "Qwen2ForCausalLM",  # Qwen2, Qwen2.5 (q/k/v bias)
     "qwen3": "Qwen3ForCausalLM",  # Qwen3 (q/k RMSNorm, explicit head_dim)
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",  # Gemma3's text model (1B, or a text-only checkpoint)
+    "phi3": "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4-mini
 }
 _SUPPORTED_TEXT = ", ".join(f"{arch} (model_type {mt!r})" for mt, arch in SUPPORTED.items())
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    type: str = "default"  # "default" or "llama3"
-    # llama3 scaling only:
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,18 @@ class DecoderConfig:
     qkv_bias: bool  # Qwen2 always; Llama when attention_bias
     o_bias: bool  # Llama attention_bias covers o_proj too; Qwen2 has no o_proj bias
     mlp_bias: bool
-    qk_norm: bool  # Qwen3
+    qk_norm: bool  # Qwen3, Gemma3
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (Gemma)
+    # Per layer: its sliding window in tokens, 0 for full attention; () when no layer has one.
+    windows: tuple[int, ...] = ()
+    local_rope: RopeConfig | None = None  # Gemma3: the RoPE of its sliding-window layers
+    norm_offset: float = 0.0  # Gemma: norms scale by (offset + w)
+    sandwich_norms: bool = False  # Gemma: post-attention and pre/post-feed-forward norms
+    embed_scale: float | None = None  # Gemma: sqrt(hidden), rounded to the model dtype
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # Gemma2: cap * tanh(score / cap) on attention scores
+    final_softcap: float | None = None  # Gemma2: the same on the logits
+    fused_checkpoint: bool = False  # Phi3: qkv_proj and gate_up_proj are single checkpoint modules
 
     @property
     def q_size(self) -> int:
@@ -59,6 +68,32 @@ class DecoderConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window in tokens, or None for full attention."""
+        return (self.windows[layer] or None) if self.windows else None
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        """The RoPE layer `layer` rotates with (Gemma3's local layers have their own)."""
+        return self.local_rope if self.local_rope is not None and self.window(layer) else self.rope
+
+    @property
+    def norms_per_layer(self) -> int:
+        return 4 if self.sandwich_norms else 2
+
+    def layer_linears(self) -> tuple[tuple[str, str, int, tuple[tuple[str, int], ...]], ...]:
+        """One layer's linears as our Decoder builds them: (block, module, in_features, its
+        projections as (HF name, out_features)). q/k/v and gate/up are one linear each; a family
+        that stores them fused (Phi3) keeps them one projection, as its checkpoint and PEFT name it."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        if self.fused_checkpoint:
+            qkv: tuple[tuple[str, int], ...] = (("qkv_proj", q + 2 * kv),)
+            gate_up: tuple[tuple[str, int], ...] = (("gate_up_proj", 2 * i),)
+        else:
+            qkv = tuple(zip(FUSED_GROUPS["qkv"], (q, kv, kv)))
+            gate_up = tuple(zip(FUSED_GROUPS["gate_up"], (i, i)))
+        return (("self_attn", "qkv_proj", h, qkv), ("self_attn", "o_proj", q, (("o_proj", h),)),
+                ("mlp", "gate_up_proj", h, gate_up), ("mlp", "down_proj", i, (("down_proj", h),)))
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "DecoderConfig":
@@ -74,71 +109,39 @@ class DecoderConfig:
             raise ModelSourceError(
                 f"{name}: mixture-of-experts models are not supported; supported: {_SUPPORTED_TEXT}"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelSourceError(f"{name}: hidden_act {act!r} is not supported (only 'silu')")
-        _check_no_sliding_window(hf, name)
-
+        act = activation(hf, name)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
+        num_layers = int(hf["num_hidden_layers"])
+        head_dim = int(hf.get("head_dim") or hidden // num_heads)
+        max_positions = int(hf.get("max_position_embeddings", 4096))
         attention_bias = bool(hf.get("attention_bias", False))
         qwen2 = model_type == "qwen2"
+        fields: dict[str, Any] = dict(
+            rope=parse_rope(hf, name, rope_params(hf), float(hf.get("rope_theta", 10000.0)), max_positions),
+            qk_norm=model_type == "qwen3",
+        )
+        fields.update(gemma_fields(hf, name, hidden, head_dim, max_positions))
+        for rope in (fields["rope"], fields.get("local_rope")):
+            if rope is not None:
+                check_rope_fits(rope, head_dim, name)
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(hf, name),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in ("gemma2", "gemma3_text"))),
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            hidden_act=act,
+            windows=layer_windows(hf, name, num_layers),
+            fused_checkpoint=model_type == "phi3",
+            **fields,
         )
-
-
-def _check_no_sliding_window(hf: Mapping[str, Any], name: str) -> None:
-    # Qwen configs carry a sliding_window value but only use it when use_sliding_window is true;
-    # Mistral uses it whenever it is set and shorter than the context (Mistral-7B-v0.1: 4096).
-    layer_types = hf.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        used = True
-    elif "use_sliding_window" in hf:
-        used = bool(hf["use_sliding_window"])
-    else:
-        window = hf.get("sliding_window")
-        used = window is not None and int(window) < int(hf.get("max_position_embeddings", 0))
-    if used:
-        raise ModelSourceError(
-            f"{name}: sliding-window attention (sliding_window={hf.get('sliding_window')}) is not supported; "
-            f"use a checkpoint with full attention; supported: {_SUPPORTED_TEXT}"
-        )
-
-
-def _parse_rope(hf: Mapping[str, Any], name: str) -> RopeConfig:
-    # transformers >= 5 writes one dict `rope_parameters` (with rope_theta inside); older configs
-    # (and most hub files) have top-level `rope_theta` plus an optional `rope_scaling` dict.
-    params = dict(hf.get("rope_parameters") or {})
-    params.update(hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelSourceError(f"{name}: partial_rotary_factor != 1 is not supported")
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    if rope_type == "llama3":
-        return RopeConfig(
-            theta=theta,
-            type="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    raise ModelSourceError(f"{name}: RoPE scaling {rope_type!r} is not supported (only default and 'llama3')")

@@ -1,8 +1,10 @@
-"""The Llama-family decoder: training forward (autograd, LoRA), the KV cache and the prompt prefill for rollouts (the engine owns the decode step: engine/decode_step.py).
+"""The decoder of every supported family: training forward (autograd, LoRA), the KV cache and the prompt prefill for rollouts (the engine owns the decode step: engine/decode_step.py).
 
 Module names follow Hugging Face (`layers.N.self_attn`, `mlp`, `input_layernorm`, ...) with the
 fused projections named `qkv_proj` and `gate_up_proj`, so mapping to checkpoint and PEFT names is
-a string edit.
+a string edit. What differs between families is read from `DecoderConfig` (model/families.py):
+sliding windows and score caps per layer, Gemma's sandwich norms, scaled embeddings and
+soft-capped logits, the MLP activation, per-layer RoPE.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from qerl_pipe.formats.names import FUSED_GROUPS
-from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.attention import AttentionSpec, attend, attend_prefill, visible
+from qerl_pipe.model.config import DecoderConfig, RopeConfig
 from qerl_pipe.model.fused import fused_on_cuda
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
-from qerl_pipe.model.rope import apply_rope, inv_frequencies, rope_cos_sin
+from qerl_pipe.model.rope import apply_rope, inv_frequencies, long_inv_frequencies, rope_cos_sin
 
 # attend(q [B, Hq, T, D], k [B, Hkv, T, D], v) -> [B, Hq, T, D]; one per use (full, prefill).
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -94,51 +96,35 @@ class KVCache:
         return view
 
 
-def attend_full(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Causal attention over the sequence itself; `mask` [B, 1, T, T] (True = attend) or None."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    # With an explicit mask, enable_gqa sends CUDA SDPA to the math kernel (a [B, H, T, T] fp32
-    # score matrix); repeating k/v keeps the memory-efficient kernel.
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+def _linear(cfg: DecoderConfig, index: int, base_format: str, dtype: torch.dtype, device: Device,
+            bias: bool) -> QuantLinear:
+    """The layer's `index`-th linear of `DecoderConfig.layer_linears` (its projections' names and sizes)."""
+    _, _, in_features, projections = cfg.layer_linears()[index]
+    names, sizes = zip(*projections)
+    return QuantLinear(in_features, sizes, names, base_format, dtype, device, bias)
 
 
-def attend_prefill(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor
-) -> Tensor:
-    """Write the prompt's k/v at positions 0..T-1 of `slots`, then attend causally within the prompt.
-
-    Right padding is harmless: a real token never attends to a later pad, and a pad's cache entry
-    lies beyond the slot's length, where decode masks it out and later overwrites it.
-    """
-    t = q.shape[2]
-    k_cache[slots, :, :t] = k
-    v_cache[slots, :, :t] = v
-    return attend_full(q, k, v, None)
+def _norm(cfg: DecoderConfig, dim: int, dtype: torch.dtype, device: Device) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, base_format: str, dtype: torch.dtype, device: Device):
+    def __init__(self, cfg: DecoderConfig, layer: int, base_format: str, dtype: torch.dtype, device: Device):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-        self.qkv_proj = QuantLinear(
-            cfg.hidden_size, self.sizes, FUSED_GROUPS["qkv"], base_format, dtype, device, cfg.qkv_bias
-        )
-        self.o_proj = QuantLinear(
-            cfg.q_size, (cfg.hidden_size,), ("o_proj",), base_format, dtype, device, cfg.o_bias
-        )
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.spec = AttentionSpec(cfg.window(layer), cfg.attn_scale, cfg.attn_softcap)
+        self.qkv_proj = _linear(cfg, 0, base_format, dtype, device, cfg.qkv_bias)
+        self.o_proj = _linear(cfg, 1, base_format, dtype, device, cfg.o_bias)
+        self.q_norm = _norm(cfg, cfg.head_dim, dtype, device) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, cfg.head_dim, dtype, device) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, project: Project = call_module) -> Tensor:
         b, t, _ = x.shape
         q, k, v = project(self.qkv_proj, x).split(self.sizes, dim=-1)
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+        if self.q_norm is not None:  # Qwen3, Gemma3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
@@ -154,32 +140,66 @@ def silu_gate(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+@fused_on_cuda
+def gelu_tanh_gate(gate_up: Tensor) -> Tensor:
+    """GELU(gate) (tanh approximation, transformers' gelu_pytorch_tanh) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATES = {"silu": silu_gate, "gelu_pytorch_tanh": gelu_tanh_gate}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, base_format: str, dtype: torch.dtype, device: Device):
         super().__init__()
-        i = cfg.intermediate_size
-        self.gate_up_proj = QuantLinear(
-            cfg.hidden_size, (i, i), FUSED_GROUPS["gate_up"], base_format, dtype, device, cfg.mlp_bias
-        )
-        self.down_proj = QuantLinear(
-            i, (cfg.hidden_size,), ("down_proj",), base_format, dtype, device, cfg.mlp_bias
-        )
+        self.gate_up_proj = _linear(cfg, 2, base_format, dtype, device, cfg.mlp_bias)
+        self.down_proj = _linear(cfg, 3, base_format, dtype, device, cfg.mlp_bias)
+        self.gate = GATES[cfg.hidden_act]
 
     def forward(self, x: Tensor, project: Project = call_module) -> Tensor:
-        return project(self.down_proj, silu_gate(project(self.gate_up_proj, x)))
+        return project(self.down_proj, self.gate(project(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, base_format: str, dtype: torch.dtype, device: Device):
+    """Pre-norm attention and MLP blocks; with Gemma's sandwich norms also a norm on each block's
+    output (`post_attention_layernorm` there normalises attention's output, and
+    `pre_feedforward_layernorm` feeds the MLP, as transformers names them)."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int, base_format: str, dtype: torch.dtype, device: Device):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, base_format, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        h = cfg.hidden_size
+        self.input_layernorm = _norm(cfg, h, dtype, device)
+        self.self_attn = Attention(cfg, layer, base_format, dtype, device)
+        self.post_attention_layernorm = _norm(cfg, h, dtype, device)
         self.mlp = MLP(cfg, base_format, dtype, device)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = _norm(cfg, h, dtype, device)
+            self.post_feedforward_layernorm = _norm(cfg, h, dtype, device)
+        self.sandwich = cfg.sandwich_norms
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm whose output the MLP's gate/up projection reads."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def linear_input_norms(self) -> tuple[RMSNorm, RMSNorm]:
+        """The norms that scale the inputs of quantized linears (q/k/v, gate/up): AQN's."""
+        return self.input_layernorm, self.mlp_norm
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, project: Project = call_module) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, project)
-        return h + self.mlp(self.post_attention_layernorm(h), project)
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, attend, project)
+        if not self.sandwich:
+            h = x + attended
+            return h + self.mlp(self.post_attention_layernorm(h), project)
+        h = x + self.post_attention_layernorm(attended)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), project))
+
+
+@fused_on_cuda
+def soft_cap(x: Tensor, cap: float) -> Tensor:
+    """cap * tanh(x / cap), in x's dtype (Gemma2's final logits, as transformers computes them)."""
+    return torch.tanh(x / cap) * cap
 
 
 class Decoder(nn.Module):
@@ -202,29 +222,84 @@ class Decoder(nn.Module):
         embedding = torch.empty(v, h, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(v, h, _weight=embedding, _freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, base_format, dtype, device) for _ in range(config.num_layers)
+            DecoderLayer(config, i, base_format, dtype, device) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.norm = _norm(config, h, dtype, device)
         self.lm_head = nn.utils.skip_init(nn.Linear, h, v, bias=False, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.lm_head.weight.requires_grad_(False)
-        inv_freq = inv_frequencies(config.rope, config.head_dim).to(device)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Gemma multiplies the embeddings by sqrt(hidden) rounded to the model dtype (transformers
+        # casts its scale to the weights' dtype: 55.4256 becomes 55.5 in bf16).
+        self.embed_scale = (None if config.embed_scale is None
+                            else float(torch.tensor(config.embed_scale, dtype=torch.float32).to(dtype)))
+        # RoPE tables: `inv_freq` for the global layers, `local_inv_freq` for Gemma3's local ones,
+        # `long_inv_freq` for LongRoPE's long factors (None where the model has none).
+        self._register_rope("", config.rope, device)
+        if config.local_rope is not None:
+            self._register_rope("local_", config.local_rope, device)
         # Recompute each layer's activations in backward instead of storing them (training only).
         self.gradient_checkpointing = False
 
+    def _register_rope(self, prefix: str, rope: RopeConfig, device: Device) -> None:
+        self.register_buffer(f"{prefix}inv_freq", inv_frequencies(rope, self.config.head_dim).to(device),
+                             persistent=False)
+        long = long_inv_frequencies(rope, self.config.head_dim)
+        if long is not None:
+            self.register_buffer(f"{prefix}long_inv_freq", long.to(device), persistent=False)
+
+    def rope_cos_sin(self, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's (cos, sin) at `positions`, [*positions.shape, rotary_dim] each; computed
+        once per distinct RoPE (a Gemma3 model has two)."""
+        tables: dict[str, tuple[Tensor, Tensor]] = {}
+        out = []
+        for i in range(self.config.num_layers):
+            prefix = "local_" if self.config.rope_of(i) is self.config.local_rope else ""
+            if prefix not in tables:
+                rope = self.config.rope_of(i)
+                long = getattr(self, f"{prefix}long_inv_freq", None)
+                tables[prefix] = rope_cos_sin(positions, getattr(self, f"{prefix}inv_freq"), self.dtype, long,
+                                              rope.original_max_position_embeddings, rope.attention_factor)
+            out.append(tables[prefix])
+        return out
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The input embeddings (scaled, for Gemma)."""
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Logits of final hidden states, in the model dtype: the LM head, then Gemma2's soft cap."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        return logits if cap is None else soft_cap(logits, cap)
+
     def _run_layers(self, input_ids: Tensor, positions: Tensor, attends: list[Attend],
                     project: Project = call_module) -> Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        x = self.embed(input_ids)
+        tables = self.rope_cos_sin(positions)
         checkpointing = self.gradient_checkpointing and torch.is_grad_enabled()
-        for layer, attend in zip(self.layers, attends):
+        for layer, attend_fn, (cos, sin) in zip(self.layers, attends, tables):
             if checkpointing:
-                x = checkpoint(layer, x, cos, sin, attend, project, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, attend_fn, project, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attend, project)
+                x = layer(x, cos, sin, attend_fn, project)
         return self.norm(x)
+
+    def _masks(self, positions: Tensor, keep: Tensor | None) -> list[Tensor | None]:
+        """Each layer's attention mask, one per distinct window; None where plain causal SDPA
+        serves (no padding, window or score cap)."""
+        masks: dict[int | None, Tensor] = {}
+        out: list[Tensor | None] = []
+        for layer in self.layers:
+            spec = layer.self_attn.spec
+            if keep is None and spec.window is None and spec.softcap is None:
+                out.append(None)
+                continue
+            if spec.window not in masks:
+                masks[spec.window] = visible(positions, keep, spec.window)
+            out.append(masks[spec.window])
+        return out
 
     def forward(
         self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None
@@ -233,28 +308,25 @@ class Decoder(nn.Module):
 
         `attention_mask` [B, T] (1 = token, 0 = padding) may pad on either side; without
         `positions`, a token's position is the count of real tokens before it, so a left-padded
-        prompt gets the positions it would have alone.
+        prompt gets the positions it would have alone. A sliding window counts positions.
         """
         b, t = input_ids.shape
-        mask = None
+        keep = None
         if attention_mask is not None:
             keep = attention_mask.bool()
             if positions is None:
                 positions = (keep.long().cumsum(-1) - 1).clamp(min=0)
-            causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-            # The diagonal stays open so that pad rows attend to something: no NaN, and their
-            # outputs are ignored anyway.
-            mask = (causal & keep[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=input_ids.device)
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        attend = partial(attend_full, mask=mask)
-        return self._run_layers(input_ids, positions, [attend] * len(self.layers))
+        attends = [partial(attend, mask=mask, spec=layer.self_attn.spec)
+                   for layer, mask in zip(self.layers, self._masks(positions, keep))]
+        return self._run_layers(input_ids, positions, attends)
 
     def logits(
         self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None
     ) -> Tensor:
-        """[B, T, vocab] logits in the model dtype (for long batches, apply `lm_head` in chunks)."""
-        return self.lm_head(self.forward(input_ids, positions, attention_mask))
+        """[B, T, vocab] logits in the model dtype (for long batches, apply `head` in chunks)."""
+        return self.head(self.forward(input_ids, positions, attention_mask))
 
     def make_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty KV cache in this model's dtype and on its device."""
@@ -272,10 +344,12 @@ class Decoder(nn.Module):
         """
         n, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(n, t)
+        masks = self._masks(positions[:1], None)  # positions are 0..T-1 in every row
         attends = [
-            partial(attend_prefill, k_cache=cache.k[i], v_cache=cache.v[i], slots=slots)
-            for i in range(len(self.layers))
+            partial(attend_prefill, k_cache=cache.k[i], v_cache=cache.v[i], slots=slots, mask=masks[i],
+                    spec=layer.self_attn.spec)
+            for i, layer in enumerate(self.layers)
         ]
         hidden = self._run_layers(input_ids, positions, attends, project)
         last = (lengths - 1) if lengths is not None else torch.full((n,), t - 1, device=input_ids.device)
-        return self.lm_head(hidden[torch.arange(n, device=hidden.device), last])
+        return self.head(hidden[torch.arange(n, device=hidden.device), last])

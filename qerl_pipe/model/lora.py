@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from qerl_pipe.formats.names import LORA_TARGETS, peft_name, projection
+from qerl_pipe.errors import ModelSourceError
+from qerl_pipe.formats.names import LORA_TARGETS, peft_name, targets_of
+from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
 
@@ -30,13 +32,33 @@ class LoraSpec:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
 
 
+def adapted_projections(names: tuple[str, ...], targets: tuple[str, ...]) -> list[str]:
+    """The projections among `names` that LoRA `targets` adapt. A projection the checkpoint fuses
+    (Phi3's `qkv_proj`) is one module to PEFT, so it takes all of its targets or none."""
+    out = []
+    for name in names:
+        members = targets_of(name)
+        chosen = [t for t in members if t in targets]
+        if chosen and len(chosen) < len(members):
+            raise ModelSourceError(f"this model stores {'/'.join(members)} as one module ({name}), so LoRA targets "
+                             f"must name all of {list(members)} or none of them; got {list(targets)}")
+        if chosen:
+            out.append(name)
+    return out
+
+
+def check_lora_targets(config: DecoderConfig, targets: tuple[str, ...]) -> None:
+    """Refuse, before any weight is read, LoRA targets that split a module the checkpoint fuses."""
+    for _, _, _, projections in config.layer_linears():
+        adapted_projections(tuple(name for name, _ in projections), targets)
+
+
 def apply_lora(model: nn.Module, spec: LoraSpec, seed: int = 0) -> None:
     """Give every targeted projection a fresh adapter (B = 0: the model's outputs do not change)."""
     generator = torch.Generator(device=_device_of(model)).manual_seed(seed)
-    projections = {projection(t) for t in spec.targets}
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            names = [n for n in module.names if n in projections]
+            names = adapted_projections(module.names, spec.targets)
             if names:
                 module.add_lora(names, spec.rank, spec.alpha, generator)
         elif isinstance(module, RMSNorm) and spec.train_norms:

@@ -9,15 +9,19 @@ from qerl_pipe.model.fused import fused_on_cuda
 
 
 @fused_on_cuda
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor, eps: float,
+             offset: float = 0.0) -> torch.Tensor:
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    scale = weight.float()
+    if offset:  # Gemma stores w for a scale of (1 + w), added in float32 as transformers does
+        scale = scale + offset
     # One rounding to the activation dtype, after the (weight + noise) product in float32.
-    return (normed * (weight.float() + noise)).to(x.dtype)
+    return (normed * (scale + noise)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
-    """y = (weight + noise) * x / rms(x).
+    """y = (offset + weight + noise) * x / rms(x); `offset` is 0, or 1 for Gemma's `(1 + w)` norms.
 
     `noise` is the AQN perturbation (zero unless a schedule sets it): scaling the norm weight by
     (1 + z/w) row-wise is the same as multiplying the inputs of the linears this norm feeds. It is
@@ -26,15 +30,17 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(
-        self, dim: int, eps: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        self, dim: int, eps: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        offset: float = 0.0,
     ):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps, self.offset = eps, offset
+        # Unit scale either way: ones, or zeros under Gemma's offset of 1.
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset, dtype=dtype, device=device), requires_grad=False)
         self.register_buffer("noise", torch.zeros(dim, dtype=torch.float32, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.noise, self.eps)
+        return rms_norm(x, self.weight, self.noise, self.eps, self.offset)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (f", offset={self.offset}" if self.offset else "")

@@ -31,8 +31,11 @@ from qerl_pipe.artifacts.manifest import sha256_file
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.formats.names import LORA_TARGETS, PEFT_LORA_KEY, PEFT_NORM_KEY, PEFT_PREFIX, peft_lora_prefix, projection
-from qerl_pipe.model.lora import LoraSpec, lora_state_dict
+from qerl_pipe.formats.names import (
+    LORA_TARGETS, PEFT_LORA_KEY, PEFT_NORM_KEY, PEFT_PREFIX, PROJECTIONS, peft_name, targets_of,
+)
+from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.lora import LoraSpec, adapted_projections, lora_state_dict
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.strict_json import write_json
 
@@ -49,6 +52,16 @@ def _norm_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
+def target_modules(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """PEFT's target_modules for the model's adapters, in the order of `targets`: the module that
+    carries each target (`q` -> `q_proj`, or Phi3's fused `qkv_proj`, named once)."""
+    adapted = {name for m in model.modules() if isinstance(m, QuantLinear) for name in m.lora_A}
+    out: list[str] = []
+    for target in targets:
+        out += [name for name in sorted(adapted) if target in targets_of(name) and name not in out]
+    return out
+
+
 def adapter_config(model: nn.Module, spec: LoraSpec, base_model: str) -> dict[str, Any]:
     norms = _norm_names(model) if spec.train_norms else []
     return {
@@ -58,7 +71,7 @@ def adapter_config(model: nn.Module, spec: LoraSpec, base_model: str) -> dict[st
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": 0.0,
-        "target_modules": [projection(t) for t in spec.targets],
+        "target_modules": target_modules(model, spec.targets),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -172,18 +185,17 @@ def read_adapter(path: Path) -> AdapterFiles:
         raise ArtifactError(f"{adapter_dir / ADAPTER_WEIGHTS}: not a readable safetensors file ({exc})") from None
     targets, ranks, norms, unknown = set(), set(), False, []
     for name, shape in shapes.items():
-        if m := PEFT_LORA_KEY.match(name):
-            targets.add(m.group(2))
+        if (m := PEFT_LORA_KEY.match(name)) and f"{m.group(2)}_proj" in PROJECTIONS:
+            targets.update(targets_of(f"{m.group(2)}_proj"))
             ranks.add(shape[0] if m.group(3) == "A" else shape[-1])
         elif PEFT_NORM_KEY.match(name):
             norms = True
         else:
             unknown.append(name)
-    bad_targets = sorted(targets - set(LORA_TARGETS))
-    if unknown or bad_targets or not targets:
-        what = unknown[:2] or [projection(t) for t in bad_targets] or ["no LoRA tensors"]
+    if unknown or not targets:
+        what = unknown[:2] or ["no LoRA tensors"]
         raise ArtifactError(f"{adapter_dir / ADAPTER_WEIGHTS}: {what} cannot be applied to our decoder, which "
-                            "takes LoRA on q/k/v/o/gate/up/down_proj (and norm weights) only")
+                            "takes LoRA on q/k/v/o/gate/up/down_proj (Phi3: qkv_proj, gate_up_proj) and norm weights only")
     if ranks != {config["r"]}:
         raise ArtifactError(f"{adapter_dir}: tensor ranks {sorted(ranks)} differ from r={config['r']} in "
                             f"{ADAPTER_CONFIG}")
@@ -224,16 +236,14 @@ def lora_tensors(adapter: AdapterFiles) -> LoraTensors:
 def expected_lora_shapes(hf_config: dict[str, Any], spec: LoraSpec) -> dict[str, tuple[int, ...]]:
     """The LoRA tensors (PEFT names, shapes) `spec` gives a model of this config.json."""
     cfg = DecoderConfig.from_hf(hf_config)
-    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    in_out = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter), "up": (h, inter),
-              "down": (inter, h)}
     shapes = {}
     for layer in range(cfg.num_layers):
-        for t in spec.targets:
-            prefix = peft_lora_prefix(layer, t)
-            n_in, n_out = in_out[t]
-            shapes[f"{prefix}.lora_A.weight"] = (spec.rank, n_in)
-            shapes[f"{prefix}.lora_B.weight"] = (n_out, spec.rank)
+        for block, _, n_in, projections in cfg.layer_linears():
+            sizes = dict(projections)
+            for proj in adapted_projections(tuple(sizes), spec.targets):
+                prefix = peft_name(f"layers.{layer}.{block}.{proj}")
+                shapes[f"{prefix}.lora_A.weight"] = (spec.rank, n_in)
+                shapes[f"{prefix}.lora_B.weight"] = (sizes[proj], spec.rank)
     return shapes
 
 

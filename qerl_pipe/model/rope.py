@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half layout, as in Hugging Face Llama), default and llama3 scaling."""
+"""Rotary position embeddings (rotate-half layout, as in Hugging Face Llama): default, llama3,
+linear and LongRoPE scaling, over all of head_dim or its leading rotary part (partial rotary)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ from qerl_pipe.model.fused import fused_on_cuda
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """float32 [head_dim/2] inverse frequencies, computed exactly like transformers does."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """float32 [rotary_dim/2] inverse frequencies, computed exactly like transformers does
+    (LongRoPE: the short factors'; `long_inv_frequencies` has the others)."""
+    if rope.type == "longrope":
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * _base_powers(rope, head_dim))
+    inv_freq = 1.0 / _base_powers(rope, head_dim)
     if rope.type == "default":
         return inv_freq
+    if rope.type == "linear":
+        return inv_freq / rope.factor
     # llama3: leave high frequencies alone, divide low ones by `factor`, interpolate in between.
     old_ctx = rope.original_max_position_embeddings
     low_freq_wavelen = old_ctx / rope.low_freq_factor
@@ -27,23 +33,58 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _base_powers(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    # theta ** (2i / rotary_dim); LongRoPE multiplies it by its factors before the reciprocal,
+    # in that order (as transformers does).
+    dim = rope.rotary_dim(head_dim)
+    return rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+
+
+def long_inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor | None:
+    """LongRoPE's long-context inverse frequencies; None for every other type."""
+    if rope.type != "longrope":
+        return None
+    return 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32) * _base_powers(rope, head_dim))
+
+
 @fused_on_cuda
 def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+    long_inv_freq: torch.Tensor | None = None, switch: int = 0, scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [*positions.shape, head_dim] in `dtype`.
+    """cos, sin of shape [*positions.shape, rotary_dim] in `dtype`.
 
     Computed from the positions on every call (no max-length table): a few flops per token, and
     the decode step keeps static shapes whatever the positions are.
+
+    LongRoPE (`long_inv_freq`): a position from `switch` (original_max_position_embeddings) on
+    rotates with the long factors, one below it with the short ones. transformers picks one set
+    for a whole forward by its largest position; per position is what a KV cache can keep (a key
+    is rotated once, when written), so the training forward and the engine agree with each other,
+    and with transformers wherever a sequence stays on one side of the switch. `scaling` (the
+    attention factor) multiplies cos and sin in float32, as transformers does.
     """
-    freqs = positions[..., None].float() * inv_freq
+    freqs = positions[..., None].float()
+    if long_inv_freq is None:
+        freqs = freqs * inv_freq
+    else:
+        freqs = freqs * torch.where(positions[..., None] >= switch, long_inv_freq, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(dtype), sin.to(dtype)
 
 
 @fused_on_cuda
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, head_dim]; cos/sin: [B, T, head_dim]."""
+    """x: [B, heads, T, head_dim]; cos/sin: [B, T, rotary_dim]. Dimensions past rotary_dim (partial
+    rotary) pass through unchanged."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    rot, rest = x[..., :rotary], x[..., rotary:]
+    r1, r2 = rot.chunk(2, dim=-1)
+    return torch.cat((rot * cos + torch.cat((-r2, r1), dim=-1) * sin, rest), dim=-1)

@@ -27,9 +27,8 @@ from qerl_pipe.artifacts.store import link_tree
 from qerl_pipe.dag import TRAIN, register
 from qerl_pipe.engine.artifact import check_engine_for
 from qerl_pipe.hf import pick_device
-from qerl_pipe.jobs.step_plan import plan_recipe_step
 from qerl_pipe.jobs.train_config import train_config
-from qerl_pipe.jobs.train_job import check_train_inputs, plan_run, run_train_job
+from qerl_pipe.jobs.train_job import check_train_inputs, check_train_model, plan_run, run_train_job
 from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan
@@ -61,12 +60,13 @@ def train_key(section: TrainSection) -> dict[str, Any]:
 
 
 def check_train_recipe(recipe: Recipe, store: ArtifactStore) -> None:
-    """`run`'s check before its first stage: the train inputs (`check_train_inputs`) and the step
-    against train.memory_budget_gb, from the model's config.json (a GGUF file's metadata) when it
-    can be read without work (a hub id offline: build-engine and train check it then)."""
+    """`run`'s check before its first stage: the train inputs (`check_train_inputs`), the LoRA
+    targets and the step against train.memory_budget_gb, from the model's config.json (a GGUF
+    file's metadata) when it can be read without work (a hub id offline: build-engine and train
+    check it then)."""
     check_train_inputs(recipe)
     if (hf_config := peek_model_config(recipe.model, store)) is not None:
-        plan_recipe_step(recipe, hf_config)
+        check_train_model(recipe, hf_config)
 
 
 def _engine(call: StageCall, dist: Dist) -> Artifact:

@@ -16,13 +16,11 @@ import torch
 from torch import nn
 
 from qerl_pipe.errors import QerlError
+from qerl_pipe.model.decoder import DecoderLayer
 from qerl_pipe.model.norm import RMSNorm
 
 AqnKind = Literal["exponential", "linear", "cosine", "log", "none"]
 AQN_KINDS: tuple[str, ...] = ("exponential", "linear", "cosine", "log", "none")
-# The norms whose output feeds a quantized linear with AQN: q/k/v and gate/up. o_proj and
-# down_proj read attention/MLP outputs, which no norm scales.
-NOISY_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 class AqnError(QerlError):
@@ -76,9 +74,11 @@ class AqnSchedule:
 
 
 def noisy_norms(model: nn.Module) -> list[RMSNorm]:
-    """The RMSNorms that AQN perturbs, in module order."""
-    return [m for name, m in model.named_modules()
-            if isinstance(m, RMSNorm) and name.rpartition(".")[2] in NOISY_NORMS]
+    """The RMSNorms that AQN perturbs, in module order: those whose output feeds a quantized
+    linear, q/k/v and gate/up (each layer says which: `post_attention_layernorm` in Llama,
+    `pre_feedforward_layernorm` in Gemma). o_proj and down_proj read attention / MLP outputs,
+    which no such norm scales (Gemma's norms on those outputs come after the linears)."""
+    return [norm for m in model.modules() if isinstance(m, DecoderLayer) for norm in m.linear_input_norms()]
 
 
 @torch.no_grad()

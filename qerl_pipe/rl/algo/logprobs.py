@@ -5,8 +5,9 @@ The LM head is the largest activation of an RL step: [tokens, vocab] in float32 
 the backward pass recomputes a chunk's softmax from its hidden states instead of keeping it, so
 at most one chunk of logits exists at any time, in forward and in backward.
 
-Definition (the engine's, docs/engine.md): logp[t] = log_softmax(lm_head(h[t-1]).float() / T)[ids[t]],
-the logits computed in the model dtype, the softmax in float32, over the full vocabulary.
+Definition (the engine's, docs/engine.md): logp[t] = log_softmax(head(h[t-1]).float() / T)[ids[t]],
+the logits computed in the model dtype (`Decoder.head`: the LM head, then Gemma2's soft cap), the
+softmax in float32, over the full vocabulary.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qerl_pipe.model.decoder import Decoder
+from qerl_pipe.model.decoder import Decoder, soft_cap
 
 DEFAULT_CHUNK = 1024
+
+
+def _logits(h: Tensor, weight: Tensor, cap: float | None) -> Tensor:
+    """The head's logits in the model dtype, soft-capped as `Decoder.head` does."""
+    raw = h @ weight.t()
+    return raw if cap is None else soft_cap(raw, cap)
 
 
 class _ChunkLogprob(torch.autograd.Function):
@@ -24,31 +31,37 @@ class _ChunkLogprob(torch.autograd.Function):
 
     Saves only `h`; backward recomputes the softmax p and returns dh = (g (onehot - p) / T) W,
     and dW = (g (onehot - p) / T)^T h when W trains (full fine-tuning; LoRA keeps it frozen).
+    With a soft cap (Gemma2), the logits are cap * tanh(raw / cap) and the gradient reaching the
+    raw logits is scaled by its derivative, 1 - tanh(raw / cap)^2.
     The entropy is a metric: it carries no gradient.
     """
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float):
-        logits = (h @ weight.t()).float() / temperature
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, cap: float | None = None):
+        logits = _logits(h, weight, cap).float() / temperature
         logz = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
         probs = torch.softmax(logits, dim=-1)
         entropy = logz - (probs * logits).sum(-1)
         ctx.save_for_backward(h, weight, targets)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.cap = temperature, cap
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):
         h, weight, targets = ctx.saved_tensors
-        probs = torch.softmax((h @ weight.t()).float() / ctx.temperature, dim=-1)
+        raw = h @ weight.t()
+        capped = raw if ctx.cap is None else soft_cap(raw, ctx.cap)
+        probs = torch.softmax(capped.float() / ctx.temperature, dim=-1)
         grad_logits = -probs
         grad_logits[torch.arange(len(targets), device=h.device), targets] += 1.0
         grad_logits *= grad_logp[:, None] / ctx.temperature
+        if ctx.cap is not None:
+            grad_logits *= 1 - torch.tanh(raw.float() / ctx.cap).square()
         grad_logits = grad_logits.to(h.dtype)
         grad_weight = grad_logits.t() @ h if ctx.needs_input_grad[1] else None
-        return grad_logits @ weight, grad_weight, None, None
+        return grad_logits @ weight, grad_weight, None, None, None
 
 
 def sequence_logprobs(
@@ -77,7 +90,7 @@ def sequence_logprobs(
     parts_logp, parts_entropy = [], []
     for start in range(0, len(targets), chunk):
         lp, ent = _ChunkLogprob.apply(h[start:start + chunk], model.lm_head.weight,
-                                      targets[start:start + chunk], float(temperature))
+                                      targets[start:start + chunk], float(temperature), model.config.final_softcap)
         parts_logp.append(lp)
         parts_entropy.append(ent)
     shape = input_ids.shape

@@ -1,0 +1,113 @@
+"""What sets each supported family apart, read from its config.json: the fields of `DecoderConfig`
+beyond the Llama block every family shares.
+
+- Gemma2 / Gemma3 (text): `(1 + w)` RMSNorm, a norm after attention and around the MLP
+  ("sandwich" norms), GELU-tanh MLP, embeddings scaled by sqrt(hidden), attention scaled by
+  `query_pre_attn_scalar`, local (sliding-window) and global layers; Gemma2 soft-caps the
+  attention logits and the final logits; Gemma3 has q/k norms and its own RoPE for local layers.
+- Phi3 (Phi-3, Phi-3.5, Phi-4-mini): q/k/v and gate/up stored fused in the checkpoint, LongRoPE,
+  partial rotary, and a sliding window over every layer when `sliding_window` is short enough.
+- Mistral: a sliding window over every layer when `sliding_window` is shorter than the context.
+- Qwen2 / Qwen3: a sliding window only with `use_sliding_window`, which is refused (its layer
+  pattern is not implemented here; no released Qwen2.5 / Qwen3 checkpoint turns it on).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from qerl_pipe.errors import ModelSourceError
+from qerl_pipe.model.hf_rope import RopeConfig, parse_rope, rope_params
+
+GEMMA = ("gemma2", "gemma3_text")
+# The MLP activations transformers names, as our decoder computes them.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# transformers' defaults for keys a config.json may leave out.
+_GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+_GEMMA3_PATTERN = 6
+
+
+def activation(hf: Mapping[str, Any], name: str) -> str:
+    """The MLP activation (Gemma names it `hidden_activation`, the others `hidden_act`)."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if hf.get("model_type") in GEMMA:
+        act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+        raise ModelSourceError(f"{name}: hidden_act {act!r} is not supported (only {', '.join(map(repr, ACTIVATIONS))})")
+    return act
+
+
+def layer_windows(hf: Mapping[str, Any], name: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens (a query sees itself and the window - 1 before it),
+    0 for full attention; () when every layer attends fully."""
+    model_type = hf.get("model_type")
+    window = hf.get("sliding_window", 4096 if model_type in GEMMA else None)  # transformers' Gemma default
+    types = list(hf.get("layer_types") or [])
+    if model_type in ("qwen2", "qwen3"):
+        if hf.get("use_sliding_window") or any(t != "full_attention" for t in types):
+            raise ModelSourceError(
+                f"{name}: Qwen's sliding-window attention (use_sliding_window, sliding_window={window}) is not "
+                "supported; use a checkpoint with full attention (every released Qwen2.5 / Qwen3 one)"
+            )
+        return ()
+    if model_type in GEMMA:
+        if hf.get("use_bidirectional_attention"):
+            raise ModelSourceError(f"{name}: use_bidirectional_attention (an embedding model) is not supported")
+        if not types:
+            # transformers' rule for files without layer_types: Gemma2 alternates local / global from
+            # layer 0; Gemma3 makes every `sliding_window_pattern`-th layer global.
+            period = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern") or _GEMMA3_PATTERN)
+            types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers)]
+    elif types and any(t != "full_attention" for t in types):
+        raise ModelSourceError(f"{name}: per-layer attention types (layer_types) are supported for Gemma2 / Gemma3 only")
+    elif window is not None:
+        types = ["sliding_attention"] * num_layers  # Mistral, Phi3: every layer, when set
+    if len(types) not in (0, num_layers) or any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise ModelSourceError(f"{name}: layer_types {types} is not one of full_attention / sliding_attention per layer")
+    if "sliding_attention" not in types:
+        return ()
+    if window is None or int(window) < 1:
+        raise ModelSourceError(f"{name}: sliding_attention layers need a sliding_window >= 1 (got {window})")
+    window = int(window)
+    # A window over every layer that holds every position the model has changes nothing (Phi-3.5's
+    # 262144): full attention, without a mask. Gemma keeps its local layers, whose RoPE differs.
+    if model_type not in GEMMA and window >= int(hf.get("max_position_embeddings", 0)):
+        return ()
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def gemma_fields(hf: Mapping[str, Any], name: str, hidden: int, head_dim: int, max_positions: int) -> dict[str, Any]:
+    """Gemma2 / Gemma3's DecoderConfig fields (empty for every other family)."""
+    model_type = hf.get("model_type")
+    if model_type not in GEMMA:
+        return {}
+    gemma3 = model_type == "gemma3_text"
+    fields: dict[str, Any] = dict(
+        norm_offset=1.0, sandwich_norms=True, embed_scale=math.sqrt(hidden),
+        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        # Gemma3's attention never soft-caps, whatever its config says (transformers passes no cap).
+        attn_softcap=None if gemma3 else _cap(hf.get("attn_logit_softcapping", 50.0)),
+        final_softcap=_cap(hf.get("final_logit_softcapping", None if gemma3 else 30.0)),
+        qk_norm=gemma3,
+    )
+    if gemma3:
+        theta = float(hf.get("rope_theta", _GEMMA3_THETA["full_attention"]))
+        local = float(hf.get("rope_local_base_freq", _GEMMA3_THETA["sliding_attention"]))
+        fields["rope"] = parse_rope(hf, name, rope_params(hf, "full_attention"), theta, max_positions)
+        fields["local_rope"] = parse_rope(hf, name, rope_params(hf, "sliding_attention"), local, max_positions)
+    return fields
+
+
+def _cap(value: Any) -> float | None:
+    return None if value in (None, 0, 0.0) else float(value)
+
+
+def check_rope_fits(rope: RopeConfig, head_dim: int, name: str) -> None:
+    """LongRoPE gives one factor per rotated frequency; a list of another length is a broken file."""
+    half = rope.rotary_dim(head_dim) // 2
+    if rope.type == "longrope" and (len(rope.short_factor) != half or len(rope.long_factor) != half):
+        raise ModelSourceError(f"{name}: longrope short_factor / long_factor have {len(rope.short_factor)} / "
+                               f"{len(rope.long_factor)} entries; the rotary dimension needs {half}")
+    if rope.rotary_dim(head_dim) % 2 or rope.rotary_dim(head_dim) < 2:
+        raise ModelSourceError(f"{name}: the rotary dimension {rope.rotary_dim(head_dim)} must be even and >= 2")
