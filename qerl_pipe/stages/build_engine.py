@@ -92,7 +92,7 @@ def check_engine_recipe(recipe: Recipe, store: ArtifactStore) -> None:
 
 
 @register(STAGE, check=check_engine_recipe)
-def run_build_engine(call: StageCall) -> Artifact:
+def build_engine_stage(call: StageCall) -> Artifact:
     """Build (or reuse) the engine the recipe's `engine` section describes.
 
     nvfp4 builds from the quantize artifact passed, or the one the recipe describes (found; made

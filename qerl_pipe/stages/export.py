@@ -61,7 +61,7 @@ def _check_run(run: Artifact) -> Path:
 
 
 @register(STAGE)
-def run_export(call: StageCall) -> Artifact:
+def export_stage(call: StageCall) -> Artifact:
     """Export the run passed (default: the recipe's run, found in the store; trained only with
     `build_missing`) in `recipe.export.format`.
 

@@ -79,7 +79,7 @@ def _engine(call: StageCall, dist: Dist) -> Artifact:
 
 
 @register(STAGE, check=check_train_recipe)
-def run_train(call: StageCall) -> Artifact:
+def train_stage(call: StageCall) -> Artifact:
     """Train the recipe's `train` section over the engine passed (default: the recipe's engine,
     found in the store; built only with `build_missing`).
 
