@@ -67,11 +67,8 @@ def _sampling_key(section: EvalSection) -> dict[str, Any]:
 
 @register(STAGE, check=check_eval_recipe)
 def eval_stage(call: StageCall) -> Artifact:
-    """Evaluate the recipe's `eval` section on the --model passed (an engine artifact, a reference
-    to one, a quantize checkpoint or a model source; None = the recipe's engine; an engine that is
-    not in the store is built only with `build_missing`) with the --adapter passed applied (a train
-    run, an artifact or directory holding a PEFT LoRA adapter; None = the base model). Reuses an
-    up-to-date artifact unless `force`."""
+    """Evaluate the recipe's `eval` section on --model (`eval_inputs.resolve_model_target`; None:
+    the recipe's engine) with --adapter applied (`eval_inputs.open_adapter`; None: the base model)."""
     recipe, store, section = call.recipe, call.store, call.recipe.eval
     device = pick_device(section.device)
     problems = load_eval_problems(recipe)
