@@ -228,6 +228,15 @@ def _targets(rows: list[dict], ceiling: float) -> list[dict]:
     return [t for t in out if t["measured"] == t["measured"]]
 
 
+def tuned_table(rows: list[dict]) -> dict:
+    """The fastest config per (M, N, K), keyed by `cuda_ext.table_key`, in the form of
+    kernels/cuda/configs-h200.json: rows of a measured M (`cuda_ext.TABLE_MS`), above
+    MAX_PASS_TOKENS only where the GEMM beat dequantize + cuBLAS."""
+    return {cuda_ext.table_key(r["M"], r["N"], r["K"]): r["gemm_config"]
+            for r in rows if "gemm_config" in r and r["M"] in cuda_ext.TABLE_MS
+            and (r["M"] <= cuda_ext.MAX_PASS_TOKENS or r["gemm_us"] < r["dequant_matmul_us"])}
+
+
 def run(shapes: list[str], out: Path | None, ms: tuple[int, ...] = ALL_MS) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ceiling = copy_ceiling_tbps()
@@ -238,7 +247,7 @@ def run(shapes: list[str], out: Path | None, ms: tuple[int, ...] = ALL_MS) -> di
         for layer, (n, k) in LAYER_SHAPES[model].items():
             rows += bench_layer(model, layer, n, k, sms, ms)
             result = results_file(rows, _targets(rows, ceiling), torch=torch.__version__,
-                                  copy_ceiling_tbps=ceiling, sms=sms, tuned_table=cuda_ext.tuned_table(rows))
+                                  copy_ceiling_tbps=ceiling, sms=sms, tuned_table=tuned_table(rows))
             if out:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 write_json(out, nulls_for_non_finite(result), indent=1)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qerl_pipe.errors import QerlError
-
 from qerl_pipe.log import log
 
 if TYPE_CHECKING:  # annotations only: the recipe module needs pydantic
@@ -196,6 +195,11 @@ class MissingArtifact(QerlError):
     def __init__(self, stage_name: str, root: Any) -> None:
         super().__init__(f"the recipe's {stage_name} artifact is not in {root}")
         self.stage = stage_name
+
+    def first(self, maker: str) -> str:
+        """For a message that names `maker`: ' (which needs `qerl-pipe STAGE` first)' when the first
+        missing artifact is another stage's."""
+        return f" (which needs `qerl-pipe {self.stage}` first)" if self.stage != maker else ""
 
 
 def find_or_build(stage_: Stage, store: "ArtifactStore", *, config: dict[str, Any], parents: list[str],

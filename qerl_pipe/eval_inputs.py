@@ -86,9 +86,8 @@ def _model_dir_artifact(artifact: Artifact) -> bool:
 
 
 def _no_engine(target: str, call: StageCall, exc: MissingArtifact) -> QerlError:
-    first = f" (which needs `qerl-pipe {exc.stage}` first)" if exc.stage != BUILD_ENGINE.name else ""
     return QerlError(f"eval needs an engine for {target}, and the recipe's is not in {call.store.root}: run "
-                     f"`qerl-pipe build-engine` with the same recipe and model{first}, pass --model ENGINE, or "
+                     f"`qerl-pipe build-engine` with the same recipe and model{exc.first(BUILD_ENGINE.name)}, pass --model ENGINE, or "
                      "add --build-missing")
 
 

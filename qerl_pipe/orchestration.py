@@ -77,22 +77,6 @@ def stage_words(stage: str, artifact_of: Callable[[str], str], *, cli: Sequence[
     return [*cli, stage, *option_words(stage, **options), *input_words(stage, artifact_of)]
 
 
-def stage_command(stage: str, artifact_of: Callable[[str], str], **options) -> str:
-    """`stage_words` as one shell command line; `Raw` words go in unquoted."""
-    return " ".join(_word(w) for w in stage_words(stage, artifact_of, **options))
-
-
-def chain_commands(artifact_of: Callable[[str], str], stages: Sequence[str] = STAGE_ORDER,
-                   **options) -> list[tuple[str, str]]:
-    """(stage, command) for each of `stages` in pipeline order; every stage's inputs must be among them."""
-    ordered = sorted(stages, key=STAGE_ORDER.index)
-    for stage in ordered:
-        missing = [p for p in upstream(stage) if p not in ordered]
-        if missing:
-            raise ValueError(f"stage {stage} reads the artifact of {missing}, which is not in the chain")
-    return [(stage, stage_command(stage, artifact_of, **options)) for stage in ordered]
-
-
 def last_line_only(command: str) -> str:
     """`command` wrapped so that its output ends with the artifact path alone.
 
@@ -117,7 +101,7 @@ def airflow_command(stage: str, cli: Sequence[str] = ("qerl-pipe",)) -> str:
     (empty: the recipe's) and `set` (a list of section.key=value), upstream paths from XCom.
 
     The optional params are Jinja loops and conditions, so a trigger's params can add or drop
-    them without a new DAG; this is `stage_command` with the params as they are at run time.
+    them without a new DAG; this is `stage_words` with the params as they are at run time, quoted.
     """
     words = [*cli, stage, *option_words(stage, recipe=Raw("{{ params.recipe | shquote }}"),
                                         artifacts=Raw("{{ params.artifacts | shquote }}"))]

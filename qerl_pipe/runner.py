@@ -86,10 +86,9 @@ class StageCall:
             if self.find_only:  # a lookup for a stage further down: the outermost command words the error
                 raise
             maker = inp.stage.name
-            first = f" (which needs `qerl-pipe {exc.stage}` first)" if exc.stage != maker else ""
             raise QerlError(f"{self.stage.name} needs the recipe's {inp.stage.what} (made by `qerl-pipe {maker}`), "
                             f"which is not in {self.store.root}: run `qerl-pipe {maker}` with the same recipe"
-                            f"{first}, pass {inp.option} ARTIFACT, or add --build-missing (`qerl-pipe run RECIPE` "
+                            f"{exc.first(maker)}, pass {inp.option} ARTIFACT, or add --build-missing (`qerl-pipe run RECIPE` "
                             "makes every stage)") from None
 
     def artifact_for(self, stage: Stage, recipe: Recipe, made: dict[str, Artifact]) -> Artifact:

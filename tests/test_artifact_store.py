@@ -47,7 +47,7 @@ def test_create_then_reuse(tmp_path):
     assert not created and again.path == first.path
     other, created = make(store, {"k": 2})
     assert created and other.path != first.path
-    assert [a.id for a in store.list()] == [first.id, other.id]
+    assert [a.id for a in store.survey()[0]] == [first.id, other.id]
 
 
 def test_crash_leaves_nothing(tmp_path):
@@ -203,7 +203,7 @@ def test_any_run_on_the_store_removes_abandoned_temporaries_and_ls_shows_them(tm
     (tmp_path / ".locks").mkdir()
     with (tmp_path / ".locks" / "demo-bbbbbbbbbbbbbbbb.lock").open("w") as writer:
         fcntl.flock(writer, fcntl.LOCK_EX)  # a live writer of another artifact, in another open file
-        states = dict(store.unfinished())
+        states = dict(store.survey()[1])
         assert states[abandoned].startswith("abandoned") and states[busy] == "in progress"
         make(store, {"k": 1})
         assert not abandoned.exists() and busy.exists()
@@ -219,7 +219,7 @@ def test_ls_shows_resumable_work_directories_running_or_interrupted(tmp_path):
     (tmp_path / ".locks").mkdir()
     with (tmp_path / ".locks" / f"{running.name}.lock").open("w") as writer:
         fcntl.flock(writer, fcntl.LOCK_EX)
-        states = dict(store.unfinished())
+        states = dict(store.survey()[1])
     assert states[running] == "in progress"
     assert states[killed].startswith("interrupted (the same command resumes it")
     make(store, {"k": 1})
@@ -275,8 +275,8 @@ def test_a_broken_manifest_says_how_to_repair_and_ls_shows_it(tmp_path):
     store = ArtifactStore(tmp_path)
     art, _ = make(store, {"k": 1})
     (art.path / "manifest.json").write_text("{truncated")
-    assert store.list() == []
-    [(path, state)] = store.unfinished()
+    assert store.survey()[0] == []
+    [(path, state)] = store.survey()[1]
     assert path == art.path and state.startswith("damaged:") and "manifest.json is unreadable" in state
     with pytest.raises(ArtifactError, match=r"manifest.json is unreadable .*`qerl-pipe demo --force`") as info:
         store.resolve(art.path.name, verify=False)
@@ -349,7 +349,7 @@ def test_a_run_that_only_reuses_still_removes_what_a_killed_run_left(tmp_path):
     made, _ = make(store, {"k": 1})
     abandoned = tmp_path / ".tmp-demo-aaaaaaaaaaaaaaaa-999999"  # its lock is free: its writer is gone
     (abandoned / "sub").mkdir(parents=True)
-    assert dict(store.unfinished())[abandoned].startswith("abandoned (the next run on this store removes it)")
+    assert dict(store.survey()[1])[abandoned].startswith("abandoned (the next run on this store removes it)")
     again, created = make(store, {"k": 1})
     assert not created and again.path == made.path and not abandoned.exists()
 
@@ -369,6 +369,6 @@ def test_ls_lists_each_artifact_after_its_parents(tmp_path):
     for artifact in (train, export):  # the same second, as a fast run makes them
         manifest = json.loads((artifact.path / "manifest.json").read_text())
         (artifact.path / "manifest.json").write_text(json.dumps({**manifest, "created": "2025-01-01T00:00:00+00:00"}))
-    assert [a.stage for a in store.list()] == ["train", "export"]
+    assert [a.stage for a in store.survey()[0]] == ["train", "export"]
     listed = [line.split()[0] for line in cli("ls", "--artifacts", tmp_path).stdout.splitlines()]
     assert listed == [train.path.name, export.path.name]

@@ -315,14 +315,14 @@ def test_a_run_evaluated_over_another_engine_of_its_base_is_not_flagged(pipeline
 
 def test_eval_of_arithmetic_alone_draws_the_held_out_problems_not_the_training_pool(capsys):
     from qerl_pipe.recipe import load_recipe
-    from qerl_pipe.stages.evaluate import check_eval_inputs
+    from qerl_pipe.stages.evaluate import load_eval_problems
 
     recipe = load_recipe(None, ['eval.data="arithmetic"', "eval.limit=16"])
-    drawn = check_eval_inputs(recipe)
+    drawn = load_eval_problems(recipe)
     train_pool = load_problems(recipe.train.data, seed=recipe.train.seed)
     held_out = load_problems("arithmetic", limit=16, seed=recipe.train.seed + 1)  # what train evaluates on
     assert [p.id for p in drawn] == [p.id for p in held_out]
     assert not {p.id for p in drawn} & {p.id for p in train_pool}
     assert "training pool" not in capsys.readouterr().err
-    check_eval_inputs(load_recipe(None, ['eval.data="arithmetic"', "eval.seed=0"]))
+    load_eval_problems(load_recipe(None, ['eval.data="arithmetic"', "eval.seed=0"]))
     assert "is the training pool (train.seed 0); eval.seed=1 gives" in capsys.readouterr().err

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl_pipe.orchestration import (STAGE_INPUTS, Raw, airflow_command, chain_commands, last_line_only,
-                                     stage_command, stage_words, upstream)
+from qerl_pipe.orchestration import STAGE_INPUTS, airflow_command, last_line_only, stage_words, upstream
 from qerl_pipe.recipe import STAGE_ORDER
 
 ROOT = Path(__file__).parents[1]
@@ -42,25 +41,19 @@ def test_each_stage_reads_its_parents_artifact_through_the_cli_option():
         assert {"--recipe", "--artifacts", "--set"} <= options and {o for o, _ in inputs} <= options, stage
 
 
-def test_shared_options_are_quoted_and_the_model_source_skips_eval():
-    commands = dict(chain_commands(path_of, cli=["python3", "-m", "qerl_pipe"], recipe="my recipe.yaml",
-                                   artifacts="store", model="./tiny", sets=["train.steps=2", "eval.data='a b'"]))
-    assert list(commands) == list(STAGE_ORDER)
-    assert commands["train"] == ("python3 -m qerl_pipe train --recipe 'my recipe.yaml' --artifacts store "
-                                 "--model ./tiny --set train.steps=2 --set 'eval.data='\"'\"'a b'\"'\"'' "
-                                 "--engine /store/build-engine-0123")
-    assert shlex.split(commands["eval"]) == ["python3", "-m", "qerl_pipe", "eval", "--recipe", "my recipe.yaml",
-                                             "--artifacts", "store", "--set", "train.steps=2", "--set",
-                                             "eval.data='a b'", "--model", "/store/build-engine-0123",
-                                             "--adapter", "/store/train-0123"]
-    # a Raw fragment goes in as it is: the shell (or a template) supplies the path
-    assert stage_command("export", lambda s: Raw(f'"$(cat ptr/{s})"')).endswith('--run "$(cat ptr/train)"')
+def test_shared_options_and_the_model_source_skips_eval():
+    options = dict(cli=["python3", "-m", "qerl_pipe"], recipe="my recipe.yaml", artifacts="store", model="./tiny",
+                   sets=["train.steps=2", "eval.data='a b'"])
+    assert stage_words("train", path_of, **options) == [
+        "python3", "-m", "qerl_pipe", "train", "--recipe", "my recipe.yaml", "--artifacts", "store", "--model",
+        "./tiny", "--set", "train.steps=2", "--set", "eval.data='a b'", "--engine", "/store/build-engine-0123"]
+    assert stage_words("eval", path_of, **options) == [
+        "python3", "-m", "qerl_pipe", "eval", "--recipe", "my recipe.yaml", "--artifacts", "store", "--set",
+        "train.steps=2", "--set", "eval.data='a b'", "--model", "/store/build-engine-0123", "--adapter",
+        "/store/train-0123"]
 
 
-def test_a_chain_must_hold_every_input_it_reads():
-    assert [s for s, _ in chain_commands(path_of, stages=["quantize", "calibrate"])] == ["calibrate", "quantize"]
-    with pytest.raises(ValueError, match=r"train reads the artifact of \['build-engine'\]"):
-        chain_commands(path_of, stages=["train", "export"])
+def test_an_unknown_stage_is_refused():
     with pytest.raises(ValueError, match="unknown stage 'deploy'"):
         stage_words("deploy", path_of)
 

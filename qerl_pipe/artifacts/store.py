@@ -118,12 +118,6 @@ class ArtifactStore:
         """Where a resumable stage works on artifact `art_id` until it is sealed (kept when killed)."""
         return self.root / WORK_DIR / f"{stage}-{art_id}"
 
-    def list(self) -> list[Artifact]:
-        return self.survey()[0]
-
-    def unfinished(self) -> list[tuple[Path, str]]:
-        return self.survey()[1]
-
     def survey(self) -> tuple[list[Artifact], list[tuple[Path, str]]]:
         """One pass over the store (each manifest read once, as `ls` shows both lists): the sealed
         artifacts, oldest first and each after its parents, and what that list leaves out, with its state: artifacts whose

@@ -42,7 +42,7 @@ from qerl_pipe.model.lora import LoraSpec, apply_lora, check_lora_targets
 from qerl_pipe.model.peft import ADAPTER_DIR, save_adapter
 from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.recipe import Recipe, TrainSection
-from qerl_pipe.rl.loop.accuracy import EvalResult, greedy_eval
+from qerl_pipe.rl.loop.accuracy import GreedyAccuracy, greedy_accuracy
 from qerl_pipe.rl.loop.config import TrainConfig
 from qerl_pipe.rl.loop.distributed import Dist
 from qerl_pipe.rl.loop.metrics import PLOTS_DIR, greedy_line, write_plots
@@ -115,11 +115,12 @@ def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist
     return plan
 
 
-def _write_eval(run_dir: Path, name: str, result: EvalResult) -> None:
+def _write_greedy_accuracy(run_dir: Path, name: str, result: GreedyAccuracy) -> dict[str, Any]:
     out = run_dir / EVAL_DIR
     out.mkdir(exist_ok=True)
     (out / f"{name}.jsonl").write_text("".join(dumps(s) + "\n" for s in result.samples))
     write_json(out / f"{name}.json", result.summary())
+    return result.summary()
 
 
 def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]], before: dict | None,
@@ -228,22 +229,24 @@ def run_train_job(section: TrainSection, cfg: TrainConfig, engine_dir: Path, pro
             line, memory = _full_memory_line(model)
             log(line)
         before = after = None
+
+        def greedy(name: str) -> dict[str, Any]:
+            result = greedy_accuracy(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens,
+                                     stops)
+            return _write_greedy_accuracy(run_dir, name, result)
+
         if eval_prompts and dist.is_main:
             before_file = run_dir / EVAL_DIR / "before.json"
             if before_file.is_file():  # a resumed run evaluated the fresh adapter already
                 before = json.loads(before_file.read_text())
             else:
-                result = greedy_eval(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens, stops)
-                _write_eval(run_dir, "before", result)
-                before = result.summary()
+                before = greedy("before")
                 log(greedy_line("before", before, section.eval_data))
         records = fit(trainer, run_dir, section.checkpoint_every)
         if not dist.is_main:
             return {}
         if eval_prompts:
-            result = greedy_eval(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens, stops)
-            _write_eval(run_dir, "after", result)
-            after = result.summary()
+            after = greedy("after")
             log(f"{greedy_line('after', after, section.eval_data)}; before {before['accuracy']:.3f}")
     if full:
         _save_full_model(model, engine_dir, run_dir / MODEL_DIR)

@@ -234,31 +234,23 @@ def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: 
 # (mt, warps, wk, depth) of the register-ring kernel, the most frequent winner per M in the H200 sweep.
 _VARIANT = {1: (2, 8, 8, 4), 2: (2, 8, 8, 4), 4: (4, 4, 4, 2), 8: (2, 4, 4, 2)}
 # Measured best configs per (M, N, K) on a 132-SM H200 (bench/results/kernels-cuda-h200.json,
-# written there by `tuned_table`); used on GPUs with that many SMs. Rows of M <= 64 are always
+# written there by bench/kernels_cuda.py); used on GPUs with that many SMs. Rows of M <= 64 are always
 # there; rows of M = 128 and 256 only where the GEMM beat dequantize + cuBLAS, so a row there is
 # what sends those M to the GEMM (`gemm_wins`).
 # QERL_W4A16_TABLE names another file of the same form (e.g. one tuned on another GPU, or for a
 # different launch context: bench/scripts/step_tune.py writes one).
 TABLE_FILE = SOURCE_DIR / "configs-h200.json"
-_TABLE_MS = (1, 8, 16, 32, 64, 128, 256)
+TABLE_MS = (1, 8, 16, 32, 64, 128, 256)
 
 
 def _table_m(m: int) -> int:
     """The table row that serves M tokens: the smallest measured M at or above it (the largest
     for more; a config runs any M, in passes)."""
-    return next((t for t in _TABLE_MS if t >= m), _TABLE_MS[-1])
+    return next((t for t in TABLE_MS if t >= m), TABLE_MS[-1])
 
 
 def table_key(m: int, n: int, k: int) -> str:
     return f"m{_table_m(m)}:n{n}:k{k}"
-
-
-def tuned_table(rows: list[dict]) -> dict:
-    """The benchmark's fastest config per (M, N, K), keyed by `table_key` (rows of a measured M;
-    above MAX_PASS_TOKENS only where the GEMM beat dequantize + cuBLAS)."""
-    return {table_key(r["M"], r["N"], r["K"]): r["gemm_config"]
-            for r in rows if "gemm_config" in r and r["M"] in _TABLE_MS
-            and (r["M"] <= MAX_PASS_TOKENS or r["gemm_us"] < r["dequant_matmul_us"])}
 
 
 def table_path() -> Path:
@@ -316,7 +308,7 @@ def gemm_wins(m: int, n: int, k: int, sms: int) -> bool:
     a row for the shape, i.e. the GEMM was faster there; never above."""
     if m <= MAX_PASS_TOKENS:
         return True
-    if m > _TABLE_MS[-1]:
+    if m > TABLE_MS[-1]:
         return False
     table_sms, configs = _table()
     return sms == table_sms and table_key(m, n, k) in configs

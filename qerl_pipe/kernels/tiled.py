@@ -278,13 +278,6 @@ def _decode_scale_bytes(enc: Tensor) -> Tensor:
     return values.to(torch.float8_e4m3fn)
 
 
-def dequantize_tiled(t: TiledNVFP4, dtype: torch.dtype = torch.float32) -> Tensor:
-    """`W` as `dtype`, `[N, K]`: the same values as `dequantize_nvfp4` of the source weight."""
-    from qerl_pipe.formats.nvfp4 import dequantize_nvfp4
-
-    return dequantize_nvfp4(untile_nvfp4(t), dtype)
-
-
 def fragment_order(x: Tensor, rows: int) -> Tensor:
     """`x [M, K]` as the wgmma kernel reads it: `[rows, KC * 32]` (rows past M and columns past K
     zero), each 32-column chunk's 16 column pairs reordered so that the 64 bytes of a chunk row are

@@ -92,13 +92,9 @@ def check_engine_recipe(recipe: Recipe, store: ArtifactStore) -> None:
 
 
 @register(STAGE, check=check_engine_recipe)
-def run_build_engine(call: StageCall) -> Artifact:
-    """Build (or reuse) the engine the recipe's `engine` section describes.
-
-    nvfp4 builds from the quantize artifact passed, or the one the recipe describes (found; made
-    only with `build_missing`); nf4 and bf16 build from the recipe's model. `force` redoes this
-    stage only.
-    """
+def build_engine_stage(call: StageCall) -> Artifact:
+    """Build (or reuse) the engine the recipe's `engine` section describes: nvfp4 from the quantize
+    artifact, nf4 and bf16 from the recipe's model."""
     recipe = call.recipe
     section = recipe.engine
     device = pick_device(section.device)

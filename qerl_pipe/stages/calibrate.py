@@ -78,7 +78,7 @@ def check_calibrate_recipe(recipe: Recipe, store: ArtifactStore) -> None:
 
 
 @register(STAGE, check=check_calibrate_recipe)
-def run_calibrate(call: StageCall) -> Artifact:
+def calibrate_stage(call: StageCall) -> Artifact:
     """Calibrate the recipe's model (no inputs, so `build_missing` changes nothing)."""
     recipe = call.recipe
     if not call.find_only:  # before a GGUF import

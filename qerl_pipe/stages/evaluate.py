@@ -37,7 +37,7 @@ from qerl_pipe.userfiles import data_file_key, data_spec_key
 STAGE = EVAL
 
 
-def check_eval_inputs(recipe: Recipe) -> list[Problem]:
+def load_eval_problems(recipe: Recipe) -> list[Problem]:
     """The problems, or the error a bad data spec, file or field gives (before any model work)."""
     section = recipe.eval
     fields: dict[str, Any] = {}
@@ -51,8 +51,8 @@ def check_eval_inputs(recipe: Recipe) -> list[Problem]:
 
 
 def check_eval_recipe(recipe: Recipe, store: ArtifactStore) -> None:
-    """`run`'s check before its first stage (`check_eval_inputs`)."""
-    check_eval_inputs(recipe)
+    """`run`'s check before its first stage (`load_eval_problems`)."""
+    load_eval_problems(recipe)
 
 
 def _sampling_key(section: EvalSection) -> dict[str, Any]:
@@ -66,15 +66,12 @@ def _sampling_key(section: EvalSection) -> dict[str, Any]:
 
 
 @register(STAGE, check=check_eval_recipe)
-def run_eval(call: StageCall) -> Artifact:
-    """Evaluate the recipe's `eval` section on the --model passed (an engine artifact, a reference
-    to one, a quantize checkpoint or a model source; None = the recipe's engine; an engine that is
-    not in the store is built only with `build_missing`) with the --adapter passed applied (a train
-    run, an artifact or directory holding a PEFT LoRA adapter; None = the base model). Reuses an
-    up-to-date artifact unless `force`."""
+def eval_stage(call: StageCall) -> Artifact:
+    """Evaluate the recipe's `eval` section on --model (`eval_inputs.resolve_model_target`; None:
+    the recipe's engine) with --adapter applied (`eval_inputs.open_adapter`; None: the base model)."""
     recipe, store, section = call.recipe, call.store, call.recipe.eval
     device = pick_device(section.device)
-    problems = check_eval_inputs(recipe)
+    problems = load_eval_problems(recipe)
     adapter = call.passed("adapter")
     adapter_in = open_adapter(adapter, store) if adapter is not None else None
     target = resolve_model_target(call.passed("model"), call)

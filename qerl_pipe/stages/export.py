@@ -61,12 +61,9 @@ def _check_run(run: Artifact) -> Path:
 
 
 @register(STAGE)
-def run_export(call: StageCall) -> Artifact:
-    """Export the run passed (default: the recipe's run, found in the store; trained only with
-    `build_missing`) in `recipe.export.format`.
-
-    Every input is checked (run kind, chain, base, adapter fit) before anything is written.
-    """
+def export_stage(call: StageCall) -> Artifact:
+    """Export the run in `recipe.export.format`; every input is checked (run kind, chain, base,
+    adapter fit) before anything is written."""
     store, section = call.store, call.recipe.export
     run = call.input("run")
     adapter_dir = _check_run(run)

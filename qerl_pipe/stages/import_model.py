@@ -18,7 +18,7 @@ STAGE = IMPORT
 
 
 @register(STAGE)
-def run_import(call: StageCall) -> Artifact:
+def import_stage(call: StageCall) -> Artifact:
     """Import the recipe's GGUF model (found in the store when it was imported before)."""
     section = call.recipe.model
     gguf = gguf_file(section)

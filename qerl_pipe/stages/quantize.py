@@ -68,7 +68,7 @@ def _check_calibration(calibration: Artifact, model_key: dict) -> None:
 
 
 @register(STAGE, check=check_quantize_recipe)
-def run_quantize(call: StageCall, *, output: Path | None = None) -> Artifact:
+def quantize_stage(call: StageCall, *, output: Path | None = None) -> Artifact:
     """Quantize the recipe's model: NVFP4 with input scales from the calibration passed, else
     weight-only (W4A16_NVFP4); the calibration is an optional input, so none is looked for or built
     here. `output`: a new directory to copy the checkpoint to."""

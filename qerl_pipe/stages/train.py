@@ -79,13 +79,9 @@ def _engine(call: StageCall, dist: Dist) -> Artifact:
 
 
 @register(STAGE, check=check_train_recipe)
-def run_train(call: StageCall) -> Artifact:
-    """Train the recipe's `train` section over the engine passed (default: the recipe's engine,
-    found in the store; built only with `build_missing`).
-
-    An interrupted run with the same inputs is resumed from its last checkpoint; `force` starts it
-    over (and redoes a finished one). Under torchrun every rank calls this; all return the artifact.
-    """
+def train_stage(call: StageCall) -> Artifact:
+    """Train the recipe's `train` section over the engine (resuming an interrupted run; `force`
+    starts it over). Under torchrun every rank calls this; all return the artifact."""
     recipe, store, section = call.recipe, call.store, call.recipe.train
     dist, device_choice = init_distributed(section.device)
     device = pick_device(device_choice)

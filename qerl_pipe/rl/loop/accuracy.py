@@ -65,7 +65,7 @@ def pass_rates(correct: Sequence[bool], n: int) -> dict[str, float]:
 
 
 @dataclass
-class EvalResult:
+class GreedyAccuracy:
     accuracy: float
     correct: int
     total: int
@@ -77,8 +77,8 @@ class EvalResult:
         return {k: v for k, v in self.__dict__.items() if k != "samples"}
 
 
-def greedy_eval(engine: Engine, tokenizer, problems: Sequence[Problem], prompts: Sequence[Sequence[int]],
-                max_new_tokens: int, stop_token_ids: tuple[int, ...]) -> EvalResult:
+def greedy_accuracy(engine: Engine, tokenizer, problems: Sequence[Problem], prompts: Sequence[Sequence[int]],
+                max_new_tokens: int, stop_token_ids: tuple[int, ...]) -> GreedyAccuracy:
     """Greedy completions of `prompts`, graded for correctness against `problems`."""
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
     g = generate_and_grade(engine, tokenizer, problems, prompts, params)
@@ -86,7 +86,7 @@ def greedy_eval(engine: Engine, tokenizer, problems: Sequence[Problem], prompts:
     samples = [{"id": p.id, "question": p.question, "answer": p.answer, "completion": t, "extracted": x,
                 "correct": ok, "finish_reason": f}
                for p, t, x, ok, f in zip(problems, g.texts, g.extracted, g.correct, g.finish_reasons)]
-    return EvalResult(
+    return GreedyAccuracy(
         accuracy=sum(g.correct) / n,
         correct=sum(g.correct),
         total=len(problems),

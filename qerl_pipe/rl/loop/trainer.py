@@ -342,7 +342,6 @@ class Trainer:
         totals["entropy"] /= max(response_tokens, 1)
         return {**totals, "train_tokens": int(train_tokens)}
 
-
     def _refuse_non_finite(self, what: str, bad: int) -> None:
         """Stop on `bad` NaN/inf values (a count every rank agrees on): rewards of garbage are all
         0, so training would go on, silently, with nothing to learn (or write NaN into the adapter)."""
