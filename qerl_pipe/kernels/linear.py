@@ -143,7 +143,7 @@ def nvfp4_linear_dx(dy: Tensor, w: NVFP4Any) -> Tensor:
 
 # Our decode pass into bf16, then cuBLAS: the NF4 `dequant` backend (the Triton table's own
 # `dequant` config at large M; the block sizes only shape the decode pass).
-_NF4_DEQUANT = KernelConfig("dequant", 1, 32, 256, 1, 4, 1)
+NF4_DEQUANT_CONFIG = KernelConfig("dequant", 1, 32, 256, 1, 4, 1)
 
 
 def _nf4_cuda(op: str, a: Tensor, w: PackedNF4) -> Tensor:
@@ -159,7 +159,7 @@ def _nf4_cuda(op: str, a: Tensor, w: PackedNF4) -> Tensor:
     if chosen == "bnb":
         out = bnb_backend.matmul(a2, w) if op == "fwd" else bnb_backend.matmul_dx(a2, w)
     elif chosen == "dequant":
-        out = (launch_forward if op == "fwd" else launch_dx)(a2, w, _NF4_DEQUANT)
+        out = (launch_forward if op == "fwd" else launch_dx)(a2, w, NF4_DEQUANT_CONFIG)
     else:
         return _run(op, "nf4", a, w)
     return out.reshape(*a.shape[:-1], out_width)
