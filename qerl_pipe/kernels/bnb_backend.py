@@ -17,17 +17,14 @@ and our Triton kernels serve every row.
 
 from __future__ import annotations
 
-import logging
 import os
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from qerl_pipe.formats.nf4 import NF4_BLOCK
+from qerl_pipe.kernels.optional_backend import availability
 from qerl_pipe.kernels.packing import PackedNF4
-
-log = logging.getLogger(__name__)
 
 # Activation dtypes bitsandbytes' 4-bit kernels take.
 DTYPES = (torch.bfloat16, torch.float16)
@@ -61,20 +58,8 @@ def why_unavailable(device: torch.device | str) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
-def _available(device: torch.device) -> bool:
-    why = why_unavailable(device)
-    if why is not None:
-        log.warning("bitsandbytes off for NF4 on %s (%s); our Triton NF4 kernels serve every row", device, why)
-    return why is None
-
-
-def available(device: torch.device | str) -> bool:
-    """Whether bitsandbytes' NF4 kernels run on `device` (said once, in one line, when not)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _available(device)
+# Whether bitsandbytes' NF4 kernels run on a device (said once, in one line, when not).
+available = availability(why_unavailable, "bitsandbytes (NF4)", "our Triton NF4 kernels serve every row")
 
 
 def _bytes(w: PackedNF4) -> Tensor:
