@@ -67,8 +67,9 @@ def bench_kernels_cuda(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen
 @bench_app.command("kernels-dispatch")
 def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
                            ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x): rows of the dispatch table.")] = ["1,8,16,32,64,128,256,512,1024,4096,16384"],
-                           table_out: Annotated[Optional[Path], typer.Option(help="Write the measured dispatch table here (the form of kernels/cuda/dispatch-<gpu>.json).")] = None) -> None:
-    """Ours, humming-kernels, dequantize + cuBLAS and cuBLAS bf16 per layer and M, and the dispatch over them (needs a Hopper GPU and nvcc)."""
+                           table_out: Annotated[Optional[Path], typer.Option(help="Write the measured dispatch table here (the form of kernels/cuda/dispatch-<gpu>.json).")] = None,
+                           formats: Annotated[str, typer.Option(help="nvfp4 (ours, humming, dequantize + cuBLAS; Hopper and nvcc) or nf4 (our Triton NF4, bitsandbytes, dequantize + cuBLAS, forward and dX; the qlora extra).")] = "nvfp4") -> None:
+    """Each backend and cuBLAS bf16 per layer and M, and the dispatch over them: NVFP4 rows (needs a Hopper GPU and nvcc) or NF4 rows (--formats nf4)."""
     from bench.kernels_dispatch import run
     from qerl_pipe.kernels import cuda_ext
     from qerl_pipe.kernels.dispatch import ROWS_M
@@ -76,6 +77,16 @@ def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,
     unknown = sorted(set(values(ms, int)) - set(ROWS_M))
     if unknown:
         raise QerlError(f"--ms {unknown}: the dispatch table has rows at M in {list(ROWS_M)}")
+    from qerl_pipe.kernels.base_formats import base_format
+
+    fmt = base_format(formats)  # an unknown name is refused, naming the known ones
+    if fmt.dense:
+        raise QerlError(f"--formats {formats}: a dense base has no 4-bit kernels to dispatch; choose nvfp4 or nf4")
+    if not fmt.hopper_dispatch:  # NF4: its rows of the table, one format per run (one table file each)
+        from bench.nf4_dispatch import run_nf4
+
+        emit(run_nf4(values(shapes), tuple(values(ms, int)), out, table_out), out)
+        return
     why = cuda_ext.why_unavailable("cuda")
     if why is not None:
         raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); the dispatch needs a Hopper GPU and nvcc")

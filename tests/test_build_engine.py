@@ -181,6 +181,22 @@ def test_a_mismatched_engine_is_refused(tmp_path):
         weights.load_engine_model(tmp_path, "cpu")
 
 
+def test_an_nf4_engine_of_the_old_byte_layout_is_refused(tmp_path):
+    """NF4 engines before layout 2 held our own nibble order: read as bitsandbytes' bytes they would
+    decode to other weights, so their index (without `base_layout_version`) is refused with the fix."""
+    from qerl_pipe.engine import weights
+
+    dims = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
+                intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    weights.save_engine_model(init_random_model(dims, "nf4"), tmp_path)
+    index = read_json(tmp_path / weights.INDEX_NAME)
+    assert index["metadata"]["base_layout_version"] == 2
+    del index["metadata"]["base_layout_version"]
+    (tmp_path / weights.INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(ArtifactError, match=r"nf4 weights are in layout 1, this version reads layout 2.*--force"):
+        weights.load_engine_model(tmp_path, "cpu")
+
+
 def _assert_clean_failure(result, needle: str, store_dir: Path) -> None:
     assert result.exit_code == 1, result.stdout
     assert needle in result.stderr, result.stderr

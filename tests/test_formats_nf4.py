@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from qerl_pipe.errors import QuantizationError
-from qerl_pipe.formats.nf4 import NF4_BLOCK, NF4_CODE, NF4Weight, dequantize_nf4, quantize_nf4
-from qerl_pipe.formats.nvfp4 import unpack_fp4
+from qerl_pipe.formats.nf4 import NF4_BLOCK, NF4_CODE, NF4Weight, dequantize_nf4, pack_nf4, quantize_nf4, unpack_nf4
 
 
 def test_code_table_is_bitsandbytes_nf4():
@@ -33,7 +32,7 @@ def test_exact_codes_reproduce_exactly():
     scales = torch.tensor([0.5, 2.0, 0.125, 1.0]).repeat_interleave(2).reshape(8, 1)
     w = torch.tensor(NF4_CODE)[codes.long()] * scales
     q = quantize_nf4(w)
-    assert torch.equal(unpack_fp4(q.packed), codes)
+    assert torch.equal(unpack_nf4(q.packed), codes)
     assert torch.equal(dequantize_nf4(q), w)
 
 
@@ -47,6 +46,20 @@ def test_blocks_are_independent():
     assert torch.equal(out[:, 128:], torch.zeros(2, 64)) and torch.equal(out[1], torch.zeros(192))
     widest_gap = max(b - a for a, b in zip(NF4_CODE, NF4_CODE[1:]))
     assert float((out[0, :64] - w[0, :64]).abs().max()) <= widest_gap / 2
+
+
+def test_nibble_order_is_bitsandbytes():
+    """Element 2j in the high nibble of byte j, as bitsandbytes packs (`quantized[::2] << 4 | quantized[1::2]`)."""
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    assert pack_nf4(codes).tolist() == [[0x12, 0xF0]]
+    assert torch.equal(unpack_nf4(pack_nf4(codes)), codes)
+
+
+def test_all_zero_block_stores_code_0_as_bitsandbytes_does():
+    """absmax 0: bitsandbytes' `0 * (1 / 0)` is NaN, which it maps to code 0; the block still decodes to zeros."""
+    q = quantize_nf4(torch.zeros(1, 64))
+    assert q.packed.eq(0).all() and q.absmax.eq(0).all()
+    assert dequantize_nf4(q).abs().max() == 0
 
 
 def test_dtype_and_device_helpers():

@@ -1,7 +1,7 @@
 """Engine weights: the model stored exactly as the kernels consume it, and loaded without work.
 
 A checkpoint keeps the standard NVFP4 bytes; the kernels read NVFP4 in the chunk layout of
-`kernels.tiled` (NF4 in `kernels.packing`'s int32 words), and NF4 / bf16 bases are made from the bf16 model. The engine stores the
+`kernels.tiled` (NF4 as bitsandbytes' bytes viewed as int32 words, `kernels.packing`), and NF4 / bf16 bases are made from the bf16 model. The engine stores the
 result of all that once: every fused QuantLinear's buffers under the module names of our
 `Decoder` (`layers.0.self_attn.qkv_proj.qweight`, ...), biases, norms, the embedding and an untied
 lm_head, in safetensors shards of ~`SHARD_BYTES`, plus the HF `config.json`. Loading builds a
@@ -131,6 +131,7 @@ def save_engine_model(model: Decoder, out_dir: Path, *, hf_config: Mapping[str, 
         "metadata": {
             "format_version": WEIGHTS_FORMAT_VERSION,
             "base_format": model.base_format,
+            "base_layout_version": base_format(model.base_format).layout_version,
             "dtype": _dtype_name(model.dtype),
             "total_size": sum(t.numel() * t.element_size() for t in tensors.values()),
         },
@@ -173,6 +174,12 @@ def load_engine_model(engine_dir: Path, device: torch.device | str, lora: LoraSp
         raise ArtifactError(
             f"{engine_dir}: engine weights format {meta.get('format_version')!r} / base "
             f"{meta.get('base_format')!r} is not one this version reads; rebuild the engine with --force"
+        )
+    layout, stored = base_format(meta["base_format"]).layout_version, meta.get("base_layout_version", 1)
+    if stored != layout:
+        raise ArtifactError(
+            f"{engine_dir}: its {meta['base_format']} weights are in layout {stored!r}, this version reads "
+            f"layout {layout} (the bytes changed); rebuild the engine with --force"
         )
     config = DecoderConfig.from_hf(_read_json(engine_dir / CONFIG_NAME, "config.json"))
     dtype = getattr(torch, meta["dtype"])

@@ -1,14 +1,32 @@
-"""NF4 (4-bit NormalFloat, QLoRA: Dettmers et al. 2023, arXiv 2305.14314), the QLoRA baseline's base.
+"""NF4 (4-bit NormalFloat, QLoRA: Dettmers et al. 2023, arXiv 2305.14314), the QLoRA baseline's base,
+stored byte for byte as bitsandbytes stores it (`bitsandbytes.functional.quantize_4bit`, quant_type
+"nf4", blocksize 64, no double quantization).
 
-Each block of 64 consecutive input-dimension elements stores one fp32 absmax and 16-level codes
-of `w / absmax`. The levels are bitsandbytes' table (quantiles of N(0, 1) scaled to [-1, 1], with
-an exact 0). No double quantization: absmax stays fp32 (QLoRA's second-level 8-bit quantization
-of absmax saves 0.37 bits/param but changes no weight value, and would only complicate kernels).
+Each block of 64 consecutive elements of the row-major `[N, K]` weight stores one fp32 absmax and
+16-level codes of `w * (1 / absmax)`. The levels are bitsandbytes' table (quantiles of N(0, 1)
+scaled to [-1, 1], with an exact 0). With K a multiple of 64 a block never crosses a row, so
+bitsandbytes' flat `absmax [N*K/64]` is our `[N, K/64]` and its flat packed bytes `[N*K/2, 1]`
+are our `[N, K/2]`: element 2j sits in the HIGH nibble of byte j (bitsandbytes' order; NVFP4's
+checkpoint bytes are the other way round).
 
-Layout: packed `[N, K/2]` uint8 with element 2j in the low nibble (our order, the same as NVFP4;
-bitsandbytes puts the first element in the high nibble, so its bytes are not interchangeable).
-With K a multiple of 64, our per-row blocks are exactly bitsandbytes' blocks of the flattened
-tensor.
+Rounding, as bitsandbytes computes it (its CPU path, `backends/default` `quantize_4bit`, on fp32
+input): `scaled = w * (1 / absmax)` in fp32 (a reciprocal, then a product: not `w / absmax`,
+which rounds differently), then the level nearest to `scaled` by fp32 distance, the lower level
+on a tie. That is a comparison with one fp32 threshold per level pair (`_THRESHOLDS`, derived
+below from that very distance rule). An all-zero block has absmax 0 and `0 * inf` is NaN there,
+which bitsandbytes maps to code 0 (level -1.0, so the block decodes to -0.0 x 0); we store the
+same byte. A 16-bit weight is quantized from its fp32 value, as bitsandbytes' CUDA kernel does
+(its CPU path on bf16 input would round `1 / absmax` and the product to bf16 instead).
+
+bitsandbytes' CUDA kernel (`dQuantizeNF4`, built with --use_fast_math) agrees with this except on
+six exact fp32 values of `scaled` (the midpoints where the distance rule and its `x > midpoint`
+tree break a tie differently) and where its approximate reciprocal differs from the IEEE one by an
+ulp: a handful of codes per million move to the neighbouring level (tests/test_bnb_gpu.py counts).
+
+No double quantization: QLoRA's second level quantizes the absmax values to 8 bits per 256 blocks
+(0.37 bits per parameter saved); the codes stay the same but every block's scale is rounded, so
+the weights differ from the plain format's. bitsandbytes' default (`compress_statistics=False` in
+`quantize_4bit`, `bnb_4bit_use_double_quant=False` in transformers) has none either.
 """
 
 from __future__ import annotations
@@ -19,7 +37,6 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.errors import QuantizationError
-from qerl_pipe.formats.nvfp4 import pack_fp4, unpack_fp4
 
 NF4_BLOCK = 64
 # bitsandbytes `functional.get_4bit_type("nf4")`, code index = position.
@@ -43,11 +60,38 @@ NF4_CODE = (
 )
 
 
+def _upper_wins(x: Tensor, low: Tensor, high: Tensor) -> bool:
+    """bitsandbytes' nearest-level rule between two neighbours, in fp32: strictly closer to `high`."""
+    return bool((x - high).abs() < (x - low).abs())
+
+
+def _level_thresholds() -> tuple[float, ...]:
+    """For each neighbouring pair of levels, the smallest fp32 `scaled` that takes the upper one.
+
+    Found by stepping one ulp at a time from the fp32 midpoint (at most a couple of steps): the
+    distance comparison is monotonic in `scaled`, so one threshold per pair reproduces it exactly.
+    """
+    code = torch.tensor(NF4_CODE, dtype=torch.float32)
+    down, up = torch.tensor(-2.0), torch.tensor(2.0)
+    out = []
+    for lo, hi in zip(code[:-1], code[1:]):
+        x = (lo + hi) / 2
+        while _upper_wins(torch.nextafter(x, down), lo, hi):
+            x = torch.nextafter(x, down)
+        while not _upper_wins(x, lo, hi):
+            x = torch.nextafter(x, up)
+        out.append(float(x))
+    return tuple(out)
+
+
+_THRESHOLDS = _level_thresholds()
+
+
 @dataclass(frozen=True)
 class NF4Weight:
-    """One NF4 linear weight: `W ~= NF4_CODE[code] * absmax[n, k // 64]`."""
+    """One NF4 linear weight: `W ~= NF4_CODE[code] * absmax[n, k // 64]`, in bitsandbytes' bytes."""
 
-    packed: Tensor  # uint8 [N, K/2], element 2j in the low nibble
+    packed: Tensor  # uint8 [N, K/2]: element 2j in the high nibble of byte j (bitsandbytes' order)
     absmax: Tensor  # float32 [N, K/64]
 
     @property
@@ -62,8 +106,18 @@ class NF4Weight:
         return NF4Weight(self.packed.to(device), self.absmax.to(device))
 
 
+def pack_nf4(codes: Tensor) -> Tensor:
+    """Codes `[..., K]` (uint8, 0..15) -> bytes `[..., K/2]`, element 2j in the high nibble."""
+    return (codes[..., 0::2] << 4) | codes[..., 1::2]
+
+
+def unpack_nf4(packed: Tensor) -> Tensor:
+    """Inverse of `pack_nf4`: bytes `[..., K/2]` -> codes `[..., K]` (uint8)."""
+    return torch.stack((packed >> 4, packed & 0xF), dim=-1).flatten(-2)
+
+
 def quantize_nf4(weight: Tensor, *, name: str = "tensor") -> NF4Weight:
-    """Quantize a `[N, K]` weight (K a multiple of 64) to the nearest NF4 code of `w / absmax`."""
+    """Quantize a `[N, K]` weight (K a multiple of 64) as bitsandbytes' `quantize_4bit` does (above)."""
     if weight.dim() != 2 or weight.shape[1] % NF4_BLOCK:
         raise QuantizationError(
             f"{name} has shape {tuple(weight.shape)}: NF4 needs a 2-D weight [out, in] whose "
@@ -74,20 +128,18 @@ def quantize_nf4(weight: Tensor, *, name: str = "tensor") -> NF4Weight:
     absmax = blocks.abs().amax(dim=-1)
     if not bool(torch.isfinite(absmax).all()):
         raise QuantizationError(f"{name} has non-finite values (inf or nan); cannot quantize it")
-    # An all-zero block keeps absmax 0 (decodes to exact zeros); divide by 1 to avoid 0/0.
-    x = blocks / torch.where(absmax == 0, 1.0, absmax).unsqueeze(-1)
-    code = torch.tensor(NF4_CODE, dtype=torch.float32, device=weight.device)
-    # Nearest level = number of midpoints below x; a value exactly on a midpoint takes the lower
-    # level, as bitsandbytes' `x > midpoint` decision tree does.
-    midpoints = (code[1:] + code[:-1]) / 2
-    codes = torch.bucketize(x, midpoints, out_int32=True).to(torch.uint8)
-    return NF4Weight(pack_fp4(codes.reshape(n, k)), absmax)
+    scaled = blocks * (1.0 / absmax).unsqueeze(-1)  # all-zero blocks: 0 * inf = NaN, as in bitsandbytes
+    thresholds = torch.tensor(_THRESHOLDS, dtype=torch.float32, device=weight.device)
+    # Level = how many thresholds lie at or below `scaled`; NaN compares below all: code 0.
+    codes = torch.bucketize(scaled, thresholds, right=True, out_int32=True)
+    codes = torch.where(torch.isnan(scaled), 0, codes).to(torch.uint8)
+    return NF4Weight(pack_nf4(codes.reshape(n, k)), absmax)
 
 
 def dequantize_nf4(w: NF4Weight, dtype: torch.dtype = torch.float32) -> Tensor:
-    """`[N, K]` weight in `dtype` (computed in fp32)."""
+    """`[N, K]` weight in `dtype` (level x absmax in fp32, rounded once, as bitsandbytes does)."""
     code = torch.tensor(NF4_CODE, dtype=torch.float32, device=w.packed.device)
-    codes = unpack_fp4(w.packed).long()
+    codes = unpack_nf4(w.packed).long()
     n, k = codes.shape
     out = code[codes].reshape(n, k // NF4_BLOCK, NF4_BLOCK) * w.absmax.float().unsqueeze(-1)
     return out.reshape(n, k).to(dtype)

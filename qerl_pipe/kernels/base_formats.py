@@ -82,6 +82,10 @@ class BaseFormat:
     # dequantize + cuBLAS): build-engine measures a dispatch table instead of tuning Triton, and
     # the rows humming serves need a copy of the base in humming's layout (`model.kernel_copies`).
     hopper_dispatch: bool = False
+    # The version of the bytes `buffers` hold, stored with an engine's weights and part of the
+    # engine's artifact id from 2 on: a change of layout or rounding bumps it, so an engine of the
+    # old bytes is rebuilt, or refused with its fix, never misread.
+    layout_version: int = 1
 
     @property
     def dense(self) -> bool:
@@ -210,6 +214,8 @@ NF4 = BaseFormat(
     bytes_per_linear=16 * 4,
     kernels=Kernels(nf4_linear, nf4_linear_dx, triton_layout=prepare_nf4),
     loads_nvfp4_checkpoint=False,
+    # 2: bitsandbytes' bytes, nibble order and rounding (1: our own nibble order in int32 words).
+    layout_version=2,
 )
 
 

@@ -1,4 +1,4 @@
-"""Which kernel runs an NVFP4 linear of shape [N, K] at M rows: a table measured on each GPU.
+"""Which kernel runs a 4-bit linear of shape [N, K] at M rows: a table measured on each GPU.
 
 Backends:
 - `qerl`: our CUDA decode GEMM (`cuda_ext.gemm`, the LoRA expand and bias in its epilogue);
@@ -15,6 +15,16 @@ the shipped tables, used on those GPUs without a measured one. Shapes or GPUs wi
 row get the rule the CUDA kernels had before humming: ours up to 64 rows (and up to 256 where
 their own table says so), else dequantize + cuBLAS. A humming row whose weight has no humming copy
 (humming unavailable, or the memory plan left no room for the copy) falls back to that rule too.
+
+NF4 (the QLoRA baseline) has rows of its own in the same table, keyed `nf4:m..:n..:k..` (forward)
+and `nf4-dx:m..:n..:k..` (the backward's dX, M = rows of dY), choosing among
+- `triton`: our Triton NF4 kernels (their own tuned config per M bucket, `kernels.configs`);
+- `bnb`: bitsandbytes' kernels as `Linear4bit` runs them (`kernels.bnb_backend`);
+- `dequant`: our Triton decode pass into bf16, then cuBLAS.
+All three are deterministic, so both columns allow all three. Without a row: bitsandbytes up to
+`NF4_BNB_MAX_M` rows, Triton above (the issue's H200 measurement); without bitsandbytes, Triton.
+`bench kernels-dispatch --formats nf4` measures the rows; a shipped `dispatch-<gpu>*.json` with
+them (one file per format may share a GPU: their rows are merged) serves every NF4 engine there.
 """
 
 from __future__ import annotations
@@ -28,6 +38,12 @@ import torch
 ROWS_M = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 DETERMINISTIC_BACKENDS = ("qerl", "humming", "dequant")
 BACKENDS = (*DETERMINISTIC_BACKENDS, "humming-fast")
+NF4_OPS = ("nf4", "nf4-dx")
+NF4_BACKENDS = ("triton", "bnb", "dequant")
+# Without a table row, bitsandbytes serves NF4 up to this many rows: measured on the H200 (7B
+# layers, L2-cold) its gemv at M = 1 and its dequantize + cuBLAS at M = 16 run 1.3-5x faster than
+# our Triton NF4 kernels, which win from M = 64 on.
+NF4_BNB_MAX_M = 16
 # Measured tables shipped with the package, one per GPU (`dispatch-<gpu>.json`).
 SHIPPED_DIR = Path(__file__).parent / "cuda"
 
@@ -41,6 +57,24 @@ def row_key(m: int, n: int, k: int) -> str:
     return f"m{row_m(m)}:n{n}:k{k}"
 
 
+def nf4_row_key(op: str, m: int, n: int, k: int) -> str:
+    """The key of an NF4 row: `op` is `nf4` (forward) or `nf4-dx`."""
+    if op not in NF4_OPS:
+        raise ValueError(f"NF4 dispatch op {op!r}: choose one of {', '.join(NF4_OPS)}")
+    return f"{op}:{row_key(m, n, k)}"
+
+
+def _allowed(key: str, column: str) -> tuple[str, ...]:
+    """The backends a row may name: NF4's for an `nf4*:` key, else the NVFP4 column's."""
+    if key.split(":", 1)[0] in NF4_OPS:
+        return NF4_BACKENDS
+    return DETERMINISTIC_BACKENDS if column == "deterministic" else BACKENDS
+
+
+def _nvfp4_rows(rows: dict[str, str]) -> dict[str, str]:
+    return {key: v for key, v in rows.items() if key.startswith("m")}
+
+
 @dataclass(frozen=True)
 class DispatchTable:
     """Winners per row key, for one GPU (its name and SM count)."""
@@ -51,10 +85,11 @@ class DispatchTable:
     fast: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for column, allowed in (("deterministic", DETERMINISTIC_BACKENDS), ("fast", BACKENDS)):
-            bad = {k: v for k, v in getattr(self, column).items() if v not in allowed}
+        for column in ("deterministic", "fast"):
+            bad = {k: v for k, v in getattr(self, column).items() if v not in _allowed(k, column)}
             if bad:
-                raise ValueError(f"dispatch table {column} rows {bad} name backends outside {allowed}")
+                key = next(iter(bad))
+                raise ValueError(f"dispatch table {column} rows {bad} name backends outside {_allowed(key, column)}")
 
     def column(self, deterministic: bool) -> dict[str, str]:
         return self.deterministic if deterministic else self.fast
@@ -80,12 +115,23 @@ def _device_identity(device: torch.device) -> tuple[str, int]:
     return props.name, props.multi_processor_count
 
 
+def merge_tables(tables: list[DispatchTable]) -> DispatchTable | None:
+    """One table of the rows of `tables` (measured on one GPU; a later table's row wins a clash)."""
+    if not tables:
+        return None
+    merged = DispatchTable(tables[0].gpu, tables[0].sms)
+    for t in tables:
+        merged.deterministic.update(t.deterministic)
+        merged.fast.update(t.fast)
+    return merged
+
+
 def table_for(device: torch.device) -> DispatchTable | None:
-    """The shipped table measured on `device`'s GPU (same name and SMs), else None."""
+    """The shipped tables measured on `device`'s GPU (same name and SMs), merged; else None."""
     if device.type != "cuda":
         return None
     identity = _device_identity(device)
-    return next((t for t in shipped_tables() if (t.gpu, t.sms) == identity), None)
+    return merge_tables([t for t in shipped_tables() if (t.gpu, t.sms) == identity])
 
 
 @dataclass
@@ -127,12 +173,22 @@ def backend(m: int, n: int, k: int, device: torch.device, has_humming: bool) -> 
     return chosen
 
 
+def nf4_backend(op: str, m: int, n: int, k: int, device: torch.device, has_bnb: bool) -> str:
+    """The backend for an NF4 product (`op` `nf4`: `[m, k] x [n, k]^T`; `nf4-dx`: `[m, n] x [n, k]`)
+    on `device` (CUDA); `has_bnb`: bitsandbytes runs there."""
+    table, deterministic = active(device)
+    chosen = table.column(deterministic).get(nf4_row_key(op, m, n, k)) if table is not None else None
+    if chosen is None:
+        chosen = "bnb" if m <= NF4_BNB_MAX_M else "triton"
+    return "triton" if chosen == "bnb" and not has_bnb else chosen
+
+
 def humming_shapes(table: DispatchTable | None, deterministic: bool, max_m: int | None = None) -> set[tuple[int, int]]:
     """Layer shapes (N, K) that some row (up to `max_m` rows) sends to humming: those that need a copy."""
     if table is None:
         return set()
     out = set()
-    for key, chosen in table.column(deterministic).items():
+    for key, chosen in _nvfp4_rows(table.column(deterministic)).items():
         m, n, k = (int(part[1:]) for part in key.split(":"))
         if chosen.startswith("humming") and (max_m is None or m <= row_m(max_m)):
             out.add((n, k))

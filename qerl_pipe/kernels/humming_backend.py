@@ -19,17 +19,14 @@ and where the memory plan has room (`kernels.dispatch.attach`). `QERL_HUMMING=0`
 
 from __future__ import annotations
 
-import logging
 import os
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from qerl_pipe.formats.nvfp4 import NVFP4Weight
-
-log = logging.getLogger(__name__)
+from qerl_pipe.kernels.optional_backend import availability
 
 # humming's compute configs, serialized once (it parses strings per call).
 _DETERMINISTIC = '{"use_batch_invariant": true}'
@@ -64,20 +61,8 @@ def why_unavailable(device: torch.device | str) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
-def _available(device: torch.device) -> bool:
-    why = why_unavailable(device)
-    if why is not None:
-        log.warning("humming-kernels off on %s (%s); our kernels serve every row", device, why)
-    return why is None
-
-
-def available(device: torch.device | str) -> bool:
-    """Whether humming can run on `device` (said once, in one line, when not)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _available(device)
+# Whether humming can run on a device (said once, in one line, when not).
+available = availability(why_unavailable, "humming-kernels", "our kernels serve every row")
 
 
 class HummingNVFP4:

@@ -6,6 +6,11 @@ decode GEMM, humming-kernels (on the weight's humming copy, where the engine mad
 dequantize pass into bf16 and cuBLAS (the backward's dX always takes that path). On other GPUs it
 runs the Triton kernels on a repacked copy, made once per weight.
 
+An NF4 weight (`PackedNF4`, the QLoRA baseline) on a GPU runs the backend the dispatch table
+(`kernels.dispatch.nf4_backend`) gives its shape and row count, forward and dX alike:
+bitsandbytes' kernels (`kernels.bnb_backend`; by default up to 16 rows, where they are faster),
+our Triton kernels, or our Triton decode pass and cuBLAS.
+
 On the CPU the ops are the plain-torch references, `x @ dequantize(W)^T`, which rebuild the
 weight at every call (for SmolLM2-135M 0.7 s per forward pass against 0.07 s of matmuls at
 decode batch sizes). A weight container that carries a dense copy (`TiledNVFP4.dense`,
@@ -23,7 +28,7 @@ from torch import Tensor
 from qerl_pipe.formats.nf4 import NF4Weight
 from qerl_pipe.formats.nvfp4 import NVFP4Weight
 from qerl_pipe.kernels import reference
-from qerl_pipe.kernels.configs import get_config
+from qerl_pipe.kernels.configs import KernelConfig, get_config
 from qerl_pipe.kernels.packing import (
     PackedNF4,
     PackedNVFP4,
@@ -136,10 +141,34 @@ def nvfp4_linear_dx(dy: Tensor, w: NVFP4Any) -> Tensor:
     return _run("dx", "nvfp4", dy, _triton_layout(w))
 
 
+# Our decode pass into bf16, then cuBLAS: the NF4 `dequant` backend (the Triton table's own
+# `dequant` config at large M; the block sizes only shape the decode pass).
+NF4_DEQUANT_CONFIG = KernelConfig("dequant", 1, 32, 256, 1, 4, 1)
+
+
+def _nf4_cuda(op: str, a: Tensor, w: PackedNF4) -> Tensor:
+    """`a @ W^T` (op `fwd`) or `a @ W` (`dx`) on the GPU, by the dispatch's NF4 row."""
+    from qerl_pipe.kernels import bnb_backend, dispatch
+    from qerl_pipe.kernels.triton_matmul import launch_dx, launch_forward
+
+    n, k = w.out_features, w.in_features
+    width, out_width = (k, n) if op == "fwd" else (n, k)
+    a2 = _rows(a, width, "x" if op == "fwd" else "dy")
+    has_bnb = a2.dtype in bnb_backend.DTYPES and bnb_backend.available(a2.device)
+    chosen = dispatch.nf4_backend("nf4" if op == "fwd" else "nf4-dx", a2.shape[0], n, k, a2.device, has_bnb)
+    if chosen == "bnb":
+        out = bnb_backend.matmul(a2, w) if op == "fwd" else bnb_backend.matmul_dx(a2, w)
+    elif chosen == "dequant":
+        out = (launch_forward if op == "fwd" else launch_dx)(a2, w, NF4_DEQUANT_CONFIG)
+    else:
+        return _run(op, "nf4", a, w)
+    return out.reshape(*a.shape[:-1], out_width)
+
+
 def nf4_linear(x: Tensor, w: NF4Weight | PackedNF4) -> Tensor:
     """`x @ W^T` for an NF4 weight."""
     if x.is_cuda:
-        return _run("fwd", "nf4", x, prepared_nf4(w))
+        return _nf4_cuda("fwd", x, prepared_nf4(w))
     dense = _dense_copy(w, x.dtype)
     if dense is not None:
         return x @ dense.T
@@ -149,7 +178,7 @@ def nf4_linear(x: Tensor, w: NF4Weight | PackedNF4) -> Tensor:
 def nf4_linear_dx(dy: Tensor, w: NF4Weight | PackedNF4) -> Tensor:
     """`dy @ W` for an NF4 weight."""
     if dy.is_cuda:
-        return _run("dx", "nf4", dy, prepared_nf4(w))
+        return _nf4_cuda("dx", dy, prepared_nf4(w))
     dense = _dense_copy(w, dy.dtype)
     if dense is not None:
         return dy @ dense

@@ -11,6 +11,11 @@ slot 7-s holds e_{2s+1}.
 Scales need no repack: E4M3 bytes are read as uint8 and decoded in the kernel. `prepare_*` run
 once per weight (the engine stage can store the result); `prepared_*` cache it per weight object
 so that calling a linear every forward never repacks.
+
+NF4 is not repacked at all: its kernel words are bitsandbytes' bytes (`formats.nf4`) read as
+int32, so the one buffer serves our Triton kernels (which decode through a lookup table and can
+take any nibble order: `triton_dequant`) and bitsandbytes' kernels (`kernels.bnb_backend`) alike,
+with no second copy of the weight.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class PackedNVFP4:
 class PackedNF4:
     """NF4 weight in kernel layout."""
 
-    qweight: Tensor  # int32 [N, K/8], same word layout as PackedNVFP4
+    qweight: Tensor  # int32 [N, K/8]: bitsandbytes' bytes [N, K/2] viewed as words (not WORD_SLOTS)
     absmax: Tensor  # float32 [N, K/64]
     code: Tensor  # float32 [16], the NF4 levels (the kernel's lookup table)
     # On the CPU, the weight dequantized once, where the model made one (as `TiledNVFP4.dense`).
@@ -112,9 +117,11 @@ def prepare_nvfp4(w: NVFP4Weight) -> PackedNVFP4:
 
 
 def prepare_nf4(w: NF4Weight) -> PackedNF4:
-    """Repack an NF4 weight for the kernels (on the weight's device)."""
+    """An NF4 weight as the kernels take it (a view of its bytes as int32 words: no repack)."""
+    if w.packed.shape[-1] % 4:
+        raise ValueError(f"K = {w.in_features} is not a multiple of 8; the kernels need whole words")
     return PackedNF4(
-        qweight=pack_words(w.packed),
+        qweight=w.packed.contiguous().view(torch.int32),
         absmax=w.absmax.to(torch.float32).contiguous(),
         code=torch.tensor(NF4_CODE, dtype=torch.float32, device=w.packed.device),
     )
@@ -129,7 +136,7 @@ def unprepare_nvfp4(p: PackedNVFP4) -> NVFP4Weight:
 
 def unprepare_nf4(p: PackedNF4) -> NF4Weight:
     """Back to the checkpoint container (for the CPU path and for tests)."""
-    return NF4Weight(unpack_words(p.qweight), p.absmax)
+    return NF4Weight(p.qweight.view(torch.uint8), p.absmax)
 
 
 _W = TypeVar("_W")

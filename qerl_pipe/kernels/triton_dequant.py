@@ -9,7 +9,8 @@ most 6 significant bits and lies in [2**-24, 0.17], so fp16 and then bf16 hold i
 2**14 and the global scale go on the fp32 accumulator once per output tile.
 
 NF4 levels are arbitrary floats: a 16-entry fp32 table (one 64-byte line, L1-resident) times the
-fp32 absmax, rounded once to bf16 as the reference does.
+fp32 absmax, rounded once to bf16 as the reference does. NF4 words are bitsandbytes' bytes read as
+little-endian int32 (packing.py): byte s of a word holds elements 2s (high nibble) and 2s+1.
 """
 
 import triton
@@ -66,9 +67,9 @@ def dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K,
     n_ok = offs_n < N
     q = tl.load(q_ptr + offs_n[:, None] * kw + offs_w[None, :],
                 mask=n_ok[:, None] & (offs_w[None, :] < kw), other=0)
-    # [BLOCK_N, WORDS, 4]: pair s of each word at the top of both 16-bit halves.
-    v = q[:, :, None] << (tl.arange(0, 4) * 4)[None, None, :]
     if FMT == NVFP4:
+        # [BLOCK_N, WORDS, 4]: pair s of each word at the top of both 16-bit halves.
+        v = q[:, :, None] << (tl.arange(0, 4) * 4)[None, None, :]
         SB: tl.constexpr = BLOCK_K // 16
         offs_s = k0 // 16 + tl.arange(0, SB)
         b = tl.load(s_ptr + offs_n[:, None] * (K // 16) + offs_s[None, :],
@@ -92,8 +93,11 @@ def dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K,
             s = tl.reshape(tl.join(s, s), (BLOCK_N, WORDS)) * 256.0  # one scale per 2 words
             w = tl.join(lo, hi) * s[:, :, None, None]
     else:
-        lo = tl.load(lut_ptr + ((v >> 12) & 15))
-        hi = tl.load(lut_ptr + ((v >> 28) & 15))
+        # [BLOCK_N, WORDS, 4]: byte s of each word in the low 8 bits (the shift is arithmetic;
+        # the masks drop the sign bits it brings in).
+        v = q[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]
+        lo = tl.load(lut_ptr + ((v >> 4) & 15))
+        hi = tl.load(lut_ptr + (v & 15))
         AB: tl.constexpr = BLOCK_K // 64
         offs_a = k0 // 64 + tl.arange(0, AB)
         a = tl.load(s_ptr + offs_n[:, None] * (K // 64) + offs_a[None, :],

@@ -5,7 +5,7 @@ one base matmul reads the input once. LoRA stays per projection (its own A and B
 are separate LoRA targets and the adapter exports to PEFT as is.
 
 4-bit bases are stored only in the kernels' layout (NVFP4: the chunk layout of `kernels.tiled`
-that the CUDA kernels read; NF4: `kernels.packing`'s int32 words), converted once when the base
+that the CUDA kernels read; NF4: bitsandbytes' bytes as int32 words, `kernels.packing`), converted once when the base
 is set: keeping the checkpoint bytes too would double the weight memory, and converting per call
 would cost a repack every forward. What each base format holds and which kernels serve it is its
 entry in `kernels.base_formats`.

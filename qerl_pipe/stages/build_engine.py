@@ -118,6 +118,10 @@ def build_engine_stage(call: StageCall) -> Artifact:
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
     plan, budget = _plan(recipe, base.hf_config, device, processes)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
+    if fmt.layout_version > 1:
+        # A base whose stored bytes changed gets new ids, so the store rebuilds rather than
+        # reuses its old engines (engines of the other formats keep their ids).
+        config["base_layout_version"] = fmt.layout_version
     if budget.plan is not None and recipe.train.memory_budget_gb is not None:
         # The budget and train's step sized the KV cache, and engine.json holds that plan (engines
         # without a budget keep their ids).

@@ -1,0 +1,96 @@
+"""bitsandbytes' NF4 kernels as a backend for our NF4 bases: the QLoRA baseline as its users run it.
+
+Our NF4 bytes are bitsandbytes' (`formats.nf4`) and `PackedNF4.qweight` is a view of them, so its
+kernels read our buffers directly, with no copy. What runs is what `bnb.nn.Linear4bit` runs
+(`bitsandbytes.autograd._functions.matmul_4bit` and `MatMul4Bit`):
+- one row: `gemv_4bit`, its fused 4-bit GEMV;
+- more rows: `dequantize_4bit` into a bf16 weight, then cuBLAS (Linear4bit's `F.linear` on the
+  dequantized weight); the dequantized weight goes into our shared decode buffer
+  (`dequant_gemm.scratch`) instead of a fresh allocation per call;
+- dX: `dy @ dequantize_4bit(W)`, as `MatMul4Bit.backward` computes it.
+
+Which calls take this path is a row of the dispatch table (`kernels.dispatch.nf4_backend`).
+bitsandbytes is the optional extra `qlora` (pinned: its kernels are what the tables measured); when
+it does not import, or its CUDA library does not run here, or `QERL_BNB=0`, one log line says so
+and our Triton kernels serve every row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.formats.nf4 import NF4_BLOCK
+from qerl_pipe.kernels.optional_backend import availability
+from qerl_pipe.kernels.packing import PackedNF4
+
+# Activation dtypes bitsandbytes' 4-bit kernels take.
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _probe(device: torch.device) -> None:
+    """One tiny product through both kernels, so a library that loads but cannot run here (no
+    build for this CUDA, an old driver) is found now, not inside a CUDA graph capture."""
+    w = PackedNF4(torch.zeros(8, NF4_BLOCK // 8, dtype=torch.int32, device=device),
+                  torch.ones(8, 1, device=device), torch.zeros(16, device=device))
+    for rows in (1, 2):
+        matmul(torch.zeros(rows, NF4_BLOCK, dtype=torch.bfloat16, device=device), w)
+    torch.cuda.synchronize(device)
+
+
+def why_unavailable(device: torch.device | str) -> str | None:
+    """Why bitsandbytes cannot serve NF4 on `device` (None when it can)."""
+    device = torch.device(device)
+    if os.environ.get("QERL_BNB", "1") == "0":
+        return "QERL_BNB=0"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not a CUDA device"
+    try:
+        import bitsandbytes  # noqa: F401  (loads its CUDA library: only here, never at start-up)
+    except Exception as exc:
+        return f"bitsandbytes does not import ({type(exc).__name__}: {exc}); pip install 'qerl-pipe[qlora]'"
+    try:
+        _probe(device)
+    except Exception as exc:
+        return f"bitsandbytes' CUDA kernels do not run here ({type(exc).__name__}: {str(exc)[:200]})"
+    return None
+
+
+# Whether bitsandbytes' NF4 kernels run on a device (said once, in one line, when not).
+available = availability(why_unavailable, "bitsandbytes (NF4)", "our Triton NF4 kernels serve every row")
+
+
+def _bytes(w: PackedNF4) -> Tensor:
+    # [N*K/2, 1] uint8: the shape bitsandbytes' Params4bit holds (its kernels read only the pointer).
+    return w.qweight.view(torch.uint8).reshape(-1, 1)
+
+
+def dequantize(w: PackedNF4, dtype: torch.dtype) -> Tensor:
+    """bitsandbytes' `dequantize_4bit` of `w` into the shared decode buffer: `[N, K]` in `dtype`,
+    valid until the next decode on this device and dtype."""
+    from qerl_pipe.kernels.dequant_gemm import scratch
+
+    n, k = w.out_features, w.in_features
+    out = scratch(n, k, w.qweight.device, dtype)
+    torch.ops.bitsandbytes.dequantize_4bit.out(_bytes(w), w.absmax.reshape(-1), NF4_BLOCK, "nf4", [n, k], dtype,
+                                               out=out)
+    return out
+
+
+def matmul(x2: Tensor, w: PackedNF4) -> Tensor:
+    """`x2 [M, K] @ W^T` as `Linear4bit` computes it: `gemv_4bit` at one row, else dequantize + cuBLAS."""
+    if x2.dtype not in DTYPES:
+        raise ValueError(f"bitsandbytes' NF4 kernels take bf16 or fp16 activations, not {x2.dtype}")
+    if x2.shape[0] == 1:
+        return torch.ops.bitsandbytes.gemv_4bit.default(x2, _bytes(w), [w.out_features, w.in_features],
+                                                        w.absmax.reshape(-1), w.code, NF4_BLOCK)
+    return x2 @ dequantize(w, x2.dtype).T
+
+
+def matmul_dx(dy2: Tensor, w: PackedNF4) -> Tensor:
+    """`dy2 [M, N] @ W` (the backward's dX) as `MatMul4Bit.backward` computes it."""
+    if dy2.dtype not in DTYPES:
+        raise ValueError(f"bitsandbytes' NF4 kernels take bf16 or fp16 gradients, not {dy2.dtype}")
+    return dy2 @ dequantize(w, dy2.dtype)

@@ -1,0 +1,141 @@
+"""bitsandbytes' NF4 kernels behind the dispatch, on a GPU (`pytest -m gpu`; needs the qlora extra).
+
+Its matmul (gemv_4bit at one row, dequantize_4bit + cuBLAS above) and dX against the fp32 product
+of the same NF4 weight at M = 1, 16, 64; `nf4_linear` / `nf4_linear_dx` following the rule and a
+table row; CUDA-graph capture; and how far bitsandbytes' own CUDA quantizer (fast-math reciprocal,
+a decision tree) is from our bytes, which equal its CPU quantizer's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_pipe.formats.nf4 import NF4_BLOCK, dequantize_nf4, quantize_nf4, unpack_nf4
+from qerl_pipe.kernels import bnb_backend, dispatch
+from qerl_pipe.kernels.dispatch import DispatchTable, nf4_row_key
+from qerl_pipe.kernels.linear import nf4_linear, nf4_linear_dx
+from qerl_pipe.kernels.packing import prepare_nf4
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SHAPES = [(4608, 3584), (3584, 18944), (192, 512)]
+MS = (1, 16, 64)
+# bf16 output of an fp32-accumulated product is ~2**-9 relative; dequantize + cuBLAS also rounds each
+# weight (level x absmax) to bf16 first, as the reference of the Triton path does: a few 1e-3 in all.
+MAX_REL = 1e-2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bnb() -> None:
+    if not bnb_backend.available("cuda"):
+        pytest.skip(f"bitsandbytes does not run here ({bnb_backend.why_unavailable('cuda')})")
+
+
+@pytest.fixture
+def rule():
+    dispatch.configure(None, True)
+    yield dispatch.configure
+    dispatch.configure(None, True)
+    dispatch._ACTIVE.chosen = False
+
+
+def _weight(n: int, k: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = quantize_nf4(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    return prepare_nf4(q), dequantize_nf4(q, torch.float64)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert bool(torch.isfinite(out).all())
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", MS)
+def test_bitsandbytes_forward_and_dx_match_the_reference(n, k, m) -> None:
+    w, dense = _weight(n, k, seed=n + k + m)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+    y = bnb_backend.matmul(x, w)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert _rel(y, x.double() @ dense.T) < MAX_REL
+    dx = bnb_backend.matmul_dx(dy, w)
+    assert dx.shape == (m, k) and _rel(dx, dy.double() @ dense) < MAX_REL
+    assert torch.equal(bnb_backend.matmul(x, w), y)  # the same bits again
+
+
+@pytest.mark.parametrize("m", MS)
+def test_nf4_linear_follows_the_rule_and_the_rows(rule, monkeypatch, m) -> None:
+    n, k = SHAPES[0]
+    w, dense = _weight(n, k, seed=5)
+    x = torch.randn(3, m, k, device="cuda").bfloat16()  # leading dims are flattened
+    calls: list[str] = []
+    for name in ("matmul", "matmul_dx"):
+        real = getattr(bnb_backend, name)
+        monkeypatch.setattr(bnb_backend, name, lambda a, b, real=real, name=name: calls.append(name) or real(a, b))
+    y = nf4_linear(x, w)
+    dx = nf4_linear_dx(y, w)
+    assert y.shape == (3, m, n) and dx.shape == (3, m, k)
+    assert _rel(y, x.double() @ dense.T) < MAX_REL and _rel(dx, y.double() @ dense) < MAX_REL
+    rows = 3 * m
+    assert calls == (["matmul", "matmul_dx"] if rows <= dispatch.NF4_BNB_MAX_M else [])
+    calls.clear()
+    table = {nf4_row_key("nf4", rows, n, k): "bnb", nf4_row_key("nf4-dx", rows, n, k): "dequant"}
+    rule(DispatchTable("any", 1, deterministic=table, fast=dict(table)), True)
+    assert torch.allclose(nf4_linear(x, w).float(), y.float(), rtol=2e-2, atol=2e-2)
+    assert _rel(nf4_linear_dx(y, w), y.double() @ dense) < MAX_REL
+    assert calls == ["matmul"]
+
+
+def test_bitsandbytes_runs_inside_a_cuda_graph(rule) -> None:
+    n, k = SHAPES[2]
+    w, _ = _weight(n, k, seed=9)
+    for m in (1, 8):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        eager = nf4_linear(x, w)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            nf4_linear(x, w)  # warm-up outside the capture (the decode buffer grows here)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = nf4_linear(x, w)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_bitsandbytes_cuda_quantizer_is_within_a_level_of_our_bytes() -> None:
+    """Its CUDA kernel (--use_fast_math reciprocal, `x > midpoint` tree) may move a rare code to the
+    neighbouring level; the absmax is the same. Counted here so a change in that is seen."""
+    import bitsandbytes.functional as F
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(4096, 4096, device="cuda", generator=gen) * 0.02).bfloat16()
+    packed, state = F.quantize_4bit(w, blocksize=NF4_BLOCK, quant_type="nf4", compress_statistics=False)
+    ours = quantize_nf4(w)
+    assert torch.equal(state.absmax.reshape(ours.absmax.shape), ours.absmax)
+    theirs_codes = unpack_nf4(packed.reshape(ours.packed.shape)).int()
+    diff = (theirs_codes - unpack_nf4(ours.packed).int()).abs()
+    assert int(diff.max()) <= 1
+    assert float(diff.float().mean()) < 1e-4, f"{int(diff.sum())} of {diff.numel()} codes differ"
+
+
+def test_the_bench_measures_nf4_rows_and_makes_a_table(rule) -> None:
+    from bench.nf4_dispatch import measure_nf4_shape, nf4_operands, nf4_table, time_dispatch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    ops = nf4_operands(*SHAPES[2], device)
+    rows = measure_nf4_shape(ops, (1, 16, 64))
+    assert [(r["op"], r["M"]) for r in rows] == [(op, m) for op in ("nf4", "nf4-dx") for m in (1, 16, 64)]
+    assert all(r["winner"] in ("triton", "bnb", "dequant") and r["bf16_us"] > 0 for r in rows)
+    rule(nf4_table(rows, device), True)
+    for r in rows:
+        time_dispatch(ops, r)
+        assert r["dispatch_backend"] == r["winner"] and r["dispatch_rel_err"] < MAX_REL
