@@ -171,13 +171,16 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
     l_sum = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     g = hq // hkv
+    # fp32 k/v tiles of head_dim 256 (Gemma) at 64 positions need 276 KB of shared memory, above
+    # Hopper's 227 KB: half the positions per inner step (SPLIT stays a multiple of it).
+    block = BLOCK_N // 2 if d * q.element_size() > 512 else BLOCK_N
     _partial[(b, hkv, splits)](
         q, k, v, cos, sin, k_cache, v_cache, positions, m, l_sum, acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=SPLIT, BLOCK=BLOCK_N,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=SPLIT, BLOCK=block,
         CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
