@@ -498,26 +498,54 @@ def ladder(rows: list[dict]) -> list[dict]:
     return out
 
 
+# The RL-step issue's targets (NVFP4 over bf16 LoRA, step time, same run): the 8 x 8 step of
+# --shape, its training phase, and the paper's speed setting as recipes (recipes/speed/, run
+# --unconstrained), keyed by the recipe's file name with its base format left out.
+STEP_TARGETS = {"qwen2.5-7b": 1.10, "qwen2.5-32b": 1.30}
+TRAIN_PHASE_TARGETS = {"qwen2.5-7b": 0.95}
+PAPER_TARGETS = {"qwen2.5-7b-1x2.yaml": 1.75, "qwen2.5-7b-1x8.yaml": 1.60, "qwen2.5-32b-1x8.yaml": 1.75}
+
+
+def _recipe_row(rows: list[dict], recipe: str, quant: str) -> dict | None:
+    """The last unconstrained row of recipe `recipe` (file name without its base format) over `quant`."""
+    found = [r for r in rows if r.get("recipe") is not None and r["quant"] == quant
+             and r.get("memory_budget_gb") is None and r["recipe"].replace(f"-{quant}-", "-") == recipe]
+    return found[-1] if found else None
+
+
+def _ratio_target(what: str, want: float, bf16: dict | None, fp4: dict | None, key: str) -> list[dict]:
+    """bf16's time over NVFP4's for `key`, named with the NVFP4 row's kernel column."""
+    if not (bf16 and fp4 and bf16["status"] == fp4["status"] == "ok"):
+        return []
+    ratio = bf16[key] / fp4[key]
+    name = what.format(how=f"NVFP4 ({fp4.get('kernels', 'deterministic')} kernels) over bf16 LoRA")
+    return [target(name, f">= {want}x", round(ratio, 3), "x", ratio >= want)]
+
+
 def targets(rows: list[dict]) -> list[dict]:
     out = _peak_target(rows, "qwen2.5-32b", 40, "peak GPU memory")
     out += _peak_target(rows, "qwen2.5-72b", 135, "fits on one H200")
-    fp4, bf16 = _row(rows, "qwen2.5-7b", "nvfp4"), _row(rows, "qwen2.5-7b", "bf16")
-    if fp4 and bf16 and fp4["status"] == bf16["status"] == "ok":
-        ratio = bf16["step_s"] / fp4["step_s"]
-        out.append(target("qwen2.5-7b RL step: NVFP4 over bf16 LoRA (step time, same run)", ">= 1.5x",
-                          round(ratio, 3), "x", ratio >= 1.5))
+    for shape, want in STEP_TARGETS.items():
+        out += _ratio_target(shape + " RL step 8 x 8: {how} (step time, same run)", want,
+                             _row(rows, shape, "bf16"), _row(rows, shape, "nvfp4"), "step_s")
+    for shape, want in TRAIN_PHASE_TARGETS.items():
+        out += _ratio_target(shape + " RL step 8 x 8, training phase: {how}", want,
+                             _row(rows, shape, "bf16"), _row(rows, shape, "nvfp4"), "train_s")
+    for recipe, want in PAPER_TARGETS.items():
+        out += _ratio_target(recipe.removesuffix(".yaml") + " (the paper's speed setting): {how}", want,
+                             _recipe_row(rows, recipe, "bf16"), _recipe_row(rows, recipe, "nvfp4"), "step_s")
     return out + ladder_targets(rows)
 
 
-def speedups(rows: list[dict]) -> list[dict]:
-    """Per shape with both bases measured: bf16 time over NVFP4 time, per phase."""
-    out = []
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        fp4, bf16 = _row(rows, shape, "nvfp4"), _row(rows, shape, "bf16")
-        if fp4 and bf16 and fp4["status"] == bf16["status"] == "ok":
-            out.append({"shape": shape, **{k: round(bf16[f"{k}_s"] / fp4[f"{k}_s"], 3)
-                                           for k in ("rollout", "train", "step")}})
-    return out
+def speedups(rows: list[dict], base: str = "bf16") -> list[dict]:
+    """Per shape (8 x 8 rows) and per speed recipe with both run: `base`'s time over NVFP4's, per phase."""
+    pairs = [(shape, _row(rows, shape, base), _row(rows, shape, "nvfp4"))
+             for shape in dict.fromkeys(r["shape"] for r in rows)]
+    pairs += [(recipe, _recipe_row(rows, recipe, base), _recipe_row(rows, recipe, "nvfp4"))
+              for recipe in dict.fromkeys(r["recipe"].replace("-nvfp4-", "-") for r in rows
+                                          if r.get("recipe") is not None and r["quant"] == "nvfp4")]
+    return [{"shape": name, **{k: round(slow[f"{k}_s"] / fp4[f"{k}_s"], 3) for k in ("rollout", "train", "step")}}
+            for name, slow, fp4 in pairs if slow and fp4 and slow["status"] == fp4["status"] == "ok"]
 
 
 def _settings(s: StepSettings) -> dict[str, Any]:
@@ -577,7 +605,8 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
     def result() -> dict[str, Any]:
         settings = _settings(s) if shapes else earlier.get("settings")
         return results_file(rows, targets(rows), settings=settings, torch=torch.__version__,
-                            nvfp4_over_bf16=speedups(rows), ladder=ladder(rows), recipe_settings=recipe_settings)
+                            nvfp4_over_bf16=speedups(rows), nvfp4_over_nf4=speedups(rows, "nf4"),
+                            ladder=ladder(rows), recipe_settings=recipe_settings)
 
     latest = result()
     cases = [(st.shape, st.quant, st.settings, None if unconstrained else st.budget_gb, st.name) for st in steps]

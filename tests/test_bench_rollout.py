@@ -22,3 +22,14 @@ def test_rows_and_targets_on_cpu():
     names = [t["name"] for t in targets([{"shape": "qwen2.5-7b", **r} for r in rows])]
     assert any("NVFP4 tokens/s over our bf16" in n for n in names) is False  # no nvfp4 row at batch 8
     assert any("HBM lower bound" in n for n in names)
+
+
+def test_nvfp4_over_nf4_target_at_batch_8():
+    """QeRL's claim against QLoRA: NVFP4 tokens/s over NF4's at batch 8, only where both ran."""
+    row = dict(shape="qwen2.5-7b", impl="qerl-engine", batch=8)
+    rows = [{**row, "format": "nvfp4", "tokens_per_s": 300.0}, {**row, "format": "nf4", "tokens_per_s": 150.0}]
+    got = [(t["name"], t["measured"], t["met"]) for t in targets(rows)]
+    assert got == [("qwen2.5-7b batch 8: NVFP4 tokens/s over NF4 (QLoRA's base)", 2.0, True)]
+    rows[1]["tokens_per_s"] = 250.0
+    assert [t["met"] for t in targets(rows)] == [False]
+    assert targets(rows[:1]) == []

@@ -11,7 +11,7 @@ from bench import train_step
 from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.memory.plan import plan_step
 from qerl_pipe.memory.step import StepSize, estimate_step_bytes
-from bench.train_step import StepSettings, run_train_step_bench, targets
+from bench.train_step import StepSettings, run_train_step_bench, speedups, targets
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import init_random_model, model_memory_bytes
 from qerl_pipe.recipe import load_recipe
@@ -95,17 +95,36 @@ def test_does_not_fit_and_out_of_memory_are_rows_not_crashes(tmp_path, monkeypat
 
 def test_targets_block():
     ok = dict(status="ok", peak_reserved_gib=30.0, estimate_gib=50.0)
-    rows = [{"shape": "qwen2.5-7b", "quant": "bf16", "step_s": 30.0, **ok},
-            {"shape": "qwen2.5-7b", "quant": "nvfp4", "step_s": 15.0, **ok},
+    rows = [{"shape": "qwen2.5-7b", "quant": "bf16", "step_s": 30.0, "train_s": 9.0, **ok},
+            {"shape": "qwen2.5-7b", "quant": "nvfp4", "step_s": 15.0, "train_s": 10.0, **ok},
             {"shape": "qwen2.5-32b", "quant": "nvfp4", **ok, "peak_reserved_gib": 45.0},
             {"shape": "qwen2.5-72b", "quant": "nvfp4", **ok, "status": "oom"}]
-    got = {t["name"].split(" ")[0] + " " + t["unit"]: (t["measured"], t["met"]) for t in targets(rows)}
+    got = {t["name"].split(":")[0] + " " + t["unit"]: (t["measured"], t["met"]) for t in targets(rows)}
     # GiB in the rows, GB (10^9 bytes) in the targets: 45 GiB = 48.32 GB, 50 GiB = 53.69 GB.
-    assert got == {"qwen2.5-32b GB": (48.32, False), "qwen2.5-72b GB": (53.69, False), "qwen2.5-7b x": (2.0, True)}
+    assert got == {"qwen2.5-32b NVFP4 RL step peak GPU memory (peak reserved) GB": (48.32, False),
+                   "qwen2.5-72b NVFP4 RL step fits on one H200 (did not run GB": (53.69, False),
+                   "qwen2.5-7b RL step 8 x 8 x": (2.0, True), "qwen2.5-7b RL step 8 x 8, training phase x": (0.9, False)}
     rows[2]["peak_reserved_gib"] = 37.0  # 39.73 GB: under 40 GB
     assert [t["met"] for t in targets(rows) if t["name"].startswith("qwen2.5-32b")] == [True]
     for t in targets(rows):
         assert set(t) == {"name", "target", "measured", "unit", "met"}
+
+
+def test_paper_setting_targets_pair_recipes_by_name():
+    """The speed recipes pair by file name with the base format left out; a budgeted run of the same
+    recipe is not the paper's setting, and each target names the NVFP4 row's kernel column."""
+    ok = dict(status="ok", memory_budget_gb=None)
+    rows = [{"shape": "qwen2.5-7b", "quant": "bf16", "recipe": "qwen2.5-7b-bf16-1x8.yaml", "step_s": 16.0,
+             "rollout_s": 12.0, "train_s": 4.0, **ok},
+            {"shape": "qwen2.5-7b", "quant": "nvfp4", "recipe": "qwen2.5-7b-nvfp4-1x8.yaml", "step_s": 8.0,
+             "rollout_s": 5.0, "train_s": 3.0, "kernels": "fast", **ok},
+            {"shape": "qwen2.5-7b", "quant": "nvfp4", "recipe": "qwen2.5-7b-nvfp4-1x2.yaml", "step_s": 1.0,
+             "rollout_s": 0.5, "train_s": 0.5, **ok, "memory_budget_gb": 16}]
+    got = [(t["name"], t["target"], t["measured"], t["met"]) for t in targets(rows) if "ladder" not in t["name"]]
+    assert got == [("qwen2.5-7b-1x8 (the paper's speed setting): NVFP4 (fast kernels) over bf16 LoRA",
+                    ">= 1.6x", 2.0, True)]
+    assert speedups(rows) == [{"shape": "qwen2.5-7b-1x8.yaml", "rollout": 2.4, "train": 1.333, "step": 2.0}]
+    assert speedups(rows, "nf4") == []
 
 
 def test_memory_estimate():
