@@ -5,8 +5,7 @@ kernels read our buffers directly, with no copy. What runs is what `bnb.nn.Linea
 (`bitsandbytes.autograd._functions.matmul_4bit` and `MatMul4Bit`):
 - one row: `gemv_4bit`, its fused 4-bit GEMV;
 - more rows: `dequantize_4bit` into a bf16 weight, then cuBLAS (Linear4bit's `F.linear` on the
-  dequantized weight); the dequantized weight goes into our shared decode buffer
-  (`dequant_gemm.scratch`) instead of a fresh allocation per call;
+  dequantized weight), a transient [N, K] tensor as large as our shared decode buffer;
 - dX: `dy @ dequantize_4bit(W)`, as `MatMul4Bit.backward` computes it.
 
 Which calls take this path is a row of the dispatch table (`kernels.dispatch.nf4_backend`).
@@ -68,15 +67,14 @@ def _bytes(w: PackedNF4) -> Tensor:
 
 
 def dequantize(w: PackedNF4, dtype: torch.dtype) -> Tensor:
-    """bitsandbytes' `dequantize_4bit` of `w` into the shared decode buffer: `[N, K]` in `dtype`,
-    valid until the next decode on this device and dtype."""
-    from qerl_pipe.kernels.dequant_gemm import scratch
+    """bitsandbytes' `dequantize_4bit` of `w`: a new `[N, K]` tensor in `dtype`.
 
-    n, k = w.out_features, w.in_features
-    out = scratch(n, k, w.qweight.device, dtype)
-    torch.ops.bitsandbytes.dequantize_4bit.out(_bytes(w), w.absmax.reshape(-1), NF4_BLOCK, "nf4", [n, k], dtype,
-                                               out=out)
-    return out
+    Not its `.out` overload into a shared buffer: that one checks `out.shape == shape` with the
+    shape the dispatcher hands it as a list, which a `torch.Size` never equals (measured on the GPU
+    with torch 2.11: every call fails, bitsandbytes' own `functional.dequantize_4bit(out=...)` too).
+    The caching allocator (or a CUDA graph's pool) serves the buffer from the previous layer's."""
+    return torch.ops.bitsandbytes.dequantize_4bit.default(_bytes(w), w.absmax.reshape(-1), NF4_BLOCK, "nf4",
+                                                          [w.out_features, w.in_features], dtype)
 
 
 def matmul(x2: Tensor, w: PackedNF4) -> Tensor:
