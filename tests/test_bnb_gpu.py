@@ -31,8 +31,11 @@ MAX_REL = 1e-2
 
 @pytest.fixture(scope="module", autouse=True)
 def _bnb() -> None:
-    if not bnb_backend.available("cuda"):
-        pytest.skip(f"bitsandbytes does not run here ({bnb_backend.why_unavailable('cuda')})")
+    """Skipped without the qlora extra; with it installed, bitsandbytes must run here (a probe that
+    fails on an installed bitsandbytes once made every test below skip unnoticed)."""
+    pytest.importorskip("bitsandbytes", reason="needs the qlora extra")
+    why = bnb_backend.why_unavailable("cuda")
+    assert why is None, f"bitsandbytes is installed but does not run: {why}"
 
 
 @pytest.fixture
