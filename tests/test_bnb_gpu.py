@@ -36,6 +36,8 @@ def _bnb() -> None:
     pytest.importorskip("bitsandbytes", reason="needs the qlora extra")
     why = bnb_backend.why_unavailable("cuda")
     assert why is None, f"bitsandbytes is installed but does not run: {why}"
+    # Cache the availability now: its probe runs `bnb_backend.matmul`, which a test below counts.
+    assert bnb_backend.available("cuda")
 
 
 @pytest.fixture
