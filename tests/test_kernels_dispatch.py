@@ -91,8 +91,11 @@ def test_shipped_tables_parse_and_name_measured_rows() -> None:
     for t in tables:
         assert t.sms > 0 and t.gpu
         for column in (t.deterministic, t.fast):
-            for key in column:
-                assert int(key.split(":")[0][1:]) in ROWS_M, key
+            for key, chosen in column.items():
+                op, _, row = key.rpartition(":m") if key.startswith("nf4") else ("", "", key[1:])
+                assert op in ("", *dispatch.NF4_OPS), key
+                assert int(row.split(":")[0]) in ROWS_M, key
+                assert chosen in (dispatch.NF4_BACKENDS if op else dispatch.BACKENDS), (key, chosen)
 
 
 def test_no_table_and_no_copies_off_cuda() -> None:
