@@ -542,8 +542,8 @@ def speedups(rows: list[dict], base: str = "bf16") -> list[dict]:
     pairs = [(shape, _row(rows, shape, base), _row(rows, shape, "nvfp4"))
              for shape in dict.fromkeys(r["shape"] for r in rows)]
     pairs += [(recipe, _recipe_row(rows, recipe, base), _recipe_row(rows, recipe, "nvfp4"))
-              for recipe in dict.fromkeys(r["recipe"].replace("-nvfp4-", "-") for r in rows
-                                          if r.get("recipe") is not None and r["quant"] == "nvfp4")]
+              for recipe in dict.fromkeys(r["recipe"].replace(f"-{r['quant']}-", "-") for r in rows
+                                          if r.get("recipe") is not None)]
     return [{"shape": name, **{k: round(slow[f"{k}_s"] / fp4[f"{k}_s"], 3) for k in ("rollout", "train", "step")}}
             for name, slow, fp4 in pairs if slow and fp4 and slow["status"] == fp4["status"] == "ok"]
 
