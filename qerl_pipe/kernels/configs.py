@@ -72,9 +72,15 @@ def table_key(op: str, fmt: str, m: int, n: int | None = None, k: int | None = N
     return base if n is None else f"{base}:n{n}:k{k}"
 
 
-def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4,
+# Config shorthands, shared with the tuning candidates (`kernels.tuning`).
+def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
         ptx: bool = False) -> KernelConfig:
-    return KernelConfig("skinny", bm, bn, bk, split, warps, 1, ptx_decode=ptx)
+    return KernelConfig("skinny", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
+
+
+def _gv(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
+        ptx: bool = False) -> KernelConfig:
+    return KernelConfig("gemv", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
 
 
 def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1,
