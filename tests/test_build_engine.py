@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.random_model import init_random_model
 from qerl_pipe.engine.limits import EngineLimits, kv_bytes_per_token
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.load import init_random_model, load_model
+from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
 from qerl_pipe.engine.artifact import load_engine
 from tests.conftest import read_json

@@ -58,7 +58,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def hf_config_from(config: DecoderConfig) -> dict[str, Any]:
     """A config.json dict that `DecoderConfig.from_hf` reads back as `config` (for models built
-    without one, e.g. `init_random_model`). The Llama / Qwen / full-attention Mistral block only:
+    without one, e.g. the benchmarks' random-weight models). The Llama / Qwen / full-attention Mistral block only:
     the other families' fields have no single spelling to write back; save those with their own
     config.json (`save_engine_model(..., hf_config=...)`)."""
     if config.model_type not in ("llama", "mistral", "qwen2", "qwen3") or config.windows:
