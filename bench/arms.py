@@ -23,7 +23,7 @@ from typing import Any
 from bench.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.task.rewards import RewardSpec, score
-from qerl_pipe.rl.task.tasks import Problem, kind_of
+from qerl_pipe.rl.task.tasks import PACKAGED, Problem
 from qerl_pipe.strict_json import write_json
 
 PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
@@ -35,6 +35,15 @@ SMOOTH = 5  # steps in the plotted moving average; the raw curve is drawn faintl
 # bench/results/train-smollm2-h200/seed1/logs). Lab support, so it lives here, not in rl/metrics.
 _STEP_LINE = re.compile(r"train: step (\d+)/\d+ reward (\S+) accuracy (\S+) length (\S+) sigma (\S+) "
                         r"lr (\S+) (\S+) s")
+
+
+def kind_of(problem_id: str) -> str:
+    """The kind of the problem with this id, from the id scheme of `load_problems` ('<spec>:<row>',
+    'arithmetic:<seed>:<i>', '<file name>:<row>'): what regrading a kept answer needs."""
+    if problem_id.startswith(("arithmetic:", "addition:")):
+        return "arithmetic"
+    spec = problem_id.rsplit(":", 1)[0]
+    return PACKAGED[spec][3] if spec in PACKAGED else "jsonl"
 
 
 def parse_step_line(line: str) -> dict[str, Any] | None:

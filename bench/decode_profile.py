@@ -25,12 +25,12 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.random_model import init_random_model
 from bench.results import results_file, target
 from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph
-from qerl_pipe.model.load import init_random_model
 from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12

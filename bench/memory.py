@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from bench.random_model import init_random_model
 from bench.results import results_file, target
 from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.model.linear import QuantLinear
-from qerl_pipe.model.load import init_random_model, model_memory_bytes
+from qerl_pipe.model.load import model_memory_bytes
 
 QWEN25_32B = QWEN25_SHAPES["qwen2.5-32b"]
 GIB = 2**30

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from bench.random_model import init_random_model
 from bench.results import nulls_for_non_finite, results_file, target
 from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.engine import Engine, SamplingParams
@@ -29,7 +30,7 @@ from qerl_pipe.errors import QerlError
 from qerl_pipe.engine.limits import kv_bytes_per_token, plan_limits
 from qerl_pipe.kernels import dispatch
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.load import init_random_model, model_memory_bytes
+from qerl_pipe.model.load import model_memory_bytes
 from qerl_pipe.model.lora import LoraSpec
 from qerl_pipe.strict_json import write_json
 

@@ -59,7 +59,7 @@ def measure(shape: str, device: str, prompts_per_step: int, group_size: int, pro
     """Run warm-up + timed RL steps on this rank's share; returns rank 0's row (others: {})."""
     from qerl_pipe.engine import Engine, plan_limits
     from qerl_pipe.model.config import DecoderConfig
-    from qerl_pipe.model.load import init_random_model
+    from bench.random_model import init_random_model
     from qerl_pipe.model.lora import LoraSpec
     from qerl_pipe.jobs.train_config import train_config
     from qerl_pipe.recipe import TrainSection

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from bench.kernel_kinds import profile_kinds
+from bench.random_model import init_random_model
 from bench.results import nulls_for_non_finite, results_file, target
 from bench.shapes import QWEN25_SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
@@ -65,7 +66,7 @@ from qerl_pipe.kernels import dispatch
 from qerl_pipe.kernels.base_formats import base_format
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
-from qerl_pipe.model.load import init_random_model, model_memory_bytes
+from qerl_pipe.model.load import model_memory_bytes
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
 from qerl_pipe.recipe import TrainSection, load_recipe
 from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.random_model import init_random_model
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels.base_formats import FORMATS, NAMES, NVFP4, UnknownBaseFormat, base_format
 from qerl_pipe.model.linear import QuantLinear
-from qerl_pipe.model.load import init_random_model
 from qerl_pipe.recipe import EngineSection
 from tests.conftest import TINY_DIMS
 

@@ -120,7 +120,7 @@ def test_kept_greedy_answers_are_graded_again_by_todays_grader(tmp_path):
     ("arithmetic:3:17", "arithmetic"), ("gsm8k:test:4", "gsm8k"), ("math500:test:0", "math"),
     ("mine.jsonl:2", "jsonl")])
 def test_a_problem_id_names_its_kind(problem_id, kind):
-    from qerl_pipe.rl.task.tasks import kind_of
+    from bench.arms import kind_of
     assert kind_of(problem_id) == kind
 
 

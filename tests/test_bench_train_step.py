@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from bench import train_step
+from bench.random_model import init_random_model
 from bench.shapes import QWEN25_SHAPES
 from qerl_pipe.memory.plan import plan_step
 from qerl_pipe.memory.step import StepSize, estimate_step_bytes
 from bench.train_step import StepSettings, run_train_step_bench, speedups, targets
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.load import init_random_model, model_memory_bytes
+from qerl_pipe.model.load import model_memory_bytes
 from qerl_pipe.recipe import load_recipe
 
 TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,

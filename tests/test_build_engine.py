@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.random_model import init_random_model
 from qerl_pipe.engine.limits import EngineLimits, kv_bytes_per_token
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.load import init_random_model, load_model
+from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
 from qerl_pipe.engine.artifact import load_engine
 from tests.conftest import read_json
@@ -157,9 +158,10 @@ def test_engine_weights_round_trip_in_shards(tmp_path, monkeypatch, arch, fmt):
 
     dims = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512)
-    model = init_random_model({**dims, **ROUND_TRIP[arch]}, fmt, dtype=torch.bfloat16, seed=3)
+    config = {**dims, **ROUND_TRIP[arch]}
+    model = init_random_model(config, fmt, dtype=torch.bfloat16, seed=3)
     monkeypatch.setattr(weights, "SHARD_BYTES", 40_000)
-    weights.save_engine_model(model, tmp_path)
+    weights.save_engine_model(model, tmp_path, hf_config=config)
     shards = sorted(tmp_path.glob("engine-*.safetensors"))
     assert len(shards) > 2 and shards[-1].name.endswith(f"-of-{len(shards):05d}.safetensors")
     loaded = weights.load_engine_model(tmp_path, "cpu")
@@ -174,7 +176,7 @@ def test_a_mismatched_engine_is_refused(tmp_path):
 
     dims = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
                 intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-    weights.save_engine_model(init_random_model(dims, "nvfp4"), tmp_path)
+    weights.save_engine_model(init_random_model(dims, "nvfp4"), tmp_path, hf_config=dims)
     config = read_json(tmp_path / "config.json")
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     with pytest.raises(ArtifactError, match="do not match the model"):
@@ -188,7 +190,7 @@ def test_an_nf4_engine_of_the_old_byte_layout_is_refused(tmp_path):
 
     dims = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
                 intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-    weights.save_engine_model(init_random_model(dims, "nf4"), tmp_path)
+    weights.save_engine_model(init_random_model(dims, "nf4"), tmp_path, hf_config=dims)
     index = read_json(tmp_path / weights.INDEX_NAME)
     assert index["metadata"]["base_layout_version"] == 2
     del index["metadata"]["base_layout_version"]

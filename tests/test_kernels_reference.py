@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -11,7 +13,6 @@ from qerl_pipe.kernels import (
     KernelConfig,
     default_table,
     get_config,
-    load_table,
     nf4_linear,
     nf4_linear_dx,
     nvfp4_linear,
@@ -19,9 +20,9 @@ from qerl_pipe.kernels import (
     prepare_nf4,
     prepare_nvfp4,
     prepared_nvfp4,
-    save_table,
     set_table,
 )
+from qerl_pipe.kernels.configs import table_from_json, table_to_json
 from qerl_pipe.kernels.packing import pack_words, unpack_words, unprepare_nf4, unprepare_nvfp4
 
 
@@ -90,12 +91,12 @@ def test_prepared_is_cached_per_weight_object() -> None:
     assert prepared_nvfp4(packed) is packed
 
 
-def test_config_table_json_round_trip_and_lookup(tmp_path) -> None:
+def test_config_table_json_round_trip_and_lookup() -> None:
+    """As an engine keeps its tuned table in engine.json and installs it again."""
     table = default_table()
     tuned = KernelConfig("tiled", 64, 128, 64, num_warps=8, num_stages=4)
     table["fwd:nvfp4:m64:n4608:k3584"] = tuned
-    save_table(table, tmp_path / "t.json")
-    loaded = load_table(tmp_path / "t.json")
+    loaded = table_from_json(json.loads(json.dumps(table_to_json(table))))
     assert loaded == table
     set_table(loaded)
     try:

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bench.random_model import init_random_model
 from qerl_pipe.errors import ModelSourceError
 from tests.conftest import randomize_weights
 from tests.compressed_tensors_writer import compressed_nvfp4_tensors, compressed_tensors_config
@@ -22,7 +23,7 @@ from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.model.decoder import KVCache
 from qerl_pipe.model.linear import QuantLinear
-from qerl_pipe.model.load import init_random_model, load_model, model_memory_bytes
+from qerl_pipe.model.load import load_model, model_memory_bytes
 
 DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=512)

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
+from bench.random_model import init_random_model
 from qerl_pipe.errors import ArtifactError
-from qerl_pipe.model.load import init_random_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.peft import ADAPTER_CONFIG, lora_tensors, read_adapter, save_adapter
 from tests.conftest import TINY_DIMS

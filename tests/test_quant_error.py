@@ -9,12 +9,20 @@ import torch
 
 from qerl_pipe.formats.modelopt_writer import quantize_in_row_chunks
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4
-from qerl_pipe.formats.quant_error import ErrorSums, LayerError, layer_errors, summarize
+from qerl_pipe.formats.quant_error import ErrorSums, LayerError, summarize
 from tests.conftest import read_json
 from tests.stage_cli import cli, last_line
 
 CAL = ["--set", "calibrate.num_samples=4", "--set", "calibrate.seq_len=32", "--set", "calibrate.batch_size=2"]
 FAST = ["--set", "quantize.quality.perplexity=never"]
+
+
+def layer_errors(weight: torch.Tensor, dequantized: torch.Tensor,
+                 channel_mean_square: torch.Tensor | None = None) -> LayerError:
+    """`LayerError` of a whole weight at once."""
+    sums = ErrorSums(channel_mean_square)
+    sums.add(weight, dequantized)
+    return sums.result()
 
 
 def _weight(seed: int, heavy: bool = False) -> torch.Tensor:

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import train_tokenizer
 from qerl_pipe.errors import QerlError
-from qerl_pipe.rl.task.tasks import DEFAULT_INSTRUCTIONS, Problem, TaskError, kind_of, load_problems, render_prompt
+from bench.arms import kind_of
+from qerl_pipe.rl.task.tasks import DEFAULT_INSTRUCTIONS, Problem, TaskError, load_problems, render_prompt
 
 
 @pytest.mark.parametrize("spec, count, kind", [("gsm8k:train", 7473, "gsm8k"), ("gsm8k:test", 1319, "gsm8k"),

@@ -9,9 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from bench.random_model import init_random_model
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.jobs.train_config import train_config
-from qerl_pipe.model.load import init_random_model, load_model
+from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_disabled, lora_parameters
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.recipe import TrainSection

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.random_model import init_random_model
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.model.full import FullTraining, full_training_bytes, make_fully_trainable
-from qerl_pipe.model.load import init_random_model, load_model
+from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec
 from qerl_pipe.model.save import hf_tensors
 from qerl_pipe.recipe import TrainSection

@@ -23,7 +23,7 @@ from torch import Tensor
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.kernels.base_formats import FORMATS, base_format
-from qerl_pipe.model.config import SUPPORTED, DecoderConfig
+from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.lora import LoraSpec, apply_lora
@@ -56,46 +56,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def hf_config_from(config: DecoderConfig) -> dict[str, Any]:
-    """A config.json dict that `DecoderConfig.from_hf` reads back as `config` (for models built
-    without one, e.g. `init_random_model`). The Llama / Qwen / full-attention Mistral block only:
-    the other families' fields have no single spelling to write back; save those with their own
-    config.json (`save_engine_model(..., hf_config=...)`)."""
-    if config.model_type not in ("llama", "mistral", "qwen2", "qwen3") or config.windows:
-        raise ValueError(f"a {config.model_type} model's config.json cannot be rebuilt from its DecoderConfig; "
-                         "pass the model's own config.json as hf_config")
-    out: dict[str, Any] = {
-        "architectures": [SUPPORTED[config.model_type]],
-        "model_type": config.model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        # Qwen2 has q/k/v biases by architecture; elsewhere attention_bias covers q/k/v and o.
-        "attention_bias": config.o_bias,
-        "mlp_bias": config.mlp_bias,
-        "rope_theta": config.rope.theta,
-        "sliding_window": None,
-        "use_sliding_window": False,
-    }
-    if config.rope.type == "llama3":
-        out["rope_scaling"] = {
-            "rope_type": "llama3", "factor": config.rope.factor,
-            "low_freq_factor": config.rope.low_freq_factor, "high_freq_factor": config.rope.high_freq_factor,
-            "original_max_position_embeddings": config.rope.original_max_position_embeddings,
-        }
-    elif config.rope.type == "linear":
-        out["rope_scaling"] = {"rope_type": "linear", "factor": config.rope.factor}
-    return out
-
-
 def _host_copy(t: Tensor) -> Tensor:
     """A CPU tensor owning exactly its bytes (safetensors refuses tensors that share storage)."""
     t = t.detach().to("cpu").contiguous()
@@ -103,20 +63,17 @@ def _host_copy(t: Tensor) -> Tensor:
     return t if owns else t.clone()
 
 
-def save_engine_model(model: Decoder, out_dir: Path, *, hf_config: Mapping[str, Any] | None = None) -> None:
+def save_engine_model(model: Decoder, out_dir: Path, *, hf_config: Mapping[str, Any]) -> None:
     """Write `model`'s base (no LoRA) to `out_dir`: shards, an index and config.json.
 
     `hf_config` is the model's own config.json dict (kept, minus `quantization_config`, so token
-    ids and the like travel with the engine); without it one is rebuilt from `model.config`.
+    ids and the like travel with the engine).
     """
     out_dir = Path(out_dir)
-    if hf_config is None:
-        config = hf_config_from(model.config)
-    else:
-        if DecoderConfig.from_hf(hf_config) != model.config:
-            raise ValueError("hf_config describes another model than the one being saved")
-        # The tensors here are not in that checkpoint layout; a reader must not think they are.
-        config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    if DecoderConfig.from_hf(hf_config) != model.config:
+        raise ValueError("hf_config describes another model than the one being saved")
+    # The tensors here are not in that checkpoint layout; a reader must not think they are.
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     tensors = _stored_tensors(model)
     meta = [name for name, t in tensors.items() if t.device.type == "meta"]
     if meta:

@@ -60,11 +60,6 @@ FUSED_INDEX: dict[str, tuple[str, int]] = {
 }
 
 
-def projection(target: str) -> str:
-    """A LoRA target's HF module name: `q` -> `q_proj`."""
-    return f"{target}_proj"
-
-
 def targets_of(module: str) -> tuple[str, ...]:
     """The LoRA targets an HF projection module carries: `q_proj` -> (q,), `qkv_proj` -> (q, k, v)."""
     return CHECKPOINT_FUSED.get(module, (module.removesuffix("_proj"),))

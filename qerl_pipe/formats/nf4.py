@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.errors import QuantizationError
+from qerl_pipe.formats.nvfp4 import FourBitRows
 
 NF4_BLOCK = 64
 # bitsandbytes `functional.get_4bit_type("nf4")`, code index = position.
@@ -88,19 +89,11 @@ _THRESHOLDS = _level_thresholds()
 
 
 @dataclass(frozen=True)
-class NF4Weight:
+class NF4Weight(FourBitRows):
     """One NF4 linear weight: `W ~= NF4_CODE[code] * absmax[n, k // 64]`, in bitsandbytes' bytes."""
 
     packed: Tensor  # uint8 [N, K/2]: element 2j in the high nibble of byte j (bitsandbytes' order)
     absmax: Tensor  # float32 [N, K/64]
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.shape[1] * 2
 
     def to(self, device: torch.device | str) -> NF4Weight:
         return NF4Weight(self.packed.to(device), self.absmax.to(device))

@@ -45,21 +45,29 @@ _MIN_GLOBAL_SCALE = 2.0**-117
 METHODS = ("rtn", "mse", "act-mse")
 
 
+class FourBitRows:
+    """`out_features` / `in_features` of a 4-bit weight from its code tensor: the field `CODES`,
+    one row per output feature and `PER_ITEM` codes per element along the input."""
+
+    CODES = "packed"
+    PER_ITEM = 2
+
+    @property
+    def out_features(self) -> int:
+        return getattr(self, self.CODES).shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return getattr(self, self.CODES).shape[1] * self.PER_ITEM
+
+
 @dataclass(frozen=True)
-class NVFP4Weight:
+class NVFP4Weight(FourBitRows):
     """One NVFP4 linear weight: `W ~= e2m1(code) * block_scales[n, k // 16] * global_scale`."""
 
     packed: Tensor  # uint8 [N, K/2]; element 2j in the low nibble, 2j+1 in the high nibble
     block_scales: Tensor  # float8_e4m3fn [N, K/16], row-major
     global_scale: Tensor  # float32 0-dim; modelopt's `weight_scale_2`
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.shape[1] * 2
 
     def to(self, device: torch.device | str) -> NVFP4Weight:
         return NVFP4Weight(

@@ -76,13 +76,6 @@ def _ratio(error_sq: float, ref_sq: float) -> float:
     return math.sqrt(error_sq / ref_sq) if ref_sq > 0 else 0.0
 
 
-def layer_errors(weight: Tensor, dequantized: Tensor, channel_mean_square: Tensor | None = None) -> LayerError:
-    """`LayerError` of a whole weight at once (tests and small tensors)."""
-    sums = ErrorSums(channel_mean_square)
-    sums.add(weight, dequantized)
-    return sums.result()
-
-
 def summarize(errors: dict[str, LayerError], worst: int = 5) -> dict:
     """Mean and max over layers of each error, and the `worst` layers (by output error when known)."""
     if not errors:

@@ -12,8 +12,6 @@ from qerl_pipe.kernels.configs import (
     KernelConfig,
     default_table,
     get_config,
-    load_table,
-    save_table,
     set_table,
 )
 from qerl_pipe.kernels.linear import nf4_linear, nf4_linear_dx, nvfp4_linear, nvfp4_linear_dx
@@ -34,7 +32,6 @@ __all__ = [
     "PackedNVFP4",
     "default_table",
     "get_config",
-    "load_table",
     "nf4_linear",
     "nf4_linear_dx",
     "nvfp4_linear",
@@ -43,7 +40,6 @@ __all__ = [
     "prepare_nvfp4",
     "prepared_nf4",
     "prepared_nvfp4",
-    "save_table",
     "set_table",
     "TiledNVFP4",
     "tile_nvfp4",

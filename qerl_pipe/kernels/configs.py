@@ -6,16 +6,12 @@ A key is `"{op}:{fmt}:m{bucket}"`, optionally specialised to one layer as
 that the tiled GEMM's best shape no longer changes). build-engine tunes on its GPU
 (`kernels.tuning`, called from `engine.build`) and keeps the table in the engine's `engine.json`
 (`table_to_json`); `engine.artifact.load_engine` installs it process-wide with `table_from_json`
-+ `set_table`. `save_table` / `load_table` write and read a table as a file of its own.
++ `set_table`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
-
-from qerl_pipe.strict_json import write_json
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 KERNELS = ("skinny", "gemv", "tiled", "dequant")
@@ -72,9 +68,15 @@ def table_key(op: str, fmt: str, m: int, n: int | None = None, k: int | None = N
     return base if n is None else f"{base}:n{n}:k{k}"
 
 
-def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4,
+# Config shorthands, shared with the tuning candidates (`kernels.tuning`).
+def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
         ptx: bool = False) -> KernelConfig:
-    return KernelConfig("skinny", bm, bn, bk, split, warps, 1, ptx_decode=ptx)
+    return KernelConfig("skinny", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
+
+
+def _gv(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
+        ptx: bool = False) -> KernelConfig:
+    return KernelConfig("gemv", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
 
 
 def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1,
@@ -137,11 +139,3 @@ def table_to_json(table: ConfigTable) -> dict[str, dict[str, int | str]]:
 
 def table_from_json(data: dict[str, dict[str, int | str]]) -> ConfigTable:
     return {key: KernelConfig(**cfg) for key, cfg in data.items()}  # type: ignore[arg-type]
-
-
-def save_table(table: ConfigTable, path: str | Path) -> None:
-    write_json(Path(path), table_to_json(table), indent=1)
-
-
-def load_table(path: str | Path) -> ConfigTable:
-    return table_from_json(json.loads(Path(path).read_text()))

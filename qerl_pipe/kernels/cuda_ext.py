@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.kernels import tiled
+from qerl_pipe.kernels.optional_backend import availability
 
 log = logging.getLogger(__name__)
 
@@ -157,24 +158,13 @@ def why_unavailable(device: torch.device | str) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
-def _available(device: torch.device) -> bool:
-    why = why_unavailable(device)
-    if why is not None:
-        if device.type == "cuda":
-            log.warning("CUDA W4A16 kernels off on %s (%s); using the Triton kernels", device, why)
-        return False
-    return True
+_available_on_gpu = availability(why_unavailable, "CUDA W4A16 kernels", "using the Triton kernels")
 
 
 def available(device: torch.device | str) -> bool:
     """Whether the CUDA kernels run on `device` (built on the first call; logged once if not)."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _available(device)
+    return device.type == "cuda" and torch.cuda.is_available() and _available_on_gpu(device)
 
 
 @lru_cache(maxsize=None)

@@ -1,5 +1,6 @@
-"""Whether an optional kernel backend (humming-kernels, bitsandbytes) runs on a device: asked once
-per device, and said once, in one line, when it does not (our own kernels then serve its rows)."""
+"""Whether a kernel backend that may not run everywhere (our CUDA kernels, humming-kernels,
+bitsandbytes) runs on a device: asked once per device, and said once, in one line, when it does
+not (other kernels then serve its rows)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.formats.nf4 import NF4_CODE, NF4Weight
-from qerl_pipe.formats.nvfp4 import NVFP4Weight, pack_fp4, unpack_fp4
+from qerl_pipe.formats.nvfp4 import FourBitRows, NVFP4Weight, pack_fp4, unpack_fp4
 
 # WORD_SLOTS[slot] = which of the word's 8 elements sits in nibble `slot` (bits 4*slot..4*slot+3).
 WORD_SLOTS = (6, 4, 2, 0, 7, 5, 3, 1)
@@ -37,39 +37,27 @@ _SLOT_OF_ELEMENT = tuple(WORD_SLOTS.index(e) for e in range(8))
 
 
 @dataclass(frozen=True)
-class PackedNVFP4:
+class PackedNVFP4(FourBitRows):
     """NVFP4 weight in kernel layout."""
+
+    CODES, PER_ITEM = "qweight", 8
 
     qweight: Tensor  # int32 [N, K/8], 8 codes per word in WORD_SLOTS order
     scales: Tensor  # uint8 [N, K/16], the E4M3 block-scale bytes
     global_scale: Tensor  # float32 [1]; a tensor, not a float, so no host sync per call
 
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1] * 8
-
 
 @dataclass(frozen=True)
-class PackedNF4:
+class PackedNF4(FourBitRows):
     """NF4 weight in kernel layout."""
+
+    CODES, PER_ITEM = "qweight", 8
 
     qweight: Tensor  # int32 [N, K/8]: bitsandbytes' bytes [N, K/2] viewed as words (not WORD_SLOTS)
     absmax: Tensor  # float32 [N, K/64]
     code: Tensor  # float32 [16], the NF4 levels (the kernel's lookup table)
     # On the CPU, the weight dequantized once, where the model made one (as `TiledNVFP4.dense`).
     dense: Tensor | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1] * 8
 
 
 # Rows are packed in chunks of about this many elements: the int64 temporaries cost 8-16 B per

@@ -66,6 +66,12 @@ def _skinny_kernel(x_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, y_ptr, M, N, K, stride_x
         y = tl.sum(acc, axis=2) * tile_scale(g_ptr, FMT, PTX)
     else:
         y = acc * tile_scale(g_ptr, FMT, PTX)
+    _store_tile(y_ptr, y, offs_m, offs_n, m_ok, N, stride_ym, SPLIT_K)
+
+
+@triton.jit
+def _store_tile(y_ptr, y, offs_m, offs_n, m_ok, N, stride_ym, SPLIT_K: tl.constexpr):
+    """Write an output tile; a split-K program adds its fp32 partial sums into the workspace."""
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     ok = m_ok[:, None] & (offs_n[None, :] < N)
     if SPLIT_K == 1:
@@ -104,12 +110,7 @@ def _tiled_kernel(x_ptr, q_ptr, s_ptr, g_ptr, lut_ptr, y_ptr, M, N, K, stride_xm
         w = dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K, FMT, BLOCK_N, BLOCK_K, PTX)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc)
     y = acc * tile_scale(g_ptr, FMT, PTX)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    ok = m_ok[:, None] & (offs_n[None, :] < N)
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.atomic_add(y_ptrs, y, mask=ok)
+    _store_tile(y_ptr, y, offs_m, offs_n, m_ok, N, stride_ym, SPLIT_K)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels.base_formats import FORMATS, base_format
-from qerl_pipe.kernels.configs import ConfigTable, KernelConfig, m_bucket, table_key
+from qerl_pipe.kernels.configs import ConfigTable, KernelConfig, _dq, _gv, _sk, _t, m_bucket, table_key
 from qerl_pipe.kernels.packing import PackedNF4, PackedNVFP4
 
 L2_BYTES = 60 * 2**20
@@ -36,25 +36,6 @@ TUNED = tuple(name for name, f in FORMATS.items() if f.kernels is not None and f
 Run = Callable[[KernelConfig, int], Tensor]
 Timer = Callable[[list[Callable[[], object]]], float]
 TuneResult = tuple[KernelConfig | None, float, float, list[dict]]
-
-
-def _sk(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
-        ptx: bool = False) -> KernelConfig:
-    return KernelConfig("skinny", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
-
-
-def _gv(bm: int, bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 1,
-        ptx: bool = False) -> KernelConfig:
-    return KernelConfig("gemv", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
-
-
-def _t(bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1,
-       ptx: bool = False) -> KernelConfig:
-    return KernelConfig("tiled", bm, bn, bk, split, warps, stages, ptx_decode=ptx)
-
-
-def _dq(bn: int = 32, bk: int = 256, warps: int = 4, ptx: bool = False) -> KernelConfig:
-    return KernelConfig("dequant", 1, bn, bk, 1, warps, 1, ptx_decode=ptx)
 
 
 # Candidates per M range (forward): the v2 H200 sweep's winners and runners-up, each also with

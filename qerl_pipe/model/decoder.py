@@ -205,7 +205,7 @@ def soft_cap(x: Tensor, cap: float) -> Tensor:
 class Decoder(nn.Module):
     """Embedding, N decoder layers, final norm, LM head (tied to the embedding when the config says so).
 
-    Built by `load_model` or `init_random_model`: the constructor leaves every QuantLinear base on
+    Built by `load_model` (or `bench.random_model`): the constructor leaves every QuantLinear base on
     the meta device and the other weights uninitialised.
     """
 

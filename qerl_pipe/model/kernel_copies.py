@@ -2,8 +2,8 @@
 
 humming reads its own layout, so a linear it serves holds its base twice (ours for the rows our
 GEMM wins, humming's for the others): 0.5625 bytes per weight more. `attach_humming` makes the
-copies only for the layer shapes the active table (`kernels.dispatch`) sends to humming, and only
-when they fit in `room_bytes` (the memory plan's say); it compiles humming's kernels for them
+copies only for the layer shapes the active table (`kernels.dispatch`) sends to humming (the
+engine asks for them only where the memory plan left room); it compiles humming's kernels for them
 now, before any CUDA graph is captured. Without copies those rows run our kernels (the table's
 fallback rule), which the one log line says.
 """
@@ -38,19 +38,14 @@ def copy_bytes(linears: list[QuantLinear]) -> int:
     return sum(m.qweight.numel() * 4 + m.scales.numel() + 4 for m in linears)
 
 
-def attach_humming(model: nn.Module, room_bytes: int | None = None) -> int:
+def attach_humming(model: nn.Module) -> int:
     """Give the linears the active table routes to humming their humming copy (when humming runs
-    here and, with `room_bytes`, when the copies fit in it); returns the bytes added."""
+    here); returns the bytes added."""
     linears = [m for m in humming_linears(model) if m.humming is None]
     if not linears:
         return 0
     device = linears[0].qweight.device
-    need = copy_bytes(linears)
     if not humming_backend.available(device):
-        return 0
-    if room_bytes is not None and need > room_bytes:
-        log(f"kernels: no humming copies ({need / 2**30:.2f} GiB asked, {room_bytes / 2**30:.2f} GiB of room in "
-            "the memory plan); our kernels serve every row")
         return 0
     _, deterministic = dispatch.active(device)
     refused: dict[tuple[int, int], str] = {}

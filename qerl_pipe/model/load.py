@@ -1,4 +1,4 @@
-"""Build a Decoder from a Hugging Face directory (bf16 or NVFP4 checkpoint) or from random weights.
+"""Build a Decoder from a Hugging Face directory (bf16 or NVFP4 checkpoint).
 
 Weights stream one tensor at a time (safetensors, never torch.load) and each linear is converted
 to the target base format as soon as its projections are all read, so peak memory is the final
@@ -8,7 +8,6 @@ model plus one fused layer, never the bf16 model next to its quantized copy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,35 +64,6 @@ def load_model(
     return model
 
 
-def init_random_model(
-    config_dict: Mapping[str, Any],
-    base_format: str = "bf16",
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
-    lora: LoraSpec | None = None,
-) -> Decoder:
-    """A model with HF's random init (N(0, 0.02), unit norms) built directly in `base_format`.
-
-    Each linear is drawn and quantized on `device` one at a time, so a 32B NVFP4 model builds on
-    one GPU without the 64 GB bf16 model ever existing: the speed/memory stand-in for a real one.
-    """
-    fmt = format_entry(base_format)
-    model = Decoder(DecoderConfig.from_hf(config_dict), fmt.name, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        model.embed_tokens.weight.normal_(0.0, 0.02, generator=gen)
-        if not model.config.tie_word_embeddings:
-            model.lm_head.weight.normal_(0.0, 0.02, generator=gen)
-        for name, linear in _linears(model):
-            w = torch.empty(linear.out_features, linear.in_features, dtype=dtype, device=device)
-            linear.set_base(fmt.quantize(w.normal_(0.0, 0.02, generator=gen), name, dtype))
-            del w
-    if lora is not None:
-        apply_lora(model, lora, seed)
-    return model
-
-
 def model_memory_bytes(model: nn.Module) -> int:
     """Bytes held by the model's parameters and buffers (a tied weight counts once)."""
     seen: set[tuple[torch.device, int]] = set()
@@ -115,10 +85,6 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
     return read_model_config(model_dir)
 
 
-def _linears(model: Decoder) -> Iterator[tuple[str, QuantLinear]]:
-    return ((n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear))
-
-
 def _fuse_nvfp4(parts: list[NVFP4Weight], name: str) -> NVFP4Weight:
     """Concatenate NVFP4 projections along N; they must share a global scale to be one tensor."""
     scales = torch.stack([p.global_scale.float().reshape(()) for p in parts])
@@ -136,7 +102,7 @@ class _Assembler:
 
     def __init__(self, model: Decoder, fmt: BaseFormat, dtype: torch.dtype, device: torch.device | str):
         self.model, self.fmt, self.dtype, self.device = model, fmt, dtype, device
-        self.linears = dict(_linears(model))
+        self.linears = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
         self.pending: dict[tuple[str, str], list[Any]] = {}  # (linear, "weight"|"bias") -> parts
         # Everything the checkpoint must provide (a tied lm_head is the embedding: named_parameters
         # lists a shared tensor once).

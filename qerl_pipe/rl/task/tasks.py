@@ -55,15 +55,6 @@ DEFAULT_INSTRUCTIONS: dict[str, str] = {
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def kind_of(problem_id: str) -> str:
-    """The kind of the problem with this id, from the id scheme of `load_problems` ('<spec>:<row>',
-    'arithmetic:<seed>:<i>', '<file name>:<row>'): what regrading a kept answer needs."""
-    if problem_id.startswith(("arithmetic:", "addition:")):
-        return "arithmetic"
-    spec = problem_id.rsplit(":", 1)[0]
-    return PACKAGED[spec][3] if spec in PACKAGED else "jsonl"
-
-
 def load_problems(spec: str, *, limit: int | None = None, seed: int = 0,
                   question_field: str | None = None, answer_field: str | None = None) -> list[Problem]:
     """Problems from a spec: 'gsm8k:train', 'gsm8k:test', 'math500:test', 'arithmetic[:N]',
