@@ -52,6 +52,9 @@ HF_LINEAR_WEIGHT = re.compile(
 # (and per expert, for LoRA on the experts).
 PEFT_LORA_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp|mlp\.experts\.\d+)\.(\w+)_proj\.lora_([AB])\.weight$")
+# A MoE layer's router (`mlp.gate`): kept 16-bit and, as modelopt does, listed among the excluded
+# modules of an NVFP4 checkpoint, so that a loader that would quantize it leaves it alone.
+ROUTER_WEIGHT = re.compile(r"^(.*\.layers\.\d+\.mlp\.gate)\.weight$")
 # An expert's module: `...layers.3.mlp.experts.17.gate_proj` (any prefix, any suffix after it).
 EXPERT_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 # Trainable RMSNorm weights (PEFT's modules_to_save), under PEFT's names.
