@@ -21,7 +21,7 @@ from safetensors import safe_open
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
-from qerl_pipe.errors import ModelSourceError
+from qerl_pipe.errors import ModelSourceError, QerlError
 from qerl_pipe.formats.checkpoint import list_shards
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, global_scale_from_amax
 from qerl_pipe.formats.modelopt_writer import input_scales, plan_checkpoint, write_configs, write_shards
@@ -338,6 +338,9 @@ def test_nvfp4_checkpoint_has_modelopts_moe_layout(saved, tmp_path):
         assert torch.equal(fh.get_tensor(f"{e0}.gate_proj.weight_scale_2"), fh.get_tensor(f"{e0}.up_proj.weight_scale_2"))
         up_scales = {float(fh.get_tensor(f"model.layers.0.mlp.experts.{e}.up_proj.input_scale")) for e in range(8)}
         assert up_scales == {float(global_scale_from_amax(torch.tensor(2.0)))}  # expert 3's amax is the layer's
+    # A calibration without expert statistics (what calibrate collects today) is refused, saying why.
+    with pytest.raises(QerlError, match="no statistics for the MoE experts"):
+        input_scales(plan, {m: 1.0 for m in plan.quantized.values() if ".experts." not in m})
     # It loads back: the same bases as quantizing the bf16 model on the fly.
     from_ckpt = load_model(out, "nvfp4", dtype=torch.float32)
     on_the_fly = load_model(path, "nvfp4", dtype=torch.bfloat16)

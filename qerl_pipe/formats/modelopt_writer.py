@@ -97,6 +97,10 @@ def input_scales(plan: WritePlan, input_amax: dict[str, float] | None) -> dict[s
     if input_amax is None:
         return {}
     missing = [m for m in plan.quantized.values() if m not in input_amax]
+    if missing and experts_group_key(missing[0]) is not None:
+        raise QerlError(f"the calibration has no statistics for the MoE experts ({missing[0]} and {len(missing) - 1} "
+                        "more): calibrate hooks nn.Linear modules, which transformers' stacked experts are not; "
+                        "quantize this model without --calibration (W4A16_NVFP4)")
     if missing:
         raise QerlError(f"the calibration has no statistics for {missing[0]} (and {len(missing) - 1} more): "
                         "it was made for another model; re-run calibrate on this model")
