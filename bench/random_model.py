@@ -16,6 +16,7 @@ from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.lora import LoraSpec, apply_lora
+from qerl_pipe.model.moe import Router
 
 
 def init_random_model(
@@ -44,6 +45,8 @@ def init_random_model(
             w = torch.empty(linear.out_features, linear.in_features, dtype=dtype, device=device)
             linear.set_base(fmt.quantize(w.normal_(0.0, 0.02, generator=gen), name, dtype))
             del w
+        for router in (m for m in model.modules() if isinstance(m, Router)):  # MoE layers' routers
+            router.weight.normal_(0.0, 0.02, generator=gen)
     if lora is not None:
         apply_lora(model, lora, seed)
     return model

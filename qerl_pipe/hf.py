@@ -29,6 +29,9 @@ def count_parameters(config: dict[str, Any]) -> int:
     vocab = config["vocab_size"]
     attn = h * head_dim * (heads + 2 * kv) + heads * head_dim * h
     mlp = 3 * h * i
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if experts and config.get("moe_intermediate_size"):  # Qwen3-MoE: every layer's experts (they all count)
+        mlp = experts * (3 * h * config["moe_intermediate_size"] + h)
     embeddings = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
     return layers * (attn + mlp) + embeddings
 

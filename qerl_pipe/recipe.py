@@ -137,6 +137,8 @@ class LoraSection(_Section):
         description="Projections that get an adapter (HF q_proj, k_proj, ...).", min_length=1,
     )
     train_norms: bool = Field(False, description="Also train the RMSNorm weights (exported as PEFT modules_to_save).")
+    experts: bool = Field(False, description="MoE models (Qwen3-MoE): also give every routed expert's projections "
+                          "among `targets` their own LoRA A/B; the router stays frozen (no load-balancing loss).")
 
 
 class AqnSection(_Section):

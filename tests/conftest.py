@@ -35,11 +35,11 @@ def train_tokenizer(out: Path, vocab_size: int = 320):
 
 def make_tiny_model(out: Path, arch: str = "llama", *, seed: int = 0, shard_mb: float | None = None,
                     dims: dict | None = None, **overrides) -> Path:
-    """A random-init model of `arch` ('llama', 'qwen2', 'qwen3') saved with its tokenizer in `out`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    """A random-init model of `arch` ('llama', 'qwen2', 'qwen3', 'qwen3_moe') saved with its tokenizer in `out`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     tokenizer = train_tokenizer(out)
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[arch]
     config = config_cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                         **{**(dims or TINY_DIMS), **overrides})

@@ -16,6 +16,7 @@ On CPU both are their plain-torch references (same structure, same math), which 
 What sets a family apart runs inside the same kernels: a layer's sliding window and score cap in
 the attention kernel (blocks before the window are skipped), partial rotary in its RoPE, Gemma's
 `(1 + w)` norms in the norm kernel; Gemma's norms on a sublayer's output are one norm kernel each.
+A Qwen3-MoE sparse layer runs its router and experts (`model.moe`) through the same fused LoRA.
 
 Shapes never depend on the positions (the new k/v go where `positions` says, attention stops
 there), so the engine can capture the step as a CUDA graph per (batch, attention length).
@@ -30,6 +31,7 @@ from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention, lora_shrink
 from qerl_pipe.model.decoder import Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.moe import SparseMoE
 from qerl_pipe.model.norm import RMSNorm
 
 
@@ -75,8 +77,12 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
         attended = lora.project(attn.o_proj, out, lora_shrink(out, lora.shrink_of(attn.o_proj)))
         if layer.sandwich:
             attended = _output_norm(attended, layer.post_attention_layernorm)
-        normed, residual, u = _norm(attended, residual, layer.mlp_norm, lora, mlp.gate_up_proj)
-        down = lora.project(mlp.down_proj, mlp.gate(lora.project(mlp.gate_up_proj, normed, u)))
+        if isinstance(mlp, SparseMoE):  # routed experts: each expert's LoRA shrink runs on its own rows
+            normed, residual, _ = _norm(attended, residual, layer.mlp_norm, lora, None)
+            down = mlp(normed, lora.project)
+        else:
+            normed, residual, u = _norm(attended, residual, layer.mlp_norm, lora, mlp.gate_up_proj)
+            down = lora.project(mlp.down_proj, mlp.gate(lora.project(mlp.gate_up_proj, normed, u)))
         if layer.sandwich:
             down = _output_norm(down, layer.post_feedforward_layernorm)
         if i + 1 < len(layers):

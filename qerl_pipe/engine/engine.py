@@ -119,7 +119,7 @@ class Engine:
 
     Allocates the KV cache (limits.max_batch slots x limits.max_seq_len, model dtype and device)
     once. CUDA graphs are used on CUDA when `limits.graph_batch_sizes` is non-empty, unless
-    `cuda_graphs=False` or the environment sets QERL_ENGINE_CUDA_GRAPHS=0. `prefill_tokens`
+    `cuda_graphs=False` or the environment sets QERL_ENGINE_CUDA_GRAPHS=0 (never for a MoE model). `prefill_tokens`
     bounds the padded tokens of one prefill batch (its activation memory).
 
     The model runs as it is: unmerged LoRA (through the engine's fused copy, `FusedLora`,
@@ -162,7 +162,11 @@ class Engine:
         pinned = self.device.type == "cuda"
         self._host_records = [torch.zeros(2 * slots, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
-        use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes)
+        # A MoE layer's expert loop takes its row counts from the routing (a host sync and
+        # data-dependent shapes), which a CUDA graph cannot replay: such models decode eagerly
+        # until a grouped expert kernel with fixed shapes exists (model/moe.py, `run_experts`).
+        use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes
+                          and not model.config.num_sparse_layers)
         # Before any graph is captured: humming's copies and kernels, where the dispatch table
         # sends rows of this model's shapes to humming (unless the memory plan left them out).
         if kernel_copies:

@@ -22,7 +22,7 @@ from qerl_pipe.errors import QerlError, QuantizationError
 from qerl_pipe.formats.checkpoint import ShardWriter, cast_floating, list_shards, open_shard, refuse_non_finite
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.formats.modelopt_layout import config_quantization_config, hf_quant_config, nvfp4_tensors
-from qerl_pipe.formats.names import FUSED_GROUPS, HF_LINEAR_WEIGHT, fused_group_key
+from qerl_pipe.formats.names import FUSED_GROUPS, HF_LINEAR_WEIGHT, ROUTER_WEIGHT, experts_group_key, fused_group_key
 from qerl_pipe.formats.nvfp4 import (
     BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4_in_row_chunks,
     shared_global_scale,
@@ -52,6 +52,11 @@ class WritePlan:
     def scale_key(self, module: str) -> str:
         return fused_group_key(module) or module
 
+    def input_key(self, module: str) -> str:
+        """What shares `module`'s input scale: its fused group, or for an expert every expert of
+        its layer (modelopt's MoE export: one gate/up and one down input_scale per layer)."""
+        return experts_group_key(module) or self.scale_key(module)
+
 
 def is_excluded(module: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(module, p) for p in patterns)
@@ -63,6 +68,8 @@ def plan_checkpoint(shards: list[Path], exclude: list[str]) -> WritePlan:
         with open_shard(shard) as fh:
             for name in fh.keys():
                 match = HF_LINEAR_WEIGHT.match(name)
+                if router := ROUTER_WEIGHT.match(name):
+                    plan.excluded.add(router.group(1))  # 16-bit, and named so in the configs
                 if not match or is_excluded(match.group(1), exclude):
                     # Norms, embeddings and excluded linears are copied as they are: checked here.
                     refuse_non_finite(name, fh.get_tensor(name))
@@ -90,14 +97,18 @@ def input_scales(plan: WritePlan, input_amax: dict[str, float] | None) -> dict[s
     if input_amax is None:
         return {}
     missing = [m for m in plan.quantized.values() if m not in input_amax]
+    if missing and experts_group_key(missing[0]) is not None:
+        raise QerlError(f"the calibration has no statistics for the MoE experts ({missing[0]} and {len(missing) - 1} "
+                        "more): calibrate hooks nn.Linear modules, which transformers' stacked experts are not; "
+                        "quantize this model without --calibration (W4A16_NVFP4)")
     if missing:
         raise QerlError(f"the calibration has no statistics for {missing[0]} (and {len(missing) - 1} more): "
                         "it was made for another model; re-run calibrate on this model")
     group: dict[str, float] = {}
     for module in plan.quantized.values():
-        key = plan.scale_key(module)
+        key = plan.input_key(module)
         group[key] = max(group.get(key, 0.0), input_amax[module])
-    return {m: global_scale_from_amax(torch.tensor(group[plan.scale_key(m)])) for m in plan.quantized.values()}
+    return {m: global_scale_from_amax(torch.tensor(group[plan.input_key(m)])) for m in plan.quantized.values()}
 
 
 def out_dtype(choice: str, config: dict) -> torch.dtype:
@@ -191,6 +202,8 @@ class NVFP4StreamWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         match = HF_LINEAR_WEIGHT.match(name)
         module = match.group(1) if match else None
+        if router := ROUTER_WEIGHT.match(name):
+            self.excluded.add(router.group(1))
         if module is None or is_excluded(module, self.exclude):
             if module is not None:
                 self.excluded.add(module)

@@ -6,6 +6,9 @@ adapter, merging, writing NVFP4):
 - Our Decoder: no `model.` level (`layers.N.self_attn...`), and projections that read the same input
   fused into one linear (`qkv_proj` = q/k/v, `gate_up_proj` = gate/up), so decode runs one GEMM.
 - PEFT: `base_model.model.` before the HF name, `.lora_A.weight` / `.lora_B.weight` after it.
+- Mixture-of-experts layers (Qwen3-MoE): the router `mlp.gate` and one module per expert,
+  `mlp.experts.E.{gate,up,down}_proj`, as `save_pretrained` and modelopt write them; our Decoder
+  fuses each expert's gate/up into `mlp.experts.E.gate_up_proj`.
 The fused groups are also modelopt's: projections of one group must share one NVFP4 global scale
 (and input scale), or TensorRT-LLM rejects the checkpoint and vLLM silently takes the max.
 
@@ -41,10 +44,19 @@ PROJECTIONS = tuple(f"{t}_proj" for t in LORA_TARGETS) + tuple(CHECKPOINT_FUSED)
 
 # The linears of a decoder layer by HF weight name; embeddings, norms and lm_head are not among
 # them (they stay 16-bit in an NVFP4 checkpoint).
+# An expert's linears sit one level deeper (`mlp.experts.E.gate_proj`); the router `mlp.gate` is
+# not a linear here (it stays 16-bit, as modelopt leaves it).
 HF_LINEAR_WEIGHT = re.compile(
-    r"^(.*\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj)\.weight$")
-# PEFT names of the LoRA tensors our Decoder can hold: one A/B pair per projection per layer.
-PEFT_LORA_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_([AB])\.weight$")
+    r"^(.*\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+)\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj)\.weight$")
+# PEFT names of the LoRA tensors our Decoder can hold: one A/B pair per projection per layer
+# (and per expert, for LoRA on the experts).
+PEFT_LORA_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp|mlp\.experts\.\d+)\.(\w+)_proj\.lora_([AB])\.weight$")
+# A MoE layer's router (`mlp.gate`): kept 16-bit and, as modelopt does, listed among the excluded
+# modules of an NVFP4 checkpoint, so that a loader that would quantize it leaves it alone.
+ROUTER_WEIGHT = re.compile(r"^(.*\.layers\.\d+\.mlp\.gate)\.weight$")
+# An expert's module: `...layers.3.mlp.experts.17.gate_proj` (any prefix, any suffix after it).
+EXPERT_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 # Trainable RMSNorm weights (PEFT's modules_to_save), under PEFT's names.
 PEFT_NORM_KEY = re.compile(r"^base_model\.model\.model\.[\w.]*norm\.weight$")
 
@@ -89,3 +101,21 @@ def fused_group_key(param_name: str) -> str | None:
     if group is None:
         return None
     return ".".join([*parts[:-1], group])
+
+
+def is_expert(name: str) -> bool:
+    """Whether a module or parameter name (ours, HF's or PEFT's) is inside a routed expert."""
+    return EXPERT_MODULE.search(name) is not None
+
+
+def experts_group_key(module: str) -> str | None:
+    """What the input scale of an expert's projection is shared with: every expert of its layer
+    (modelopt writes one gate/up and one down `input_scale` per MoE layer, the max over its
+    experts, since a token may be routed to any of them).
+    `model.layers.3.mlp.experts.17.up_proj` -> `model.layers.3.mlp.experts.gate_up`; else None."""
+    match = EXPERT_MODULE.search(module + ".")
+    if match is None:
+        return None
+    proj = module.rpartition(".")[2]
+    group = _GROUP_OF.get(proj, proj.removesuffix("_proj"))
+    return f"{module[:match.end()].rstrip('.').rpartition('.')[0]}.{group}"

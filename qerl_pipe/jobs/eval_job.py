@@ -111,6 +111,7 @@ def _adapter_report(adapter: AdapterFiles, artifact: Artifact | None, delta: flo
         "dir": str(adapter.dir),
         "sha256": adapter.sha256,
         "rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets), "train_norms": spec.train_norms,
+        "experts": spec.experts,
         "base_model_name_or_path": adapter.config.get("base_model_name_or_path"),
         "logit_max_abs_delta": delta,
     }

@@ -54,7 +54,8 @@ def train_step_shape(train: TrainSection, max_seq_len: int, max_batch: int, proc
     return StepShape(sequences=prompts * train.group_size, prompts=prompts, seq_len=max_seq_len,
                      prompt_len=max(0, max_seq_len - train.max_new_tokens), lora_rank=train.lora.rank,
                      max_kv_slots=max_batch, max_micro_batch=train.micro_batch_size,
-                     max_logprob_chunk=DEFAULT_CHUNK, adapter=train.adapter, dense_base=dense_base)
+                     max_logprob_chunk=DEFAULT_CHUNK, adapter=train.adapter, dense_base=dense_base,
+                     lora_experts=train.lora.experts)
 
 
 def _plan(train: TrainSection, config: DecoderConfig, base_format: str, dtype: torch.dtype, max_seq_len: int,

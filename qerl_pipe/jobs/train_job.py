@@ -208,7 +208,8 @@ def run_train_job(section: TrainSection, cfg: TrainConfig, engine_dir: Path, pro
     return_freed_tensors_to_os()
     model, limits = load_engine(engine_dir, device)
     limits = limits.with_batch(plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
-    spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms)
+    spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms,
+                    section.lora.experts)
     full = section.adapter == "full"
     if not full:
         apply_lora(model, spec, seed=section.seed)

@@ -9,6 +9,11 @@ one layer's recompute and one LM-head chunk, the peak of the backward.
 
 `dtype` is the model's compute dtype (activations, KV cache, embedding, LM head and a bf16
 base's linears); the GPU runs bf16, a small model on a CPU float32.
+
+Mixture-of-experts models (Qwen3-MoE): every expert is resident (weights, and LoRA when the recipe
+puts adapters on the experts), while activations grow with the routed rows: each token runs
+through k experts, so a sparse layer's MLP recompute holds k rows of the expert width per token
+(plus the gathered copies of its input and output).
 """
 
 from __future__ import annotations
@@ -45,11 +50,29 @@ class StepSize:
     lora_rank: int
     logprob_chunk: int
     dense_base: bool = False  # a CPU run: the 4-bit base also held dequantized, once (model.dense_copy)
+    lora_experts: bool = False  # MoE: LoRA on every routed expert too (recipe train.lora.experts)
 
 
 def _linears(c: DecoderConfig) -> list[tuple[int, tuple[int, ...]]]:
     """(in_features, output sizes of its fused projections) of one layer's linears."""
     return [(k, tuple(n for _, n in projections)) for _, _, k, projections in c.layer_linears()]
+
+
+def _model_linears(c: DecoderConfig, experts: bool = True) -> list[tuple[int, tuple[int, ...], int]]:
+    """(in_features, output sizes, how many the model has) of every linear kind: attention in
+    every layer, the dense MLP in the dense layers, each expert's in the sparse ones (all experts
+    are resident; `experts=False` leaves them out, as LoRA does unless it targets them)."""
+    sparse = c.num_sparse_layers
+    out = [(k, outs, c.num_layers - (sparse if block == "mlp" else 0))
+           for (block, _, _, _), (k, outs) in zip(c.layer_linears(), _linears(c))]
+    if sparse and experts:
+        out += [(k, tuple(n for _, n in projections), sparse * c.num_experts)
+                for _, _, k, projections in c.expert_linears()]
+    return [row for row in out if row[2]]
+
+
+def _router_elements(c: DecoderConfig) -> int:
+    return c.num_sparse_layers * c.num_experts * c.hidden_size
 
 
 def element_bytes(dtype: torch.dtype) -> int:
@@ -59,33 +82,33 @@ def element_bytes(dtype: torch.dtype) -> int:
 def weight_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch.bfloat16) -> int:
     """The model without LoRA: base linears, embedding, LM head, norms, biases."""
     e = element_bytes(dtype)
-    linear = sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers
-    tables = c.vocab_size * c.hidden_size * e * (1 if c.tie_word_embeddings else 2)
+    linear = sum(k * sum(outs) * n for k, outs, n in _model_linears(c))
+    tables = c.vocab_size * c.hidden_size * e * (1 if c.tie_word_embeddings else 2) + _router_elements(c) * e
     # Norm weights in the model dtype with their fp32 AQN noise buffers; q/k/v biases for Qwen2.
     norms = (c.norms_per_layer * c.num_layers + 1) * c.hidden_size * (e + 4)
     bias = c.num_layers * (c.q_size + 2 * c.kv_size) * e if c.qkv_bias else 0
     fmt = format_entry(base_format)
-    per_linear = len(_linears(c)) * c.num_layers * fmt.bytes_per_linear
+    per_linear = sum(n for _, _, n in _model_linears(c)) * fmt.bytes_per_linear
     return int(linear * fmt.weight_bytes(e)) + tables + norms + bias + per_linear
 
 
-def lora_params(c: DecoderConfig, rank: int) -> int:
-    """Trainable LoRA elements on all seven projections."""
-    return c.num_layers * sum(rank * (k + n) for k, outs in _linears(c) for n in outs)
+def lora_params(c: DecoderConfig, rank: int, experts: bool = False) -> int:
+    """Trainable LoRA elements on all seven projections (of every expert too, with `experts`)."""
+    return sum(count * rank * (k + n) for k, outs, count in _model_linears(c, experts) for n in outs)
 
 
-def lora_bytes(c: DecoderConfig, rank: int, dtype: torch.dtype = torch.bfloat16) -> int:
+def lora_bytes(c: DecoderConfig, rank: int, dtype: torch.dtype = torch.bfloat16, experts: bool = False) -> int:
     """LoRA values, gradients and AdamW moments, plus the engine's fused copy in the model dtype
     (its B is block-diagonal over a layer's projections, so it is larger than the adapter itself)."""
     e = element_bytes(dtype)
-    cache = sum(rank * len(outs) * (k + sum(outs)) for k, outs in _linears(c)) * c.num_layers * e
-    return lora_params(c, rank) * LORA_TRAIN_BYTES + cache
+    cache = sum(count * rank * len(outs) * (k + sum(outs)) for k, outs, count in _model_linears(c, experts)) * e
+    return lora_params(c, rank, experts) * LORA_TRAIN_BYTES + cache
 
 
 def weight_elements(c: DecoderConfig) -> int:
     """Every weight of the model (what full fine-tuning trains): linears, biases, norms, embedding,
     an untied LM head."""
-    linear = sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers
+    linear = sum(k * sum(outs) * n for k, outs, n in _model_linears(c)) + _router_elements(c)
     tables = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     norms = (c.norms_per_layer * c.num_layers + 1) * c.hidden_size + (2 * c.num_layers * c.head_dim if c.qk_norm else 0)
     i = c.intermediate_size
@@ -97,7 +120,7 @@ def weight_elements(c: DecoderConfig) -> int:
 def full_bytes(c: DecoderConfig, dtype: torch.dtype = torch.bfloat16) -> int:
     """Full fine-tuning of a bf16 model: a float32 master, gradient and two AdamW moments per weight
     (16 bytes), plus the bf16 gradient of the largest weight, alive until it is added to its master."""
-    largest = max(c.vocab_size * c.hidden_size, max(k * sum(outs) for k, outs in _linears(c)))
+    largest = max(c.vocab_size * c.hidden_size, max(k * sum(outs) for k, outs, _ in _model_linears(c)))
     return full_training_bytes(weight_elements(c), dtype) + largest * element_bytes(dtype)
 
 
@@ -106,10 +129,16 @@ def activation_bytes(c: DecoderConfig, s: StepSize, dtype: torch.dtype = torch.b
     e = element_bytes(dtype)
     tokens = s.micro_batch * s.seq_len
     h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    mlp = 4 * i if c.num_sparse_layers < c.num_layers else 0
+    if c.num_sparse_layers:
+        # A sparse layer: k routed rows per token, each through an expert's gate/up and SiLU, and
+        # the gathered input and weighted output rows ([tokens * k, hidden] each).
+        k = c.experts_per_token
+        mlp = max(mlp, k * (4 * c.moe_intermediate_size + 2 * h))
     kept = (c.num_layers + 1) * tokens * h * e  # checkpointing keeps each layer's input
     # One layer recomputed in backward: norms, q/k/v (k/v also repeated to every query head),
     # attention, the gate/up product and SiLU; x1.5 for the gradients alive beside them.
-    layer = int(1.5 * tokens * e * (6 * h + 2 * (q + 2 * kv) + 3 * q + 4 * i))
+    layer = int(1.5 * tokens * e * (6 * h + 2 * (q + 2 * kv) + 3 * q + mlp))
     # LM head chunk: logits in the model dtype, fp32 logits, softmax and one fp32 temporary (x 152k vocab).
     chunk = min(s.logprob_chunk, tokens) * c.vocab_size * (e + 3 * 4)
     mask = s.micro_batch * s.seq_len * s.seq_len * (1 + e)
@@ -120,22 +149,21 @@ def scratch_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch
     """The 4-bit large-M path decodes the largest linear into one shared buffer of the model dtype."""
     if format_entry(base_format).dense:
         return 0
-    return max(k * sum(outs) for k, outs in _linears(c)) * element_bytes(dtype)
+    return max(k * sum(outs) for k, outs, _ in _model_linears(c)) * element_bytes(dtype)
 
 
 def kernel_copy_bytes(c: DecoderConfig, shapes: Iterable[tuple[int, int]]) -> int:
     """An NVFP4 base's second copy in humming-kernels' layout, for the linears of shape (N, K) in
     `shapes` (those the dispatch table sends rows of to humming): the NVFP4 bytes again."""
     wanted = set(shapes)
-    per_layer = sum(int(k * sum(outs) * NVFP4.bytes_per_weight) + NVFP4.bytes_per_linear
-                    for k, outs in _linears(c) if (sum(outs), k) in wanted)
-    return per_layer * c.num_layers
+    return sum((int(k * sum(outs) * NVFP4.bytes_per_weight) + NVFP4.bytes_per_linear) * n
+               for k, outs, n in _model_linears(c) if (sum(outs), k) in wanted)
 
 
 def dense_base_bytes(c: DecoderConfig, dtype: torch.dtype) -> int:
     """A CPU run's copy of the 4-bit linears dequantized once into the model dtype (instead of at
     every call): every linear weight, in place of the shared decode buffer."""
-    return sum(k * sum(outs) for k, outs in _linears(c)) * c.num_layers * element_bytes(dtype)
+    return sum(k * sum(outs) * n for k, outs, n in _model_linears(c)) * element_bytes(dtype)
 
 
 def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter: str = "lora",
@@ -147,7 +175,7 @@ def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter
     if adapter == "full" and not format_entry(base_format).dense:
         raise ValueError(f"full fine-tuning needs a bf16 base, not {base_format}")
     trained = {"full_and_optimizer": full_bytes(c, dtype)} if adapter == "full" else {
-        "lora_and_optimizer": lora_bytes(c, s.lora_rank, dtype)}
+        "lora_and_optimizer": lora_bytes(c, s.lora_rank, dtype, s.lora_experts)}
     parts = {
         "weights": weight_bytes(c, base_format, dtype),
         **trained,

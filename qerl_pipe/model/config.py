@@ -2,8 +2,8 @@
 
 The supported families share one block (attention + gated MLP, RMSNorm, RoPE); what sets each
 apart (model/families.py) is a field here. Anything that would silently compute something else
-(MoE, other RoPE scalings or activations, Qwen's sliding windows) is refused here, before a single
-weight is read.
+(MoE other than Qwen3-MoE, other RoPE scalings or activations, Qwen's sliding windows) is refused
+here, before a single weight is read.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.names import FUSED_GROUPS
-from qerl_pipe.model.families import activation, check_rope_fits, gemma_fields, layer_windows
+from qerl_pipe.model.families import activation, check_rope_fits, gemma_fields, layer_windows, moe_fields
 from qerl_pipe.model.hf_rope import RopeConfig, parse_rope, rope_params
 
 __all__ = ["DecoderConfig", "RopeConfig", "SUPPORTED"]
@@ -24,6 +24,7 @@ SUPPORTED = {
     "mistral": "MistralForCausalLM",  # full attention or a sliding window
     "qwen2": "Qwen2ForCausalLM",  # Qwen2, Qwen2.5 (q/k/v bias)
     "qwen3": "Qwen3ForCausalLM",  # Qwen3 (q/k RMSNorm, explicit head_dim)
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # Qwen3-30B-A3B, Qwen3-235B-A22B (routed experts)
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",  # Gemma3's text model (1B, or a text-only checkpoint)
     "phi3": "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4-mini
@@ -60,6 +61,12 @@ class DecoderConfig:
     attn_softcap: float | None = None  # Gemma2: cap * tanh(score / cap) on attention scores
     final_softcap: float | None = None  # Gemma2: the same on the logits
     fused_checkpoint: bool = False  # Phi3: qkv_proj and gate_up_proj are single checkpoint modules
+    # Qwen3-MoE: routed experts in the layers `sparse_layers` marks (per layer; () when none).
+    num_experts: int = 0
+    experts_per_token: int = 0  # the router's top-k
+    moe_intermediate_size: int = 0  # one expert's gate/up width
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    sparse_layers: tuple[bool, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -76,6 +83,20 @@ class DecoderConfig:
     def rope_of(self, layer: int) -> RopeConfig:
         """The RoPE layer `layer` rotates with (Gemma3's local layers have their own)."""
         return self.local_rope if self.local_rope is not None and self.window(layer) else self.rope
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` runs routed experts instead of the dense MLP."""
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+    def expert_linears(self) -> tuple[tuple[str, str, int, tuple[tuple[str, int], ...]], ...]:
+        """One expert's linears, as `layer_linears` lists a layer's (block `mlp.experts.E`)."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return (("mlp.experts", "gate_up_proj", h, tuple(zip(FUSED_GROUPS["gate_up"], (i, i)))),
+                ("mlp.experts", "down_proj", i, (("down_proj", h),)))
 
     @property
     def norms_per_layer(self) -> int:
@@ -105,10 +126,6 @@ class DecoderConfig:
             raise ModelSourceError(
                 f"unsupported architecture {name} (model_type {model_type!r}); supported: {_SUPPORTED_TEXT}"
             )
-        if hf.get("num_experts") or hf.get("num_local_experts"):
-            raise ModelSourceError(
-                f"{name}: mixture-of-experts models are not supported; supported: {_SUPPORTED_TEXT}"
-            )
         act = activation(hf, name)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -119,8 +136,9 @@ class DecoderConfig:
         qwen2 = model_type == "qwen2"
         fields: dict[str, Any] = dict(
             rope=parse_rope(hf, name, rope_params(hf), float(hf.get("rope_theta", 10000.0)), max_positions),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
         )
+        fields.update(moe_fields(hf, name, num_layers))
         fields.update(gemma_fields(hf, name, hidden, head_dim, max_positions))
         for rope in (fields["rope"], fields.get("local_rope")):
             if rope is not None:

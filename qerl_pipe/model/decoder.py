@@ -4,7 +4,8 @@ Module names follow Hugging Face (`layers.N.self_attn`, `mlp`, `input_layernorm`
 fused projections named `qkv_proj` and `gate_up_proj`, so mapping to checkpoint and PEFT names is
 a string edit. What differs between families is read from `DecoderConfig` (model/families.py):
 sliding windows and score caps per layer, Gemma's sandwich norms, scaled embeddings and
-soft-capped logits, the MLP activation, per-layer RoPE.
+soft-capped logits, the MLP activation, per-layer RoPE, and Qwen3-MoE's sparse layers, whose MLP is
+a router and experts (model/moe.py) taking the same `project`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from qerl_pipe.model.attention import AttentionSpec, attend, attend_prefill, vis
 from qerl_pipe.model.config import DecoderConfig, RopeConfig
 from qerl_pipe.model.fused import fused_on_cuda
 from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.moe import SparseMoE
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import apply_rope, inv_frequencies, long_inv_frequencies, rope_cos_sin
 
@@ -172,7 +174,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _norm(cfg, h, dtype, device)
         self.self_attn = Attention(cfg, layer, base_format, dtype, device)
         self.post_attention_layernorm = _norm(cfg, h, dtype, device)
-        self.mlp = MLP(cfg, base_format, dtype, device)
+        self.mlp: MLP | SparseMoE = (SparseMoE(cfg, base_format, dtype, device, GATES[cfg.hidden_act])
+                                     if cfg.is_sparse(layer) else MLP(cfg, base_format, dtype, device))
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = _norm(cfg, h, dtype, device)
             self.post_feedforward_layernorm = _norm(cfg, h, dtype, device)

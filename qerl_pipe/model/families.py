@@ -10,6 +10,9 @@ beyond the Llama block every family shares.
 - Mistral: a sliding window over every layer when `sliding_window` is shorter than the context.
 - Qwen2 / Qwen3: a sliding window only with `use_sliding_window`, which is refused (its layer
   pattern is not implemented here; no released Qwen2.5 / Qwen3 checkpoint turns it on).
+- Qwen3-MoE: Qwen3's attention; in the sparse layers (every `decoder_sparse_step`-th, minus
+  `mlp_only_layers`) a router and `num_experts` small SiLU MLPs instead of the dense MLP
+  (model/moe.py). Qwen3-MoE has no shared expert; other MoE families are refused.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.model.hf_rope import RopeConfig, parse_rope, rope_params
 
 GEMMA = ("gemma2", "gemma3_text")
+QWEN = ("qwen2", "qwen3", "qwen3_moe")
+MOE = ("qwen3_moe",)
 # The MLP activations transformers names, as our decoder computes them.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # transformers' defaults for keys a config.json may leave out.
@@ -44,7 +49,7 @@ def layer_windows(hf: Mapping[str, Any], name: str, num_layers: int) -> tuple[in
     model_type = hf.get("model_type")
     window = hf.get("sliding_window", 4096 if model_type in GEMMA else None)  # transformers' Gemma default
     types = list(hf.get("layer_types") or [])
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in QWEN:
         if hf.get("use_sliding_window") or any(t != "full_attention" for t in types):
             raise ModelSourceError(
                 f"{name}: Qwen's sliding-window attention (use_sliding_window, sliding_window={window}) is not "
@@ -111,3 +116,35 @@ def check_rope_fits(rope: RopeConfig, head_dim: int, name: str) -> None:
                                f"{len(rope.long_factor)} entries; the rotary dimension needs {half}")
     if rope.rotary_dim(head_dim) % 2 or rope.rotary_dim(head_dim) < 2:
         raise ModelSourceError(f"{name}: the rotary dimension {rope.rotary_dim(head_dim)} must be even and >= 2")
+
+
+def moe_fields(hf: Mapping[str, Any], name: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's DecoderConfig fields: the experts' count and size, the router's top-k and
+    whether it renormalises, and which layers are sparse (transformers' rule: layer i is when
+    (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers). Empty for a dense family;
+    any other family declaring experts is refused."""
+    # config.json spells the count `num_experts` (Qwen's releases) or `num_local_experts` (what
+    # transformers 5's save_pretrained writes for the same attribute).
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    model_type = hf.get("model_type")
+    if model_type not in MOE:
+        if experts:
+            raise ModelSourceError(f"{name}: mixture-of-experts is supported for Qwen3-MoE (Qwen3MoeForCausalLM) only")
+        return {}
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in hf.get("mlp_only_layers") or []}
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ModelSourceError(f"{name}: num_experts {experts} and num_experts_per_tok {top_k} must satisfy "
+                               "1 <= num_experts_per_tok <= num_experts")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ModelSourceError(f"{name}: shared experts (shared_expert_intermediate_size) are not supported")
+    if step < 1 or any(not 0 <= i < num_layers for i in dense):
+        raise ModelSourceError(f"{name}: decoder_sparse_step {step} must be >= 1 and mlp_only_layers "
+                               f"{sorted(dense)} within 0..{num_layers - 1}")
+    return dict(
+        num_experts=experts, experts_per_token=top_k,
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        sparse_layers=tuple((i + 1) % step == 0 and i not in dense for i in range(num_layers)),
+    )

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from qerl_pipe.errors import ModelSourceError
-from qerl_pipe.formats.names import LORA_TARGETS, peft_name, targets_of
+from qerl_pipe.formats.names import LORA_TARGETS, is_expert, peft_name, targets_of
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.norm import RMSNorm
@@ -23,6 +23,9 @@ class LoraSpec:
     targets: tuple[str, ...] = LORA_TARGETS
     # Also train every RMSNorm weight (QeRL's option); they export as PEFT modules_to_save.
     train_norms: bool = False
+    # MoE models: also adapt every routed expert's projections among `targets` (one A/B per expert
+    # and projection). Off by default: attention (and any dense MLP layers) only.
+    experts: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.targets) - set(LORA_TARGETS)
@@ -56,8 +59,10 @@ def check_lora_targets(config: DecoderConfig, targets: tuple[str, ...]) -> None:
 def apply_lora(model: nn.Module, spec: LoraSpec, seed: int = 0) -> None:
     """Give every targeted projection a fresh adapter (B = 0: the model's outputs do not change)."""
     generator = torch.Generator(device=_device_of(model)).manual_seed(seed)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
+            if is_expert(name) and not spec.experts:
+                continue
             names = adapted_projections(module.names, spec.targets)
             if names:
                 module.add_lora(names, spec.rank, spec.alpha, generator)

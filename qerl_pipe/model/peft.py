@@ -32,7 +32,7 @@ from qerl_pipe.errors import ArtifactError
 from qerl_pipe.formats.checkpoint import save_safetensors
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.formats.names import (
-    LORA_TARGETS, PEFT_LORA_KEY, PEFT_NORM_KEY, PEFT_PREFIX, PROJECTIONS, peft_name, targets_of,
+    LORA_TARGETS, PEFT_LORA_KEY, PEFT_NORM_KEY, PEFT_PREFIX, PROJECTIONS, is_expert, peft_name, targets_of,
 )
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.lora import LoraSpec, adapted_projections, lora_state_dict
@@ -183,10 +183,11 @@ def read_adapter(path: Path) -> AdapterFiles:
             shapes = {name: tuple(fh.get_slice(name).get_shape()) for name in fh.keys()}
     except Exception as exc:  # safetensors raises its own error types for damaged files
         raise ArtifactError(f"{adapter_dir / ADAPTER_WEIGHTS}: not a readable safetensors file ({exc})") from None
-    targets, ranks, norms, unknown = set(), set(), False, []
+    targets, ranks, norms, unknown, experts = set(), set(), False, [], False
     for name, shape in shapes.items():
         if (m := PEFT_LORA_KEY.match(name)) and f"{m.group(2)}_proj" in PROJECTIONS:
             targets.update(targets_of(f"{m.group(2)}_proj"))
+            experts = experts or is_expert(name)
             ranks.add(shape[0] if m.group(3) == "A" else shape[-1])
         elif PEFT_NORM_KEY.match(name):
             norms = True
@@ -202,7 +203,7 @@ def read_adapter(path: Path) -> AdapterFiles:
     alpha = float(config["lora_alpha"])
     if config.get("use_rslora"):
         alpha *= math.sqrt(config["r"])  # rsLoRA scales by alpha/sqrt(r) = (alpha*sqrt(r))/r
-    spec = LoraSpec(config["r"], alpha, tuple(t for t in LORA_TARGETS if t in targets), norms)
+    spec = LoraSpec(config["r"], alpha, tuple(t for t in LORA_TARGETS if t in targets), norms, experts)
     return AdapterFiles(adapter_dir, spec, shapes, config)
 
 
@@ -238,10 +239,16 @@ def expected_lora_shapes(hf_config: dict[str, Any], spec: LoraSpec) -> dict[str,
     cfg = DecoderConfig.from_hf(hf_config)
     shapes = {}
     for layer in range(cfg.num_layers):
-        for block, _, n_in, projections in cfg.layer_linears():
+        # A sparse layer has no dense MLP; its experts carry LoRA only with `spec.experts`.
+        blocks = [(f"layers.{layer}.{block}", n_in, projections) for block, _, n_in, projections in cfg.layer_linears()
+                  if block != "mlp" or not cfg.is_sparse(layer)]
+        if cfg.is_sparse(layer) and spec.experts:
+            blocks += [(f"layers.{layer}.{block}.{e}", n_in, projections) for e in range(cfg.num_experts)
+                       for block, _, n_in, projections in cfg.expert_linears()]
+        for module, n_in, projections in blocks:
             sizes = dict(projections)
             for proj in adapted_projections(tuple(sizes), spec.targets):
-                prefix = peft_name(f"layers.{layer}.{block}.{proj}")
+                prefix = peft_name(f"{module}.{proj}")
                 shapes[f"{prefix}.lora_A.weight"] = (spec.rank, n_in)
                 shapes[f"{prefix}.lora_B.weight"] = (sizes[proj], spec.rank)
     return shapes

@@ -1,0 +1,109 @@
+"""Routed experts (Qwen3-MoE): the router, the experts and the one loop that runs them.
+
+A sparse layer's MLP is `SparseMoE`: a router (`gate`, a frozen 16-bit [experts, hidden] matrix, as
+modelopt and vLLM keep it) picks each token's top-k experts, and each expert is a small gated MLP
+whose two linears are ordinary `QuantLinear`s (gate/up fused, down), named as the checkpoint names
+them (`mlp.experts.E.gate_up_proj`). So everything the dense linears have, an expert has too: the
+NVFP4 / NF4 / bf16 bases and their kernels, the CPU dense copy, the engine's stored weights, LoRA
+per expert and its PEFT names, the merged exports.
+
+Routing, as transformers computes it: logits `x Wᵀ` in the model dtype, softmax in float32, top-k,
+renormalised to sum 1 when `norm_topk_prob`, cast back to the model dtype; each expert's output is
+scaled by its weight and the k of them summed. The router stays frozen (LoRA trains the linears
+only), so no load-balancing loss is added: the routing a run starts with is the routing it keeps.
+
+`run_experts` is the seam for a grouped kernel: it sorts the token-expert pairs by expert with
+torch ops (one host sync per layer, for the per-expert row counts the per-linear kernels need
+as shapes), runs each expert that got rows through the per-linear path (`project`: the module
+itself in training, the engine's fused LoRA in rollouts), then weights and scatters the rows back.
+A grouped NVFP4 GEMM would replace the loop by one launch over the sorted rows and `bounds`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.linear import QuantLinear
+
+# project(linear, x [..., in]) -> [..., out] (the decoder's `Project`, repeated here so that this
+# module does not import the decoder that builds it).
+Project = Callable[[QuantLinear, Tensor], Tensor]
+Gate = Callable[[Tensor], Tensor]  # the fused gate_up output -> act(gate) * up
+
+
+def call_module(linear: QuantLinear, x: Tensor) -> Tensor:
+    return linear(x)
+
+
+class Router(nn.Module):
+    """Top-k softmax routing over `num_experts`, from a frozen [num_experts, hidden] weight."""
+
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        weight = torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.top_k, self.renormalize = cfg.experts_per_token, cfg.norm_topk_prob
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class Expert(nn.Module):
+    """One expert: act(gate) * up, then down, over the rows routed to it."""
+
+    def __init__(self, cfg: DecoderConfig, base_format: str, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        (_, _, h, gate_up), (_, _, i, down) = cfg.expert_linears()
+        self.gate_up_proj = QuantLinear(h, [n for _, n in gate_up], [p for p, _ in gate_up], base_format, dtype,
+                                        device)
+        self.down_proj = QuantLinear(i, [n for _, n in down], [p for p, _ in down], base_format, dtype, device)
+
+
+def run_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleList, gate: Gate,
+                project: Project = call_module) -> Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t of x [T, hidden].
+
+    The (token, choice) pairs are sorted by expert (stable, so each expert sees its tokens in
+    order), gathered into one [T*k, hidden] block, and each expert runs on its contiguous slice.
+    Autograd flows through the gather, the slices and `index_add`, so the training forward,
+    dX through the frozen bases and LoRA gradients per expert come for free.
+    """
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    # The one host sync: per-linear kernels take their row count as a shape.
+    bounds = torch.bincount(flat, minlength=len(experts)).cumsum(0).tolist()
+    rows = x[order // k]
+    outs, start = [], 0
+    for expert, end in zip(experts, bounds):
+        if end > start:
+            outs.append(project(expert.down_proj, gate(project(expert.gate_up_proj, rows[start:end]))))
+        start = end
+    out = torch.cat(outs) * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, order // k, out)
+
+
+class SparseMoE(nn.Module):
+    """A sparse layer's MLP: the router (`gate`, HF's name) and the experts."""
+
+    def __init__(self, cfg: DecoderConfig, base_format: str, dtype: torch.dtype, device: torch.device | str,
+                 gate: Gate):
+        super().__init__()
+        self.gate = Router(cfg, dtype, device)
+        self.experts = nn.ModuleList(Expert(cfg, base_format, dtype, device) for _ in range(cfg.num_experts))
+        self.activation = gate
+
+    def forward(self, x: Tensor, project: Project = call_module) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        return run_experts(flat, weights, ids, self.experts, self.activation, project).reshape(x.shape)
