@@ -137,12 +137,9 @@ def test_left_padding_keeps_the_window_in_positions(saved, family):
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family, base_format", [("gemma2", "bf16"), ("gemma2", "nvfp4"), ("gemma3", "bf16"),
-                                                 ("phi3", "bf16"), ("phi3", "nf4"), ("mistral_window", "nvfp4")])
-def test_cache_decode_matches_full_forward(saved, family, base_format):
-    model = load_model(saved[family][0], base_format, dtype=torch.float32)
-    lengths, steps = [5, 12, 9], 10  # prompts around the window, decoding well past it
-    seqs = _ids(3, 12 + steps, seed=3)
+def assert_cache_decode_matches_full_forward(model, seqs: torch.Tensor, lengths: list[int], steps: int) -> None:
+    """Prefill of the first `lengths` tokens of `seqs` into scattered cache slots, then `steps`
+    decode steps of the engine, each row equal to the full forward's logits at its position."""
     with torch.no_grad():
         full = model.logits(seqs)
     cache = model.make_cache(batch_size=4, max_len=32)
@@ -161,6 +158,14 @@ def test_cache_decode_matches_full_forward(saved, family, base_format):
         logits = decode_step(model, lora, tokens, positions, cache)
         for i, n in enumerate(lengths):
             torch.testing.assert_close(logits[slots[i]], full[i, n + step], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, base_format", [("gemma2", "bf16"), ("gemma2", "nvfp4"), ("gemma3", "bf16"),
+                                                 ("phi3", "bf16"), ("phi3", "nf4"), ("mistral_window", "nvfp4")])
+def test_cache_decode_matches_full_forward(saved, family, base_format):
+    model = load_model(saved[family][0], base_format, dtype=torch.float32)
+    lengths, steps = [5, 12, 9], 10  # prompts around the window, decoding well past it
+    assert_cache_decode_matches_full_forward(model, _ids(3, 12 + steps, seed=3), lengths, steps)
 
 
 def argmax_continuation(model: Decoder, prompt: list[int], new: int) -> list[int]:

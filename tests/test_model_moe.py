@@ -35,7 +35,7 @@ from qerl_pipe.model.moe import SparseMoE
 from qerl_pipe.model.peft import check_adapter_fits, lora_tensors, read_adapter, save_adapter
 from tests.conftest import make_tiny_model, randomize_lora_b, randomize_weights
 from tests.stage_cli import cli, last_line
-from tests.test_model_families import argmax_continuation
+from tests.test_model_families import argmax_continuation, assert_cache_decode_matches_full_forward
 
 VOCAB = 320
 DIMS = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=4,
@@ -135,25 +135,7 @@ def test_tokens_reach_many_experts_and_left_padding_changes_nothing(saved):
 def test_cache_decode_matches_full_forward(saved, base_format):
     model = load_model(saved["renorm"][0], base_format, dtype=torch.float32)
     lengths, steps = [5, 12, 9], 8
-    seqs = _ids(3, 12 + steps, seed=3)
-    with torch.no_grad():
-        full = model.logits(seqs)
-    cache = model.make_cache(batch_size=4, max_len=32)
-    slots = torch.tensor([2, 0, 3])
-    prompts = seqs[:, :12].clone()
-    for i, n in enumerate(lengths):
-        prompts[i, n:] = 0
-    first = model.prefill(prompts, cache, slots, torch.tensor(lengths))
-    for i, n in enumerate(lengths):
-        torch.testing.assert_close(first[i], full[i, n - 1], atol=1e-4, rtol=1e-4)
-    positions, tokens = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
-    lora = FusedLora(model, model.dtype)
-    for step in range(steps):
-        for i, n in enumerate(lengths):
-            positions[slots[i]], tokens[slots[i]] = n + step, seqs[i, n + step]
-        logits = decode_step(model, lora, tokens, positions, cache)
-        for i, n in enumerate(lengths):
-            torch.testing.assert_close(logits[slots[i]], full[i, n + step], atol=1e-4, rtol=1e-4)
+    assert_cache_decode_matches_full_forward(model, _ids(3, 12 + steps, seed=3), lengths, steps)
 
 
 @pytest.mark.parametrize("base_format, experts", [("bf16", True), ("nvfp4", False), ("nvfp4", True)])
