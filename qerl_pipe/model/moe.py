@@ -75,7 +75,7 @@ def run_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleList,
 
     The (token, choice) pairs are sorted by expert (stable, so each expert sees its tokens in
     order), gathered into one [T*k, hidden] block, and each expert runs on its contiguous slice.
-    Autograd flows through the gather, the slices and `index_add`, so the training forward,
+    Autograd flows through the gathers, the slices and the sum, so the training forward,
     dX through the frozen bases and LoRA gradients per expert come for free.
     """
     t, k = ids.shape
@@ -90,7 +90,9 @@ def run_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleList,
             outs.append(project(expert.down_proj, gate(project(expert.gate_up_proj, rows[start:end]))))
         start = end
     out = torch.cat(outs) * weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, order // k, out)
+    # Back to (token, choice) order by a gather, then the k choices summed in a fixed order: an
+    # index_add over tokens would add with atomics on CUDA, in an order that changes run to run.
+    return out[order.argsort()].reshape(t, k, -1).sum(dim=1)
 
 
 class SparseMoE(nn.Module):
