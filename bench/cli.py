@@ -94,7 +94,8 @@ def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,
 
 
 @bench_app.command("rollout")
-def bench_rollout(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b"],
+def bench_rollout(out: OutOpt = None,
+                  shapes: Annotated[list[str], typer.Option("--shapes", help="Model shapes (comma-separated or repeated): qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b.")] = ["qwen2.5-7b"],
                   batches: Annotated[list[str], typer.Option(help="Batch sizes of our engine.")] = ["1,8,64,256"],
                   hf_batches: Annotated[Optional[list[str]], typer.Option(help="Batch sizes for HF generate; '' skips HF.", show_default="--batches")] = None,
                   prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 256,
@@ -106,20 +107,20 @@ def bench_rollout(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b"],
                   kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too).")] = "deterministic") -> None:
     """Rollout speed: HF generate vs our engine (random weights, needs a CUDA GPU)."""
     from bench.rollout import run_rollout_bench
-    from bench.shapes import QWEN25_SHAPES
+    from bench.shapes import SHAPES
 
-    unknown = [s for s in values(shapes) if s not in QWEN25_SHAPES]
+    unknown = [s for s in values(shapes) if s not in SHAPES]
     if unknown:
-        raise QerlError(f"unknown shapes {unknown}; choose from {sorted(QWEN25_SHAPES)}")
+        raise QerlError(f"unknown shapes {unknown}; choose from {sorted(SHAPES)}")
     emit(run_rollout_bench(values(shapes), values(batches, int), prompt_len, new_tokens, hf_new_tokens,
                            None if hf_batches is None else values(hf_batches, int), lora_rank,
                            tuple(values(formats)), hbm_tbps, partial=out, kernels=kernels), out)
 
 
 @bench_app.command("train-step")
-def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape", help="Model shapes (comma-separated or repeated): qwen2.5-7b, -14b, -32b, -72b.", show_default="qwen2.5-7b, none with --recipe")] = None,
+def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape", help="Model shapes (comma-separated or repeated): qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b.", show_default="qwen2.5-7b, none with --recipe")] = None,
                      quant: Annotated[list[str], typer.Option("--quant", help="Base formats of the --shape steps (comma-separated or repeated): bf16, nf4, nvfp4.")] = ["bf16,nvfp4"],
-                     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward (under a budget: at most).", show_default="8 for 7B/14B, 4 for 32B/72B")] = None,
+                     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward (under a budget: at most).", show_default="8 for 7B/14B/30B-A3B, 4 for 32B/72B")] = None,
                      kv_slots: Annotated[Optional[int], typer.Option(help="Engine slots (KV cache rows; under a budget: at most).", show_default="all 64 sequences at once")] = None,
                      response_len: Annotated[int, typer.Option(help="Sampled tokens per response (no early stop).")] = 1024,
                      memory_limit_gib: Annotated[Optional[float], typer.Option(help="Treat the GPU as having this much free memory.", show_default="what is free")] = None,

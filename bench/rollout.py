@@ -1,11 +1,15 @@
-"""Rollout benchmark: HF transformers `generate` vs our engine in bf16 and NVFP4, at Qwen2.5 shapes.
+"""Rollout benchmark: HF transformers `generate` vs our engine in bf16 and NVFP4, at Qwen2.5 and
+Qwen3-30B-A3B shapes (`bench.shapes`).
 
 `qerl-pipe bench rollout --shapes qwen2.5-7b --out FILE.json`. Random weights of the exact shapes; prompts
 of `--prompt-len` random tokens, `--new-tokens` sampled tokens at temperature 1 with no stop
 token (every sequence runs to the end), LoRA of rank `--lora-rank` on all seven projections
 attached to our model (computed unmerged, as in training). For each batch size it reports
 tokens/s, the mean decode-step time, and that time over the HBM lower bound: the bytes one step
-must read (every weight once, LoRA, the KV cache of the mean context) at `--hbm-tbps`.
+must read (every weight once, LoRA, the KV cache of the mean context) at `--hbm-tbps`. In a
+mixture-of-experts model a step reads only the experts its tokens are routed to: the bound counts
+a sparse layer's experts at the share `batch` tokens of top-k routing reach on average when the
+routing is uniform (1 - (1 - k/E)^batch; batch 1 of Qwen3-30B-A3B: 8 of 128).
 
 HF `generate` is slow, so it runs `--hf-new-tokens` tokens (default 64): its decode-step time is
 (t(N) - t(1)) / (N - 1), and its tokens/s is reported for that length (the prefill counts less
@@ -24,7 +28,7 @@ import torch
 
 from bench.random_model import init_random_model
 from bench.results import nulls_for_non_finite, results_file, target
-from bench.shapes import QWEN25_SHAPES
+from bench.shapes import SHAPES
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.errors import QerlError
 from qerl_pipe.engine.limits import kv_bytes_per_token, plan_limits
@@ -61,6 +65,29 @@ def _peak_gib() -> float:
 
 def _lora_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+
+
+def _expert_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the routed experts (`mlp.experts.E`) alone: no storage a tensor outside them
+    shares (a decode buffer) is counted."""
+    outside: set[tuple[torch.device, int]] = set()
+    inside: dict[tuple[torch.device, int], int] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        if ".mlp.experts." in f".{name}":
+            inside[key] = storage.nbytes()
+        else:
+            outside.add(key)
+    return sum(n for key, n in inside.items() if key not in outside)
+
+
+def experts_read_share(config: DecoderConfig, batch: int) -> float:
+    """The expected share of a sparse layer's experts that one decode step of `batch` tokens reads,
+    each token routed to k of E experts uniformly at random: 1 - (1 - k/E)^batch (1.0: no experts)."""
+    if not config.num_sparse_layers:
+        return 1.0
+    return 1.0 - (1.0 - config.experts_per_token / config.num_experts) ** batch
 
 
 Emit = Callable[[dict], None]
@@ -114,15 +141,17 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
     _sync()
     build_s = time.perf_counter() - t0
     dcfg = DecoderConfig.from_hf(config)
-    weight_bytes, lora_bytes = model_memory_bytes(model), _lora_bytes(model)
-    # A decode step reads every weight but the embedding table (only B rows of it).
+    weight_bytes, lora_bytes, expert_bytes = model_memory_bytes(model), _lora_bytes(model), _expert_bytes(model)
+    # A decode step reads every weight but the embedding table (only B rows of it), and of the
+    # routed experts only those its tokens reach.
     embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     if dcfg.tie_word_embeddings:
         embed_bytes = 0
-    step_weight_bytes = weight_bytes - embed_bytes
     rows = []
     for batch in batches:
         _free()
+        share = experts_read_share(dcfg, batch)
+        step_weight_bytes = weight_bytes - embed_bytes - expert_bytes + round(share * expert_bytes)
         limits = plan_limits(dcfg, max_seq_len=prompt_len + new_tokens, max_batch=batch,
                              cuda_graphs=device == "cuda")
         engine = Engine(model, limits)
@@ -149,7 +178,7 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
             "decode_steps": out.decode_steps, "prefill_s": out.prefill_seconds, "total_s": total,
             "hbm_bound_step_ms": 1e3 * bound_s, "step_over_hbm_bound": step_s / bound_s,
             "step_bytes_weights": step_weight_bytes, "step_bytes_kv_mean": kv_bytes,
-            "model_bytes": weight_bytes, "lora_bytes": lora_bytes, "kv_cache_bytes": limits.kv_cache_bytes,
+            "expert_bytes": expert_bytes, "experts_read_share": share, "model_bytes": weight_bytes, "lora_bytes": lora_bytes, "kv_cache_bytes": limits.kv_cache_bytes,
             "build_s": build_s, "peak_gib": _peak_gib(),
         })
         print(_fmt(rows[-1]), flush=True)
@@ -172,10 +201,11 @@ def _row(rows: list[dict], shape: str, impl: str, fmt: str, batch: int) -> dict 
 
 
 # NVFP4 over our bf16 engine (tokens/s) per (shape, batch): the RL-step issue's 7B rows, the
-# lean-decode-step issue's 32B rows; NVFP4 over NF4 (the QLoRA base, bitsandbytes' kernels where
+# lean-decode-step issue's 32B rows, issue 35's Qwen3-30B-A3B rows; NVFP4 over NF4 (the QLoRA base, bitsandbytes' kernels where
 # they win) at batch 8, QeRL's claim; and the batch-1 decode step over its HBM lower bound.
 SPEEDUP_TARGETS = {("qwen2.5-7b", 1): 1.9, ("qwen2.5-7b", 8): 1.8, ("qwen2.5-7b", 64): 1.25,
-                   ("qwen2.5-7b", 256): 0.95, ("qwen2.5-32b", 8): 2.5, ("qwen2.5-32b", 64): 1.8}
+                   ("qwen2.5-7b", 256): 0.95, ("qwen2.5-32b", 8): 2.5, ("qwen2.5-32b", 64): 1.8,
+                   ("qwen3-30b-a3b", 1): 1.5, ("qwen3-30b-a3b", 8): 1.4, ("qwen3-30b-a3b", 64): 1.1}
 OVER_NF4_TARGETS = {("qwen2.5-7b", 8): 1.5, ("qwen2.5-32b", 8): 1.5}
 BOUND_TARGETS = {("qwen2.5-7b", "nvfp4"): 1.8, ("qwen2.5-32b", "nvfp4"): 1.4, ("qwen2.5-7b", "bf16"): 1.6}
 
@@ -223,7 +253,7 @@ def run_rollout_bench(shapes: list[str], batches: list[int], prompt_len: int = 2
         return results_file(rows, targets(rows), settings=settings, torch=torch.__version__)
 
     for shape in shapes:
-        config = QWEN25_SHAPES[shape]
+        config = SHAPES[shape]
 
         def emit(row: dict, shape: str = shape) -> None:
             rows.append({"shape": shape, **row})

@@ -1,8 +1,9 @@
-"""Hugging Face configs with the exact shapes of the Qwen2.5 models the benchmarks stand in for.
+"""Hugging Face configs with the exact shapes of the models the benchmarks stand in for: the
+dense Qwen2.5 family (7B, 14B, 32B, 72B) and the Qwen3-MoE Qwen3-30B-A3B.
 
 Random weights of these shapes measure speed and memory at scale without a model hub: what a
 kernel or a decode step costs depends on the shapes, not on the values. Figures from the
-published Qwen2.5 config.json files.
+published config.json files (Qwen2.5-*-Instruct, Qwen3-30B-A3B).
 """
 
 from __future__ import annotations
@@ -27,9 +28,37 @@ QWEN25_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8),
 }
 
+# Qwen3-30B-A3B: 48 layers, every one sparse (decoder_sparse_step 1, no mlp_only_layers): 128
+# experts of width 768, 8 per token, renormalised; `intermediate_size` is the dense MLP width a
+# layer listed in mlp_only_layers would have (none here). 30.5 B parameters, ~3.3 B active per token.
+QWEN3_MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
+        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "attention_bias": False,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+}
+
+# Every shape the benchmarks build by name (`bench rollout --shapes`, `bench train-step --shape`).
+SHAPES: dict[str, dict[str, Any]] = {**QWEN25_SHAPES, **QWEN3_MOE_SHAPES}
+
+# Releases of the same shapes under another name: the instruct and 2507 updates of Qwen3-30B-A3B
+# differ from it in their RoPE base and context length only, not in any weight's shape.
+_RELEASE_SUFFIXES = ("-instruct-2507", "-thinking-2507", "-instruct")
+
 
 def shape_for_source(source: str) -> str | None:
-    """The shape of a Qwen2.5 model named as a recipe's model.source names it (`Qwen/Qwen2.5-7B`,
-    `Qwen/Qwen2.5-72B-Instruct`, a local directory of that name), or None."""
-    name = source.rstrip("/").split("/")[-1].lower().removesuffix("-instruct")
-    return name if name in QWEN25_SHAPES else None
+    """The shape of a model named as a recipe's model.source names it (`Qwen/Qwen2.5-7B`,
+    `Qwen/Qwen2.5-72B-Instruct`, `Qwen/Qwen3-30B-A3B`, `Qwen/Qwen3-30B-A3B-Instruct-2507`, a local
+    directory of that name), or None."""
+    name = source.rstrip("/").split("/")[-1].lower()
+    for suffix in _RELEASE_SUFFIXES:
+        if name.endswith(suffix):
+            name = name.removesuffix(suffix)
+            break
+    return name if name in SHAPES else None

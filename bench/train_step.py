@@ -1,11 +1,13 @@
-"""One full RL step (rollouts + training) at Qwen2.5 shapes, with a bf16, NF4 or NVFP4 base under LoRA.
+"""One full RL step (rollouts + training) at Qwen2.5 and Qwen3-30B-A3B shapes (`bench.shapes`), with a
+bf16, NF4 or NVFP4 base under LoRA.
 
 `qerl-pipe bench train-step --shape qwen2.5-7b --quant bf16,nvfp4 --out FILE.json`. Every (shape,
 quant) pair runs in this process, one after another, with the GPU memory freed in between.
 
 Each configuration: random weights of the exact shape built directly in the base format, LoRA on
-all seven projections, the rollout engine over that same model (KV cache for every sequence of the
-step at once), and the real `Trainer` with a synthetic reward, so the step is what `train` runs:
+all seven projections (in Qwen3-30B-A3B attention's four: its routed experts get none, as in a
+recipe without train.lora.experts), the rollout engine over that same model (KV cache for every
+sequence of the step at once), and the real `Trainer` with a synthetic reward, so the step is what `train` runs:
 8 prompts x G = 8 samples, 256-token prompts, 1024 sampled tokens at temperature 1 with no stop
 token (every response runs to the end), DAPO loss, logprobs through the LM head in chunks,
 backward with gradient checkpointing, AdamW on the adapter. One small warm-up step and the capture
@@ -26,10 +28,10 @@ asked for. A CUDA out-of-memory error, or any other failure, is recorded in its 
 configuration runs. Each row is printed as one JSON line and the output file is rewritten after
 it, so a run cut short still leaves data.
 
-`--recipe FILE` (repeatable) runs a recipe's step instead of a shape: the Qwen2.5 shape its
-model.source names, its base format, prompts x samples, lengths, LoRA rank, micro-batch and slot
-bounds and budget (read and validated as `qerl-pipe run` reads it, defaults included). The
-ladder (recipes/ladder/) is run this way; `--unconstrained` runs the same recipes without their
+`--recipe FILE` (repeatable) runs a recipe's step instead of a shape: the shape its model.source
+names (`bench.shapes.shape_for_source`), its base format, prompts x samples, lengths, LoRA rank
+(and train.lora.experts), micro-batch and slot bounds and budget (read and validated as
+`qerl-pipe run` reads it, defaults included). The ladder (recipes/ladder/) is run this way; `--unconstrained` runs the same recipes without their
 budgets, for the time a step costs with the whole GPU, and `--append` adds rows to the `--out` file
 (keeping the settings that describe the rows already there).
 """
@@ -54,7 +56,7 @@ import torch
 from bench.kernel_kinds import profile_kinds
 from bench.random_model import init_random_model
 from bench.results import nulls_for_non_finite, results_file, target
-from bench.shapes import QWEN25_SHAPES, shape_for_source
+from bench.shapes import SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.engine.sampling import SamplingParams
 from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budget, plan_step, release_budget
@@ -76,14 +78,14 @@ from qerl_pipe.strict_json import dumps, write_json
 
 GIB = 2**30
 QUANTS = ("bf16", "nf4", "nvfp4")
-# Sequences per forward/backward: activations of 8 x 1280 tokens fit easily at 7B/14B; the
-# larger hidden sizes and layer counts of 32B/72B want 4.
-DEFAULT_MICRO_BATCH = {"qwen2.5-7b": 8, "qwen2.5-14b": 8, "qwen2.5-32b": 4, "qwen2.5-72b": 4}
+# Sequences per forward/backward: activations of 8 x 1280 tokens fit easily at 7B/14B and at
+# Qwen3-30B-A3B (hidden 2048); the larger hidden sizes and layer counts of 32B/72B want 4.
+DEFAULT_MICRO_BATCH = {"qwen2.5-7b": 8, "qwen2.5-14b": 8, "qwen2.5-32b": 4, "qwen2.5-72b": 4, "qwen3-30b-a3b": 8}
 SYNTHETIC_REWARD = "bench.train_step:synthetic_reward"
-# The ladder of issue 20 (shape, base, budget GB): each rung's step completes under its budget,
-# except those in LADDER_REFUSED, which must be refused before any work.
+# The ladder of issue 20 (shape, base, budget GB), and issue 35's Qwen3-30B-A3B rung: each rung's
+# step completes under its budget, except those in LADDER_REFUSED, which must be refused before any work.
 LADDER = (("qwen2.5-7b", "nvfp4", 16), ("qwen2.5-14b", "nvfp4", 24), ("qwen2.5-32b", "nvfp4", 40),
-          ("qwen2.5-72b", "nvfp4", 80), ("qwen2.5-72b", "bf16", 80))
+          ("qwen2.5-72b", "nvfp4", 80), ("qwen2.5-72b", "bf16", 80), ("qwen3-30b-a3b", "nvfp4", 40))
 LADDER_REFUSED = {("qwen2.5-72b", "bf16", 80)}
 ESTIMATE_ERROR_TARGET = 0.05
 
@@ -95,6 +97,7 @@ class StepSettings:
     prompt_len: int = 256
     response_len: int = 1024
     lora_rank: int = 32
+    lora_experts: bool = False  # MoE: LoRA on every routed expert too (a recipe's train.lora.experts)
     micro_batch: int | None = None  # None: DEFAULT_MICRO_BATCH of the shape (4 for unknown ones)
     kv_slots: int | None = None  # engine slots; None: every sequence of the step at once
     # The warm-up step's prompts x samples: None = the timed step's, so its prefill, decode batch
@@ -122,12 +125,13 @@ class StepSettings:
         """The step for the planner: these settings are the upper bounds it chooses under."""
         return StepShape(self.sequences, self.prompts, self.prompt_len + self.response_len, self.prompt_len,
                          self.lora_rank, self.kv_slots or self.sequences,
-                         self.micro_batch or DEFAULT_MICRO_BATCH.get(shape, 4), self.logprob_chunk, self.adapter)
+                         self.micro_batch or DEFAULT_MICRO_BATCH.get(shape, 4), self.logprob_chunk, self.adapter,
+                         lora_experts=self.lora_experts)
 
 
 @dataclass(frozen=True)
 class RecipeStep:
-    """One recipe as the bench runs it: random weights of its model's Qwen2.5 shape."""
+    """One recipe as the bench runs it: random weights of its model's shape (`bench.shapes`)."""
 
     name: str  # the recipe file's name
     shape: str
@@ -138,19 +142,20 @@ class RecipeStep:
 
 def read_recipe(path: Path) -> RecipeStep:
     """The step a recipe describes, read and validated as `qerl-pipe run` reads it (the recipe's
-    defaults fill what it leaves out); its model.source must name a Qwen2.5 shape."""
+    defaults fill what it leaves out); its model.source must name a shape of `bench.shapes`."""
     recipe = load_recipe(path)  # a RecipeError names the file and the key
     shape = shape_for_source(recipe.model.source)
     if shape is None:
-        raise QerlError(f"{path.name}: model.source {recipe.model.source!r} is not a Qwen2.5 shape the bench can build "
-                        f"random weights of ({', '.join(sorted(QWEN25_SHAPES))})")
+        raise QerlError(f"{path.name}: model.source {recipe.model.source!r} is not a shape the bench can build "
+                        f"random weights of ({', '.join(sorted(SHAPES))})")
     train, engine = recipe.train, recipe.engine
     if engine.max_seq_len <= train.max_new_tokens:
         raise QerlError(f"{path.name}: engine.max_seq_len ({engine.max_seq_len}) leaves no room for a prompt beside "
                         f"train.max_new_tokens ({train.max_new_tokens})")
     settings = StepSettings(prompts=train.prompts_per_step, group_size=train.group_size,
                             prompt_len=engine.max_seq_len - train.max_new_tokens, response_len=train.max_new_tokens,
-                            lora_rank=train.lora.rank, micro_batch=train.micro_batch_size, kv_slots=engine.max_batch,
+                            lora_rank=train.lora.rank, lora_experts=train.lora.experts,
+                            micro_batch=train.micro_batch_size, kv_slots=engine.max_batch,
                             adapter=train.adapter, kernels="deterministic" if engine.deterministic else "fast")
     return RecipeStep(path.name, shape, engine.base_format, settings, train.memory_budget_gb)
 
@@ -301,7 +306,7 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     """Build, warm up, time `s.timed_steps` steps; every figure of a row that ran (`kernel_copies`: whether the
     plan keeps humming copies of an NVFP4 base)."""
     t0 = time.perf_counter()
-    lora = LoraSpec(rank=s.lora_rank, alpha=2.0 * s.lora_rank) if s.adapter == "lora" else None
+    lora = LoraSpec(rank=s.lora_rank, alpha=2.0 * s.lora_rank, experts=s.lora_experts) if s.adapter == "lora" else None
     model = init_random_model(config, base_format=quant, device=device, lora=lora)
     _sync(device)
     build_s, build_peak = time.perf_counter() - t0, _peaks(device)["allocated"]
@@ -574,7 +579,7 @@ def _summary(r: dict) -> str:
 
 def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSettings = StepSettings(),
                          device: str = "cuda", memory_limit_bytes: int | None = None, out: Path | None = None,
-                         shape_configs: Mapping[str, Mapping[str, Any]] = QWEN25_SHAPES,
+                         shape_configs: Mapping[str, Mapping[str, Any]] = SHAPES,
                          emit: Callable[[str], None] = lambda line: print(line, flush=True), *,
                          memory_budget_gb: float | None = None, recipes: Sequence[Path] = (),
                          unconstrained: bool = False, append: bool = False) -> dict[str, Any]:
@@ -613,7 +618,7 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
     cases = [(st.shape, st.quant, st.settings, None if unconstrained else st.budget_gb, st.name) for st in steps]
     cases += [(name, quant, s, memory_budget_gb, None) for name in shapes for quant in quants]
     for name, quant, settings, budget_gb, recipe in cases:
-        config = shape_configs[name] if name in shape_configs else QWEN25_SHAPES[name]
+        config = shape_configs[name] if name in shape_configs else SHAPES[name]
         rows.append(bench_config(name, config, quant, settings, device, memory_limit_bytes, budget_gb, recipe))
         print(_summary(rows[-1]), file=sys.stderr, flush=True)
         emit(dumps(nulls_for_non_finite(rows[-1])))

@@ -9,7 +9,7 @@ import torch
 
 from bench import train_step
 from bench.random_model import init_random_model
-from bench.shapes import QWEN25_SHAPES
+from bench.shapes import QWEN25_SHAPES, SHAPES, shape_for_source
 from qerl_pipe.memory.plan import plan_step
 from qerl_pipe.memory.step import StepSize, estimate_step_bytes
 from bench.train_step import StepSettings, run_train_step_bench, speedups, targets
@@ -20,6 +20,11 @@ from qerl_pipe.recipe import load_recipe
 TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
             rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=512)
+# Qwen3-30B-A3B's layout in miniature: every layer sparse, renormalised top-k.
+TINY_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=128,
+                moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=512)
 SMALL = StepSettings(prompts=2, group_size=2, prompt_len=8, response_len=6, lora_rank=2, micro_batch=2,
                      warmup_prompts=1, warmup_group_size=2, warmup_tokens=3, logprob_chunk=4)
 ROW_FIELDS = {"shape", "quant", "fits", "status", "micro_batch", "kv_slots", "estimate_bytes", "build_s",
@@ -269,7 +274,9 @@ def test_ladder_targets():
             row("qwen2.5-32b", "nvfp4", 40, status="ok", peak_reserved_gb=36.0, peak_under_budget=True,
                 estimate_over_peak=0.09),
             row("qwen2.5-72b", "nvfp4", 80, status="oom"),
-            row("qwen2.5-72b", "bf16", 80, status="refused", needed_gb=157.8)]
+            row("qwen2.5-72b", "bf16", 80, status="refused", needed_gb=157.8),
+            row("qwen3-30b-a3b", "nvfp4", 40, status="ok", peak_reserved_gb=33.5, peak_under_budget=True,
+                estimate_over_peak=-0.041)]
     got = {t["name"]: (t["measured"], t["met"]) for t in targets(rows)}
     assert got == {
         "ladder: qwen2.5-7b NVFP4 at 16 GB: one RL step completes, peak reserved under the budget (ok)": (15.1, True),
@@ -279,6 +286,8 @@ def test_ladder_targets():
         "ladder: qwen2.5-72b NVFP4 at 80 GB: one RL step completes, peak reserved under the budget (oom)": (None, False),
         "ladder: qwen2.5-72b NVFP4 at 80 GB: planner's estimate vs measured peak reserved": (None, False),
         "ladder: qwen2.5-72b bf16 at 80 GB: refused before any work (measured: GB it says it needs)": (157.8, True),
+        "ladder: qwen3-30b-a3b NVFP4 at 40 GB: one RL step completes, peak reserved under the budget (ok)": (33.5, True),
+        "ladder: qwen3-30b-a3b NVFP4 at 40 GB: planner's estimate vs measured peak reserved": (-4.1, True),
     }
 
 
@@ -297,7 +306,7 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
     assert (step.settings.kv_slots, step.settings.lora_rank) == (defaults.engine.max_batch, defaults.train.lora.rank)
     other = _tiny_recipe(tmp_path, 2)
     other.write_text(other.read_text().replace("Qwen/Qwen2.5-7B-Instruct", "meta-llama/Llama-3.1-8B"))
-    with pytest.raises(QerlError, match="not a Qwen2.5 shape"):
+    with pytest.raises(QerlError, match="not a shape the bench can build"):
         train_step.read_recipe(other)
     from typer.testing import CliRunner
 
@@ -305,3 +314,60 @@ def test_recipe_errors_name_the_file_and_key(tmp_path):
 
     help_text = CliRunner().invoke(app, ["bench", "train-step", "--help"]).output
     assert "--recipe" in help_text and "--memory-budget-gb" in help_text and "--unconstrained" in help_text
+
+
+def test_qwen3_30b_a3b_shape_is_the_published_model():
+    """The shape `--shape qwen3-30b-a3b` and the ladder rung build: Qwen3-30B-A3B's config.json as our
+    parser and transformers read it (30.5 B parameters, 18.1 GB as NVFP4), named by its hub ids."""
+    from transformers import AutoConfig
+
+    from qerl_pipe.memory.step import weight_bytes, weight_elements
+
+    config = SHAPES["qwen3-30b-a3b"]
+    c = DecoderConfig.from_hf(config)
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (2048, 48, 32, 4, 128)
+    assert (c.num_experts, c.experts_per_token, c.moe_intermediate_size, c.norm_topk_prob) == (128, 8, 768, True)
+    assert c.num_sparse_layers == 48 and c.qk_norm and not c.tie_word_embeddings and c.vocab_size == 151936
+    assert 30.5e9 < weight_elements(c) < 30.6e9 and 18.0e9 < weight_bytes(c, "nvfp4") < 18.2e9
+    hf = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})  # as bench_hf builds it
+    assert (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.head_dim) == (128, 8, 768, 128)
+    assert set(QWEN25_SHAPES) < set(SHAPES)
+    for source in ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B-Instruct-2507", "/models/Qwen3-30B-A3B/"):
+        assert shape_for_source(source) == "qwen3-30b-a3b"
+    assert shape_for_source("Qwen/Qwen2.5-32B-Instruct") == "qwen2.5-32b"
+    assert shape_for_source("Qwen/Qwen3-235B-A22B") is None
+    assert train_step.DEFAULT_MICRO_BATCH["qwen3-30b-a3b"] == 8
+    assert ("qwen3-30b-a3b", "nvfp4", 40) in train_step.LADDER
+
+
+def test_moe_step_on_cpu_routers_random_and_expert_lora_from_the_recipe(tmp_path):
+    """A tiny Qwen3-MoE step, by --shape and by a recipe standing in for the 30B-A3B rung: the routers
+    get random weights, LoRA stays on attention unless the recipe's train.lora.experts asks for more."""
+    from qerl_pipe.model.moe import Router
+
+    model = init_random_model(TINY_MOE, "nvfp4")
+    routers = [m.weight for m in model.modules() if isinstance(m, Router)]
+    assert len(routers) == 2 and all(0.01 < w.float().std() < 0.03 for w in routers)
+    assert not torch.equal(routers[0], routers[1])
+
+    (row,) = run_train_step_bench(["moe"], ["nvfp4"], SMALL, device="cpu", shape_configs={"moe": TINY_MOE},
+                                  emit=lambda line: None)["results"]
+    assert row["status"] == "ok" and row["grad_norm"] > 0 and row["all_responses_full_length"]
+    assert not row["cuda_graphs"]
+    rows = []
+    for experts in (False, True):
+        path = _tiny_recipe(tmp_path, 2)
+        text = path.read_text().replace("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen3-30B-A3B-Instruct-2507")
+        path.write_text(text + f"    experts: {str(experts).lower()}\n")
+        assert train_step.read_recipe(path).settings.lora_experts is experts
+        (r,) = run_train_step_bench([], [], recipes=[path], device="cpu", shape_configs={"qwen3-30b-a3b": TINY_MOE},
+                                    emit=lambda line: None)["results"]
+        assert r["status"] == "ok" and r["shape"] == "qwen3-30b-a3b" and r["grad_norm"] > 0
+        rows.append(r)
+    attention, every_expert = rows
+    c = DecoderConfig.from_hf(TINY_MOE)
+    from qerl_pipe.memory.step import lora_params
+
+    assert attention["lora_param_bytes"] == 4 * lora_params(c, 2)  # fp32 adapters
+    assert every_expert["lora_param_bytes"] == 4 * lora_params(c, 2, experts=True) > attention["lora_param_bytes"]
+    assert every_expert["estimate_bytes"]["lora_and_optimizer"] > attention["estimate_bytes"]["lora_and_optimizer"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.shapes import QWEN25_SHAPES, shape_for_source
+from bench.shapes import QWEN25_SHAPES, SHAPES, shape_for_source
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.jobs.step_plan import train_step_shape
@@ -31,12 +31,13 @@ EXPECTED = {
     "qwen2.5-32b-nvfp4-40gb.yaml": (32, 1, 128),
     "qwen2.5-72b-nvfp4-80gb.yaml": (54, 1, 128),
     "qwen2.5-72b-bf16-80gb.yaml": None,
+    "qwen3-30b-a3b-nvfp4-40gb.yaml": (64, 8, 1024),
 }
 
 
 def _recipe_plan(path: Path, budget_gb: float | None = None):
     recipe = load_recipe(path)
-    config = DecoderConfig.from_hf(QWEN25_SHAPES[shape_for_source(recipe.model.source)])
+    config = DecoderConfig.from_hf(SHAPES[shape_for_source(recipe.model.source)])
     shape = train_step_shape(recipe.train, recipe.engine.max_seq_len, recipe.engine.max_batch)
     gb = recipe.train.memory_budget_gb if budget_gb is None else budget_gb
     return plan_step(config, recipe.engine.base_format, shape, int(gb * GB))
@@ -80,8 +81,26 @@ def test_each_rung_plans_under_its_budget_or_is_refused(name):
     assert "KV slots" in plan.describe() and "budget" in plan.describe()
 
 
+def test_the_qwen3_moe_rung_fits_40_gb_with_its_experts_resident_and_attention_lora():
+    """Qwen3-30B-A3B at 40 GB: all 128 experts of its 48 layers resident in NVFP4 (18.1 GB), LoRA r32
+    on attention only, and the recipe's settings whole (64 slots, micro-batch 8) with room left; the
+    same rung with adapters on every expert does not fit."""
+    path = ROOT / "recipes" / "ladder" / "qwen3-30b-a3b-nvfp4-40gb.yaml"
+    plan = _recipe_plan(path)
+    parts = {k: v / GB for k, v in plan.estimate.items()}
+    assert 18.0 < parts["weights"] < 18.2 and parts["lora_and_optimizer"] < 0.6
+    assert 30 < parts["total"] < 38
+    recipe = load_recipe(path)
+    assert not recipe.train.lora.experts
+    experts = train_step_shape(recipe.train.model_copy(update={"lora": recipe.train.lora.model_copy(
+        update={"experts": True})}), recipe.engine.max_seq_len, recipe.engine.max_batch)
+    with pytest.raises(MemoryBudgetError) as exc:
+        plan_step(plan_config(path), "nvfp4", experts, 40 * GB)
+    assert exc.value.needed_bytes > 45 * GB
+
+
 def plan_config(path: Path) -> DecoderConfig:
-    return DecoderConfig.from_hf(QWEN25_SHAPES[shape_for_source(load_recipe(path).model.source)])
+    return DecoderConfig.from_hf(SHAPES[shape_for_source(load_recipe(path).model.source)])
 
 
 def test_no_budget_keeps_the_recipe_settings():
