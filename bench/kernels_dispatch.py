@@ -19,7 +19,7 @@ import torch
 from bench.kernels import LAYER_SHAPES
 from bench.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.kernels import dispatch, humming_backend
-from qerl_pipe.kernels.dispatch import BACKENDS, DETERMINISTIC_BACKENDS, ROWS_M
+from qerl_pipe.kernels.dispatch import BACKENDS, DETERMINISTIC_BACKENDS, ROWS_M, DispatchTable
 from qerl_pipe.kernels.dispatch_measure import REPS, Operands, inputs, measure_shape, operands, table_from_rows
 from qerl_pipe.kernels.linear import nvfp4_linear
 from qerl_pipe.kernels.tuning import rel_err, time_graph
@@ -73,10 +73,27 @@ def _summary(r: dict) -> str:
             f"({r.get('dispatch_backend')}) det {r.get('deterministic_winner')} fast {r.get('fast_winner')}")
 
 
+# Beside the rows of a file written before the last layer: what it holds and what it does not yet.
+PARTIAL = "backends measured for the layers listed; the dispatch column is timed after the last layer"
+
+
+def write_outputs(table: DispatchTable, source: str, result: dict, out: Path | None, table_out: Path | None) -> None:
+    """The table (`--table-out`) and the results file (`--out`) as they stand. Also written after
+    each layer, so a run cut off by a time limit keeps the table rows of the layers it measured
+    (a whole model's layers take minutes: humming compiles, L2-cold copies, 11 row sizes)."""
+    if table_out is not None:
+        table_out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(table_out, {"source": source, **table.to_json()}, indent=1)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(out, nulls_for_non_finite(result), indent=1)
+
+
 def run(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out: Path | None) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     humming = humming_backend.available(device)
     rows: list[dict] = []
+    source = f"qerl-pipe bench kernels-dispatch ({', '.join(shapes)})"
     layers = [(model, layer, n, k) for model in shapes for layer, (n, k) in LAYER_SHAPES[model].items()]
     for model, layer, n, k in layers:
         for r in measure_shape(operands(n, k, device, humming, bf16=True, label=layer), ms):
@@ -84,6 +101,9 @@ def run(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out: Pat
                      best_us=min(r[f"{b}_us"] for b in DETERMINISTIC_BACKENDS if f"{b}_us" in r))
             rows.append(r)
         torch.cuda.empty_cache()
+        table = table_from_rows(rows, device)
+        write_outputs(table, source, results_file(rows, [], partial=PARTIAL, torch=torch.__version__, humming=humming,
+                                                  table=table.to_json(), rows_m=list(ROWS_M)), out, table_out)
     table = table_from_rows(rows, device)
     dispatch.configure(table, deterministic=True)
     for model, layer, n, k in layers:  # the operands again (the same seed): their memory was freed
@@ -94,15 +114,9 @@ def run(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out: Pat
                 print(_summary(r), flush=True)
         del ops
         torch.cuda.empty_cache()
-    if table_out is not None:
-        data = {"source": f"qerl-pipe bench kernels-dispatch ({', '.join(shapes)})", **table.to_json()}
-        table_out.parent.mkdir(parents=True, exist_ok=True)
-        write_json(table_out, data, indent=1)
     result = results_file(rows, _targets(rows), torch=torch.__version__, humming=humming,
                           table=table.to_json(), rows_m=list(ROWS_M), weighted_vs_bf16=_weighted_table(rows, shapes))
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_json(out, nulls_for_non_finite(result), indent=1)
+    write_outputs(table, source, result, out, table_out)
     for t in result["targets"]:
         print(f"target {t['name']:70} {t['target']:<8} measured {t['measured']:.3f} {'MET' if t['met'] else 'MISSED'}")
     return result

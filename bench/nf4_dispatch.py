@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.results import nulls_for_non_finite, results_file, target
+from bench.results import results_file, target
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels.dequant_gemm import release_scratch
-from qerl_pipe.strict_json import write_json
 from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
 from qerl_pipe.kernels import bnb_backend, dispatch
 from qerl_pipe.kernels.configs import get_config
@@ -135,12 +134,14 @@ def _summary(r: dict) -> str:
 def run_nf4(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out: Path | None) -> dict:
     """Every layer of `shapes` at every M, the table the winners make, and the dispatch timed under it."""
     from bench.kernels import LAYER_SHAPES
+    from bench.kernels_dispatch import PARTIAL, write_outputs
 
     device = torch.device("cuda", torch.cuda.current_device())
     if not bnb_backend.available(device):
         raise QerlError(f"bitsandbytes does not run here ({bnb_backend.why_unavailable(device)}); "
                         "pip install 'qerl-pipe[qlora]'")
     layers = [(model, layer, n, k) for model in shapes for layer, (n, k) in LAYER_SHAPES[model].items()]
+    source = f"qerl-pipe bench kernels-dispatch --formats nf4 ({', '.join(shapes)})"
     rows: list[dict] = []
     for model, layer, n, k in layers:
         ops = nf4_operands(n, k, device)
@@ -152,6 +153,10 @@ def run_nf4(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out:
         del ops
         release_scratch()
         torch.cuda.empty_cache()
+        table = nf4_table(rows, device)
+        write_outputs(table, source, results_file(rows, [], partial=PARTIAL, torch=torch.__version__,
+                                                  bitsandbytes=_bnb_version(), table=table.to_json(),
+                                                  rows_m=list(ms)), out, table_out)
     table = nf4_table(rows, device)
     dispatch.configure(table, deterministic=True)
     for model, layer, n, k in layers:  # the operands again (the same seed): their memory was freed
@@ -163,10 +168,6 @@ def run_nf4(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out:
         del ops
         release_scratch()
         torch.cuda.empty_cache()
-    if table_out is not None:
-        data = {"source": f"qerl-pipe bench kernels-dispatch --formats nf4 ({', '.join(shapes)})", **table.to_json()}
-        table_out.parent.mkdir(parents=True, exist_ok=True)
-        write_json(table_out, data, indent=1)
     over = [r["dispatch_us"] / min(r[f"{b}_us"] for b in NF4_BACKENDS if f"{b}_us" in r)
             for r in rows if "dispatch_us" in r and "winner" in r]
     worst = max(over) if over else float("nan")
@@ -174,9 +175,7 @@ def run_nf4(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out:
                       worst <= 1.03)] if over else []
     result = results_file(rows, targets, torch=torch.__version__, bitsandbytes=_bnb_version(),
                           table=table.to_json(), rows_m=list(ms))
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_json(out, nulls_for_non_finite(result), indent=1)
+    write_outputs(table, source, result, out, table_out)
     return result
 
 
