@@ -59,6 +59,16 @@ def test_humming_shapes_follow_the_column() -> None:
     assert dispatch.humming_shapes(None, deterministic=True) == set()
 
 
+def test_humming_schedules_name_what_to_compile_per_shape() -> None:
+    t = DispatchTable("g", 1, deterministic={"m64:n4608:k3584": "humming-ordered", "m1024:n4608:k3584": "humming",
+                                             "m1:n4608:k3584": "qerl", "m64:n37888:k3584": "humming-ordered"})
+    assert dispatch.humming_schedules(t, deterministic=True) == {QKV: {"humming-ordered", "humming"},
+                                                                 GATE_UP: {"humming-ordered"}}
+    assert dispatch.humming_schedules(t, deterministic=True, max_m=64) == {QKV: {"humming-ordered"},
+                                                                           GATE_UP: {"humming-ordered"}}
+    assert dispatch.humming_schedules(t, deterministic=False) == {}
+
+
 @pytest.fixture
 def installed(monkeypatch):
     """`_table()` as the active table; the rule without a row answers 'rule'."""

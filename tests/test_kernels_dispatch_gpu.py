@@ -46,8 +46,8 @@ def test_humming_matches_the_reference_under_both_schedules(n: int, k: int) -> N
     for m in MS:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         ref = x.double() @ dense.T
-        for deterministic in (True, False):
-            assert _rel(h.matmul(x, deterministic), ref) < 1e-2, (m, deterministic)
+        for schedule in humming_backend.SCHEDULES:
+            assert _rel(h.matmul(x, schedule), ref) < 1e-2, (m, schedule)
 
 
 @pytest.mark.parametrize("n,k", SHAPES[:2])
@@ -55,22 +55,35 @@ def test_the_deterministic_schedule_repeats_and_does_not_depend_on_other_rows(n:
     q, _ = _weight(n, k, 7)
     h = humming_backend.HummingNVFP4(q)
     x = torch.randn(256, k, device="cuda").to(torch.bfloat16)
-    first = h.matmul(x, True)
-    assert torch.equal(first, h.matmul(x, True))
-    assert torch.equal(first[:3], h.matmul(x[:3].contiguous(), True))
+    first = h.matmul(x, "humming")
+    assert torch.equal(first, h.matmul(x, "humming"))
+    assert torch.equal(first[:3], h.matmul(x[:3].contiguous(), "humming"))
+
+
+@pytest.mark.parametrize("n,k", SHAPES[:2])
+@pytest.mark.parametrize("m", (16, 64, 200, 1024, 2048))
+def test_the_ordered_stream_k_schedule_repeats_bit_for_bit(n: int, k: int, m: int) -> None:
+    q, dense = _weight(n, k, 5)
+    h = humming_backend.HummingNVFP4(q)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    first = h.matmul(x, "humming-ordered")
+    assert _rel(first, x.double() @ dense.T) < 1e-2
+    for _ in range(20):
+        assert torch.equal(first, h.matmul(x, "humming-ordered"))
 
 
 def test_graph_replay_equals_eager() -> None:
     q, _ = _weight(4608, 3584, 3)
     h = humming_backend.HummingNVFP4(q)
     x = torch.randn(64, 3584, device="cuda").to(torch.bfloat16)
-    eager = h.matmul(x, True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = h.matmul(x, True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    for schedule in ("humming", "humming-ordered"):
+        eager = h.matmul(x, schedule)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = h.matmul(x, schedule)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), schedule
 
 
 def test_nvfp4_linear_follows_the_row() -> None:
@@ -85,7 +98,7 @@ def test_nvfp4_linear_follows_the_row() -> None:
     try:
         dispatch.configure(table, deterministic=True)
         x = torch.randn(100, k, device="cuda").to(torch.bfloat16)
-        assert torch.equal(nvfp4_linear(x, w_h), w_h.humming.matmul(x, True))
+        assert torch.equal(nvfp4_linear(x, w_h), w_h.humming.matmul(x, "humming"))
         # Without the copy the same row runs the rule without a table.
         rule = dispatch.ours_or_dequant(100, n, k, x.device)
         expected = cuda_ext.gemm(x, w) if rule == "qerl" else x @ cuda_ext.dequantize(w).T

@@ -24,14 +24,14 @@ args = ap.parse_args()
 w = quantize_nvfp4(torch.randn(args.n, args.k, device="cuda", dtype=torch.bfloat16) * 0.02)
 t0 = time.perf_counter()
 h = HummingNVFP4(w)
-h.compile(True)
+h.compile("humming")
 torch.cuda.synchronize()
 rows = [{"what": "build + compile at M = 1", "s": time.perf_counter() - t0}]
 for m in (int(v) for v in args.ms.split(",")):
     x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    h.matmul(x, True)
+    h.matmul(x, "humming")
     host = time.perf_counter() - t0
     torch.cuda.synchronize()
     rows.append({"m": m, "host_s": host, "with_gpu_s": time.perf_counter() - t0})

@@ -3,13 +3,15 @@
 Backends:
 - `qerl`: our CUDA decode GEMM (`cuda_ext.gemm`, the LoRA expand and bias in its epilogue);
 - `humming`: humming-kernels with its batch-invariant schedule (deterministic);
+- `humming-ordered`: humming's stream-K tiles on a grid whose K slices sum in one order
+  (deterministic run to run; `kernels.humming_streamk`);
 - `humming-fast`: humming's default stream-K schedule (not deterministic run to run);
 - `dequant`: our dequantize pass into bf16, then cuBLAS.
 
 A table has one row per (M, N, K) for M in `ROWS_M` (the row serving m rows is the smallest at or
 above m, the last for more) and two columns: `deterministic` (the default: the same inputs give
-the same bits, so a resumed run repeats an unbroken one) picks among qerl / humming / dequant,
-`fast` (`engine.deterministic: false`) among all four. build-engine measures it on its GPU
+the same bits, so a resumed run repeats an unbroken one) picks among qerl / humming /
+humming-ordered / dequant, `fast` (`engine.deterministic: false`) among all five. build-engine measures it on its GPU
 (`kernels.dispatch_measure`) and stores it in the engine; `kernels/cuda/dispatch-<gpu>.json` are
 the shipped tables, used on those GPUs without a measured one. Shapes or GPUs without a
 row get the rule the CUDA kernels had before humming: ours up to 64 rows (and up to 256 where
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 ROWS_M = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
-DETERMINISTIC_BACKENDS = ("qerl", "humming", "dequant")
+DETERMINISTIC_BACKENDS = ("qerl", "humming", "humming-ordered", "dequant")
 BACKENDS = (*DETERMINISTIC_BACKENDS, "humming-fast")
 NF4_OPS = ("nf4", "nf4-dx")
 NF4_BACKENDS = ("triton", "bnb", "dequant")
@@ -183,16 +185,23 @@ def nf4_backend(op: str, m: int, n: int, k: int, device: torch.device, has_bnb: 
     return "triton" if chosen == "bnb" and not has_bnb else chosen
 
 
-def humming_shapes(table: DispatchTable | None, deterministic: bool, max_m: int | None = None) -> set[tuple[int, int]]:
-    """Layer shapes (N, K) that some row (up to `max_m` rows) sends to humming: those that need a copy."""
+def humming_schedules(table: DispatchTable | None, deterministic: bool,
+                      max_m: int | None = None) -> dict[tuple[int, int], set[str]]:
+    """Layer shapes (N, K) that some row (up to `max_m` rows) sends to humming, each with the
+    humming schedules its rows name: the shapes that need a copy, and what to compile for them."""
     if table is None:
-        return set()
-    out = set()
+        return {}
+    out: dict[tuple[int, int], set[str]] = {}
     for key, chosen in _nvfp4_rows(table.column(deterministic)).items():
         m, n, k = (int(part[1:]) for part in key.split(":"))
         if chosen.startswith("humming") and (max_m is None or m <= row_m(max_m)):
-            out.add((n, k))
+            out.setdefault((n, k), set()).add(chosen)
     return out
+
+
+def humming_shapes(table: DispatchTable | None, deterministic: bool, max_m: int | None = None) -> set[tuple[int, int]]:
+    """Layer shapes (N, K) that some row (up to `max_m` rows) sends to humming: those that need a copy."""
+    return set(humming_schedules(table, deterministic, max_m))
 
 
 def humming_copy_shapes(device: torch.device, table: DispatchTable | None = None,

@@ -4,9 +4,12 @@ For one [N, K] shape: a random NVFP4 weight (randn x 0.02, quantized as `quantiz
 many copies of it in each layout as keep the 60 MB L2 cold (`tuning.weight_copies`); per M, each
 backend is checked against `x @ W^T` in fp32 (relative error under 1e-2, no NaN) and then timed as
 one CUDA graph cycling through the copies (median of REPS replays). The deterministic column's
-winner is the fastest of qerl / humming / dequant, the fast column's of all four. Each row also
-says whether humming's two schedules gave the same bits twice (run-to-run determinism) and
-whether the first row's result equals the same row computed alone (batch invariance).
+winner is the fastest of qerl / humming / humming-ordered / dequant, the fast column's of all
+five. Each row also says whether each humming schedule gave the same bits on `REPEATS` calls
+(run-to-run determinism) and whether the first row's result equals the same row computed alone
+(batch invariance). A humming schedule enters the deterministic column only where it repeated;
+the batch-invariant one (`humming`) also only where it was batch invariant; stream-K
+(`humming-fast`) never.
 
 `measure_table` is what build-engine runs on the model's shapes; `bench kernels-dispatch` runs it
 at the Qwen2.5 shapes with a cuBLAS bf16 column beside, for the ratios.
@@ -31,6 +34,7 @@ from qerl_pipe.kernels.tuning import rel_err, time_graph, weight_copies
 log = logging.getLogger(__name__)
 
 REPS = 30
+REPEATS = 8  # calls that must give the same bits for a humming row to count as deterministic
 MAX_REL_ERR = 1e-2
 # Our GEMM runs more rows in passes of at most 256; past that it is never measured faster.
 QERL_MAX_M = 256
@@ -46,6 +50,7 @@ class Operands:
     tiled: list[TiledNVFP4]  # our layout, each copy carrying its humming copy when there is one
     bf16: list[Tensor]
     humming_compile_s: float | None
+    humming_schedules: tuple[str, ...] = ()  # the humming schedules that compiled for this shape
 
 
 def operands(n: int, k: int, device: torch.device, humming: bool, bf16: bool = False, label: str = "") -> Operands:
@@ -57,20 +62,31 @@ def operands(n: int, k: int, device: torch.device, humming: bool, bf16: bool = F
     tq = tile_nvfp4(q)
     copies = weight_copies(tq.qweight.numel() * 4 + tq.scales.numel())
     tiled = [tq] + [replace(tq, qweight=tq.qweight.clone(), scales=tq.scales.clone()) for _ in range(copies - 1)]
-    compile_s = None
+    compile_s, schedules = None, []
     if humming:
         t0 = time.perf_counter()
         try:
             with_copies = [replace(t, humming=humming_backend.HummingNVFP4(q)) for t in tiled]
-            for deterministic in (True, False):
-                with_copies[0].humming.compile(deterministic)
-            torch.cuda.synchronize(device)
-            tiled, compile_s = with_copies, time.perf_counter() - t0
         except Exception as exc:  # a shape humming refuses: the other backends are measured alone
-            log.warning("humming-kernels cannot run [%d, %d] (%s: %s); measured without it", n, k,
-                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            _refused(n, k, "", exc)
+        else:
+            for schedule in humming_backend.SCHEDULES:
+                try:
+                    with_copies[0].humming.compile(schedule)
+                    torch.cuda.synchronize(device)
+                    schedules.append(schedule)
+                except Exception as exc:  # that schedule is measured without; the others still are
+                    _refused(n, k, schedule, exc)
+            if schedules:
+                tiled, compile_s = with_copies, time.perf_counter() - t0
     wbs = [wb] + [wb.clone() for _ in range(weight_copies(wb.numel() * 2) - 1)] if wb is not None else []
-    return Operands(n, k, dequantize_nvfp4(q, torch.float32), tiled, wbs, compile_s)
+    return Operands(n, k, dequantize_nvfp4(q, torch.float32), tiled, wbs, compile_s, tuple(schedules))
+
+
+def _refused(n: int, k: int, schedule: str, exc: Exception) -> None:
+    log.warning("humming-kernels cannot run [%d, %d]%s (%s: %s); measured without it", n, k,
+                f" under {schedule}" if schedule else "", type(exc).__name__,
+                str(exc).splitlines()[0][:200] if str(exc) else "")
 
 
 def _calls(ops: Operands) -> dict[str, tuple[Callable, int]]:
@@ -81,15 +97,16 @@ def _calls(ops: Operands) -> dict[str, tuple[Callable, int]]:
         "dequant": (lambda x, i: x @ cuda_ext.dequantize(t[i]).T, len(t)),
     }
     if t[0].humming is not None:
-        calls["humming"] = (lambda x, i: t[i].humming.matmul(x, deterministic=True), len(t))
-        calls["humming-fast"] = (lambda x, i: t[i].humming.matmul(x, deterministic=False), len(t))
+        for schedule in ops.humming_schedules:
+            calls[schedule] = (lambda x, i, s=schedule: t[i].humming.matmul(x, s), len(t))
     if ops.bf16:
         calls["bf16"] = (lambda x, i: x @ ops.bf16[i].T, len(ops.bf16))
     return calls
 
 
 def _repeatable(f: Callable, x: Tensor) -> bool:
-    return bool(torch.equal(f(x, 0), f(x, 0)))
+    first = f(x, 0)
+    return all(torch.equal(first, f(x, 0)) for _ in range(REPEATS - 1))
 
 
 def _batch_invariant(f: Callable, x: Tensor) -> bool:
@@ -125,12 +142,18 @@ def measure_shape(ops: Operands, ms: Iterable[int]) -> list[dict]:
         for column, allowed in (("deterministic", DETERMINISTIC_BACKENDS), ("fast", BACKENDS)):
             timed = {b: row[f"{b}_us"] for b in allowed if f"{b}_us" in row}
             if column == "deterministic":  # a humming schedule that failed its checks is not deterministic
-                timed = {b: t for b, t in timed.items()
-                         if not b.startswith("humming") or (row[f"{b}_repeatable"] and row[f"{b}_batch_invariant"])}
+                timed = {b: t for b, t in timed.items() if _deterministic(b, row)}
             if timed:
                 row[f"{column}_winner"] = min(timed, key=timed.get)
         rows.append(row)
     return rows
+
+
+def _deterministic(backend: str, row: dict) -> bool:
+    """Whether a measured backend may serve the deterministic column of `row`."""
+    if not backend.startswith("humming"):
+        return True
+    return row[f"{backend}_repeatable"] and (backend != "humming" or row[f"{backend}_batch_invariant"])
 
 
 def table_from_rows(rows: list[dict], device: torch.device) -> DispatchTable:

@@ -6,11 +6,13 @@ use (it needs the CUDA headers: `CUDA_HOME`, else `/usr/local/cuda`). On Hopper 
 wgmma, TMA and warp specialization: measured faster than ours from M = 64 rows on (docs/kernels.md),
 slower at M <= 16, so it serves the rows the dispatch table (`kernels.dispatch`) gives it.
 
-Two schedules, chosen per call:
-- deterministic (`use_batch_invariant`): a fixed K tile and no stream-K, so the same input gives
+Three schedules, chosen per call by the dispatch backend's name:
+- `humming` (`use_batch_invariant`): a fixed K tile and no stream-K, so the same input gives
   the same bits on every run and a row's result does not depend on the other rows;
-- fast: humming's default heuristics, stream-K across CTAs whose partial sums meet in an order
-  that varies run to run (measured: two eager calls differ by up to 4.7e-2 on a 7B layer).
+- `humming-ordered`: humming's own heuristic tiles and stream-K, with a grid that keeps the K
+  slices' sums in one order (`kernels.humming_streamk`): the same bits on every run (SM 9.x);
+- `humming-fast`: humming's default heuristics, stream-K across CTAs whose partial sums meet in an
+  order that varies run to run (measured: two eager calls differ by up to 4.7e-2 on a 7B layer).
 
 The repacked copy costs the same bytes as the NVFP4 weight again (it is a second layout, the
 CUDA kernels keep theirs), so the engine makes it only for the shapes the table sends to humming
@@ -19,18 +21,22 @@ and where the memory plan has room (`kernels.dispatch.attach`). `QERL_HUMMING=0`
 
 from __future__ import annotations
 
+import json
 import os
+from enum import Enum
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from qerl_pipe.formats.nvfp4 import NVFP4Weight
+from qerl_pipe.kernels.humming_streamk import ordered_configs
 from qerl_pipe.kernels.optional_backend import availability
 
+SCHEDULES = ("humming", "humming-ordered", "humming-fast")
 # humming's compute configs, serialized once (it parses strings per call).
-_DETERMINISTIC = '{"use_batch_invariant": true}'
-_FAST = '{"use_batch_invariant": false}'
+_INVARIANT = '{"use_batch_invariant": true}'
+_STREAM_K = '{"use_batch_invariant": false}'
 
 
 def _cuda_headers() -> Path | None:
@@ -80,16 +86,37 @@ class HummingNVFP4:
                                  "weight_scale_2": w.global_scale.reshape(1).float()})
         layer.transform()
         self.layer = layer
+        self._ordered: str | None = None  # the ordered schedule's interval configs, made at first use
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layer.parameters())
 
-    def matmul(self, x: Tensor, deterministic: bool = True) -> Tensor:
-        """`x [M, K]` bf16 -> `[M, N]`; the first call per schedule compiles its kernels."""
-        return self.layer(x, compute_config=_DETERMINISTIC if deterministic else _FAST)
+    def matmul(self, x: Tensor, schedule: str = "humming") -> Tensor:
+        """`x [M, K]` bf16 -> `[M, N]` under `schedule` (one of `SCHEDULES`); the first call per
+        schedule compiles its kernels."""
+        if schedule == "humming":
+            return self.layer(x, compute_config=_INVARIANT)
+        if schedule == "humming-fast":
+            return self.layer(x, compute_config=_STREAM_K)
+        if schedule == "humming-ordered":
+            return self.layer(x, compute_config=_STREAM_K, tuning_config=self._ordered_configs())
+        raise ValueError(f"humming schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
 
-    def compile(self, deterministic: bool) -> None:
+    def _ordered_configs(self) -> str:
+        if self._ordered is None:
+            from humming.tune import get_heuristics_config
+
+            device = self.layer.weight.device
+            if torch.cuda.get_device_capability(device)[0] != 9:
+                raise RuntimeError("humming's ordered stream-K schedule is derived for SM 9.x (Hopper) only")
+            fast = get_heuristics_config(self.layer.humming_config, use_batch_invariant=False, device=device)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            configs = ordered_configs(fast, self.out_features, self.in_features, sms)
+            self._ordered = json.dumps(configs, default=lambda v: v.value if isinstance(v, Enum) else str(v))
+        return self._ordered
+
+    def compile(self, schedule: str) -> None:
         """Compile the schedule's kernels now (every M interval at once), not inside a graph capture."""
         x = torch.zeros(1, self.in_features, dtype=torch.bfloat16, device=self.layer.weight.device)
-        self.matmul(x, deterministic)
+        self.matmul(x, schedule)

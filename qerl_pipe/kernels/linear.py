@@ -114,7 +114,7 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
             out = cuda_ext.gemm(x2, w, bias, lora=None if lora is None else (u, lora[1]))
             return out.reshape(*x.shape[:-1], w.out_features)
         if chosen.startswith("humming"):
-            out = w.humming.matmul(x2, deterministic=chosen == "humming")
+            out = w.humming.matmul(x2, chosen)
         else:
             out = x2 @ cuda_ext.dequantize(w).T
         out = out.reshape(*x.shape[:-1], w.out_features)

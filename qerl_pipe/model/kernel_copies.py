@@ -47,7 +47,8 @@ def attach_humming(model: nn.Module) -> int:
     device = linears[0].qweight.device
     if not humming_backend.available(device):
         return 0
-    _, deterministic = dispatch.active(device)
+    table, deterministic = dispatch.active(device)
+    schedules = dispatch.humming_schedules(table, deterministic)
     refused: dict[tuple[int, int], str] = {}
     compiled: set[tuple[int, int]] = set()
     with torch.no_grad():
@@ -58,7 +59,8 @@ def attach_humming(model: nn.Module) -> int:
             try:
                 copy = humming_backend.HummingNVFP4(untile_nvfp4(m.kernel_weight))
                 if shape not in compiled:  # one compile per shape and schedule
-                    copy.compile(deterministic)
+                    for schedule in sorted(schedules[shape]):
+                        copy.compile(schedule)
                     compiled.add(shape)
             except Exception as exc:  # that shape's rows fall back to our kernels
                 refused[shape] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
