@@ -21,7 +21,6 @@ and where the memory plan has room (`kernels.dispatch.attach`). `QERL_HUMMING=0`
 
 from __future__ import annotations
 
-import json
 import os
 from enum import Enum
 from pathlib import Path
@@ -32,6 +31,7 @@ from torch import Tensor
 from qerl_pipe.formats.nvfp4 import NVFP4Weight
 from qerl_pipe.kernels.humming_streamk import ordered_configs
 from qerl_pipe.kernels.optional_backend import availability
+from qerl_pipe.strict_json import dumps
 
 SCHEDULES = ("humming", "humming-ordered", "humming-fast")
 # humming's compute configs, serialized once (it parses strings per call).
@@ -113,7 +113,7 @@ class HummingNVFP4:
             fast = get_heuristics_config(self.layer.humming_config, use_batch_invariant=False, device=device)
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             configs = ordered_configs(fast, self.out_features, self.in_features, sms)
-            self._ordered = json.dumps(configs, default=lambda v: v.value if isinstance(v, Enum) else str(v))
+            self._ordered = dumps(configs, default=lambda v: v.value if isinstance(v, Enum) else str(v))
         return self._ordered
 
     def compile(self, schedule: str) -> None:
