@@ -179,7 +179,7 @@ def bench_memory(out: OutOpt = None) -> None:
 
 
 @bench_app.command("decode-profile")
-def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: qwen2.5-7b, -14b, -32b, -72b.")] = "qwen2.5-7b",
+def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b (eager: no graph).")] = "qwen2.5-7b",
                          formats: Annotated[list[str], typer.Option("--formats", help="Base formats (comma-separated or repeated): bf16, nvfp4, nf4.")] = ["bf16,nvfp4"],
                          batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 8,
                          context: Annotated[int, typer.Option(help="Cache positions each sequence has already.")] = 512,
@@ -187,15 +187,15 @@ def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: q
                          out: OutOpt = None) -> None:
     """Kernels per decode step and per layer, and GPU time per kernel kind (needs a CUDA GPU)."""
     from bench.decode_profile import run
-    from bench.shapes import QWEN25_SHAPES
+    from bench.shapes import SHAPES
 
     import torch
 
     from qerl_pipe.kernels.base_formats import NAMES
 
     chosen = values(formats)
-    if shape not in QWEN25_SHAPES or not set(chosen) <= set(NAMES):
-        raise QerlError(f"--shape is one of {sorted(QWEN25_SHAPES)} and --formats of {', '.join(NAMES)}")
+    if shape not in SHAPES or not set(chosen) <= set(NAMES):
+        raise QerlError(f"--shape is one of {sorted(SHAPES)} and --formats of {', '.join(NAMES)}")
     if not torch.cuda.is_available():
         raise QerlError("bench decode-profile profiles CUDA kernels and needs a CUDA GPU; none is visible here")
     emit(run(shape, chosen, batch, context, steps), out)

@@ -13,33 +13,72 @@ Kernels launched with programmatic dependent launch start before the kernel ahea
 finished and wait inside, so their profiled durations overlap and include that wait: the kinds'
 times then add up to more than the step takes. `graph_step_ms` is the step's own time, the
 median of 20 replays of the step captured as one CUDA graph (as the engine runs it).
+
+A mixture-of-experts shape (qwen3-30b-a3b) decodes eagerly (its expert loop syncs with the host,
+so the engine captures no graph): its row has no `graph_step_ms`, and for every shape the row
+also holds `eager_step_ms` (wall time per eager step, the GPU synchronised at the end) and
+`python_top`, the Python functions with the most own time per step under cProfile (where a
+host-bound step spends it: dispatch, wrappers, the expert loop).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
+import cProfile
+import pstats
 import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.random_model import init_random_model
 from bench.results import results_file, target
-from bench.shapes import QWEN25_SHAPES
+from bench.shapes import SHAPES
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph
 from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
+PYTHON_TOP = 25
+
+
+def _python_top(stats: pstats.Stats, steps: int) -> list[dict[str, Any]]:
+    """The functions with the most own time, per step (file paths from the package root on)."""
+    rows = []
+    for (file, line, name), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        parts = Path(file).parts
+        where = next((str(Path(*parts[i:])) for i, part in enumerate(parts) if part in ("qerl_pipe", "torch", "bench")),
+                     Path(file).name)
+        rows.append({"function": f"{where}:{line}({name})", "calls_per_step": round(calls / steps, 1),
+                     "own_ms_per_step": round(own * 1e3 / steps, 3), "cumulative_ms_per_step": round(cumulative * 1e3 / steps, 3)})
+    return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:PYTHON_TOP]
+
+
+def _host_profile(step, steps: int) -> tuple[float, list[dict[str, Any]]]:
+    """Wall ms per eager step (the GPU synchronised at the end), and the top Python functions."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    eager_ms = (time.perf_counter() - start) * 1e3 / steps
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    return eager_ms, _python_top(pstats.Stats(profiler), steps)
 
 
 def profile_format(shape: str, base_format: str, batch: int, context: int, steps: int,
                    lora_rank: int = 32) -> dict[str, Any]:
     """One format's decode step under the profiler (see the module doc)."""
-    model = init_random_model(QWEN25_SHAPES[shape], base_format=base_format, device="cuda",
+    model = init_random_model(SHAPES[shape], base_format=base_format, device="cuda",
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
     cache = model.make_cache(batch, context + steps)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -56,14 +95,19 @@ def profile_format(shape: str, base_format: str, batch: int, context: int, steps
         for _ in range(steps):
             decode_step(model, lora, tokens, positions, cache)
         torch.cuda.synchronize()
-    graph_step_ms = time_graph([lambda: decode_step(model, lora, tokens, positions, cache)], reps=20) * 1e3
+    def step() -> None:
+        decode_step(model, lora, tokens, positions, cache)
+
+    eager_ms, python_top = _host_profile(step, steps)
+    sparse = bool(SHAPES[shape].get("num_experts"))
+    graph_step_ms = None if sparse else round(time_graph([step], reps=20) * 1e3, 3)
     kinds = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count > 0]
     kernels = sum(e.count for e in kinds) / steps
     layers = model.config.num_layers
     row = {"shape": shape, "format": base_format, "batch": batch, "context": context, "lora_rank": lora_rank,
            "kernels_per_step": kernels, "kernels_per_layer": round((kernels - 3) / layers, 2),
            "gpu_busy_ms_per_step": round(sum(e.self_device_time_total for e in kinds) / steps / 1e3, 3),
-           "graph_step_ms": round(graph_step_ms, 3),
+           "graph_step_ms": graph_step_ms, "eager_step_ms": round(eager_ms, 3), "python_top": python_top,
            "kinds": [{"kernel": e.key[:120], "per_step": round(e.count / steps, 2),
                       "us_per_step": round(e.self_device_time_total / steps, 2)}
                      for e in sorted(kinds, key=lambda e: -e.self_device_time_total)]}
@@ -79,9 +123,12 @@ def run(shape: str, formats: Sequence[str], batch: int, context: int, steps: int
         r = rows[-1]
         print(f"{shape} {fmt} batch {batch}: {r['kernels_per_step']:.0f} kernels per decode step "
               f"({r['kernels_per_layer']} per layer), GPU busy {r['gpu_busy_ms_per_step']} ms per step, "
-              f"graph replay {r['graph_step_ms']} ms", file=sys.stderr, flush=True)
+              f"graph replay {r['graph_step_ms']} ms, eager {r['eager_step_ms']} ms", file=sys.stderr, flush=True)
         for kind in r["kinds"][:12]:
             print(f"  {kind['us_per_step']:9.1f} us  x{kind['per_step']:<6} {kind['kernel'][:90]}", file=sys.stderr, flush=True)
+        for fn in r["python_top"][:12]:
+            print(f"  {fn['own_ms_per_step']:9.3f} ms own  x{fn['calls_per_step']:<7} {fn['function'][:90]}",
+                  file=sys.stderr, flush=True)
     targets = [target(f"{r['shape']} {r['format']} batch {r['batch']}: kernels per layer in the decode step",
                       f"<= {KERNELS_PER_LAYER_TARGET}", r["kernels_per_layer"], "kernels",
                       r["kernels_per_layer"] <= KERNELS_PER_LAYER_TARGET) for r in rows]
