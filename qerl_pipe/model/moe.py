@@ -15,7 +15,8 @@ only), so no load-balancing loss is added: the routing a run starts with is the 
 `run_experts` is the seam for a grouped kernel: it sorts the token-expert pairs by expert with
 torch ops (one host sync per layer, for the per-expert row counts the per-linear kernels need
 as shapes), runs each expert that got rows through the per-linear path (`project`: the module
-itself in training, the engine's fused LoRA in rollouts), then weights and scatters the rows back.
+itself in training, the engine's fused LoRA in rollouts), the activation once over all of them,
+then weights and scatters the rows back.
 A grouped NVFP4 GEMM would replace the loop by one launch over the sorted rows and `bounds`.
 """
 
@@ -84,12 +85,13 @@ def run_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleList,
     # The one host sync: per-linear kernels take their row count as a shape.
     bounds = torch.bincount(flat, minlength=len(experts)).cumsum(0).tolist()
     rows = x[order // k]
-    outs, start = [], 0
-    for expert, end in zip(experts, bounds):
-        if end > start:
-            outs.append(project(expert.down_proj, gate(project(expert.gate_up_proj, rows[start:end]))))
-        start = end
-    out = torch.cat(outs) * weights.reshape(-1)[order, None]
+    spans = [(expert, start, end) for expert, start, end in zip(experts, [0, *bounds[:-1]], bounds) if end > start]
+    # The activation runs once over every expert's rows (it is elementwise per row, so the same
+    # values): on CUDA it is a torch.compile'd function, whose per-call cost would otherwise be
+    # paid once per expert.
+    hidden = gate(torch.cat([project(expert.gate_up_proj, rows[start:end]) for expert, start, end in spans]))
+    out = torch.cat([project(expert.down_proj, hidden[start:end]) for expert, start, end in spans])
+    out = out * weights.reshape(-1)[order, None]
     # Back to (token, choice) order by a gather, then the k choices summed in a fixed order: an
     # index_add over tokens would add with atomics on CUDA, in an order that changes run to run.
     return out[order.argsort()].reshape(t, k, -1).sum(dim=1)
