@@ -1,0 +1,124 @@
+"""Probe: humming-kernels' grouped MoE GEMM against our per-expert loop, at Qwen3-30B-A3B's expert shapes.
+
+Our MoE layer (`model/moe.py`, `run_experts`) sorts the (token, choice) rows by expert and runs
+each expert's slice through the per-linear kernels: one host sync per layer, a launch per expert
+and linear, no CUDA graph. humming's `grouped_contiguous` GEMM takes those same sorted rows and
+the experts' offsets as a device tensor (`expert_layout`, [E + 1]) in one launch, so the layer
+would need no host sync and could be captured. Before building that path, this answers: does it
+run on our NVFP4 weights, does it match the loop, does it repeat and replay in a graph, and how
+fast is it against the loop, per linear (gate_up, down) and row count.
+
+python3 bench/scripts/humming_moe_probe.py --out FILE.json [--tokens 1,8,64] [--experts 128]
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.results import results_file
+from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from qerl_pipe.kernels import cuda_ext
+from qerl_pipe.kernels.tiled import tile_nvfp4
+from qerl_pipe.kernels.tuning import time_graph
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--tokens", default="1,8,64")
+ap.add_argument("--experts", type=int, default=128)
+ap.add_argument("--top-k", type=int, default=8)
+ap.add_argument("--hidden", type=int, default=2048)
+ap.add_argument("--width", type=int, default=768)
+ap.add_argument("--out", type=Path, required=True)
+args = ap.parse_args()
+dev = torch.device("cuda")
+E, top_k = args.experts, args.top_k
+
+
+def experts(n: int, k: int, seed: int):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    qs = [quantize_nvfp4(torch.randn(n, k, device=dev, generator=gen) * 0.02) for _ in range(E)]
+    return qs, [tile_nvfp4(q) for q in qs]
+
+
+def humming_layer(qs, n: int, k: int):
+    from humming.layer import HummingLayer
+
+    with torch.device(dev):
+        layer = HummingLayer(shape_n=n, shape_k=k, num_experts=E, torch_dtype=torch.bfloat16,
+                             weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"})
+    scale_2 = torch.stack([q.global_scale.reshape(1).float() for q in qs])
+    want = layer.weight_scale_2.shape
+    layer.load_from_tensors({"weight": torch.stack([q.packed for q in qs]),
+                             "weight_scale": torch.stack([q.block_scales for q in qs]),
+                             "weight_scale_2": scale_2.reshape(want)})
+    layer.transform()
+    return layer
+
+
+def routed(t: int, k: int, seed: int):
+    """Rows sorted by expert ([t * top_k, k] bf16), the experts' row offsets [E + 1] and bounds."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    ids = torch.randn(t, E, device=dev, generator=gen).topk(top_k, dim=-1).indices.reshape(-1)
+    order = ids.argsort(stable=True)
+    x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
+    counts = torch.bincount(ids, minlength=E)
+    return x[order // top_k], F.pad(counts.cumsum(0), (1, 0)), counts.cumsum(0).tolist()
+
+
+def loop(rows, bounds, tiled):
+    """Our path today: the host knows each expert's rows, one GEMM per expert that got some."""
+    outs, start = [], 0
+    for w, end in zip(tiled, bounds):
+        if end > start:
+            outs.append(cuda_ext.gemm(rows[start:end], w))
+        start = end
+    return torch.cat(outs)
+
+
+def loop_with_sync(rows, layout, tiled):
+    return loop(rows, layout[1:].tolist(), tiled)  # the host sync the engine pays per layer
+
+
+rows_out = []
+for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", args.hidden, args.width, 2)):
+    qs, tiled = experts(n, k, seed)
+    t0 = time.perf_counter()
+    try:
+        layer = humming_layer(qs, n, k)
+        build = {"humming_build_s": time.perf_counter() - t0}
+    except Exception as exc:  # noqa: BLE001 (a probe: report what failed and go on)
+        layer, build = None, {"humming_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    dense = [dequantize_nvfp4(q, torch.float32) for q in qs]
+    for t in (int(v) for v in args.tokens.split(",")):
+        rows, layout, bounds = routed(t, k, seed + t)
+        ref = torch.cat([rows[s:e].float() @ dense[i].T for i, (s, e) in enumerate(zip([0, *bounds[:-1]], bounds)) if e > s])
+        ours = loop(rows, bounds, tiled)
+        row = {"linear": name, "N": n, "K": k, "tokens": t, "rows": t * top_k,
+               "active_experts": sum(1 for s, e in zip([0, *bounds[:-1]], bounds) if e > s), **build,
+               "loop_rel_err": float((ours.float() - ref).norm() / ref.norm()),
+               "loop_us": time_graph([lambda: loop(rows, bounds, tiled)], 20) * 1e6,
+               "loop_with_sync_us": None}
+        start = time.perf_counter()
+        for _ in range(10):
+            loop_with_sync(rows, layout, tiled)
+        torch.cuda.synchronize()
+        row["loop_with_sync_us"] = (time.perf_counter() - start) / 10 * 1e6  # eager, as the engine runs MoE
+        if layer is not None:
+            for schedule, invariant in (("invariant", True), ("stream-k", False)):
+                config = {"gemm_type": "grouped_contiguous", "use_batch_invariant": invariant}
+                try:
+                    def grouped(config=config):
+                        return layer(rows, expert_layout=layout, top_k=1, compute_config=config)
+                    first = grouped()
+                    row[f"humming_{schedule}_rel_err"] = float((first.float() - ref).norm() / ref.norm())
+                    row[f"humming_{schedule}_repeats"] = all(torch.equal(first, grouped()) for _ in range(5))
+                    row[f"humming_{schedule}_us"] = time_graph([grouped], 20) * 1e6
+                except Exception as exc:  # noqa: BLE001
+                    row[f"humming_{schedule}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    del qs, tiled, dense, layer
+    torch.cuda.empty_cache()
+args.out.write_text(json.dumps(results_file(rows_out, [], settings=vars(args) | {"out": None}), indent=1) + "\n")
