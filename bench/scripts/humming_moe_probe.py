@@ -8,6 +8,14 @@ would need no host sync and could be captured. Before building that path, this a
 run on our NVFP4 weights, does it match the loop, does it repeat and replay in a graph, and how
 fast is it against the loop, per linear (gate_up, down) and row count.
 
+Beside it, two other ways to drop the host sync, timed at the same shapes:
+- dense over all experts: every token through every expert's linear as one NVFP4 GEMM (gate_up:
+  the experts stacked along N, [E * N, K] at M = tokens; down: stacked along K, [N, E * K], the
+  non-routed experts' inputs zeroed), our kernels as the dispatch picks them: E / k times the
+  arithmetic, fixed shapes (a CUDA graph), no new kernel;
+- the bf16 baseline's own: the same per-expert loop on bf16 weights and torch's grouped GEMM
+  (`torch._grouped_mm`, bf16 on sm_90).
+
 python3 bench/scripts/humming_moe_probe.py --out FILE.json [--tokens 1,8,64] [--experts 128]
 """
 import argparse
@@ -21,6 +29,7 @@ import torch.nn.functional as F
 from bench.results import results_file
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from qerl_pipe.kernels import cuda_ext
+from qerl_pipe.kernels.linear import nvfp4_linear
 from qerl_pipe.kernels.tiled import tile_nvfp4
 from qerl_pipe.kernels.tuning import time_graph
 
@@ -81,6 +90,41 @@ def loop_with_sync(rows, layout, tiled):
     return loop(rows, layout[1:].tolist(), tiled)  # the host sync the engine pays per layer
 
 
+_STACKED: dict = {}
+
+
+def _dense_all(row: dict, name: str, n: int, k: int, t: int, seed: int) -> None:
+    """Time every token through all experts as one NVFP4 GEMM (random stacked weight of the shape)."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    shape = (E * n, k) if name == "gate_up" else (n, E * k)
+    if _STACKED.get("shape") != shape:  # one stacked weight per linear, kept across the row counts
+        _STACKED.clear()
+        _STACKED.update(shape=shape, w=tile_nvfp4(quantize_nvfp4(torch.randn(*shape, device=dev, generator=gen) * 0.02)))
+    w = _STACKED["w"]
+    x = torch.randn(t, shape[1], device=dev, generator=gen).to(torch.bfloat16)
+    row["dense_all_shape"] = list(shape)
+    row["dense_all_us"] = time_graph([lambda: nvfp4_linear(x, w)], 20) * 1e6
+
+
+def _bf16(row: dict, rows, bounds, dense) -> None:
+    """The bf16 baseline's loop and torch's grouped GEMM on the same routed rows."""
+    w = torch.stack([d.to(torch.bfloat16) for d in dense])  # [E, N, K]
+
+    def bf16_loop():
+        return torch.cat([rows[s:e] @ w[i].T for i, (s, e) in enumerate(zip([0, *bounds[:-1]], bounds)) if e > s])
+
+    row["bf16_loop_us"] = time_graph([bf16_loop], 20) * 1e6
+    offs = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    wt = w.transpose(1, 2)  # [E, K, N], as torch._grouped_mm takes its second operand
+    try:
+        out = torch._grouped_mm(rows, wt, offs=offs)
+        row["bf16_grouped_rel_err"] = float((out.float() - bf16_loop().float()).norm() / bf16_loop().float().norm())
+        row["bf16_grouped_us"] = time_graph([lambda: torch._grouped_mm(rows, wt, offs=offs)], 20) * 1e6
+    except Exception as exc:  # noqa: BLE001
+        row["bf16_grouped_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    del w
+
+
 rows_out = []
 for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", args.hidden, args.width, 2)):
     qs, tiled = experts(n, k, seed)
@@ -117,6 +161,8 @@ for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", a
                     row[f"humming_{schedule}_us"] = time_graph([grouped], 20) * 1e6
                 except Exception as exc:  # noqa: BLE001
                     row[f"humming_{schedule}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        _dense_all(row, name, n, k, t, seed)
+        _bf16(row, rows, bounds, dense)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     del qs, tiled, dense, layer
