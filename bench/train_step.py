@@ -60,8 +60,9 @@ from bench.shapes import SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.engine.sampling import SamplingParams
 from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budget, plan_step, release_budget
-from qerl_pipe.memory.step import StepSize, kernel_copy_bytes
+from qerl_pipe.memory.step import StepSize
 from qerl_pipe.errors import QerlError
+from qerl_pipe.jobs.step_plan import copy_bytes_asked
 from qerl_pipe.jobs.train_config import train_config as trainer_config
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.kernels import dispatch
@@ -376,8 +377,8 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
     if _cuda(device):
         dispatch.configure(dispatch.table_for(torch.device(device)), deterministic=s.kernels == "deterministic")
     decoder_config = DecoderConfig.from_hf(config)
-    copies = (kernel_copy_bytes(decoder_config, dispatch.humming_copy_shapes(torch.device(device)))
-              if base_format(quant).hopper_dispatch else 0)
+    copies = copy_bytes_asked(decoder_config, quant, torch.device(device), dispatch.active(torch.device(device))[0],
+                              s.kernels == "deterministic", s.lora_experts) if _cuda(device) else 0
     try:
         plan = plan_step(decoder_config, quant, s.shape(name), budget,
                          budget_source="train.memory_budget_gb" if recipe else "--memory-budget-gb",

@@ -347,6 +347,58 @@ def test_memory_planner_counts_every_expert(saved):
         assert lora_params(c, 4, experts) == sum(p.numel() for p in lora_parameters(lora))
 
 
+class _ReferenceGrouped:
+    """A grouped GEMM by the book: expert e's weight on rows offsets[e]:offsets[e + 1] (what
+    humming's grouped GEMM computes on a GPU), over the experts' own linears."""
+
+    def __init__(self, linears):
+        self.linears, self.calls = linears, 0
+
+    def matmul(self, rows, offsets, deterministic=True):
+        self.calls += 1
+        bounds = offsets.tolist()
+        return torch.cat([self.linears[e](rows[bounds[e]:bounds[e + 1]]) for e in range(len(self.linears))])
+
+
+def test_grouped_experts_compute_what_the_per_expert_loop_does(saved):
+    from qerl_pipe.model.moe import GroupedExperts
+
+    model = load_model(saved["all_sparse"][0], "bf16", dtype=torch.float32)
+    ids = _ids(batch=3, length=11)
+    with torch.no_grad():
+        loop = model.logits(ids)
+    layers = [m.mlp for m in model.layers]
+    for moe in layers:
+        moe.grouped = GroupedExperts(_ReferenceGrouped([e.gate_up_proj for e in moe.experts]),
+                                     _ReferenceGrouped([e.down_proj for e in moe.experts]), len(moe.experts))
+    with torch.no_grad():
+        grouped = model.logits(ids)
+    torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
+    # One grouped call per projection and layer in a forward without autograd ...
+    assert all(m.grouped.gate_up.calls == m.grouped.down.calls == 1 for m in layers)
+    # ... and none with it: training goes through the experts' own linears (their LoRA, dX).
+    with torch.enable_grad():
+        model.logits(ids)
+    assert all(m.grouped.gate_up.calls == 1 for m in layers)
+
+
+def test_grouped_expert_copies_need_a_gpu_and_count_in_the_plan(saved):
+    from qerl_pipe.jobs.step_plan import copy_bytes_asked
+    from qerl_pipe.memory.step import expert_copy_bytes
+    from qerl_pipe.model.kernel_copies import attach_grouped_experts
+
+    config = json.loads((saved["all_sparse"][0] / "config.json").read_text())
+    c = DecoderConfig.from_hf(config)
+    model = init_random_model(config, "nvfp4", dtype=torch.bfloat16)
+    assert attach_grouped_experts(model) == 0 and all(m.mlp.grouped is None for m in model.layers)  # CPU
+    experts = [lin for m in model.layers for e in m.mlp.experts for lin in (e.gate_up_proj, e.down_proj)]
+    stored = sum(lin.qweight.numel() * 4 + lin.scales.numel() + 4 for lin in experts)
+    assert expert_copy_bytes(c) == stored  # the experts' NVFP4 bytes again
+    dense = {k: v for k, v in config.items() if "expert" not in k}
+    assert expert_copy_bytes(DecoderConfig.from_hf({**dense, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})) == 0
+    assert copy_bytes_asked(c, "nvfp4", torch.device("cpu"), None, True, lora_experts=False) == 0
+
+
 # --- the CLI pipeline ---------------------------------------------------------------------------
 
 def test_pipeline_quantizes_trains_and_exports_a_peft_adapter(tmp_path):

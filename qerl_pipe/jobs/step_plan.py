@@ -20,10 +20,11 @@ from qerl_pipe.engine.artifact import read_engine_json
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.hf import compute_dtype, count_parameters, pick_device
+from qerl_pipe.kernels import humming_backend
 from qerl_pipe.kernels.base_formats import base_format as format_entry
 from qerl_pipe.kernels.dispatch import DispatchTable, humming_copy_shapes, table_for
 from qerl_pipe.memory.plan import MemoryPlan, StepShape, plan_step, step_budget
-from qerl_pipe.memory.step import kernel_copy_bytes
+from qerl_pipe.memory.step import expert_copy_bytes, kernel_copy_bytes
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import EngineSection, Recipe, TrainSection
 from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
@@ -62,19 +63,22 @@ def _plan(train: TrainSection, config: DecoderConfig, base_format: str, dtype: t
           max_batch: int, processes: int, budget: int | None, budget_source: str, what: str, device: torch.device,
           kernel_copies: int = 0) -> MemoryPlan:
     """What train and build-engine share: the plan of `train`'s step on `device` to `budget`
-    (`step_budget`), with `kernel_copies` bytes of humming copies asked for
-    (`memory.step.kernel_copy_bytes`)."""
+    (`step_budget`), with `kernel_copies` bytes of humming copies asked for (`copy_bytes_asked`)."""
     shape = train_step_shape(train, max_seq_len, max_batch, processes, dense_base=device.type == "cpu")
     return plan_step(config, base_format, shape, budget, dtype=dtype, budget_source=budget_source,
                      what=f"train's step {what}", kernel_copies=kernel_copies)
 
 
-def _copies(config: DecoderConfig, base_format: str, device: torch.device, table: DispatchTable | None,
-            deterministic: bool) -> int:
-    """The bytes of the humming copies an NVFP4 engine on `device` makes under `table`'s column."""
+def copy_bytes_asked(config: DecoderConfig, base_format: str, device: torch.device, table: DispatchTable | None,
+                     deterministic: bool, lora_experts: bool) -> int:
+    """The bytes of the humming copies an NVFP4 engine on `device` makes: the linears `table`'s
+    column sends to humming, and an MoE's experts for their grouped GEMMs (not when the experts
+    carry LoRA, which the grouped GEMMs do not apply)."""
     if not format_entry(base_format).hopper_dispatch:
         return 0
-    return kernel_copy_bytes(config, humming_copy_shapes(device, table, deterministic))
+    grouped = config.num_sparse_layers and not lora_experts and device.type == "cuda" and humming_backend.available(device)
+    return (kernel_copy_bytes(config, humming_copy_shapes(device, table, deterministic))
+            + (expert_copy_bytes(config) if grouped else 0))
 
 
 def plan_train(train: TrainSection, engine_dir: Path, device: torch.device,
@@ -87,8 +91,9 @@ def plan_train(train: TrainSection, engine_dir: Path, device: torch.device,
     limits = EngineLimits.from_json(spec["limits"])
     budget, source, enforced = step_budget(train.memory_budget_gb, device)
     measured = spec.get("dispatch_table")  # the engine's own table, else the one shipped for this GPU
-    copies = _copies(config, spec["base_format"], device, DispatchTable.from_json(measured) if measured else None,
-                     spec.get("deterministic", True))
+    copies = copy_bytes_asked(config, spec["base_format"], device,
+                              DispatchTable.from_json(measured) if measured else None, spec.get("deterministic", True),
+                              train.lora.experts)
     plan = _plan(train, config, spec["base_format"], getattr(torch, spec["dtype"]), limits.max_seq_len,
                  limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}", device, copies)
     return plan, enforced
@@ -103,7 +108,8 @@ def plan_engine_step(train: TrainSection, engine: EngineSection, config: Decoder
     if budget is None:
         return None, False
     # The engine's table is measured later in its build: the one shipped for this GPU stands in.
-    copies = _copies(config, engine.base_format, device, table_for(device), engine.deterministic)
+    copies = copy_bytes_asked(config, engine.base_format, device, table_for(device), engine.deterministic,
+                              train.lora.experts)
     plan = _plan(train, config, engine.base_format, dtype, engine.max_seq_len, engine.max_batch, processes, budget,
                  source, f"({engine.base_format} base)", device, copies)
     return plan, enforced

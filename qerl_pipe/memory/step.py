@@ -66,9 +66,13 @@ def _model_linears(c: DecoderConfig, experts: bool = True) -> list[tuple[int, tu
     out = [(k, outs, c.num_layers - (sparse if block == "mlp" else 0))
            for (block, _, _, _), (k, outs) in zip(c.layer_linears(), _linears(c))]
     if sparse and experts:
-        out += [(k, tuple(n for _, n in projections), sparse * c.num_experts)
-                for _, _, k, projections in c.expert_linears()]
+        out += _expert_linears(c)
     return [row for row in out if row[2]]
+
+
+def _expert_linears(c: DecoderConfig) -> list[tuple[int, tuple[int, ...], int]]:
+    return [(k, tuple(n for _, n in projections), c.num_sparse_layers * c.num_experts)
+            for _, _, k, projections in c.expert_linears()]
 
 
 def _router_elements(c: DecoderConfig) -> int:
@@ -158,6 +162,15 @@ def kernel_copy_bytes(c: DecoderConfig, shapes: Iterable[tuple[int, int]]) -> in
     wanted = set(shapes)
     return sum((int(k * sum(outs) * NVFP4.bytes_per_weight) + NVFP4.bytes_per_linear) * n
                for k, outs, n in _model_linears(c) if (sum(outs), k) in wanted)
+
+
+def expert_copy_bytes(c: DecoderConfig) -> int:
+    """An NVFP4 MoE's experts stacked again in humming-kernels' layout for their grouped GEMMs
+    (`model.kernel_copies`): the experts' NVFP4 bytes again; 0 for a dense model."""
+    if not c.num_sparse_layers:
+        return 0
+    return sum((int(k * sum(outs) * NVFP4.bytes_per_weight) + NVFP4.bytes_per_linear) * n
+               for k, outs, n in _expert_linears(c))
 
 
 def dense_base_bytes(c: DecoderConfig, dtype: torch.dtype) -> int:

@@ -12,17 +12,20 @@ renormalised to sum 1 when `norm_topk_prob`, cast back to the model dtype; each 
 scaled by its weight and the k of them summed. The router stays frozen (LoRA trains the linears
 only), so no load-balancing loss is added: the routing a run starts with is the routing it keeps.
 
-`run_experts` is the seam for a grouped kernel: it sorts the token-expert pairs by expert with
-torch ops (one host sync per layer, for the per-expert row counts the per-linear kernels need
-as shapes), runs each expert that got rows through the per-linear path (`project`: the module
-itself in training, the engine's fused LoRA in rollouts), the activation once over all of them,
-then weights and scatters the rows back.
-A grouped NVFP4 GEMM would replace the loop by one launch over the sorted rows and `bounds`.
+`run_experts` sorts the token-expert pairs by expert with torch ops (one host sync per layer, for
+the per-expert row counts the per-linear kernels need as shapes), runs each expert that got rows
+through the per-linear path (`project`: the module itself in training, the engine's fused LoRA
+in rollouts), the activation once over all of them, then weights and scatters the rows back.
+`run_grouped` does the same with one grouped GEMM per projection over the sorted rows and the
+experts' row offsets kept on the device (no host sync): what the engine uses for an NVFP4 MoE on
+a GPU where humming-kernels run and the experts carry no LoRA (`SparseMoE.grouped`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,19 @@ from qerl_pipe.model.linear import QuantLinear
 # module does not import the decoder that builds it).
 Project = Callable[[QuantLinear, Tensor], Tensor]
 Gate = Callable[[Tensor], Tensor]  # the fused gate_up output -> act(gate) * up
+
+
+class GroupedMatmul(Protocol):
+    def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class GroupedExperts:
+    """A sparse layer's experts as one grouped GEMM per projection (`kernels.humming_experts`)."""
+
+    gate_up: GroupedMatmul
+    down: GroupedMatmul
+    num_experts: int
 
 
 def call_module(linear: QuantLinear, x: Tensor) -> Tensor:
@@ -70,18 +86,32 @@ class Expert(nn.Module):
         self.down_proj = QuantLinear(i, [n for _, n in down], [p for p, _ in down], base_format, dtype, device)
 
 
+def _by_expert(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The order that sorts the (token, choice) pairs of ids [T, k] by expert (stable, so each
+    expert sees its tokens in order), and the flat expert ids [T*k]."""
+    flat = ids.reshape(-1)
+    return flat.argsort(stable=True), flat
+
+
+def _combine(out: Tensor, weights: Tensor, order: Tensor, t: int, k: int) -> Tensor:
+    """Expert-sorted outputs [T*k, hidden] -> weighted and summed per token [T, hidden]."""
+    out = out * weights.reshape(-1)[order, None]
+    # Back to (token, choice) order by a gather, then the k choices summed in a fixed order: an
+    # index_add over tokens would add with atomics on CUDA, in an order that changes run to run.
+    return out[order.argsort()].reshape(t, k, -1).sum(dim=1)
+
+
 def run_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleList, gate: Gate,
                 project: Project = call_module) -> Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t of x [T, hidden].
 
-    The (token, choice) pairs are sorted by expert (stable, so each expert sees its tokens in
-    order), gathered into one [T*k, hidden] block, and each expert runs on its contiguous slice.
-    Autograd flows through the gathers, the slices and the sum, so the training forward,
-    dX through the frozen bases and LoRA gradients per expert come for free.
+    The (token, choice) pairs are sorted by expert, gathered into one [T*k, hidden] block, and
+    each expert runs on its contiguous slice. Autograd flows through the gathers, the slices and
+    the sum, so the training forward, dX through the frozen bases and LoRA gradients per expert
+    come for free.
     """
     t, k = ids.shape
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
+    order, flat = _by_expert(ids)
     # The one host sync: per-linear kernels take their row count as a shape.
     bounds = torch.bincount(flat, minlength=len(experts)).cumsum(0).tolist()
     rows = x[order // k]
@@ -91,10 +121,22 @@ def run_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleList,
     # paid once per expert.
     hidden = gate(torch.cat([project(expert.gate_up_proj, rows[start:end]) for expert, start, end in spans]))
     out = torch.cat([project(expert.down_proj, hidden[start:end]) for expert, start, end in spans])
-    out = out * weights.reshape(-1)[order, None]
-    # Back to (token, choice) order by a gather, then the k choices summed in a fixed order: an
-    # index_add over tokens would add with atomics on CUDA, in an order that changes run to run.
-    return out[order.argsort()].reshape(t, k, -1).sum(dim=1)
+    return _combine(out, weights, order, t, k)
+
+
+def run_grouped(x: Tensor, weights: Tensor, ids: Tensor, grouped: GroupedExperts, gate: Gate,
+                deterministic: bool = True) -> Tensor:
+    """What `run_experts` computes, through each projection's grouped GEMM over all experts
+    (`kernels.humming_experts`): the experts' row offsets stay on the device, so no host sync."""
+    t, k = ids.shape
+    order, flat = _by_expert(ids)
+    # Row counts by an integer scatter-add (exact in any order), not bincount, which reads the
+    # largest id back to the host to size its output.
+    counts = torch.zeros(grouped.num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    offsets = F.pad(counts.cumsum(0), (1, 0))
+    rows = x[order // k]
+    hidden = gate(grouped.gate_up.matmul(rows, offsets, deterministic))
+    return _combine(grouped.down.matmul(hidden, offsets, deterministic), weights, order, t, k)
 
 
 class SparseMoE(nn.Module):
@@ -106,8 +148,16 @@ class SparseMoE(nn.Module):
         self.gate = Router(cfg, dtype, device)
         self.experts = nn.ModuleList(Expert(cfg, base_format, dtype, device) for _ in range(cfg.num_experts))
         self.activation = gate
+        # Set by the engine (`model.kernel_copies`) where the experts run as grouped GEMMs; not a
+        # module or buffer: never saved, made from the experts' bases each time an engine starts.
+        self.grouped: GroupedExperts | None = None
+        self.deterministic = True  # the dispatch column the grouped GEMMs follow
 
     def forward(self, x: Tensor, project: Project = call_module) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        return run_experts(flat, weights, ids, self.experts, self.activation, project).reshape(x.shape)
+        if self.grouped is not None and not torch.is_grad_enabled():  # inference: the grouped GEMMs
+            out = run_grouped(flat, weights, ids, self.grouped, self.activation, self.deterministic)
+        else:
+            out = run_experts(flat, weights, ids, self.experts, self.activation, project)
+        return out.reshape(x.shape)

@@ -1,0 +1,64 @@
+"""humming-kernels' grouped GEMM over a MoE layer's experts (NVFP4): one launch per projection.
+
+A sparse layer's (token, choice) rows, sorted by expert, run through every expert's linear at once
+(humming's `grouped_contiguous` GEMM): the rows of expert e are rows offsets[e]:offsets[e + 1]
+of the input, and `offsets` ([E + 1], int64) stays on the device. So the layer needs no host sync
+and no per-expert launch, where the per-linear path (`model.moe.run_experts`) syncs once per layer
+for the row counts and launches two GEMMs per expert that got rows.
+
+The experts' weights are stacked into humming's layout once (the NVFP4 bytes of the layer's
+experts again, as for the dense linears' humming copies: `model.kernel_copies`). Inference only:
+no autograd (the training forward keeps the per-expert path), and no per-expert LoRA (a model
+whose experts carry adapters keeps the per-expert path too). The schedule follows the dispatch
+column: the batch-invariant one (no stream-K: the same bits every run) by default, humming's
+default heuristics with `engine.deterministic: false`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qerl_pipe.formats.nvfp4 import NVFP4Weight
+
+_INVARIANT = '{"gemm_type": "grouped_contiguous", "use_batch_invariant": true}'
+_DEFAULT = '{"gemm_type": "grouped_contiguous", "use_batch_invariant": false}'
+
+
+class HummingExperts:
+    """E experts' NVFP4 weights `[N, K]` of one projection in humming's layout."""
+
+    def __init__(self, weights: list[NVFP4Weight]):
+        from humming.layer import HummingLayer
+
+        first = weights[0]
+        if any((w.out_features, w.in_features) != (first.out_features, first.in_features) for w in weights):
+            raise ValueError("grouped experts must share one weight shape")
+        self.num_experts, self.out_features, self.in_features = len(weights), first.out_features, first.in_features
+        with torch.device(first.packed.device):
+            layer = HummingLayer(shape_n=self.out_features, shape_k=self.in_features, num_experts=self.num_experts,
+                                 weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"},
+                                 torch_dtype=torch.bfloat16)
+        scale_2 = torch.stack([w.global_scale.reshape(1).float() for w in weights])
+        layer.load_from_tensors({"weight": torch.stack([w.packed for w in weights]),
+                                 "weight_scale": torch.stack([w.block_scales for w in weights]),
+                                 "weight_scale_2": scale_2.reshape(layer.weight_scale_2.shape)})
+        layer.transform()
+        self.layer = layer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layer.parameters())
+
+    def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True) -> Tensor:
+        """`rows [R, K]` bf16, sorted by expert, with expert e's rows at offsets[e]:offsets[e + 1]
+        (`offsets` [E + 1] int64 on the device, offsets[E] = R) -> `[R, N]`."""
+        return self.layer(rows, expert_layout=offsets, compute_config=_INVARIANT if deterministic else _DEFAULT)
+
+    def compile(self, deterministic: bool) -> None:
+        """Compile the schedule's kernels now, not inside a graph capture."""
+        device = self.layer.weight.device
+        rows = torch.zeros(1, self.in_features, dtype=torch.bfloat16, device=device)
+        offsets = torch.ones(self.num_experts + 1, dtype=torch.int64, device=device)
+        offsets[0] = 0
+        self.matmul(rows, offsets, deterministic)
