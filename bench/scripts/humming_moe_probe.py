@@ -6,7 +6,8 @@ and linear, no CUDA graph. humming's `grouped_contiguous` GEMM takes those same 
 the experts' offsets as a device tensor (`expert_layout`, [E + 1]) in one launch, so the layer
 would need no host sync and could be captured. Before building that path, this answers: does it
 run on our NVFP4 weights, does it match the loop, does it repeat and replay in a graph, and how
-fast is it against the loop, per linear (gate_up, down) and row count.
+fast is it against the loop, per linear (gate_up, down) and row count. It runs the engine's own
+wrapper (`kernels.humming_experts.HummingExperts`).
 
 Beside it, two other ways to drop the host sync, timed at the same shapes:
 - dense over all experts: every token through every expert's linear as one NVFP4 GEMM (gate_up:
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from bench.results import results_file
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from qerl_pipe.kernels import cuda_ext
+from qerl_pipe.kernels.humming_experts import HummingExperts
 from qerl_pipe.kernels.linear import nvfp4_linear
 from qerl_pipe.kernels.tiled import tile_nvfp4
 from qerl_pipe.kernels.tuning import time_graph
@@ -49,21 +51,6 @@ def experts(n: int, k: int, seed: int):
     gen = torch.Generator(device=dev).manual_seed(seed)
     qs = [quantize_nvfp4(torch.randn(n, k, device=dev, generator=gen) * 0.02) for _ in range(E)]
     return qs, [tile_nvfp4(q) for q in qs]
-
-
-def humming_layer(qs, n: int, k: int):
-    from humming.layer import HummingLayer
-
-    with torch.device(dev):
-        layer = HummingLayer(shape_n=n, shape_k=k, num_experts=E, torch_dtype=torch.bfloat16,
-                             weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"})
-    scale_2 = torch.stack([q.global_scale.reshape(1).float() for q in qs])
-    want = layer.weight_scale_2.shape
-    layer.load_from_tensors({"weight": torch.stack([q.packed for q in qs]),
-                             "weight_scale": torch.stack([q.block_scales for q in qs]),
-                             "weight_scale_2": scale_2.reshape(want)})
-    layer.transform()
-    return layer
 
 
 def routed(t: int, k: int, seed: int):
@@ -130,7 +117,7 @@ for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", a
     qs, tiled = experts(n, k, seed)
     t0 = time.perf_counter()
     try:
-        layer = humming_layer(qs, n, k)
+        layer = HummingExperts(qs)  # the engine's grouped experts (kernels.humming_experts)
         build = {"humming_build_s": time.perf_counter() - t0}
     except Exception as exc:  # noqa: BLE001 (a probe: report what failed and go on)
         layer, build = None, {"humming_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -151,10 +138,9 @@ for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", a
         row["loop_with_sync_us"] = (time.perf_counter() - start) / 10 * 1e6  # eager, as the engine runs MoE
         if layer is not None:
             for schedule, invariant in (("invariant", True), ("stream-k", False)):
-                config = {"gemm_type": "grouped_contiguous", "use_batch_invariant": invariant}
                 try:
-                    def grouped(config=config):
-                        return layer(rows, expert_layout=layout, top_k=1, compute_config=config)
+                    def grouped(invariant=invariant):
+                        return layer.matmul(rows, layout, deterministic=invariant)
                     first = grouped()
                     row[f"humming_{schedule}_rel_err"] = float((first.float() - ref).norm() / ref.norm())
                     row[f"humming_{schedule}_repeats"] = all(torch.equal(first, grouped()) for _ in range(5))
