@@ -1,13 +1,13 @@
 """Probe: humming-kernels' grouped MoE GEMM against our per-expert loop, at Qwen3-30B-A3B's expert shapes.
 
-Our MoE layer (`model/moe.py`, `run_experts`) sorts the (token, choice) rows by expert and runs
-each expert's slice through the per-linear kernels: one host sync per layer, a launch per expert
-and linear, no CUDA graph. humming's `grouped_contiguous` GEMM takes those same sorted rows and
-the experts' offsets as a device tensor (`expert_layout`, [E + 1]) in one launch, so the layer
-would need no host sync and could be captured. Before building that path, this answers: does it
-run on our NVFP4 weights, does it match the loop, does it repeat and replay in a graph, and how
-fast is it against the loop, per linear (gate_up, down) and row count. It runs the engine's own
-wrapper (`kernels.humming_experts.HummingExperts`).
+The per-expert path (`model/moe.py`, `run_experts`) sorts the (token, choice) rows by expert and
+runs each expert's slice through the per-linear kernels: one host sync per layer, a launch per
+expert and linear, no CUDA graph. The grouped path (`run_grouped`, the engine's for NVFP4 MoE
+inference) gives the same sorted rows and the experts' offsets as a device tensor ([E + 1]) to
+humming's `grouped_contiguous` GEMM in one launch. This answers, per linear (gate_up, down) and
+row count, with the engine's own wrapper (`kernels.humming_experts.HummingExperts`): does it run
+on our NVFP4 weights, match the loop, repeat and replay in a graph, and how fast is it against
+the loop.
 
 Beside it, two other ways to drop the host sync, timed at the same shapes:
 - dense over all experts: every token through every expert's linear as one NVFP4 GEMM (gate_up:
