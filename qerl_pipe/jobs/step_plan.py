@@ -76,7 +76,8 @@ def copy_bytes_asked(config: DecoderConfig, base_format: str, device: torch.devi
     carry LoRA, which the grouped GEMMs do not apply)."""
     if not format_entry(base_format).hopper_dispatch:
         return 0
-    grouped = bool(config.num_sparse_layers) and not lora_experts and device.type == "cuda" and humming_backend.available(device)
+    grouped = (bool(config.num_sparse_layers) and not lora_experts and device.type == "cuda"
+               and humming_backend.available(device))
     return (kernel_copy_bytes(config, humming_copy_shapes(device, table, deterministic))
             + (expert_copy_bytes(config) if grouped else 0))
 

@@ -132,7 +132,8 @@ def run_grouped(x: Tensor, weights: Tensor, ids: Tensor, grouped: GroupedExperts
     order, flat = _by_expert(ids)
     # Row counts by an integer scatter-add (exact in any order), not bincount, which reads the
     # largest id back to the host to size its output.
-    counts = torch.zeros(grouped.num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(grouped.num_experts, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
     offsets = F.pad(counts.cumsum(0), (1, 0))
     rows = x[order // k]
     hidden = gate(grouped.gate_up.matmul(rows, offsets, deterministic))
