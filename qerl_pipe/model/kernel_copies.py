@@ -117,7 +117,6 @@ def attach_grouped_experts(model: nn.Module) -> int:
                     gate_up.compile(deterministic)
                     down.compile(deterministic)
                 layer.grouped = GroupedExperts(gate_up, down, len(layer.experts))
-                layer.deterministic = deterministic
                 added += gate_up.nbytes + down.nbytes
     except Exception as exc:  # every layer keeps the per-expert path
         detach_grouped_experts(model)

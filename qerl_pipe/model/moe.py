@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qerl_pipe.kernels import dispatch
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.linear import QuantLinear
 
@@ -152,13 +153,13 @@ class SparseMoE(nn.Module):
         # Set by the engine (`model.kernel_copies`) where the experts run as grouped GEMMs; not a
         # module or buffer: never saved, made from the experts' bases each time an engine starts.
         self.grouped: GroupedExperts | None = None
-        self.deterministic = True  # the dispatch column the grouped GEMMs follow
 
     def forward(self, x: Tensor, project: Project = call_module) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
         if self.grouped is not None and not torch.is_grad_enabled():  # inference: the grouped GEMMs
-            out = run_grouped(flat, weights, ids, self.grouped, self.activation, self.deterministic)
+            _, deterministic = dispatch.active(flat.device)  # the dispatch column every linear follows
+            out = run_grouped(flat, weights, ids, self.grouped, self.activation, deterministic)
         else:
             out = run_experts(flat, weights, ids, self.experts, self.activation, project)
         return out.reshape(x.shape)
