@@ -37,6 +37,7 @@ SCHEDULES = ("humming", "humming-ordered", "humming-fast")
 # humming's compute configs, serialized once (it parses strings per call).
 _INVARIANT = '{"use_batch_invariant": true}'
 _STREAM_K = '{"use_batch_invariant": false}'
+_ORDERED: dict[tuple[int, int, int], str] = {}  # (N, K, device index) -> the ordered schedule's configs
 
 
 def _cuda_headers() -> Path | None:
@@ -105,15 +106,18 @@ class HummingNVFP4:
 
     def _ordered_configs(self) -> str:
         if self._ordered is None:
-            from humming.tune import get_heuristics_config
-
             device = self.layer.weight.device
-            if torch.cuda.get_device_capability(device)[0] != 9:
-                raise RuntimeError("humming's ordered stream-K schedule is derived for SM 9.x (Hopper) only")
-            fast = get_heuristics_config(self.layer.humming_config, use_batch_invariant=False, device=device)
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            configs = ordered_configs(fast, self.out_features, self.in_features, sms)
-            self._ordered = dumps(configs, default=lambda v: v.value if isinstance(v, Enum) else str(v))
+            key = (self.out_features, self.in_features, device.index or 0)
+            if key not in _ORDERED:  # one derivation per layer shape and GPU (a 7B has 112 linears of 4 shapes)
+                from humming.tune import get_heuristics_config
+
+                if torch.cuda.get_device_capability(device)[0] != 9:
+                    raise RuntimeError("humming's ordered stream-K schedule is derived for SM 9.x (Hopper) only")
+                fast = get_heuristics_config(self.layer.humming_config, use_batch_invariant=False, device=device)
+                sms = torch.cuda.get_device_properties(device).multi_processor_count
+                configs = ordered_configs(fast, self.out_features, self.in_features, sms)
+                _ORDERED[key] = dumps(configs, default=lambda v: v.value if isinstance(v, Enum) else str(v))
+            self._ordered = _ORDERED[key]
         return self._ordered
 
     def compile(self, schedule: str) -> None:
