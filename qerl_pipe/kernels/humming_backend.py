@@ -87,7 +87,6 @@ class HummingNVFP4:
                                  "weight_scale_2": w.global_scale.reshape(1).float()})
         layer.transform()
         self.layer = layer
-        self._ordered: str | None = None  # the ordered schedule's interval configs, made at first use
 
     @property
     def nbytes(self) -> int:
@@ -105,20 +104,20 @@ class HummingNVFP4:
         raise ValueError(f"humming schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
 
     def _ordered_configs(self) -> str:
-        if self._ordered is None:
-            device = self.layer.weight.device
-            key = (self.out_features, self.in_features, device.index or 0)
-            if key not in _ORDERED:  # one derivation per layer shape and GPU (a 7B has 112 linears of 4 shapes)
-                from humming.tune import get_heuristics_config
+        """The ordered schedule's interval configs, derived at first use per layer shape and GPU
+        (a 7B model has 112 linears of 4 shapes)."""
+        device = self.layer.weight.device
+        key = (self.out_features, self.in_features, device.index or 0)
+        if key not in _ORDERED:
+            from humming.tune import get_heuristics_config
 
-                if torch.cuda.get_device_capability(device)[0] != 9:
-                    raise RuntimeError("humming's ordered stream-K schedule is derived for SM 9.x (Hopper) only")
-                fast = get_heuristics_config(self.layer.humming_config, use_batch_invariant=False, device=device)
-                sms = torch.cuda.get_device_properties(device).multi_processor_count
-                configs = ordered_configs(fast, self.out_features, self.in_features, sms)
-                _ORDERED[key] = dumps(configs, default=lambda v: v.value if isinstance(v, Enum) else str(v))
-            self._ordered = _ORDERED[key]
-        return self._ordered
+            if torch.cuda.get_device_capability(device)[0] != 9:
+                raise RuntimeError("humming's ordered stream-K schedule is derived for SM 9.x (Hopper) only")
+            fast = get_heuristics_config(self.layer.humming_config, use_batch_invariant=False, device=device)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            configs = ordered_configs(fast, self.out_features, self.in_features, sms)
+            _ORDERED[key] = dumps(configs, default=lambda v: v.value if isinstance(v, Enum) else str(v))
+        return _ORDERED[key]
 
     def compile(self, schedule: str) -> None:
         """Compile the schedule's kernels now (every M interval at once), not inside a graph capture."""
