@@ -28,6 +28,7 @@ from torch import Tensor
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels import cuda_ext, humming_backend
 from qerl_pipe.kernels.dispatch import BACKENDS, DETERMINISTIC_BACKENDS, DispatchTable, row_key
+from qerl_pipe.kernels.optional_backend import failure
 from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4
 from qerl_pipe.kernels.tuning import rel_err, time_graph, weight_copies
 
@@ -84,9 +85,8 @@ def operands(n: int, k: int, device: torch.device, humming: bool, bf16: bool = F
 
 
 def _refused(n: int, k: int, schedule: str, exc: Exception) -> None:
-    log.warning("humming-kernels cannot run [%d, %d]%s (%s: %s); measured without it", n, k,
-                f" under {schedule}" if schedule else "", type(exc).__name__,
-                str(exc).splitlines()[0][:200] if str(exc) else "")
+    log.warning("humming-kernels cannot run [%d, %d]%s (%s); measured without it", n, k,
+                f" under {schedule}" if schedule else "", failure(exc))
 
 
 def _calls(ops: Operands) -> dict[str, tuple[Callable, int]]:

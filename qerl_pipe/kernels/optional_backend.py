@@ -33,3 +33,9 @@ def availability(why_unavailable: Callable[[torch.device], str | None], what: st
         return _available(device)
 
     return available
+
+
+def failure(exc: BaseException) -> str:
+    """An exception as the one-line reason a backend's log line gives: its type and first line."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from qerl_pipe.kernels import dispatch, humming_backend
+from qerl_pipe.kernels.optional_backend import failure
 from qerl_pipe.kernels.tiled import untile_nvfp4
 from qerl_pipe.log import log
 from qerl_pipe.model.linear import QuantLinear
@@ -69,7 +70,7 @@ def attach_humming(model: nn.Module) -> int:
                         copy.compile(schedule)
                     compiled.add(shape)
             except Exception as exc:  # that shape's rows fall back to our kernels
-                refused[shape] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                refused[shape] = failure(exc)
                 continue
             m.humming = copy
     made = [m for m in linears if m.humming is not None]
@@ -120,8 +121,7 @@ def attach_grouped_experts(model: nn.Module) -> int:
                 added += gate_up.nbytes + down.nbytes
     except Exception as exc:  # every layer keeps the per-expert path
         detach_grouped_experts(model)
-        log(f"kernels: no grouped experts ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
-            "the per-expert path serves the MoE layers")
+        log(f"kernels: no grouped experts ({failure(exc)}); the per-expert path serves the MoE layers")
         return 0
     log(f"kernels: grouped humming experts for {len(layers)} MoE layers ({added / 2**30:.2f} GiB), "
         f"{'deterministic' if deterministic else 'fast (not deterministic)'} schedule")
