@@ -399,6 +399,37 @@ def test_grouped_expert_copies_need_a_gpu_and_count_in_the_plan(saved):
     assert copy_bytes_asked(c, "nvfp4", torch.device("cpu"), None, True, lora_experts=False) == 0
 
 
+def test_bf16_experts_run_torch_grouped_gemm_over_their_own_weights(saved, monkeypatch):
+    """A bf16 MoE's grouped experts: torch's grouped GEMM over the experts' weights restacked in
+    place (each expert's weight a view of the stack: no copy), the loop's logits, one stack per
+    projection and layer; not where the experts carry LoRA; a CUDA graph may then replay decode."""
+    from qerl_pipe.kernels import torch_grouped
+    from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, detach_grouped_experts
+
+    model = load_model(saved["all_sparse"][0], "bf16", dtype=torch.bfloat16)
+    ids = _ids(batch=3, length=11)
+    with torch.no_grad():
+        loop = model.logits(ids).float()
+    assert attach_grouped_experts(model) == 0 and not all_experts_grouped(model)  # the CPU keeps the loop
+    monkeypatch.setattr(torch_grouped, "runs_here", lambda device: True)  # as on an sm_90 GPU
+    assert attach_grouped_experts(model) == 0  # no bytes added ...
+    layers = [m.mlp for m in model.layers]
+    assert all_experts_grouped(model)
+    for moe in layers:  # ... since every expert's weight is a slice of its projection's stack
+        stack = moe.grouped.gate_up.stacked
+        assert stack.shape == (len(moe.experts), *moe.experts[0].gate_up_proj.weight.shape)
+        assert all(e.gate_up_proj.weight.data_ptr() == stack[i].data_ptr() for i, e in enumerate(moe.experts))
+        assert all(e.down_proj.weight.data_ptr() == moe.grouped.down.stacked[i].data_ptr()
+                   for i, e in enumerate(moe.experts))
+    with torch.no_grad():
+        grouped = model.logits(ids).float()
+        loop_again = (detach_grouped_experts(model), model.logits(ids).float())[1]  # the views serve the loop
+    torch.testing.assert_close(grouped, loop, atol=2e-2, rtol=2e-2)
+    assert torch.equal(loop_again, loop)
+    with_lora = load_model(saved["all_sparse"][0], "bf16", dtype=torch.bfloat16, lora=LoraSpec(4, 8, experts=True))
+    assert attach_grouped_experts(with_lora) == 0 and not all_experts_grouped(with_lora)
+
+
 # --- the CLI pipeline ---------------------------------------------------------------------------
 
 def test_pipeline_quantizes_trains_and_exports_a_peft_adapter(tmp_path):

@@ -40,7 +40,8 @@ from qerl_pipe.engine.sampling import SamplingParams, sample, sequence_key
 from qerl_pipe.engine.scheduler import Group, Scheduler
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.decoder import Decoder
-from qerl_pipe.model.kernel_copies import attach_grouped_experts, attach_humming, detach_grouped_experts, detach_humming
+from qerl_pipe.model.kernel_copies import (all_experts_grouped, attach_grouped_experts, attach_humming,
+                                           detach_grouped_experts, detach_humming)
 
 DEFAULT_PREFILL_TOKENS = 8192
 
@@ -119,7 +120,8 @@ class Engine:
 
     Allocates the KV cache (limits.max_batch slots x limits.max_seq_len, model dtype and device)
     once. CUDA graphs are used on CUDA when `limits.graph_batch_sizes` is non-empty, unless
-    `cuda_graphs=False` or the environment sets QERL_ENGINE_CUDA_GRAPHS=0 (never for a MoE model). `prefill_tokens`
+    `cuda_graphs=False` or the environment sets QERL_ENGINE_CUDA_GRAPHS=0 (a MoE model: only where every
+    sparse layer runs grouped, `all_experts_grouped`). `prefill_tokens`
     bounds the padded tokens of one prefill batch (its activation memory).
 
     The model runs as it is: unmerged LoRA (through the engine's fused copy, `FusedLora`,
@@ -162,20 +164,20 @@ class Engine:
         pinned = self.device.type == "cuda"
         self._host_records = [torch.zeros(2 * slots, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
-        # A MoE layer's expert loop takes its row counts from the routing (a host sync and
-        # data-dependent shapes), which a CUDA graph cannot replay: such models decode eagerly.
-        # The grouped experts (`attach_grouped_experts` below) have fixed shapes and no sync, but
-        # their capture has not been run on a GPU yet, so MoE decode stays eager with them too.
-        use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes
-                          and not model.config.num_sparse_layers)
         # Before any graph is captured: humming's copies and kernels, where the dispatch table
-        # sends rows of this model's shapes to humming (unless the memory plan left them out).
+        # sends rows of this model's shapes to humming (unless the memory plan left them out), and
+        # a MoE's grouped experts.
         if kernel_copies:
             attach_humming(model)
             attach_grouped_experts(model)
         else:
             detach_humming(model)
             detach_grouped_experts(model)
+        # A MoE layer's per-expert loop takes its row counts from the routing (a host sync and
+        # data-dependent shapes), which a CUDA graph cannot replay: a MoE decodes in graphs only
+        # where every sparse layer runs grouped (fixed shapes, no sync), else eagerly.
+        use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes
+                          and all_experts_grouped(model))
         self._lora = FusedLora(model, model.dtype)
         self._runner = DecodeRunner(
             model, self._lora, self.cache, self._tokens, self._positions, limits.graph_batch_sizes, use_graphs

@@ -32,7 +32,7 @@ def dense_base_copy(model: nn.Module) -> Iterator[int]:
             for m in model.modules():
                 if not isinstance(m, QuantLinear) or m.fmt.dense or m.dense_copy is not None:
                     continue
-                if m._base_device().type != "cpu":
+                if m.base_device().type != "cpu":
                     continue
                 m.dense_copy = m.fmt.dense_copy(m.kernel_weight, dtype)
                 made.append(m)

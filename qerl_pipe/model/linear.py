@@ -133,7 +133,7 @@ class QuantLinear(nn.Module):
         The parameters stay float32 (the optimizer's precision, as PEFT's default autocast does);
         the forward casts them to the activation dtype.
         """
-        device = self._base_device()
+        device = self.base_device()
         for name in names:
             if name not in self.names:
                 raise ValueError(f"{name!r} is not one of this layer's projections {self.names}")
@@ -145,7 +145,7 @@ class QuantLinear(nn.Module):
         self.lora_rank = rank
         self.lora_scaling = alpha / rank
 
-    def _base_device(self) -> torch.device:
+    def base_device(self) -> torch.device:
         return getattr(self, self.fmt.buffers[0]).device
 
     def base_forward(self, x: Tensor) -> Tensor:

@@ -17,8 +17,9 @@ the per-expert row counts the per-linear kernels need as shapes), runs each expe
 through the per-linear path (`project`: the module itself in training, the engine's fused LoRA
 in rollouts), the activation once over all of them, then weights and scatters the rows back.
 `run_grouped` does the same with one grouped GEMM per projection over the sorted rows and the
-experts' row offsets kept on the device (no host sync): what the engine uses for an NVFP4 MoE on
-a GPU where humming-kernels run and the experts carry no LoRA (`SparseMoE.grouped`).
+experts' row offsets kept on the device (no host sync, fixed shapes: a CUDA graph replays it):
+what the engine uses where the experts carry no LoRA, on a GPU (`SparseMoE.grouped`, set by
+`model.kernel_copies`): humming-kernels' GEMM for NVFP4 experts, torch's for bf16 ones.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class GroupedMatmul(Protocol):
 
 @dataclass(frozen=True)
 class GroupedExperts:
-    """A sparse layer's experts as one grouped GEMM per projection (`kernels.humming_experts`)."""
+    """A sparse layer's experts as one grouped GEMM per projection (`kernels.humming_experts`,
+    `kernels.torch_grouped`)."""
 
     gate_up: GroupedMatmul
     down: GroupedMatmul

@@ -1,0 +1,87 @@
+"""A MoE's experts through grouped GEMMs on a GPU (`pytest -m gpu`): humming's for NVFP4, torch's
+for bf16. The same logits as the per-expert path, the same bits on every run, the engine attaching
+them and decoding in CUDA graphs (the same greedy tokens as eager decode), and a model whose
+experts carry LoRA keeping the per-expert path (and eager decode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.random_model import init_random_model
+from bench.shapes import QWEN3_MOE_SHAPES
+from qerl_pipe.engine import Engine, SamplingParams, plan_limits
+from qerl_pipe.kernels import humming_backend, torch_grouped
+from qerl_pipe.kernels.humming_experts import HummingExperts
+from qerl_pipe.kernels.torch_grouped import TorchGroupedExperts
+from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, detach_grouped_experts
+from qerl_pipe.model.lora import LoraSpec
+from qerl_pipe.model.moe import SparseMoE
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# Qwen3-30B-A3B's routing (16 of its experts, 8 per token) at a small width.
+CONFIG = {**QWEN3_MOE_SHAPES["qwen3-30b-a3b"], "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
+          "num_key_value_heads": 2, "head_dim": 64, "num_experts": 16, "moe_intermediate_size": 256,
+          "vocab_size": 1024}
+
+
+KERNELS = {"nvfp4": HummingExperts, "bf16": TorchGroupedExperts}
+
+
+def _runs(base_format: str) -> None:
+    runs = humming_backend.available("cuda") if base_format == "nvfp4" else torch_grouped.runs_here(torch.device("cuda"))
+    if not runs:
+        pytest.skip(f"the {base_format} grouped GEMM does not run on this GPU (see the log)")
+
+
+def _layers(model) -> list[SparseMoE]:
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+@pytest.mark.parametrize("base_format", ["nvfp4", "bf16"])
+def test_grouped_experts_match_the_per_expert_path_and_repeat(base_format: str) -> None:
+    _runs(base_format)
+    torch.manual_seed(0)
+    model = init_random_model(CONFIG, base_format, device="cuda")
+    ids = torch.randint(0, CONFIG["vocab_size"], (4, 37), device="cuda")
+    with torch.no_grad():
+        loop = model.logits(ids).float()
+        attach_grouped_experts(model)
+        assert all(isinstance(m.grouped.gate_up, KERNELS[base_format]) for m in _layers(model))
+        grouped = model.logits(ids).float()
+        again = model.logits(ids).float()
+    assert float((grouped - loop).norm() / loop.norm()) < 2e-2
+    assert torch.equal(grouped, again)
+    detach_grouped_experts(model)
+    assert not all_experts_grouped(model)
+
+
+@pytest.mark.parametrize("base_format", ["nvfp4", "bf16"])
+def test_engine_decodes_grouped_experts_in_cuda_graphs_as_eagerly(base_format: str) -> None:
+    _runs(base_format)
+    torch.manual_seed(1)
+    model = init_random_model(CONFIG, base_format, device="cuda")
+    # Four prompts in four slots: eager and graphed steps run the same rows (a graph size of 4).
+    prompts, greedy = [[1, 2, 3], [4, 5, 6, 7], [8], [9, 10]], SamplingParams(temperature=0, max_new_tokens=12)
+    eager = Engine(model, plan_limits(model.config, max_batch=4, max_seq_len=64), cuda_graphs=False)
+    assert all_experts_grouped(model) and not eager.uses_cuda_graphs
+    expected = eager.generate(prompts, sampling=greedy).tokens
+    graphed = Engine(model, plan_limits(model.config, max_batch=4, max_seq_len=64))
+    assert graphed.uses_cuda_graphs
+    assert graphed.generate(prompts, sampling=greedy).tokens == expected
+    assert graphed.captured_graph_sizes
+
+
+@pytest.mark.parametrize("base_format", ["nvfp4", "bf16"])
+def test_expert_lora_keeps_the_per_expert_path_and_eager_decode(base_format: str) -> None:
+    _runs(base_format)
+    torch.manual_seed(2)
+    model = init_random_model(CONFIG, base_format, device="cuda", lora=LoraSpec(rank=16, alpha=32, experts=True))
+    engine = Engine(model, plan_limits(model.config, max_batch=4, max_seq_len=64))
+    assert not all_experts_grouped(model) and not engine.uses_cuda_graphs
+    out = engine.generate([[1, 2, 3], [4, 5, 6, 7]], sampling=SamplingParams(temperature=0, max_new_tokens=8))
+    assert all(len(t) == 8 for t in out.tokens)
