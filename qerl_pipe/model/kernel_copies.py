@@ -108,7 +108,7 @@ def _groupable(model: nn.Module) -> tuple[list[SparseMoE], str | None]:
     device = _expert_device(layers[0])
     if linears[0].fmt.hopper_dispatch and all(lin.fmt.hopper_dispatch for lin in linears):
         kernels = "humming" if device.type == "cuda" and humming_backend.available(device) else None
-    elif all(lin.base_format == "bf16" and lin.weight.dtype == torch.bfloat16 for lin in linears):
+    elif all(lin.fmt.dense and lin.weight.dtype == torch.bfloat16 for lin in linears):
         kernels = "torch" if torch_grouped.runs_here(device) else None
     else:
         kernels = None
