@@ -16,7 +16,7 @@ Three schedules, chosen per call by the dispatch backend's name:
 
 The repacked copy costs the same bytes as the NVFP4 weight again (it is a second layout, the
 CUDA kernels keep theirs), so the engine makes it only for the shapes the table sends to humming
-and where the memory plan has room (`kernels.dispatch.attach`). `QERL_HUMMING=0` turns it off.
+and where the memory plan has room (`model.kernel_copies.attach_humming`). `QERL_HUMMING=0` turns it off.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ class TiledNVFP4:
     out_features: int
     in_features: int
     # The same weight in humming-kernels' layout, where the engine made one
-    # (`kernels.dispatch_attach`): the dispatch sends it the rows humming wins.
+    # (`model.kernel_copies.attach_humming`): the dispatch sends it the rows humming wins.
     humming: Any = field(default=None, compare=False, repr=False)
     # On the CPU, the weight dequantized once into the activations' dtype, where the model made
     # one (`model.dense_copy`): the reference matmuls run from it instead of dequantizing per call.
