@@ -13,9 +13,9 @@ from bench.shapes import QWEN3_MOE_SHAPES
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.kernels import humming_backend, torch_grouped
 from qerl_pipe.kernels.humming_experts import HummingExperts
-from qerl_pipe.kernels.torch_grouped import TorchGroupedExperts
+from qerl_pipe.kernels.torch_grouped import StackedExperts
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, detach_grouped_experts
-from qerl_pipe.model.lora import LoraSpec
+from qerl_pipe.model.lora import LoraSpec, lora_parameters
 from qerl_pipe.model.moe import SparseMoE
 
 pytestmark = [
@@ -29,48 +29,71 @@ CONFIG = {**QWEN3_MOE_SHAPES["qwen3-30b-a3b"], "hidden_size": 512, "num_hidden_l
           "vocab_size": 1024}
 
 
-KERNELS = {"nvfp4": HummingExperts, "bf16": TorchGroupedExperts}
-
-
-def _runs(base_format: str) -> None:
-    runs = humming_backend.available("cuda") if base_format == "nvfp4" else torch_grouped.runs_here(torch.device("cuda"))
-    if not runs:
-        pytest.skip(f"the {base_format} grouped GEMM does not run on this GPU (see the log)")
+def _runs(copies: bool) -> None:
+    if not torch_grouped.runs_here(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("torch's grouped GEMM does not serve bf16 on this GPU")
+    if copies and not humming_backend.available("cuda"):
+        pytest.skip("humming-kernels do not run here (see the log)")
 
 
 def _layers(model) -> list[SparseMoE]:
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
 
 
-@pytest.mark.parametrize("base_format", ["nvfp4", "bf16"])
-def test_grouped_experts_match_the_per_expert_path_and_repeat(base_format: str) -> None:
-    _runs(base_format)
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# (base format, humming copies): humming's grouped GEMM for NVFP4 rollouts where its copies are
+# made, torch's over the stacked (NVFP4: dequantized) experts otherwise.
+CASES = [("nvfp4", True), ("nvfp4", False), ("bf16", False)]
+
+
+@pytest.mark.parametrize(("base_format", "copies"), CASES)
+def test_grouped_experts_match_the_per_expert_path_and_repeat(base_format: str, copies: bool) -> None:
+    _runs(copies)
     torch.manual_seed(0)
     model = init_random_model(CONFIG, base_format, device="cuda")
     ids = torch.randint(0, CONFIG["vocab_size"], (4, 37), device="cuda")
     with torch.no_grad():
         loop = model.logits(ids).float()
-        attach_grouped_experts(model)
-        assert all(isinstance(m.grouped.gate_up, KERNELS[base_format]) for m in _layers(model))
+        attach_grouped_experts(model, copies=copies)
+        kind = HummingExperts if copies else StackedExperts
+        assert all(isinstance(m.grouped.gate_up, kind) for m in _layers(model))
         grouped = model.logits(ids).float()
         again = model.logits(ids).float()
-    assert float((grouped - loop).norm() / loop.norm()) < 2e-2
+    assert _rel(grouped, loop) < 2e-2
     assert torch.equal(grouped, again)
     detach_grouped_experts(model)
     assert not all_experts_grouped(model)
 
 
 @pytest.mark.parametrize("base_format", ["nvfp4", "bf16"])
-def test_engine_decodes_grouped_experts_in_cuda_graphs_as_eagerly(base_format: str) -> None:
-    _runs(base_format)
+def test_training_through_stacked_experts_matches_the_per_expert_path(base_format: str) -> None:
+    _runs(copies=False)
+    torch.manual_seed(3)
+    model = init_random_model(CONFIG, base_format, device="cuda", lora=LoraSpec(rank=16, alpha=32))
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 33), device="cuda")
+    params = lora_parameters(model)
+    loop = torch.autograd.grad(model.logits(ids).float().square().mean(), params)
+    attach_grouped_experts(model, copies=False)
+    model.gradient_checkpointing = True
+    grads = torch.autograd.grad(model.logits(ids).float().square().mean(), params)
+    assert _rel(torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in loop])) < 3e-2
+
+
+@pytest.mark.parametrize(("base_format", "copies"), CASES)
+def test_engine_decodes_grouped_experts_in_cuda_graphs_as_eagerly(base_format: str, copies: bool) -> None:
+    _runs(copies)
     torch.manual_seed(1)
     model = init_random_model(CONFIG, base_format, device="cuda")
     # Four prompts in four slots: eager and graphed steps run the same rows (a graph size of 4).
     prompts, greedy = [[1, 2, 3], [4, 5, 6, 7], [8], [9, 10]], SamplingParams(temperature=0, max_new_tokens=12)
-    eager = Engine(model, plan_limits(model.config, max_batch=4, max_seq_len=64), cuda_graphs=False)
+    limits = plan_limits(model.config, max_batch=4, max_seq_len=64)
+    eager = Engine(model, limits, cuda_graphs=False, kernel_copies=copies)
     assert all_experts_grouped(model) and not eager.uses_cuda_graphs
     expected = eager.generate(prompts, sampling=greedy).tokens
-    graphed = Engine(model, plan_limits(model.config, max_batch=4, max_seq_len=64))
+    graphed = Engine(model, limits, kernel_copies=copies)
     assert graphed.uses_cuda_graphs
     assert graphed.generate(prompts, sampling=greedy).tokens == expected
     assert graphed.captured_graph_sizes
@@ -78,7 +101,7 @@ def test_engine_decodes_grouped_experts_in_cuda_graphs_as_eagerly(base_format: s
 
 @pytest.mark.parametrize("base_format", ["nvfp4", "bf16"])
 def test_expert_lora_keeps_the_per_expert_path_and_eager_decode(base_format: str) -> None:
-    _runs(base_format)
+    _runs(copies=False)
     torch.manual_seed(2)
     model = init_random_model(CONFIG, base_format, device="cuda", lora=LoraSpec(rank=16, alpha=32, experts=True))
     engine = Engine(model, plan_limits(model.config, max_batch=4, max_seq_len=64))

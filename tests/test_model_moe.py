@@ -399,34 +399,45 @@ def test_grouped_expert_copies_need_a_gpu_and_count_in_the_plan(saved):
     assert copy_bytes_asked(c, "nvfp4", torch.device("cpu"), None, True, lora_experts=False) == 0
 
 
-def test_bf16_experts_run_torch_grouped_gemm_over_their_own_weights(saved, monkeypatch):
-    """A bf16 MoE's grouped experts: torch's grouped GEMM over the experts' weights restacked in
-    place (each expert's weight a view of the stack: no copy), the loop's logits, one stack per
-    projection and layer; not where the experts carry LoRA; a CUDA graph may then replay decode."""
+@pytest.mark.parametrize("base_format", ["bf16", "nvfp4"])
+def test_stacked_experts_run_torch_grouped_gemm_in_training_and_inference(saved, monkeypatch, base_format):
+    """Experts stacked in place (each expert's buffers views of its projection's stack: no copy)
+    under torch's grouped GEMM compute the loop's logits without autograd, and its gradients with
+    it (NVFP4: the stack dequantized without global scales, applied per output row; dX from the
+    stack dequantized again); experts with LoRA stay on the loop; the CPU keeps the loop."""
     from qerl_pipe.kernels import torch_grouped
     from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, detach_grouped_experts
 
-    model = load_model(saved["all_sparse"][0], "bf16", dtype=torch.bfloat16)
-    ids = _ids(batch=3, length=11)
+    model = load_model(saved["all_sparse"][0], base_format, dtype=torch.float32, lora=LoraSpec(4, 8))
+    randomize_lora_b(model, 0.2)
+    ids, params = _ids(batch=3, length=11), lora_parameters(model)
     with torch.no_grad():
-        loop = model.logits(ids).float()
+        loop = model.logits(ids)
+    loop_grads = torch.autograd.grad(model.logits(ids).square().mean(), params)
     assert attach_grouped_experts(model) == 0 and not all_experts_grouped(model)  # the CPU keeps the loop
-    monkeypatch.setattr(torch_grouped, "runs_here", lambda device: True)  # as on an sm_90 GPU
-    assert attach_grouped_experts(model) == 0  # no bytes added ...
-    layers = [m.mlp for m in model.layers]
-    assert all_experts_grouped(model)
-    for moe in layers:  # ... since every expert's weight is a slice of its projection's stack
-        stack = moe.grouped.gate_up.stacked
-        assert stack.shape == (len(moe.experts), *moe.experts[0].gate_up_proj.weight.shape)
-        assert all(e.gate_up_proj.weight.data_ptr() == stack[i].data_ptr() for i, e in enumerate(moe.experts))
-        assert all(e.down_proj.weight.data_ptr() == moe.grouped.down.stacked[i].data_ptr()
-                   for i, e in enumerate(moe.experts))
+    monkeypatch.setattr(torch_grouped, "runs_here", lambda device, dtype: True)  # as on an sm_90 GPU
+    assert attach_grouped_experts(model) == 0 and all_experts_grouped(model)  # no bytes added ...
+    for moe in (m.mlp for m in model.layers):  # ... every expert's buffers are slices of the stacks
+        assert moe.grouped is moe.stacked
+        for name in moe.experts[0].gate_up_proj.fmt.buffers:
+            stack = getattr(moe.stacked.gate_up, name)
+            assert stack.shape[0] == len(moe.experts)
+            assert all(getattr(e.gate_up_proj, name).data_ptr() == stack[i].data_ptr() for i, e in enumerate(moe.experts))
+    calls = []
+    matmul = torch_grouped.StackedExperts.matmul
+    monkeypatch.setattr(torch_grouped.StackedExperts, "matmul", lambda self, *a: calls.append(1) or matmul(self, *a))
     with torch.no_grad():
-        grouped = model.logits(ids).float()
-        loop_again = (detach_grouped_experts(model), model.logits(ids).float())[1]  # the views serve the loop
-    torch.testing.assert_close(grouped, loop, atol=2e-2, rtol=2e-2)
-    assert torch.equal(loop_again, loop)
-    with_lora = load_model(saved["all_sparse"][0], "bf16", dtype=torch.bfloat16, lora=LoraSpec(4, 8, experts=True))
+        grouped = model.logits(ids)
+    torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 * len(model.layers)  # one grouped GEMM per projection and layer
+    model.gradient_checkpointing = True
+    for g, r in zip(torch.autograd.grad(model.logits(ids).square().mean(), params), loop_grads):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
+    assert len(calls) == 3 * 2 * len(model.layers)  # training: the forward and its recompute too
+    detach_grouped_experts(model)
+    with torch.no_grad():
+        assert torch.equal(model.logits(ids), loop)  # the views serve the loop as the buffers did
+    with_lora = load_model(saved["all_sparse"][0], base_format, dtype=torch.float32, lora=LoraSpec(4, 8, experts=True))
     assert attach_grouped_experts(with_lora) == 0 and not all_experts_grouped(with_lora)
 
 

@@ -9,7 +9,10 @@ row count, with the engine's own wrapper (`kernels.humming_experts.HummingExpert
 on our NVFP4 weights, match the loop, repeat and replay in a graph, and how fast is it against
 the loop.
 
-Beside it, two other ways to drop the host sync, timed at the same shapes:
+Beside it, three other ways to drop the host sync, timed at the same shapes:
+- the NVFP4 stack (`kernels.torch_grouped.StackedExperts`): every expert dequantized in one launch,
+  then torch's grouped GEMM (the training path, and the rollouts' where humming's copies are not
+  made);
 - dense over all experts: every token through every expert's linear as one NVFP4 GEMM (gate_up:
   the experts stacked along N, [E * N, K] at M = tokens; down: stacked along K, [N, E * K], the
   non-routed experts' inputs zeroed), our kernels as the dispatch picks them: E / k times the
@@ -33,6 +36,7 @@ from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.humming_experts import HummingExperts
 from qerl_pipe.kernels.linear import nvfp4_linear
 from qerl_pipe.kernels.tiled import tile_nvfp4
+from qerl_pipe.kernels.torch_grouped import StackedExperts
 from qerl_pipe.kernels.tuning import time_graph
 
 ap = argparse.ArgumentParser()
@@ -112,6 +116,16 @@ def _bf16(row: dict, rows, bounds, dense) -> None:
     del w
 
 
+def _stacked(row: dict, rows, layout, stacked, ref) -> None:
+    """The NVFP4 stack dequantized in one launch and torch's grouped GEMM (the training path, and
+    the rollouts' where humming's copies are not made)."""
+    with torch.no_grad():
+        out = stacked.matmul(rows, layout)
+        row["stacked_rel_err"] = float((out.float() - ref).norm() / ref.norm())
+        row["stacked_repeats"] = all(torch.equal(out, stacked.matmul(rows, layout)) for _ in range(5))
+        row["stacked_us"] = time_graph([lambda: stacked.matmul(rows, layout)], 20) * 1e6
+
+
 rows_out = []
 for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", args.hidden, args.width, 2)):
     qs, tiled = experts(n, k, seed)
@@ -122,6 +136,9 @@ for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", a
     except Exception as exc:  # noqa: BLE001 (a probe: report what failed and go on)
         layer, build = None, {"humming_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     dense = [dequantize_nvfp4(q, torch.float32) for q in qs]
+    stacked = StackedExperts(n, k, qweight=torch.stack([w.qweight for w in tiled]),
+                             scales=torch.stack([w.scales for w in tiled]),
+                             global_scale=torch.stack([w.global_scale for w in tiled]))
     for t in (int(v) for v in args.tokens.split(",")):
         rows, layout, bounds = routed(t, k, seed + t)
         ref = torch.cat([rows[s:e].float() @ dense[i].T for i, (s, e) in enumerate(zip([0, *bounds[:-1]], bounds)) if e > s])
@@ -149,8 +166,9 @@ for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", a
                     row[f"humming_{schedule}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         _dense_all(row, name, n, k, t, seed)
         _bf16(row, rows, bounds, dense)
+        _stacked(row, rows, layout, stacked, ref)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
-    del qs, tiled, dense, layer
+    del qs, tiled, dense, layer, stacked
     torch.cuda.empty_cache()
 args.out.write_text(json.dumps(results_file(rows_out, [], settings=vars(args) | {"out": None}), indent=1) + "\n")

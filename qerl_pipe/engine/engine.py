@@ -40,8 +40,7 @@ from qerl_pipe.engine.sampling import SamplingParams, sample, sequence_key
 from qerl_pipe.engine.scheduler import Group, Scheduler
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.decoder import Decoder
-from qerl_pipe.model.kernel_copies import (all_experts_grouped, attach_grouped_experts, attach_humming,
-                                           detach_grouped_experts, detach_humming)
+from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming, detach_humming
 
 DEFAULT_PREFILL_TOKENS = 8192
 
@@ -169,10 +168,9 @@ class Engine:
         # a MoE's grouped experts.
         if kernel_copies:
             attach_humming(model)
-            attach_grouped_experts(model)
         else:
             detach_humming(model)
-            detach_grouped_experts(model)
+        attach_grouped_experts(model, copies=kernel_copies)
         # A MoE layer's per-expert loop takes its row counts from the routing (a host sync and
         # data-dependent shapes), which a CUDA graph cannot replay: a MoE decodes in graphs only
         # where every sparse layer runs grouped (fixed shapes, no sync), else eagerly.

@@ -1,13 +1,24 @@
-"""torch's grouped GEMM over a MoE layer's bf16 experts: one launch per projection, no host sync.
-
-The bf16 counterpart of `kernels.humming_experts` (the NVFP4 engine's), so the bf16 baseline's
-MoE rollout runs the way a bf16 MoE is served (one grouped GEMM over the routed rows, as vLLM's
-fused MoE does), not a per-expert loop: the NVFP4 / bf16 ratios compare grouped with grouped.
+"""torch's grouped GEMM over a MoE layer's stacked experts: one launch per projection, no host sync.
 
 `torch._grouped_mm(rows [R, K], w [E, K, N], offs [E])` runs expert e on rows offs[e - 1]:offs[e]
 (CUTLASS on sm_90, no split-K: the same bits every run). It reads the experts as one [E, N, K]
-tensor, so the layer's expert weights are stacked once and each expert's weight becomes a view of
-its slice: no second copy of the bf16 experts (a 30B-A3B's are 57 GB).
+tensor, so a layer's expert weights are stacked once and each expert's own buffers become views
+of their slice (`model.kernel_copies.stack_expert_buffers`): no second copy.
+
+- A bf16 MoE runs its experts this way in training and rollouts alike: the bf16 baseline's MoE is
+  then served as a bf16 MoE is (one grouped GEMM over the routed rows, as vLLM's fused MoE does),
+  not by a per-expert loop, and the NVFP4 / bf16 ratios compare grouped with grouped.
+- An NVFP4 MoE's stack (our tiled layout, `kernels.tiled`, stacked along the 64-row blocks: the
+  layout of one [E * N, K] weight) is dequantized in one launch per projection into a transient
+  bf16 [E, N, K] (each expert's global scale left out, applied to its output rows after the GEMM:
+  one launch for all experts) and multiplied the same way. That is the training forward and dX
+  of frozen NVFP4 experts (large M: the dequantize is small beside the GEMM), and the rollout's
+  grouped path where humming's copies are not made (a tight memory budget); with them, humming's
+  W4A16 grouped GEMM serves the rollouts (`kernels.humming_experts`).
+
+The autograd function keeps no weight for backward: dX dequantizes again (as the dense
+linears' `_FrozenQuantMatmul` reads the 4-bit weights again), so a training forward stores only
+the rows, like the per-expert path.
 """
 
 from __future__ import annotations
@@ -15,29 +26,84 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qerl_pipe.formats.nvfp4 import dequantize_nvfp4
+from qerl_pipe.kernels import cuda_ext
+from qerl_pipe.kernels.tiled import ROWS, TiledNVFP4, untile_nvfp4
 
-def runs_here(device: torch.device) -> bool:
-    """Whether torch's grouped GEMM serves bf16 on `device`: a CUDA GPU of sm_90 or later (on
-    older GPUs and the CPU it exists only as a slow reference)."""
-    return (device.type == "cuda" and hasattr(torch, "_grouped_mm")
+
+def runs_here(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM serves `dtype` activations on `device`: bf16 on a CUDA GPU of
+    sm_90 or later (on older GPUs and the CPU it exists only as a slow reference)."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
-class TorchGroupedExperts:
-    """E experts' dense weights of one projection, stacked `[E, N, K]`."""
+class StackedExperts:
+    """E experts' frozen weights of one projection: `weight` [E, N, K] (a dense base), or an
+    NVFP4 stack in the tiled layout (`qweight` [E, nb, kc, 256], `scales` [E, nb, kc, 128],
+    `global_scale` [E, 1])."""
 
-    def __init__(self, stacked: Tensor):
-        if stacked.dim() != 3:
-            raise ValueError(f"grouped experts need a stacked [experts, out, in] weight; got {tuple(stacked.shape)}")
-        self.stacked = stacked
-        self.num_experts, self.out_features, self.in_features = stacked.shape
+    def __init__(self, out_features: int, in_features: int, weight: Tensor | None = None,
+                 qweight: Tensor | None = None, scales: Tensor | None = None, global_scale: Tensor | None = None):
+        if (weight is None) == (qweight is None):
+            raise ValueError("stacked experts hold either a dense weight or an NVFP4 stack")
+        self.weight, self.qweight, self.scales, self.global_scale = weight, qweight, scales, global_scale
+        stack = weight if weight is not None else qweight
+        self.num_experts, self.out_features, self.in_features = stack.shape[0], out_features, in_features
+        # The unit global scale the stack is dequantized with: made now, not inside a graph capture.
+        self._one = torch.ones(1, dtype=torch.float32, device=stack.device)
 
     @property
     def nbytes(self) -> int:
-        return 0  # views of the experts' own weights
+        return 0  # views of the experts' own buffers
+
+    def dense(self, dtype: torch.dtype) -> Tensor:
+        """The experts as [E, N, K] in `dtype`; an NVFP4 stack without its global scales
+        (`row_scales` applies them to the outputs)."""
+        if self.weight is not None:
+            return self.weight.to(dtype)
+        e, nb, kc, _ = self.qweight.shape
+        n, k = self.out_features, self.in_features
+        if dtype == torch.bfloat16 and cuda_ext.available(self.qweight.device):
+            flat = TiledNVFP4(self.qweight.view(e * nb, kc, -1), self.scales.view(e * nb, kc, -1),
+                              self._one, e * nb * ROWS, k)
+            return cuda_ext.dequantize(flat).view(e, nb * ROWS, k)[:, :n].contiguous()
+        # Elsewhere (the CPU, the tests' reference): expert by expert, from the checkpoint form.
+        return torch.stack([dequantize_nvfp4(untile_nvfp4(TiledNVFP4(self.qweight[i], self.scales[i],
+                                                                     self._one, n, k)), dtype)
+                            for i in range(e)])
+
+    def row_scales(self, offsets: Tensor, rows: int, dtype: torch.dtype) -> Tensor | None:
+        """Each output row's global scale [R, 1] (rows sorted by expert, expert e's at
+        offsets[e]:offsets[e + 1]); None for a dense stack."""
+        if self.global_scale is None:
+            return None
+        expert = torch.searchsorted(offsets[1:], torch.arange(rows, device=offsets.device), right=True)
+        return self.global_scale.reshape(-1)[expert.clamp_(max=self.num_experts - 1)].to(dtype)[:, None]
 
     def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True) -> Tensor:
         """`rows [R, K]`, sorted by expert, expert e's rows at offsets[e]:offsets[e + 1] (`offsets`
-        [E + 1] int64 on the device) -> `[R, N]`. Deterministic either way (no split-K)."""
+        [E + 1] int64 on the device) -> `[R, N]`, differentiable in `rows` (the experts are frozen).
+        Deterministic either way (no split-K)."""
         ends = offsets[1:].to(torch.int32)  # torch takes each group's end offset, as int32
-        return torch._grouped_mm(rows, self.stacked.transpose(1, 2), offs=ends)
+        return _FrozenGrouped.apply(rows, ends, self.row_scales(offsets, rows.shape[0], rows.dtype), self)
+
+
+class _FrozenGrouped(torch.autograd.Function):
+    """y = rows @ W_e^T per expert group (times the rows' global scales); backward: dX only,
+    from the weights dequantized again (none kept between forward and backward)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, ends: Tensor, scale: Tensor | None, experts: StackedExperts) -> Tensor:
+        ctx.experts = experts
+        ctx.save_for_backward(ends, scale)
+        y = torch._grouped_mm(rows, experts.dense(rows.dtype).transpose(1, 2), offs=ends)
+        return y if scale is None else y * scale
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, None, None, None]:
+        ends, scale = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        dy = dy if scale is None else dy * scale
+        return torch._grouped_mm(dy.contiguous(), ctx.experts.dense(dy.dtype), offs=ends), None, None, None

@@ -150,10 +150,12 @@ def activation_bytes(c: DecoderConfig, s: StepSize, dtype: torch.dtype = torch.b
 
 
 def scratch_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch.bfloat16) -> int:
-    """The 4-bit large-M path decodes the largest linear into one shared buffer of the model dtype."""
+    """The 4-bit large-M path decodes the largest linear into one shared buffer of the model dtype;
+    a MoE's grouped path decodes a whole projection's experts at once (`kernels.torch_grouped`)."""
     if format_entry(base_format).dense:
         return 0
-    return max(k * sum(outs) for k, outs, _ in _model_linears(c)) * element_bytes(dtype)
+    stacked = [c.num_experts * k * sum(outs) for k, outs, _ in _expert_linears(c)] if c.num_sparse_layers else []
+    return max([k * sum(outs) for k, outs, _ in _model_linears(c)] + stacked) * element_bytes(dtype)
 
 
 def kernel_copy_bytes(c: DecoderConfig, shapes: Iterable[tuple[int, int]]) -> int:

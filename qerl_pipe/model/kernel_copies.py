@@ -23,8 +23,9 @@ from torch import nn
 from qerl_pipe.kernels import dispatch, humming_backend, torch_grouped
 from qerl_pipe.kernels.optional_backend import failure
 from qerl_pipe.kernels.tiled import untile_nvfp4
-from qerl_pipe.kernels.torch_grouped import TorchGroupedExperts
+from qerl_pipe.kernels.torch_grouped import StackedExperts
 from qerl_pipe.log import log
+from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.moe import GroupedExperts, SparseMoE
 
@@ -97,26 +98,36 @@ def _expert_device(layer: SparseMoE) -> torch.device:
     return layer.experts[0].gate_up_proj.base_device()
 
 
-def _groupable(model: nn.Module) -> tuple[list[SparseMoE], str | None]:
-    """The sparse layers whose experts can run as grouped GEMMs on their device, and the grouped
-    kernels' name: humming's for NVFP4 experts, torch's for bf16 ones (sm_90+); none for other
-    formats, on the CPU, or where the experts carry LoRA (or a bias) the grouped GEMMs don't apply."""
+def _groupable(model: Decoder) -> list[SparseMoE]:
+    """The sparse layers whose experts can run as grouped GEMMs: bf16 or NVFP4 experts with a
+    bf16 model on a GPU where torch's grouped GEMM runs (sm_90+), without LoRA or bias on the
+    experts (the grouped GEMMs apply neither). Nothing on the CPU or in other formats."""
     layers = _sparse_layers(model)
-    if not layers:
-        return [], None
+    if not layers or not torch_grouped.runs_here(_expert_device(layers[0]), model.dtype):
+        return []
     linears = [lin for m in layers for e in m.experts for lin in (e.gate_up_proj, e.down_proj)]
-    device = _expert_device(layers[0])
-    if linears[0].fmt.hopper_dispatch and all(lin.fmt.hopper_dispatch for lin in linears):
-        kernels = "humming" if device.type == "cuda" and humming_backend.available(device) else None
-    elif all(lin.fmt.dense and lin.weight.dtype == torch.bfloat16 for lin in linears):
-        kernels = "torch" if torch_grouped.runs_here(device) else None
-    else:
-        kernels = None
-    if kernels is None:
-        return [], None
-    plain = [m for m in layers if not any(len(lin.lora_A) or lin.bias is not None
-                                          for e in m.experts for lin in (e.gate_up_proj, e.down_proj))]
-    return plain, kernels
+    if not all(lin.fmt.dense or lin.fmt.hopper_dispatch for lin in linears):
+        return []
+    return [m for m in layers if not any(len(lin.lora_A) or lin.bias is not None
+                                         for e in m.experts for lin in (e.gate_up_proj, e.down_proj))]
+
+
+def stack_expert_buffers(linears: list[QuantLinear]) -> StackedExperts:
+    """The frozen bases of `linears` (one per expert, one format and shape) stacked along a new
+    first dimension, each linear's buffers becoming views of their slice: one allocation of the
+    projection's weights at a time, the old buffers then freed (no second copy stays)."""
+    first = linears[0]
+    stacked = {}
+    for key in first.fmt.buffers:
+        stacked[key] = torch.stack([getattr(lin, key) for lin in linears])
+        for i, lin in enumerate(linears):
+            setattr(lin, key, stacked[key][i])
+    return StackedExperts(first.out_features, first.in_features, **stacked)
+
+
+def _stack(layer: SparseMoE) -> GroupedExperts:
+    return GroupedExperts(stack_expert_buffers([e.gate_up_proj for e in layer.experts]),
+                          stack_expert_buffers([e.down_proj for e in layer.experts]), len(layer.experts))
 
 
 def _humming_grouped(layer: SparseMoE, compile_now: bool, deterministic: bool) -> GroupedExperts:
@@ -130,45 +141,49 @@ def _humming_grouped(layer: SparseMoE, compile_now: bool, deterministic: bool) -
     return GroupedExperts(gate_up, down, len(layer.experts))
 
 
-def stack_expert_weights(linears: list[QuantLinear]) -> torch.Tensor:
-    """The dense weights of `linears` (one per expert) stacked [E, N, K], each linear's weight
-    becoming a view of its slice: one allocation of the layer's weights at a time, then the old
-    ones are freed (no second copy stays)."""
-    stacked = torch.stack([lin.weight for lin in linears])
-    for i, lin in enumerate(linears):
-        lin.weight = stacked[i]
-    return stacked
-
-
-def _torch_grouped(layer: SparseMoE) -> GroupedExperts:
-    gate_up = TorchGroupedExperts(stack_expert_weights([e.gate_up_proj for e in layer.experts]))
-    down = TorchGroupedExperts(stack_expert_weights([e.down_proj for e in layer.experts]))
-    return GroupedExperts(gate_up, down, len(layer.experts))
-
-
-def attach_grouped_experts(model: nn.Module) -> int:
-    """Give each sparse layer whose experts can run grouped (`_groupable`) its grouped experts:
-    humming copies (compiled now) for NVFP4, views of the stacked weights for bf16. Returns the
-    bytes added (0 for bf16, and where nothing can run grouped here)."""
-    candidates, kernels = _groupable(model)
-    layers = [m for m in candidates if m.grouped is None]
-    if not layers:
+def _attach_humming_experts(layers: list[SparseMoE]) -> int:
+    """humming's grouped copies for the rollouts of NVFP4 experts; returns the bytes added (0,
+    with every layer left on its stack, when humming does not run here or fails)."""
+    device = _expert_device(layers[0])
+    if not humming_backend.available(device):
         return 0
-    _, deterministic = dispatch.active(_expert_device(layers[0]))
+    _, deterministic = dispatch.active(device)
     added = 0
     try:
         with torch.no_grad():
             for i, layer in enumerate(layers):
-                grouped = (_humming_grouped(layer, i == 0, deterministic) if kernels == "humming"
-                           else _torch_grouped(layer))
-                layer.grouped = grouped
-                added += grouped.gate_up.nbytes + grouped.down.nbytes
-    except Exception as exc:  # every layer keeps the per-expert path
-        detach_grouped_experts(model)
-        log(f"kernels: no grouped experts ({failure(exc)}); the per-expert path serves the MoE layers")
+                layer.grouped = _humming_grouped(layer, i == 0, deterministic)
+                added += layer.grouped.gate_up.nbytes + layer.grouped.down.nbytes
+    except Exception as exc:  # the stacks serve the rollouts too
+        for layer in layers:
+            layer.grouped = layer.stacked
+        log(f"kernels: no humming expert copies ({failure(exc)}); torch's grouped GEMM serves the MoE rollouts")
         return 0
-    log(f"kernels: grouped {kernels} experts for {len(layers)} MoE layers ({added / 2**30:.2f} GiB added)"
-        + (f", {'deterministic' if deterministic else 'fast (not deterministic)'} schedule" if kernels == "humming" else ""))
+    log(f"kernels: humming grouped copies of {len(layers)} MoE layers' experts ({added / 2**30:.2f} GiB), "
+        f"{'deterministic' if deterministic else 'fast (not deterministic)'} schedule")
+    return added
+
+
+def attach_grouped_experts(model: Decoder, copies: bool = True) -> int:
+    """Run the experts of every sparse layer that can (`_groupable`) as grouped GEMMs: their
+    bases stacked in place (`stacked`: training, and torch's grouped GEMM for inference), and for
+    NVFP4 experts with `copies` humming's grouped copies for inference (`grouped`), compiled now.
+    Returns the bytes added: the copies' (the stacks add none)."""
+    layers = _groupable(model)
+    if not layers:
+        return 0
+    with torch.no_grad():
+        for layer in layers:
+            if layer.stacked is None:
+                layer.stacked = _stack(layer)
+    nvfp4 = not layers[0].experts[0].gate_up_proj.fmt.dense
+    wanting = [m for m in layers if m.grouped is None or m.grouped is m.stacked]
+    added = _attach_humming_experts(wanting) if copies and nvfp4 and wanting else 0
+    for layer in layers:
+        if layer.grouped is None or not copies:
+            layer.grouped = layer.stacked
+    if not added:
+        log(f"kernels: torch's grouped GEMM over the stacked experts of {len(layers)} MoE layers")
     return added
 
 
@@ -179,5 +194,6 @@ def all_experts_grouped(model: nn.Module) -> bool:
 
 
 def detach_grouped_experts(model: nn.Module) -> None:
+    """Back to the per-expert path (the experts' buffers stay views of the stacks: the same values)."""
     for m in _sparse_layers(model):
-        m.grouped = None
+        m.grouped = m.stacked = None

@@ -18,8 +18,10 @@ through the per-linear path (`project`: the module itself in training, the engin
 in rollouts), the activation once over all of them, then weights and scatters the rows back.
 `run_grouped` does the same with one grouped GEMM per projection over the sorted rows and the
 experts' row offsets kept on the device (no host sync, fixed shapes: a CUDA graph replays it):
-what the engine uses where the experts carry no LoRA, on a GPU (`SparseMoE.grouped`, set by
-`model.kernel_copies`): humming-kernels' GEMM for NVFP4 experts, torch's for bf16 ones.
+what runs where the experts carry no LoRA, on a GPU (set by `model.kernel_copies`): torch's
+grouped GEMM over the experts' stacked bases in training (`SparseMoE.stacked`; NVFP4 stacks
+dequantized per layer) and rollouts (`SparseMoE.grouped`), or humming-kernels' W4A16 grouped GEMM
+for the rollouts of NVFP4 experts where its copies were made.
 """
 
 from __future__ import annotations
@@ -152,16 +154,20 @@ class SparseMoE(nn.Module):
         self.gate = Router(cfg, dtype, device)
         self.experts = nn.ModuleList(Expert(cfg, base_format, dtype, device) for _ in range(cfg.num_experts))
         self.activation = gate
-        # Set by the engine (`model.kernel_copies`) where the experts run as grouped GEMMs; not a
-        # module or buffer: never saved, made from the experts' bases each time an engine starts.
+        # Set by the engine (`model.kernel_copies`) where the experts run as grouped GEMMs; not
+        # modules or buffers: never saved, made from the experts' bases each time an engine starts.
+        # `stacked`: the experts' own bases stacked in place (torch's grouped GEMM, autograd too);
+        # `grouped`: what inference runs (the stacks, or humming's copies of NVFP4 experts).
+        self.stacked: GroupedExperts | None = None
         self.grouped: GroupedExperts | None = None
 
     def forward(self, x: Tensor, project: Project = call_module) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        if self.grouped is not None and not torch.is_grad_enabled():  # inference: the grouped GEMMs
+        grouped = self.stacked if torch.is_grad_enabled() else self.grouped
+        if grouped is not None:
             _, deterministic = dispatch.active(flat.device)  # the dispatch column every linear follows
-            out = run_grouped(flat, weights, ids, self.grouped, self.activation, deterministic)
+            out = run_grouped(flat, weights, ids, grouped, self.activation, deterministic)
         else:
             out = run_experts(flat, weights, ids, self.experts, self.activation, project)
         return out.reshape(x.shape)
