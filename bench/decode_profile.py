@@ -14,11 +14,12 @@ finished and wait inside, so their profiled durations overlap and include that w
 times then add up to more than the step takes. `graph_step_ms` is the step's own time, the
 median of 20 replays of the step captured as one CUDA graph (as the engine runs it).
 
-A mixture-of-experts shape (qwen3-30b-a3b) decodes eagerly (its expert loop syncs with the host,
-so the engine captures no graph): its row has no `graph_step_ms`, and for every shape the row
-also holds `eager_step_ms` (wall time per eager step, the GPU synchronised at the end) and
-`python_top`, the Python functions with the most own time per step under cProfile (where a
-host-bound step spends it: dispatch, wrappers, the expert loop).
+A mixture-of-experts shape (qwen3-30b-a3b) runs its experts as the engine does: grouped
+(`model.kernel_copies.attach_grouped_experts`: humming's copies for NVFP4, torch's grouped GEMM
+for bf16), so its step is captured and timed as a graph too. For every shape the row also holds
+`eager_step_ms` (wall time per eager step, the GPU synchronised at the end) and `python_top`, the
+Python functions with the most own time per step under cProfile (where a host-bound step spends
+it: dispatch, wrappers).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from bench.shapes import SHAPES
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph
+from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts
 from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
@@ -80,6 +82,7 @@ def profile_format(shape: str, base_format: str, batch: int, context: int, steps
     """One format's decode step under the profiler (see the module doc)."""
     model = init_random_model(SHAPES[shape], base_format=base_format, device="cuda",
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
+    attach_grouped_experts(model)  # a MoE's experts as the engine runs them (no-op for a dense model)
     cache = model.make_cache(batch, context + steps)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache.k.normal_(generator=gen)
@@ -99,8 +102,8 @@ def profile_format(shape: str, base_format: str, batch: int, context: int, steps
         decode_step(model, lora, tokens, positions, cache)
 
     eager_ms, python_top = _host_profile(step, steps)
-    # A MoE step syncs with the host inside (the expert loop's row counts): no graph to time.
-    graph_step_ms = None if model.config.num_sparse_layers else round(time_graph([step], reps=20) * 1e3, 3)
+    # A MoE step whose experts loop syncs with the host inside (the row counts): no graph to time.
+    graph_step_ms = round(time_graph([step], reps=20) * 1e3, 3) if all_experts_grouped(model) else None
     kinds = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count > 0]
     kernels = sum(e.count for e in kinds) / steps
     layers = model.config.num_layers

@@ -89,7 +89,7 @@ def test_engine_decodes_grouped_experts_in_cuda_graphs_as_eagerly(base_format: s
     model = init_random_model(CONFIG, base_format, device="cuda")
     # Four prompts in four slots: eager and graphed steps run the same rows (a graph size of 4).
     prompts, greedy = [[1, 2, 3], [4, 5, 6, 7], [8], [9, 10]], SamplingParams(temperature=0, max_new_tokens=12)
-    limits = plan_limits(model.config, max_batch=4, max_seq_len=64)
+    limits = plan_limits(model.config, max_batch=4, max_seq_len=64, cuda_graphs=True)
     eager = Engine(model, limits, cuda_graphs=False, kernel_copies=copies)
     assert all_experts_grouped(model) and not eager.uses_cuda_graphs
     expected = eager.generate(prompts, sampling=greedy).tokens
@@ -104,7 +104,7 @@ def test_expert_lora_keeps_the_per_expert_path_and_eager_decode(base_format: str
     _runs(copies=False)
     torch.manual_seed(2)
     model = init_random_model(CONFIG, base_format, device="cuda", lora=LoraSpec(rank=16, alpha=32, experts=True))
-    engine = Engine(model, plan_limits(model.config, max_batch=4, max_seq_len=64))
+    engine = Engine(model, plan_limits(model.config, max_batch=4, max_seq_len=64, cuda_graphs=True))
     assert not all_experts_grouped(model) and not engine.uses_cuda_graphs
     out = engine.generate([[1, 2, 3], [4, 5, 6, 7]], sampling=SamplingParams(temperature=0, max_new_tokens=8))
     assert all(len(t) == 8 for t in out.tokens)

@@ -100,10 +100,12 @@ def _by_expert(ids: Tensor) -> tuple[Tensor, Tensor]:
 
 def _combine(out: Tensor, weights: Tensor, order: Tensor, t: int, k: int) -> Tensor:
     """Expert-sorted outputs [T*k, hidden] -> weighted and summed per token [T, hidden]."""
-    out = out * weights.reshape(-1)[order, None]
-    # Back to (token, choice) order by a gather, then the k choices summed in a fixed order: an
-    # index_add over tokens would add with atomics on CUDA, in an order that changes run to run.
-    return out[order.argsort()].reshape(t, k, -1).sum(dim=1)
+    # Back to (token, choice) order by a gather through the inverse permutation (one scatter, not
+    # a second sort), then each token's k outputs weighted and summed in one batched matmul (fp32
+    # accumulation, a fixed order): an index_add over tokens would add with atomics on CUDA, in an
+    # order that changes run to run.
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return torch.bmm(weights.reshape(t, 1, k), out[inverse].reshape(t, k, -1)).reshape(t, -1)
 
 
 def run_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleList, gate: Gate,
@@ -135,11 +137,10 @@ def run_grouped(x: Tensor, weights: Tensor, ids: Tensor, grouped: GroupedExperts
     (`kernels.humming_experts`): the experts' row offsets stay on the device, so no host sync."""
     t, k = ids.shape
     order, flat = _by_expert(ids)
-    # Row counts by an integer scatter-add (exact in any order), not bincount, which reads the
-    # largest id back to the host to size its output.
-    counts = torch.zeros(grouped.num_experts, dtype=torch.int64, device=flat.device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
-    offsets = F.pad(counts.cumsum(0), (1, 0))
+    # Expert e's rows start where the sorted ids reach e: a binary search on the device, not
+    # bincount, which reads the largest id back to the host to size its output.
+    experts = torch.arange(grouped.num_experts + 1, device=flat.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(flat[order], experts)
     rows = x[order // k]
     hidden = gate(grouped.gate_up.matmul(rows, offsets, deterministic))
     return _combine(grouped.down.matmul(hidden, offsets, deterministic), weights, order, t, k)
