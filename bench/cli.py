@@ -179,7 +179,7 @@ def bench_memory(out: OutOpt = None) -> None:
 
 
 @bench_app.command("decode-profile")
-def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b (eager: no graph).")] = "qwen2.5-7b",
+def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b (its experts grouped, as the engine runs them).")] = "qwen2.5-7b",
                          formats: Annotated[list[str], typer.Option("--formats", help="Base formats (comma-separated or repeated): bf16, nvfp4, nf4.")] = ["bf16,nvfp4"],
                          batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 8,
                          context: Annotated[int, typer.Option(help="Cache positions each sequence has already.")] = 512,
