@@ -434,7 +434,11 @@ def test_stacked_experts_run_torch_grouped_gemm_in_training_and_inference(saved,
     for g, r in zip(torch.autograd.grad(model.logits(ids).square().mean(), params), loop_grads):
         torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
     assert len(calls) == 3 * 2 * len(model.layers)  # training: the forward and its recompute too
+    from qerl_pipe.engine.graphs import model_fingerprint
+
+    grouped_print = model_fingerprint(model)
     detach_grouped_experts(model)
+    assert model_fingerprint(model) != grouped_print  # graphs captured over the grouped experts go stale
     with torch.no_grad():
         assert torch.equal(model.logits(ids), loop)  # the views serve the loop as the buffers did
     with_lora = load_model(saved["all_sparse"][0], base_format, dtype=torch.float32, lora=LoraSpec(4, 8, experts=True))

@@ -21,6 +21,7 @@ from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.model.decoder import Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.moe import SparseMoE
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +156,12 @@ class DecodeRunner:
 
 def model_fingerprint(model: nn.Module) -> tuple:
     """What a captured graph baked in besides tensor contents: the address of every parameter and
-    buffer, the Python-level LoRA switches and scalings, and the humming copy a linear has. Equal fingerprints mean the graphs are
-    still valid; a changed one (a tensor rebound, `lora_disabled`, a new adapter) means recapture.
-    About a microsecond per tensor: once per `generate`, not per step.
+    buffer, the Python-level LoRA switches and scalings, the humming copy a linear has and the
+    grouped experts a MoE layer runs. Equal fingerprints mean the graphs are still valid; a
+    changed one (a tensor rebound, `lora_disabled`, a new adapter, another engine's experts)
+    means recapture. About a microsecond per tensor: once per `generate`, not per step.
     """
     tensors = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-    switches = tuple((m.lora_enabled, m.lora_scaling, len(m.lora_A), id(m.humming))
-                     for m in model.modules() if isinstance(m, QuantLinear))
+    switches = tuple((m.lora_enabled, m.lora_scaling, len(m.lora_A), id(m.humming)) if isinstance(m, QuantLinear)
+                     else id(m.grouped) for m in model.modules() if isinstance(m, (QuantLinear, SparseMoE)))
     return tensors, switches
