@@ -7,12 +7,13 @@ engine asks for them only where the memory plan left room); it compiles humming'
 now, before any CUDA graph is captured. Without copies those rows run our kernels (the table's
 fallback rule), which the one log line says.
 
-An NVFP4 MoE's experts get a copy of the same kind: each sparse layer's experts stacked per
-projection for humming's grouped GEMM (`kernels.humming_experts`, `attach_grouped_experts`), so
-an inference forward runs a layer's experts in two launches without a host sync. A bf16 MoE's
-experts run torch's grouped GEMM the same way (`kernels.torch_grouped`), over their own weights
-restacked in place (no copy). Not where the experts carry LoRA (the grouped GEMMs apply none):
-those keep the per-expert path, and so does every MoE on the CPU.
+A MoE's experts run as grouped GEMMs (`attach_grouped_experts`), two launches per layer and no
+host sync: each projection's expert bases restacked in place (no copy) for torch's grouped GEMM
+(`kernels.torch_grouped`: bf16 directly, NVFP4 dequantized per layer), in training and rollouts;
+and for NVFP4 rollouts, where the plan allows, a copy of the same kind as the linears': the
+experts in humming's layout for its W4A16 grouped GEMM (`kernels.humming_experts`). Not where the
+experts carry LoRA (the grouped GEMMs apply none): those keep the per-expert path, and so does
+every MoE on the CPU.
 """
 
 from __future__ import annotations
