@@ -183,8 +183,9 @@ def attach_grouped_experts(model: Decoder, copies: bool = True) -> int:
     for layer in layers:
         if layer.grouped is None or not copies:
             layer.grouped = layer.stacked
-    if not added:
-        log(f"kernels: torch's grouped GEMM over the stacked experts of {len(layers)} MoE layers")
+    on_stacks = sum(layer.grouped is layer.stacked for layer in layers)
+    if on_stacks:  # said of the layers that run them, not of those humming's earlier copies serve
+        log(f"kernels: torch's grouped GEMM over the stacked experts of {on_stacks} MoE layers")
     return added
 
 
