@@ -108,3 +108,28 @@ def test_expert_lora_keeps_the_per_expert_path_and_eager_decode(base_format: str
     assert not all_experts_grouped(model) and not engine.uses_cuda_graphs
     out = engine.generate([[1, 2, 3], [4, 5, 6, 7]], sampling=SamplingParams(temperature=0, max_new_tokens=8))
     assert all(len(t) == 8 for t in out.tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 512])
+def test_fused_routing_matches_torch_routing(tokens: int) -> None:
+    """The one-launch routing (`kernels.triton_moe`) against the reference's torch ops on bf16
+    logits: the same experts in the same order, the same sorted rows, and weights within one bf16
+    rounding. Distinct logits (a shuffled grid, exact in bf16): on ties the choice is the lower
+    expert in both, but torch does not promise the order of tied choices."""
+    from qerl_pipe.kernels import triton_moe
+    from qerl_pipe.model.moe import sort_by_expert
+
+    experts, k = 128, 8
+    grid = (torch.arange(experts, device="cuda") - experts // 2).to(torch.bfloat16) / 16
+    logits = torch.stack([grid[torch.randperm(experts, device="cuda")] for _ in range(tokens)])
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(k, dim=-1)
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(torch.bfloat16)
+    ref = sort_by_expert(weights, ids, experts)
+    got_w, got_ids, source, inverse, offsets = triton_moe.launch_route(logits, k, True, torch.bfloat16)
+    assert torch.equal(got_ids.long(), ids)
+    assert torch.equal(source, ref.source) and torch.equal(inverse, ref.inverse) and torch.equal(offsets, ref.offsets)
+    assert float((got_w.float() - weights.float()).abs().max()) <= 2**-8
+    out = torch.randn(tokens * k, 256, device="cuda", dtype=torch.bfloat16)
+    expected = torch.bmm(weights.float().reshape(tokens, 1, k), out[inverse].float().reshape(tokens, k, -1))
+    assert _rel(triton_moe.launch_combine(out, weights, inverse), expected.reshape(tokens, -1)) < 5e-3

@@ -210,6 +210,41 @@ def _run_sample_case(case: tuple, seed: int) -> dict:
             "state": bool(torch.equal(positions, before_pos + live) and torch.equal(steps, before_steps + 1))}
 
 
+# MoE routing: (tokens, experts, top-k, renormalise); experts off a power of two, tokens across the
+# routing program's blocks of 16, k equal to the experts.
+ROUTE_CASES = [(1, 128, 8, True), (5, 12, 3, False), (37, 16, 4, True), (3, 8, 8, True)]
+
+
+def _route_id(case: tuple) -> str:
+    return "route-t{}-e{}-k{}-renorm{}".format(*case)
+
+
+def _run_route_case(case: tuple, seed: int) -> dict:
+    """The routing kernel against `model.moe.sort_by_expert` over the reference router's choice,
+    and the combine kernel against the reference's gather + batched matmul (float32 here)."""
+    from qerl_pipe.kernels import triton_moe
+    from qerl_pipe.model.moe import Routing, _combine, sort_by_expert
+
+    tokens, experts, k, renorm = case
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=gen) * 2
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    ref = sort_by_expert(weights, ids, experts)
+    got_w, got_ids, source, inverse, offsets = triton_moe.launch_route(logits, k, renorm, torch.float32)
+    out = torch.randn(tokens * k, 40, generator=gen)
+    combined = triton_moe.launch_combine(out, got_w, inverse)
+    with torch.no_grad():
+        expected = _combine(out, Routing(weights, ref.source, ref.inverse, ref.offsets))
+    return {"same_ids": bool(torch.equal(got_ids.long(), ids)),
+            "weight_err": float((got_w - weights).abs().max()),
+            "same_order": bool(torch.equal(source, ref.source) and torch.equal(inverse, ref.inverse)),
+            "same_offsets": bool(torch.equal(offsets, ref.offsets)),
+            "combine_err": float((combined - expected).abs().max())}
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
     if importlib.util.find_spec("triton") is None:
@@ -254,6 +289,14 @@ def test_lora_shrink_matches_reference(results: dict[str, dict]) -> None:
     assert r["u_max_err"] < 1e-4 and r["u_batch_independent"], f"seed {r['seed']}: {r}"
 
 
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=_route_id)
+def test_moe_route_and_combine_match_reference(results: dict[str, dict], case: tuple) -> None:
+    r = results[_route_id(case)]
+    assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
+    assert r["same_ids"] and r["same_order"] and r["same_offsets"], f"seed {r['seed']}: {r}"
+    assert r["weight_err"] < 1e-6 and r["combine_err"] < 1e-5, f"seed {r['seed']}: {r}"
+
+
 @pytest.mark.parametrize("case", SAMPLE_CASES, ids=_sample_id)
 def test_sample_step_matches_reference(results: dict[str, dict], case: tuple) -> None:
     r = results[_sample_id(case)]
@@ -293,4 +336,10 @@ if __name__ == "__main__":
             out[_sample_id(sample_case)] = {"seed": seed, **_run_sample_case(sample_case, seed)}
         except Exception as e:  # noqa: BLE001
             out[_sample_id(sample_case)] = {"seed": seed, "error": repr(e)}
+    for route_case in ROUTE_CASES:
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        try:
+            out[_route_id(route_case)] = {"seed": seed, **_run_route_case(route_case, seed)}
+        except Exception as e:  # noqa: BLE001
+            out[_route_id(route_case)] = {"seed": seed, "error": repr(e)}
     print(json.dumps(out))

@@ -22,6 +22,11 @@ what runs where the experts carry no LoRA, on a GPU (set by `model.kernel_copies
 grouped GEMM over the experts' stacked bases in training (`SparseMoE.stacked`; NVFP4 stacks
 dequantized per layer) and rollouts (`SparseMoE.grouped`), or humming-kernels' W4A16 grouped GEMM
 for the rollouts of NVFP4 experts where its copies were made.
+
+Routing (`Routing`: the pairs sorted by expert, each row's token, the inverse, the offsets) is
+`sort_by_expert` in torch ops for training and the CPU; GPU inference routes in one Triton launch
+after the router's GEMM and combines in another (`kernels.triton_moe`): the torch ops are some
+fifteen small kernels per layer, a third of a batch-1 decode step.
 """
 
 from __future__ import annotations
@@ -91,59 +96,83 @@ class Expert(nn.Module):
         self.down_proj = QuantLinear(i, [n for _, n in down], [p for p, _ in down], base_format, dtype, device)
 
 
-def _by_expert(ids: Tensor) -> tuple[Tensor, Tensor]:
-    """The order that sorts the (token, choice) pairs of ids [T, k] by expert (stable, so each
-    expert sees its tokens in order), and the flat expert ids [T*k]."""
+@dataclass(frozen=True)
+class Routing:
+    """Where a layer's (token, choice) pairs go: sorted by expert, expert e's rows are
+    offsets[e]:offsets[e + 1]; `source` [T*k] is each sorted row's token, `inverse` [T*k] each
+    pair's sorted row, `weights` [T, k] the routing weights."""
+
+    weights: Tensor
+    source: Tensor
+    inverse: Tensor
+    offsets: Tensor
+
+
+def sort_by_expert(weights: Tensor, ids: Tensor, num_experts: int) -> Routing:
+    """The routing of ids [T, k] in torch ops (the reference; what autograd runs through)."""
+    k = ids.shape[1]
     flat = ids.reshape(-1)
-    return flat.argsort(stable=True), flat
-
-
-def _combine(out: Tensor, weights: Tensor, order: Tensor, t: int, k: int) -> Tensor:
-    """Expert-sorted outputs [T*k, hidden] -> weighted and summed per token [T, hidden]."""
-    # Back to (token, choice) order by a gather through the inverse permutation (one scatter, not
-    # a second sort), then each token's k outputs weighted and summed in one batched matmul (fp32
-    # accumulation, a fixed order): an index_add over tokens would add with atomics on CUDA, in an
-    # order that changes run to run.
+    order = flat.argsort(stable=True)  # stable: each expert sees its tokens in order
+    # The inverse permutation by one scatter, not a second sort.
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return torch.bmm(weights.reshape(t, 1, k), out[inverse].reshape(t, k, -1)).reshape(t, -1)
+    # Expert e's rows start where the sorted ids reach e: a binary search on the device, not
+    # bincount, which reads the largest id back to the host to size its output.
+    experts = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
+    return Routing(weights, order // k, inverse, torch.searchsorted(flat[order], experts))
 
 
-def run_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.ModuleList, gate: Gate,
+def route_fused(router: Router, x: Tensor, num_experts: int) -> Routing:
+    """`sort_by_expert(*router(x))` in one Triton launch after the router's GEMM (CUDA inference,
+    `kernels.triton_moe.fits`)."""
+    from qerl_pipe.kernels import triton_moe
+
+    weights, _, source, inverse, offsets = triton_moe.launch_route(F.linear(x, router.weight), router.top_k,
+                                                                   router.renormalize, x.dtype)
+    return Routing(weights, source, inverse, offsets)
+
+
+def _combine(out: Tensor, routing: Routing) -> Tensor:
+    """Expert-sorted outputs [T*k, hidden] -> weighted and summed per token [T, hidden]."""
+    t, k = routing.weights.shape
+    if not torch.is_grad_enabled() and out.is_cuda:  # inference on a GPU: one Triton launch
+        from qerl_pipe.kernels import triton_moe
+
+        return triton_moe.launch_combine(out, routing.weights.contiguous(), routing.inverse)
+    # Back to (token, choice) order by a gather, then each token's k outputs weighted and summed in
+    # one batched matmul (fp32 accumulation, a fixed order): an index_add over tokens would add
+    # with atomics on CUDA, in an order that changes run to run.
+    return torch.bmm(routing.weights.reshape(t, 1, k), out[routing.inverse].reshape(t, k, -1)).reshape(t, -1)
+
+
+def run_experts(x: Tensor, routing: Routing, experts: nn.ModuleList, gate: Gate,
                 project: Project = call_module) -> Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t of x [T, hidden].
 
-    The (token, choice) pairs are sorted by expert, gathered into one [T*k, hidden] block, and
+    The (token, choice) pairs, sorted by expert, are gathered into one [T*k, hidden] block, and
     each expert runs on its contiguous slice. Autograd flows through the gathers, the slices and
     the sum, so the training forward, dX through the frozen bases and LoRA gradients per expert
     come for free.
     """
-    t, k = ids.shape
-    order, flat = _by_expert(ids)
     # The one host sync: per-linear kernels take their row count as a shape.
-    bounds = torch.bincount(flat, minlength=len(experts)).cumsum(0).tolist()
-    rows = x[order // k]
-    spans = [(expert, start, end) for expert, start, end in zip(experts, [0, *bounds[:-1]], bounds) if end > start]
+    bounds = routing.offsets.tolist()
+    rows = x[routing.source]
+    spans = [(expert, start, end) for expert, start, end in zip(experts, bounds[:-1], bounds[1:]) if end > start]
     # The activation runs once over every expert's rows (it is elementwise per row, so the same
     # values): on CUDA it is a torch.compile'd function, whose per-call cost would otherwise be
     # paid once per expert.
     hidden = gate(torch.cat([project(expert.gate_up_proj, rows[start:end]) for expert, start, end in spans]))
     out = torch.cat([project(expert.down_proj, hidden[start:end]) for expert, start, end in spans])
-    return _combine(out, weights, order, t, k)
+    return _combine(out, routing)
 
 
-def run_grouped(x: Tensor, weights: Tensor, ids: Tensor, grouped: GroupedExperts, gate: Gate,
+def run_grouped(x: Tensor, routing: Routing, grouped: GroupedExperts, gate: Gate,
                 deterministic: bool = True) -> Tensor:
     """What `run_experts` computes, through each projection's grouped GEMM over all experts
-    (`kernels.humming_experts`): the experts' row offsets stay on the device, so no host sync."""
-    t, k = ids.shape
-    order, flat = _by_expert(ids)
-    # Expert e's rows start where the sorted ids reach e: a binary search on the device, not
-    # bincount, which reads the largest id back to the host to size its output.
-    experts = torch.arange(grouped.num_experts + 1, device=flat.device, dtype=flat.dtype)
-    offsets = torch.searchsorted(flat[order], experts)
-    rows = x[order // k]
-    hidden = gate(grouped.gate_up.matmul(rows, offsets, deterministic))
-    return _combine(grouped.down.matmul(hidden, offsets, deterministic), weights, order, t, k)
+    (`kernels.humming_experts`, `kernels.torch_grouped`): the experts' row offsets stay on the
+    device, so no host sync."""
+    rows = x[routing.source]
+    hidden = gate(grouped.gate_up.matmul(rows, routing.offsets, deterministic))
+    return _combine(grouped.down.matmul(hidden, routing.offsets, deterministic), routing)
 
 
 class SparseMoE(nn.Module):
@@ -164,11 +193,23 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor, project: Project = call_module) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights, ids = self.gate(flat)
         grouped = self.stacked if torch.is_grad_enabled() else self.grouped
+        num_experts = len(self.experts)
+        if grouped is not None and not torch.is_grad_enabled() and self.fused_routing(flat):
+            routing = route_fused(self.gate, flat, num_experts)
+        else:
+            routing = sort_by_expert(*self.gate(flat), num_experts)
         if grouped is not None:
             _, deterministic = dispatch.active(flat.device)  # the dispatch column every linear follows
-            out = run_grouped(flat, weights, ids, grouped, self.activation, deterministic)
+            out = run_grouped(flat, routing, grouped, self.activation, deterministic)
         else:
-            out = run_experts(flat, weights, ids, self.experts, self.activation, project)
+            out = run_experts(flat, routing, self.experts, self.activation, project)
         return out.reshape(x.shape)
+
+    def fused_routing(self, x: Tensor) -> bool:
+        """Whether this inference call routes in one Triton launch (CUDA, few enough pairs)."""
+        if not x.is_cuda:
+            return False
+        from qerl_pipe.kernels import triton_moe
+
+        return triton_moe.fits(x.shape[0], self.gate.top_k, len(self.experts))
