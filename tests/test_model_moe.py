@@ -436,9 +436,15 @@ def test_stacked_experts_run_torch_grouped_gemm_in_training_and_inference(saved,
     assert len(calls) == 3 * 2 * len(model.layers)  # training: the forward and its recompute too
     from qerl_pipe.engine.graphs import model_fingerprint
 
+    from qerl_pipe.model.moe import inference_modules
+
     grouped_print = model_fingerprint(model)
+    # The engine's per-generate walks skip the experts of grouped layers (their forward reads the stacks).
+    experts = {id(e) for layer in model.layers for e in layer.mlp.experts.modules()}
+    assert {id(m) for m in inference_modules(model)} == {id(m) for m in model.modules()} - experts
     detach_grouped_experts(model)
     assert model_fingerprint(model) != grouped_print  # graphs captured over the grouped experts go stale
+    assert [id(m) for m in inference_modules(model)] == [id(m) for m in model.modules()]
     with torch.no_grad():
         assert torch.equal(model.logits(ids), loop)  # the views serve the loop as the buffers did
     with_lora = load_model(saved["all_sparse"][0], base_format, dtype=torch.float32, lora=LoraSpec(4, 8, experts=True))

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from qerl_pipe.kernels.cuda_ext import LORA_RANK_MULTIPLE
 from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.moe import inference_modules
 
 
 class FusedLora:
@@ -33,9 +34,10 @@ class FusedLora:
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy every adapter's current A/B into the fused buffers: in place where the adapter's
-        shape is unchanged, new buffers where it is new (a fresh adapter, another rank)."""
+        shape is unchanged, new buffers where it is new (a fresh adapter, another rank). Experts
+        that run grouped carry no adapter (`model.kernel_copies`) and are not visited."""
         seen = set()
-        for m in self.model.modules():
+        for m in inference_modules(self.model):
             if not isinstance(m, QuantLinear) or len(m.lora_A) == 0:
                 continue
             seen.add(m)

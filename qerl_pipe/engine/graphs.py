@@ -21,7 +21,7 @@ from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.model.decoder import Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
-from qerl_pipe.model.moe import SparseMoE
+from qerl_pipe.model.moe import SparseMoE, inference_modules
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +159,13 @@ def model_fingerprint(model: nn.Module) -> tuple:
     buffer, the Python-level LoRA switches and scalings, the humming copy a linear has and the
     grouped experts a MoE layer runs. Equal fingerprints mean the graphs are still valid; a
     changed one (a tensor rebound, `lora_disabled`, a new adapter, another engine's experts)
-    means recapture. About a microsecond per tensor: once per `generate`, not per step.
+    means recapture. About a microsecond per tensor: once per `generate`, not per step. The experts
+    of a layer that runs them grouped are left out (`moe.inference_modules`): the graph reads
+    the grouped copies, which `id(m.grouped)` stands for.
     """
-    tensors = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+    modules = list(inference_modules(model))
+    tensors = tuple(t.data_ptr() for m in modules for t in (*m._parameters.values(), *m._buffers.values())
+                    if t is not None)
     switches = tuple((m.lora_enabled, m.lora_scaling, len(m.lora_A), id(m.humming)) if isinstance(m, QuantLinear)
-                     else id(m.grouped) for m in model.modules() if isinstance(m, (QuantLinear, SparseMoE)))
+                     else id(m.grouped) for m in modules if isinstance(m, (QuantLinear, SparseMoE)))
     return tensors, switches
