@@ -126,10 +126,47 @@ def test_fused_routing_matches_torch_routing(tokens: int) -> None:
     weights, ids = probs.topk(k, dim=-1)
     weights = (weights / weights.sum(dim=-1, keepdim=True)).to(torch.bfloat16)
     ref = sort_by_expert(weights, ids, experts)
-    got_w, got_ids, source, inverse, offsets = triton_moe.launch_route(logits, k, True, torch.bfloat16)
+    got_w, got_ids, source, inverse, offsets, active = triton_moe.launch_route(logits, k, True, torch.bfloat16)
     assert torch.equal(got_ids.long(), ids)
+    with_rows = torch.nonzero(ref.offsets.diff()).flatten()
+    assert torch.equal(active[:len(with_rows)].long(), with_rows) and bool((active[len(with_rows):] == -1).all())
     assert torch.equal(source, ref.source) and torch.equal(inverse, ref.inverse) and torch.equal(offsets, ref.offsets)
     assert float((got_w.float() - weights.float()).abs().max()) <= 2**-8
     out = torch.randn(tokens * k, 256, device="cuda", dtype=torch.bfloat16)
     expected = torch.bmm(weights.float().reshape(tokens, 1, k), out[inverse].float().reshape(tokens, k, -1))
     assert _rel(triton_moe.launch_combine(out, weights, inverse), expected.reshape(tokens, -1)) < 5e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("with_active", [True, False])
+def test_grouped_w4a16_gemm_on_the_nvfp4_stack(tokens: int, with_active: bool) -> None:
+    """Our grouped W4A16 GEMM (`cuda_ext.grouped_gemm`: the decode path of an NVFP4 stack) against
+    each expert's dequantized weight, both projections' shapes (N off a 64-row block: padded rows
+    must stay out), the grid over the routed experts alone or over all; the same bits again."""
+    from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+    from qerl_pipe.kernels import cuda_ext, triton_moe
+    from qerl_pipe.model.kernel_copies import stack_expert_buffers
+    from qerl_pipe.model.linear import QuantLinear
+
+    if not cuda_ext.available("cuda"):
+        pytest.skip("our CUDA kernels do not run here (see the log)")
+    torch.manual_seed(4)
+    experts, k = 16, 4
+    for n, kdim in ((300, 512), (512, 160)):
+        linears = [QuantLinear(kdim, [n], ["w"], "nvfp4", torch.bfloat16, "cuda") for _ in range(experts)]
+        for lin in linears:
+            lin.set_base(quantize_nvfp4(torch.randn(n, kdim, device="cuda") * 0.05))
+        dense = [dequantize_nvfp4(lin.base_weight(), torch.float32) for lin in linears]  # the reference
+        stack = stack_expert_buffers(linears)
+        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+        _, _, source, _, offsets, active = triton_moe.launch_route(logits, k, True, torch.bfloat16)
+        rows = torch.randn(tokens, kdim, device="cuda", dtype=torch.bfloat16)[source]
+        with torch.no_grad():
+            got = cuda_ext.grouped_gemm(rows, stack.qweight, stack.scales, stack.global_scale, offsets, n, kdim,
+                                        tokens, active if with_active else None)
+            again = cuda_ext.grouped_gemm(rows, stack.qweight, stack.scales, stack.global_scale, offsets, n, kdim,
+                                          tokens, active if with_active else None)
+        bounds = offsets.tolist()
+        expected = torch.cat([rows[bounds[e]:bounds[e + 1]].float() @ dense[e].T for e in range(experts)])
+        assert _rel(got, expected) < 1e-2, (n, kdim)
+        assert torch.equal(got, again)

@@ -212,7 +212,7 @@ def _run_sample_case(case: tuple, seed: int) -> dict:
 
 # MoE routing: (tokens, experts, top-k, renormalise); experts off a power of two, tokens across the
 # routing program's blocks of 16, k equal to the experts.
-ROUTE_CASES = [(1, 128, 8, True), (5, 12, 3, False), (37, 16, 4, True), (3, 8, 8, True)]
+ROUTE_CASES = [(1, 128, 8, True), (5, 12, 3, False), (37, 16, 4, True), (3, 8, 8, True), (1, 64, 2, False)]
 
 
 def _route_id(case: tuple) -> str:
@@ -233,7 +233,10 @@ def _run_route_case(case: tuple, seed: int) -> dict:
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     ref = sort_by_expert(weights, ids, experts)
-    got_w, got_ids, source, inverse, offsets = triton_moe.launch_route(logits, k, renorm, torch.float32)
+    got_w, got_ids, source, inverse, offsets, active = triton_moe.launch_route(logits, k, renorm, torch.float32)
+    counts = ref.offsets.diff()
+    with_rows = torch.nonzero(counts).flatten()
+    expected_active = torch.cat([with_rows, torch.full((experts - len(with_rows),), -1)])
     out = torch.randn(tokens * k, 40, generator=gen)
     combined = triton_moe.launch_combine(out, got_w, inverse)
     with torch.no_grad():
@@ -242,6 +245,7 @@ def _run_route_case(case: tuple, seed: int) -> dict:
             "weight_err": float((got_w - weights).abs().max()),
             "same_order": bool(torch.equal(source, ref.source) and torch.equal(inverse, ref.inverse)),
             "same_offsets": bool(torch.equal(offsets, ref.offsets)),
+            "same_active": bool(torch.equal(active.long(), expected_active)),
             "combine_err": float((combined - expected).abs().max())}
 
 
@@ -293,7 +297,7 @@ def test_lora_shrink_matches_reference(results: dict[str, dict]) -> None:
 def test_moe_route_and_combine_match_reference(results: dict[str, dict], case: tuple) -> None:
     r = results[_route_id(case)]
     assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
-    assert r["same_ids"] and r["same_order"] and r["same_offsets"], f"seed {r['seed']}: {r}"
+    assert r["same_ids"] and r["same_order"] and r["same_offsets"] and r["same_active"], f"seed {r['seed']}: {r}"
     assert r["weight_err"] < 1e-6 and r["combine_err"] < 1e-5, f"seed {r['seed']}: {r}"
 
 

@@ -354,7 +354,7 @@ class _ReferenceGrouped:
     def __init__(self, linears):
         self.linears, self.calls = linears, 0
 
-    def matmul(self, rows, offsets, deterministic=True):
+    def matmul(self, rows, offsets, deterministic=True, active=None, max_rows=None):
         self.calls += 1
         bounds = offsets.tolist()
         return torch.cat([self.linears[e](rows[bounds[e]:bounds[e + 1]]) for e in range(len(self.linears))])
@@ -425,7 +425,8 @@ def test_stacked_experts_run_torch_grouped_gemm_in_training_and_inference(saved,
             assert all(getattr(e.gate_up_proj, name).data_ptr() == stack[i].data_ptr() for i, e in enumerate(moe.experts))
     calls = []
     matmul = torch_grouped.StackedExperts.matmul
-    monkeypatch.setattr(torch_grouped.StackedExperts, "matmul", lambda self, *a: calls.append(1) or matmul(self, *a))
+    monkeypatch.setattr(torch_grouped.StackedExperts, "matmul",
+                        lambda self, *a, **kw: calls.append(1) or matmul(self, *a, **kw))
     with torch.no_grad():
         grouped = model.logits(ids)
     torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
@@ -494,3 +495,38 @@ def test_pipeline_quantizes_trains_and_exports_a_peft_adapter(tmp_path):
     assert not [w for w in caught if "missing adapter keys" in str(w.message) or "unexpected" in str(w.message)]
     with torch.no_grad():
         torch.testing.assert_close(peft_model(ids).logits, reference.logits(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_nvfp4_stack_decodes_through_the_grouped_w4a16_gemm(monkeypatch):
+    """An NVFP4 stack in inference with at most `MAX_PASS_TOKENS` rows per expert (a decode step)
+    runs our grouped W4A16 GEMM, given the routing's active experts; more rows, autograd or a
+    dense stack keep dequantize + torch's grouped GEMM. (The kernel's numbers: the GPU tests.)"""
+    from qerl_pipe.formats.nvfp4 import quantize_nvfp4
+    from qerl_pipe.kernels import cuda_ext
+    from qerl_pipe.model.kernel_copies import stack_expert_buffers
+    from qerl_pipe.model.linear import QuantLinear
+
+    linears = [QuantLinear(64, [32], ["w"], "nvfp4", torch.bfloat16, "cpu") for _ in range(3)]
+    for lin in linears:
+        lin.set_base(quantize_nvfp4(torch.randn(32, 64)))
+    stack = stack_expert_buffers(linears)
+    rows, offsets = torch.randn(5, 64, dtype=torch.bfloat16), torch.tensor([0, 2, 2, 5])
+    active = torch.tensor([0, 2, -1], dtype=torch.int32)
+    calls = []
+
+    def grouped_gemm(rows_, qweight, scales, global_scale, offsets_, n, k, max_rows, active_):
+        calls.append((max_rows, active_))
+        assert qweight is stack.qweight and offsets_ is offsets and (n, k) == (32, 64)
+        return torch.zeros(rows_.shape[0], n, dtype=rows_.dtype)
+
+    monkeypatch.setattr(cuda_ext, "available", lambda device: True)  # as on a Hopper GPU
+    monkeypatch.setattr(cuda_ext, "grouped_gemm", grouped_gemm)
+    # ... whose dequantize pass the other calls take (its numbers are not what this test checks)
+    monkeypatch.setattr(cuda_ext, "dequantize", lambda w: torch.zeros(w.out_features, w.in_features,
+                                                                      dtype=torch.bfloat16))
+    with torch.no_grad():
+        out = stack.matmul(rows, offsets, active=active, max_rows=3)
+        assert calls == [(3, active)] and out.abs().sum() == 0
+        stack.matmul(rows, offsets, max_rows=cuda_ext.MAX_PASS_TOKENS + 1)  # a prefill: dequantize
+    stack.matmul(rows.requires_grad_(), offsets, max_rows=3)  # training: autograd through torch's path
+    assert len(calls) == 1

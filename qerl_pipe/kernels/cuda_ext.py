@@ -318,6 +318,20 @@ def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, sp
     return x.new_empty(x.shape[0], n)
 
 
+@torch.library.custom_op("qerl::w4a16_grouped_gemm", mutates_args=())
+def _grouped_op(x: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, offsets: Tensor,
+                active: Optional[Tensor], slots: int, n: int, k: int, max_rows: int, mt: int, nb: int, warps: int,
+                wk: int, depth: int, splits: int, stages: int) -> Tensor:
+    return _module().grouped_gemm(x, qweight, scales, global_scale, offsets, active, slots, n, k, max_rows, mt, nb,
+                                  warps, wk, depth, splits, stages, counters(x.device))
+
+
+@_grouped_op.register_fake
+def _(x, qweight, scales, global_scale, offsets, active, slots, n, k, max_rows, mt, nb, warps, wk, depth, splits,
+      stages):
+    return x.new_empty(x.shape[0], n)
+
+
 @torch.library.custom_op("qerl::w4a16_dequant", mutates_args=())
 def _dequant_op(qweight: Tensor, scales: Tensor, global_scale: Tensor, n: int, k: int) -> Tensor:
     return _module().dequant(qweight, scales, global_scale, n, k)
@@ -369,3 +383,28 @@ def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: Gem
 def dequantize(w: tiled.TiledNVFP4) -> Tensor:
     """W as bf16 `[N, K]`: each value rounded once, at full memory bandwidth."""
     return _dequant_op(w.qweight, w.scales, w.global_scale, w.out_features, w.in_features)
+
+
+def grouped_config(max_rows: int) -> GemmConfig:
+    """The grouped GEMM's launch config for up to `max_rows` rows per weight: the usual
+    register-ring variant for that many tokens per pass (its CTAs take 32 or 64 rows, which divide
+    any stacked weight's 64-row blocks), one K split, no PDL (the kernel reads the offsets first)."""
+    tokens = min(max(max_rows, 1), MAX_PASS_TOKENS)
+    nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
+    mt, warps, wk, depth = _VARIANT[nb]
+    return GemmConfig(mt, nb, warps, wk, depth, 1, pdl=False)
+
+
+def grouped_gemm(rows: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, offsets: Tensor,
+                 out_features: int, in_features: int, max_rows: int, active: Tensor | None = None) -> Tensor:
+    """E weights' `rows @ W_e^T` in one launch, straight from their NVFP4 stack (no dequantize):
+    `qweight` [E, NB, KC, 256] and `scales` [E, NB, KC, 128] in the tiled layout, `global_scale`
+    [E] or [E, 1]; bf16 `rows` [R, K] sorted by weight, weight e's at offsets[e]:offsets[e + 1]
+    (int64 [E + 1]); at most `max_rows` rows per weight; `active` (int32 [E], the weights with
+    rows first, then -1) limits the grid to min(E, R) weights' CTAs. Deterministic (no split-K)."""
+    e = qweight.shape[0]
+    config = grouped_config(max_rows)
+    slots = e if active is None else max(1, min(e, rows.shape[0]))
+    return _grouped_op(rows, qweight.reshape(-1, *qweight.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
+                       global_scale.reshape(-1), offsets, active, slots, out_features, in_features, max_rows,
+                       config.mt, config.nb, config.warps, config.wk, config.depth, config.splits, config.stages)

@@ -12,7 +12,8 @@ of the decode step, for a few hundred bytes of work. Here:
    full softmax's k probabilities), then the (token, choice) pairs sorted by expert with one
    in-register sort of keys `expert * P + pair` (unique keys: stable, each expert sees its tokens
    in order, as the reference's stable argsort), each sorted row's source token, the inverse
-   permutation, and the experts' row offsets [E + 1] (counts of pairs with a smaller expert).
+   permutation, the experts' row offsets [E + 1] (counts of pairs with a smaller expert), and the
+   experts that got rows, in order (what lets a grouped GEMM launch CTAs for those alone).
    Only for up to `MAX_PAIRS` pairs (decode steps and short prefills): a single program sorts
    them; longer prefills take the torch path, once per generate.
 2. `_combine`: grid (T, H / BLOCK_H). Token t's output is sum_j w[t, j] * out[inverse[t * k + j]],
@@ -44,7 +45,7 @@ def fits(tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def _route(logit_ptr, weight_ptr, id_ptr, source_ptr, inverse_ptr, offset_ptr, T, s_logit,
+def _route(logit_ptr, weight_ptr, id_ptr, source_ptr, inverse_ptr, offset_ptr, active_ptr, T, s_logit,
            E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
            TB: tl.constexpr, EB: tl.constexpr, RENORM: tl.constexpr):
     cols = tl.arange(0, EP)
@@ -90,6 +91,14 @@ def _route(logit_ptr, weight_ptr, id_ptr, source_ptr, inverse_ptr, offset_ptr, T
         ex = e0 + tl.arange(0, EB)
         below = (expert[None, :] < ex[:, None]) & valid[None, :]
         tl.store(offset_ptr + ex, tl.sum(below.to(tl.int64), axis=1), mask=ex <= E)
+    tl.debug_barrier()
+    # 4. The experts with rows, in expert order, then -1: expert e starts at sorted row offsets[e].
+    sorted_expert = key // P  # E past the pairs
+    first = tl.load(offset_ptr + tl.minimum(sorted_expert, E), mask=valid, other=-1, cache_modifier=".cg")
+    start = valid & (first == p)
+    tl.store(active_ptr + tl.cumsum(start.to(tl.int32), axis=0) - 1, sorted_expert, mask=start)
+    slots = tl.arange(0, EP)
+    tl.store(active_ptr + slots, -1, mask=(slots >= tl.sum(start.to(tl.int32), axis=0)) & (slots < E))
 
 
 @triton.jit
@@ -106,10 +115,11 @@ def _combine(out_ptr, weight_ptr, inverse_ptr, y_ptr, H, s_out, s_y, K: tl.const
 
 
 def launch_route(logits: Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """logits [T, E] -> (weights [T, k] in `dtype`, expert ids [T, k] int32, source [T*k] int64:
     the token of each expert-sorted row, inverse [T*k] int64: the sorted row of each (token,
-    choice) pair, offsets [E + 1] int64: expert e's rows are offsets[e]:offsets[e + 1])."""
+    choice) pair, offsets [E + 1] int64: expert e's rows are offsets[e]:offsets[e + 1], active
+    [E] int32: the experts with rows in order, then -1)."""
     tokens, experts = logits.shape
     if logits.stride(1) != 1 or not fits(tokens, top_k, experts):
         raise ValueError(f"routing {tokens} tokens x top-{top_k} of {experts} experts in one program needs "
@@ -120,11 +130,12 @@ def launch_route(logits: Tensor, top_k: int, renormalize: bool, dtype: torch.dty
     source = torch.empty(tokens * top_k, dtype=torch.int64, device=device)
     inverse = torch.empty_like(source)
     offsets = torch.empty(experts + 1, dtype=torch.int64, device=device)
-    _route[(1,)](logits, weights, ids, source, inverse, offsets, tokens, logits.stride(0), E=experts,
+    active = torch.empty(experts, dtype=torch.int32, device=device)
+    _route[(1,)](logits, weights, ids, source, inverse, offsets, active, tokens, logits.stride(0), E=experts,
                  EP=triton.next_power_of_2(experts), K=top_k, KP=triton.next_power_of_2(top_k),
                  P=triton.next_power_of_2(tokens * top_k), TB=_TOKENS_PER_BLOCK, EB=_OFFSETS_PER_BLOCK,
                  RENORM=renormalize, num_warps=8)
-    return weights, ids, source, inverse, offsets
+    return weights, ids, source, inverse, offsets, active
 
 
 def launch_combine(out: Tensor, weights: Tensor, inverse: Tensor) -> Tensor:

@@ -50,7 +50,10 @@ Gate = Callable[[Tensor], Tensor]  # the fused gate_up output -> act(gate) * up
 
 
 class GroupedMatmul(Protocol):
-    def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True) -> Tensor: ...
+    # `active` (the experts with rows first) and `max_rows` (the most any expert gets) let a kernel
+    # size its grid to the routing; a kernel that does not need them ignores them.
+    def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True, active: Tensor | None = None,
+               max_rows: int | None = None) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -100,12 +103,14 @@ class Expert(nn.Module):
 class Routing:
     """Where a layer's (token, choice) pairs go: sorted by expert, expert e's rows are
     offsets[e]:offsets[e + 1]; `source` [T*k] is each sorted row's token, `inverse` [T*k] each
-    pair's sorted row, `weights` [T, k] the routing weights."""
+    pair's sorted row, `weights` [T, k] the routing weights; `active` (int32 [E], from the fused
+    routing only) the experts with rows in order, then -1."""
 
     weights: Tensor
     source: Tensor
     inverse: Tensor
     offsets: Tensor
+    active: Tensor | None = None
 
 
 def sort_by_expert(weights: Tensor, ids: Tensor, num_experts: int) -> Routing:
@@ -126,9 +131,9 @@ def route_fused(router: Router, x: Tensor, num_experts: int) -> Routing:
     `kernels.triton_moe.fits`)."""
     from qerl_pipe.kernels import triton_moe
 
-    weights, _, source, inverse, offsets = triton_moe.launch_route(F.linear(x, router.weight), router.top_k,
-                                                                   router.renormalize, x.dtype)
-    return Routing(weights, source, inverse, offsets)
+    weights, _, source, inverse, offsets, active = triton_moe.launch_route(F.linear(x, router.weight), router.top_k,
+                                                                           router.renormalize, x.dtype)
+    return Routing(weights, source, inverse, offsets, active)
 
 
 def _combine(out: Tensor, routing: Routing) -> Tensor:
@@ -171,8 +176,10 @@ def run_grouped(x: Tensor, routing: Routing, grouped: GroupedExperts, gate: Gate
     (`kernels.humming_experts`, `kernels.torch_grouped`): the experts' row offsets stay on the
     device, so no host sync."""
     rows = x[routing.source]
-    hidden = gate(grouped.gate_up.matmul(rows, routing.offsets, deterministic))
-    return _combine(grouped.down.matmul(hidden, routing.offsets, deterministic), routing)
+    # An expert gets each token at most once: at most T of the T * k rows.
+    shape = {"active": routing.active, "max_rows": routing.weights.shape[0]}
+    hidden = gate(grouped.gate_up.matmul(rows, routing.offsets, deterministic, **shape))
+    return _combine(grouped.down.matmul(hidden, routing.offsets, deterministic, **shape), routing)
 
 
 class SparseMoE(nn.Module):

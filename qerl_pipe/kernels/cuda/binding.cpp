@@ -119,6 +119,86 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   return out;
 }
 
+// x [R, K] rows sorted by weight, weight e's at offsets[e]:offsets[e + 1], through E stacked
+// weights (qweight [E * NB, KC, 256] with NB blocks each, global_scale [E]) -> out [R, N]. `active`
+// (int32 [E], the weights with rows first, then -1) lets the grid cover `slots` weights, not E.
+at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor& global_scale, const at::Tensor& offsets,
+                        const c10::optional<at::Tensor>& active, int64_t slots, int64_t n, int64_t k,
+                        int64_t max_rows, int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth,
+                        int64_t splits, int64_t stages, const at::Tensor& counters) {
+  const int64_t groups = offsets.numel() - 1;
+  TORCH_CHECK(slots > 0 && slots <= groups && (active.has_value() || slots == groups),
+              "slots must be 1..E, and E without an active list");
+  if (active.has_value())
+    TORCH_CHECK(active->is_cuda() && active->scalar_type() == at::kInt && active->is_contiguous() &&
+                    active->numel() >= slots && active->device() == x.device(),
+                "active must be a contiguous CUDA int32 tensor of at least `slots` weights on x's device");
+  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 && groups > 0 &&
+                  offsets.is_contiguous() && offsets.device() == x.device(),
+              "offsets must be a contiguous CUDA int64 [E + 1] tensor on x's device");
+  TORCH_CHECK(qweight.dim() == 3 && qweight.size(0) % groups == 0,
+              "qweight must stack E weights of equal blocks: [E * N/64, K/32, 256]");
+  const int64_t blocks = qweight.size(0) / groups;
+  TORCH_CHECK(global_scale.is_cuda() && global_scale.scalar_type() == at::kFloat && global_scale.numel() == groups &&
+                  global_scale.is_contiguous() && global_scale.device() == qweight.device(),
+              "global_scale must be a contiguous CUDA float32 tensor of one scale per weight");
+  // One weight's slice passes the single-weight checks (shapes, dtypes, devices).
+  check_weight(qweight.narrow(0, 0, blocks), scales.narrow(0, 0, blocks), global_scale.narrow(0, 0, 1), n, k);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == qweight.size(0), "scales must stack as qweight does");
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 &&
+                  x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "x must be a CUDA bf16 [R, K] tensor with 16-byte aligned rows");
+  TORCH_CHECK(qweight.device() == x.device(), "x and the weights must be on one device");
+  TORCH_CHECK(mt > 1 && nb > 0 && wk > 0 && warps > 0 && warps % wk == 0 && stages >= 0 && (stages > 0 || depth > 0),
+              "invalid grouped GEMM config: the register-ring or staged kernel (mt 2 or 4)");
+  TORCH_CHECK(max_rows >= 0, "max_rows must be >= 0");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t m = x.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || max_rows == 0) return out;
+  const int64_t kc = qweight.size(1);
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kc));
+  const int64_t per_split = (kc + splits - 1) / splits;
+  splits = (kc + per_split - 1) / per_split;
+  const int64_t cta_rows = warps / wk * (stages > 0 ? 64 : 16 * mt);
+  TORCH_CHECK((blocks * qerl_w4a16::kRows) % cta_rows == 0, "a CTA's rows must divide each weight's padded rows");
+  at::Tensor partials;
+  if (splits > 1) {
+    partials = at::empty({splits, m, blocks * qerl_w4a16::kRows}, x.options().dtype(at::kFloat));
+    const int64_t ctas = (slots * blocks * qerl_w4a16::kRows / cta_rows) * ((max_rows + 8 * nb - 1) / (8 * nb));
+    TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.numel() >= ctas,
+                "the split-K counter buffer is too small for this launch");
+  }
+  qerl_w4a16::GemmParams p{};
+  p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  p.ldx = x.stride(0);
+  p.qweight = reinterpret_cast<const uint4*>(qweight.data_ptr());
+  p.scales = scales.data_ptr<uint8_t>();
+  p.global_scale = global_scale.data_ptr<float>();
+  p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  p.ldo = n;
+  p.partials = splits > 1 ? partials.data_ptr<float>() : nullptr;
+  p.counters = counters.data_ptr<int>();
+  p.M = static_cast<int>(m);
+  p.N = static_cast<int>(n);
+  p.K = static_cast<int>(k);
+  p.KC = static_cast<int>(kc);
+  p.chunks_per_split = static_cast<int>(per_split);
+  p.group_offsets = offsets.data_ptr<int64_t>();
+  p.group_active = active.has_value() ? active->data_ptr<int>() : nullptr;
+  p.groups = static_cast<int>(groups);
+  p.group_slots = static_cast<int>(slots);
+  p.group_blocks = static_cast<int>(blocks);
+  p.group_max_rows = static_cast<int>(max_rows);
+  const qerl_w4a16::GemmConfig c{static_cast<int>(mt), static_cast<int>(nb), static_cast<int>(warps),
+                                 static_cast<int>(wk), static_cast<int>(depth), static_cast<int>(splits),
+                                 0, static_cast<int>(stages)};
+  const cudaError_t err = qerl_w4a16::launch_gemm(p, c, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, cudaGetErrorString(err));
+  return out;
+}
+
 at::Tensor dequant(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& global_scale, int64_t n,
                    int64_t k) {
   check_weight(qweight, scales, global_scale, n, k);
@@ -141,6 +221,7 @@ int64_t blocks_per_sm(int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &gemm, "x @ W^T (+ bias) (+ u @ B^T) for a tiled NVFP4 W");
+  m.def("grouped_gemm", &grouped_gemm, "rows of x sorted by weight, each through its own stacked tiled NVFP4 W");
   m.def("blocks_per_sm", &blocks_per_sm, "CTAs of a GEMM config resident per SM");
   m.def("dequant", &dequant, "W as bf16 [N, K] from a tiled NVFP4 W");
 }

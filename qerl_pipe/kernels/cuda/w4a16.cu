@@ -195,6 +195,11 @@ struct Place {
   int lane, wn, wk, g, t;
   int columns, bx, by, bz;  // column slice, K split, pass over M
   int nblock, pair0, n_blocks, kc0, kc1, m0;
+  // The rows of x / out this CTA's weight multiplies (token0 : token0 + m; grouped: its weight's,
+  // else 0 : M), its block within that weight, the weight's padded rows, and the first grid row
+  // of its slot (grouped; nblock is then the stacked block of the slot's weight).
+  int64_t token0;
+  int m, group, out_block, n_pad, row_shift;
   __device__ __forceinline__ Place(const GemmParams& p) {
     constexpr int kWarpTilesPerBlock = kRows / (16 * MT);
     lane = threadIdx.x & 31;
@@ -212,10 +217,30 @@ struct Place {
     const int warp_tile = bx * WN + wn;
     nblock = warp_tile / kWarpTilesPerBlock;
     pair0 = MT == 4 ? 0 : warp_tile % kWarpTilesPerBlock;
-    n_blocks = (p.N + kRows - 1) / kRows;
     kc0 = by * p.chunks_per_split;
     kc1 = min(kc0 + p.chunks_per_split, p.KC);
     m0 = bz * 8 * NB;
+    if (p.group_offsets != nullptr) {
+      // The host makes a CTA's rows divide a weight's: every warp of a CTA has one slot.
+      const int slot = nblock / p.group_blocks;
+      out_block = nblock - slot * p.group_blocks;
+      row_shift = slot * p.group_blocks * kRows;
+      const int chosen = p.group_active != nullptr ? p.group_active[slot] : slot;
+      group = chosen >= 0 ? chosen : 0;
+      token0 = p.group_offsets[group];
+      m = chosen >= 0 ? static_cast<int>(p.group_offsets[group + 1] - token0) : 0;
+      n_blocks = p.groups * p.group_blocks;
+      nblock = group * p.group_blocks + out_block;
+      n_pad = p.group_blocks * kRows;
+    } else {
+      n_blocks = (p.N + kRows - 1) / kRows;
+      group = 0;
+      token0 = 0;
+      m = p.M;
+      out_block = nblock;
+      n_pad = n_blocks * kRows;
+      row_shift = 0;
+    }
   }
   // The rows whose LoRA expand this warp will add (first K split only; see add_lora).
   __device__ __forceinline__ void prefetch_lora_rows(const GemmParams& p) const {
@@ -295,24 +320,25 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT,
     }
   }
   const bool writer = at.wk == 0 && at.nblock < at.n_blocks;
-  const int row_base = at.nblock * kRows + at.pair0 * 16 * MT;
+  const int row_base = at.out_block * kRows + at.pair0 * 16 * MT;  // in this CTA's weight
   if (writer) {
     // The global scale in fp32 before anything is added (each split's sums too), then the LoRA
     // expand once per output (by the first K split).
-    scale_all(acc, *p.global_scale * kProductScale);
+    scale_all(acc, p.global_scale[at.group] * kProductScale);
     if (p.lora_b != nullptr && at.by == 0) add_lora<MT, NB>(p, acc, row_base, at.m0, at.g, at.t);
   }
   if (gridDim.y == 1) {
     if (!writer) return;
     for_each_output(acc, row_base, at.m0, at.g, at.t, [&](int row, int token, float v) {
-      if (row < p.N && token < p.M) p.out[(size_t)token * p.ldo + row] = __float2bfloat16_rn(add_bias(v, p.bias, row));
+      if (row < p.N && token < at.m)
+        p.out[(size_t)(at.token0 + token) * p.ldo + row] = __float2bfloat16_rn(add_bias(v, p.bias, row));
     });
     return;
   }
-  const int n_pad = at.n_blocks * kRows;
+  const int n_pad = at.n_pad;
   if (writer) {
     for_each_output(acc, row_base, at.m0, at.g, at.t, [&](int row, int token, float v) {
-      if (token < p.M) __stcg(p.partials + ((size_t)at.by * p.M + token) * n_pad + row, v);
+      if (token < at.m) __stcg(p.partials + ((size_t)at.by * p.M + at.token0 + token) * n_pad + row, v);
     });
   }
   __threadfence();
@@ -328,12 +354,13 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT,
   // it reads splits x 64 x 4 * kCtaRows bytes. Each sum still runs in split order.
   constexpr int kCtaRows = WN * 16 * MT;
   constexpr int kQuads = kCtaRows / 4;
-  const int row0 = at.bx * kCtaRows;
-  const int tokens = min(8 * NB, p.M - at.m0);
+  const int row0 = at.bx * kCtaRows - at.row_shift;
+  const int tokens = min(8 * NB, at.m - at.m0);
   const int splits = gridDim.y;
   const size_t split_stride = (size_t)p.M * n_pad;
   for (int idx = threadIdx.x; idx < tokens * kQuads; idx += blockDim.x) {
-    const int token = at.m0 + idx / kQuads, row = row0 + idx % kQuads * 4;
+    const int64_t token = at.token0 + at.m0 + idx / kQuads;
+    const int row = row0 + idx % kQuads * 4;
     if (row >= p.N) continue;
     const float* part = p.partials + (size_t)token * n_pad + row;
     float4 sum = __ldcg(reinterpret_cast<const float4*>(part));
@@ -368,6 +395,7 @@ struct Stage {
 template <int MT, int NB, int WN, int WK, int DEPTH>
 __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) {
   const Place<MT, WN, WK, NB> at(p);
+  if (at.m0 >= at.m) return;  // grouped: a pass past its weight's rows (the whole CTA alike)
   at.prefetch_lora_rows(p);
   const int g = at.g, t = at.t, wk = at.wk, kc0 = at.kc0;
   // This warp's chunks: kc0 + wk + j * WK for j < mine.
@@ -386,8 +414,8 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       const int token = at.m0 + b * 8 + g;
-      xvalid[b] = token < p.M;
-      xrow[b] = p.x + (size_t)(xvalid[b] ? token : 0) * p.ldx + (kc0 + wk) * kCols + t * 8;
+      xvalid[b] = token < at.m;
+      xrow[b] = p.x + (size_t)(at.token0 + (xvalid[b] ? token : 0)) * p.ldx + (kc0 + wk) * kCols + t * 8;
     }
     auto load_weights = [&](Stage<MT, NB>& st, int j) {  // this warp's j-th chunk
       const size_t step = (size_t)j * WK;
@@ -473,6 +501,7 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
   static_assert(STAGES >= 2, "a pipeline needs two stages");
   extern __shared__ uint4 smem[];
   const Place<MT, WN, WK, NB> at(p);
+  if (at.m0 >= at.m) return;  // grouped: a pass past its weight's rows (the whole CTA alike)
   at.prefetch_lora_rows(p);
   const int warp = threadIdx.x >> 5;
   const int groups = (at.kc1 - at.kc0 + WK - 1) / WK;
@@ -500,8 +529,8 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
       const int chunk = at.kc0 + c * WK + w;
       const int token = at.m0 + (r >> 2);
       const int col = chunk * kCols + (r & 3) * 8;
-      const bool ok = chunk < at.kc1 && token < p.M && col < p.K;
-      cp_async16(dst + i, p.x + (ok ? (size_t)token * p.ldx + col : 0), ok);
+      const bool ok = chunk < at.kc1 && token < at.m && col < p.K;
+      cp_async16(dst + i, p.x + (ok ? (size_t)(at.token0 + token) * p.ldx + col : 0), ok);
     }
   };
 
@@ -865,7 +894,10 @@ template <class Kernel>
 cudaError_t launch(Kernel kernel, const GemmParams& p, int cta_rows, int nb, int threads, int smem, int splits,
                    bool pdl, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((p.N + cta_rows - 1) / cta_rows, splits, (p.M + 8 * nb - 1) / (8 * nb));
+  const bool grouped = p.group_offsets != nullptr;
+  const int rows = grouped ? p.group_slots * p.group_blocks * kRows : p.N;
+  const int tokens = grouped ? p.group_max_rows : p.M;
+  cfg.gridDim = dim3((rows + cta_rows - 1) / cta_rows, splits, (tokens + 8 * nb - 1) / (8 * nb));
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -957,6 +989,15 @@ int gemm_blocks_per_sm(const GemmConfig& c) {
 
 cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
+  if (p.group_offsets != nullptr) {
+    // A CTA must not straddle two weights; the offsets are read at the start (no PDL); the wgmma
+    // kernel (mt = 1) and the epilogue's LoRA and bias take one weight only.
+    const int cta_rows = (c.warps / c.wk) * (c.stages > 0 ? 64 : 16 * c.mt);
+    if (c.mt == 1 || c.pdl || p.group_blocks <= 0 || p.groups <= 0 || p.group_slots <= 0 ||
+        p.group_slots > p.groups || (p.group_blocks * kRows) % cta_rows != 0 || p.lora_b != nullptr || p.bias != nullptr)
+      return cudaErrorInvalidConfiguration;
+    if (p.group_max_rows <= 0) return cudaSuccess;
+  }
 #define QERL_W4A16_DISPATCH(MT, NB, WN, WK, D)                                                      \
   if (c.stages == 0 && c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D) \
     return launch(gemm_kernel<MT, NB, WN, WK, D>, p, WN * 16 * MT, NB, WN * WK * 32, 0, c.splits, c.pdl != 0, stream);
