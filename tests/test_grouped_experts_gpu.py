@@ -12,7 +12,7 @@ from bench.random_model import init_random_model
 from bench.shapes import QWEN3_MOE_SHAPES
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.kernels import humming_backend, torch_grouped
-from qerl_pipe.kernels.humming_experts import HummingExperts
+from qerl_pipe.kernels.humming_experts import HummingOrStack
 from qerl_pipe.kernels.torch_grouped import StackedExperts
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, detach_grouped_experts
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
@@ -58,7 +58,7 @@ def test_grouped_experts_match_the_per_expert_path_and_repeat(base_format: str, 
     with torch.no_grad():
         loop = model.logits(ids).float()
         attach_grouped_experts(model, copies=copies)
-        kind = HummingExperts if copies else StackedExperts
+        kind = HummingOrStack if copies else StackedExperts
         assert all(isinstance(m.grouped.gate_up, kind) for m in _layers(model))
         grouped = model.logits(ids).float()
         again = model.logits(ids).float()

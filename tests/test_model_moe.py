@@ -530,3 +530,32 @@ def test_nvfp4_stack_decodes_through_the_grouped_w4a16_gemm(monkeypatch):
         stack.matmul(rows, offsets, max_rows=cuda_ext.MAX_PASS_TOKENS + 1)  # a prefill: dequantize
     stack.matmul(rows.requires_grad_(), offsets, max_rows=3)  # training: autograd through torch's path
     assert len(calls) == 1
+
+
+def test_humming_copies_leave_few_rows_per_expert_to_the_stack():
+    """With humming's copies, a projection runs our grouped W4A16 GEMM on the stack where each
+    expert gets at most FEW_ROWS rows and the routing listed the active experts, humming's copy
+    otherwise (and where our kernel does not run)."""
+    from qerl_pipe.kernels.humming_experts import FEW_ROWS, HummingOrStack
+
+    class Fake:
+        num_experts, nbytes = 4, 7
+
+        def __init__(self, name: str):
+            self.name, self.runs = name, True
+
+        def matmul(self, rows, offsets, deterministic=True, active=None, max_rows=None):
+            return self.name
+
+        def runs_grouped_w4a16(self, rows, max_rows):
+            return self.runs
+
+    stack = Fake("stack")
+    experts = HummingOrStack(Fake("humming"), stack)
+    rows, offsets, active = torch.zeros(1), torch.zeros(2), torch.zeros(1)
+    assert experts.matmul(rows, offsets, active=active, max_rows=FEW_ROWS) == "stack"
+    assert experts.matmul(rows, offsets, active=active, max_rows=FEW_ROWS + 1) == "humming"
+    assert experts.matmul(rows, offsets, max_rows=1) == "humming"  # the torch routing lists no experts
+    stack.runs = False
+    assert experts.matmul(rows, offsets, active=active, max_rows=1) == "humming"
+    assert experts.nbytes == 7 and experts.num_experts == 4

@@ -9,10 +9,11 @@ row count, with the engine's own wrapper (`kernels.humming_experts.HummingExpert
 on our NVFP4 weights, match the loop, repeat and replay in a graph, and how fast is it against
 the loop.
 
-Beside it, three other ways to drop the host sync, timed at the same shapes:
+Beside it, four other ways to drop the host sync, timed at the same shapes:
 - the NVFP4 stack (`kernels.torch_grouped.StackedExperts`): every expert dequantized in one launch,
-  then torch's grouped GEMM (the training path, and the rollouts' where humming's copies are not
-  made);
+  then torch's grouped GEMM (the training path, and prefills where humming's copies are not made);
+- our grouped W4A16 GEMM on the same stack (`cuda_ext.grouped_gemm`: decode steps, up to 64 rows
+  per expert), its grid over the routed experts only;
 - dense over all experts: every token through every expert's linear as one NVFP4 GEMM (gate_up:
   the experts stacked along N, [E * N, K] at M = tokens; down: stacked along K, [N, E * K], the
   non-routed experts' inputs zeroed), our kernels as the dispatch picks them: E / k times the
@@ -126,6 +127,23 @@ def _stacked(row: dict, rows, layout, stacked, ref) -> None:
         row["stacked_us"] = time_graph([lambda: stacked.matmul(rows, layout)], 20) * 1e6
 
 
+def _grouped_w4a16(row: dict, rows, layout, stacked, ref, tokens: int) -> None:
+    """Our grouped W4A16 GEMM on the 4-bit stack, its grid over the experts that got rows."""
+    with_rows = torch.nonzero(layout.diff()).flatten()
+    active = torch.cat([with_rows, with_rows.new_full((E - len(with_rows),), -1)]).to(torch.int32)
+    if tokens > cuda_ext.MAX_PASS_TOKENS:
+        return
+
+    def grouped():
+        return cuda_ext.grouped_gemm(rows, stacked.qweight, stacked.scales, stacked.global_scale, layout,
+                                     stacked.out_features, stacked.in_features, tokens, active)
+
+    first = grouped()
+    row["grouped_w4a16_rel_err"] = float((first.float() - ref).norm() / ref.norm())
+    row["grouped_w4a16_repeats"] = all(torch.equal(first, grouped()) for _ in range(5))
+    row["grouped_w4a16_us"] = time_graph([grouped], 20) * 1e6
+
+
 rows_out = []
 for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", args.hidden, args.width, 2)):
     qs, tiled = experts(n, k, seed)
@@ -167,6 +185,7 @@ for name, n, k, seed in (("gate_up", 2 * args.width, args.hidden, 1), ("down", a
         _dense_all(row, name, n, k, t, seed)
         _bf16(row, rows, bounds, dense)
         _stacked(row, rows, layout, stacked, ref)
+        _grouped_w4a16(row, rows, layout, stacked, ref, t)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     del qs, tiled, dense, layer, stacked

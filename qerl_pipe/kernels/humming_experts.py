@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from qerl_pipe.formats.nvfp4 import NVFP4Weight
+from qerl_pipe.kernels.torch_grouped import StackedExperts
 
 _INVARIANT = '{"gemm_type": "grouped_contiguous", "use_batch_invariant": true}'
 _DEFAULT = '{"gemm_type": "grouped_contiguous", "use_batch_invariant": false}'
@@ -64,3 +65,33 @@ class HummingExperts:
         offsets = torch.ones(self.num_experts + 1, dtype=torch.int64, device=device)
         offsets[0] = 0
         self.matmul(rows, offsets, deterministic)
+
+
+# Rows per expert up to which our grouped W4A16 GEMM on the stack beats humming's copy, per
+# projection of a Qwen3-30B-A3B layer on an H100 (bench/results/moe/grouped-w4a16-probe-*.json and
+# the batch-1 decode profile): at 1 token (8 rows) 10.4 + 8.5 us against humming's 19.8 + 10.4,
+# at 8 tokens 44 + 37 against 97 for both; at 64 tokens 340 + 226 against 188, humming's.
+FEW_ROWS = 8
+
+
+class HummingOrStack:
+    """A projection's experts served by humming's copy, or by our grouped W4A16 GEMM on the NVFP4
+    stack where each expert gets at most `FEW_ROWS` rows (a decode step of up to 8 sequences)."""
+
+    def __init__(self, humming: HummingExperts, stack: StackedExperts):
+        self.humming, self.stack = humming, stack
+        self.num_experts = humming.num_experts
+
+    @property
+    def nbytes(self) -> int:
+        return self.humming.nbytes  # the stack is the experts' own buffers
+
+    def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True, active: Tensor | None = None,
+               max_rows: int | None = None) -> Tensor:
+        if active is not None and max_rows is not None and max_rows <= FEW_ROWS \
+                and self.stack.runs_grouped_w4a16(rows, max_rows):
+            return self.stack.matmul(rows, offsets, deterministic, active, max_rows)
+        return self.humming.matmul(rows, offsets, deterministic)
+
+    def compile(self, deterministic: bool) -> None:
+        self.humming.compile(deterministic)

@@ -81,6 +81,14 @@ class StackedExperts:
         expert = torch.searchsorted(offsets[1:], torch.arange(rows, device=offsets.device), right=True)
         return self.global_scale.reshape(-1)[expert.clamp_(max=self.num_experts - 1)].to(dtype)[:, None]
 
+    def runs_grouped_w4a16(self, rows: Tensor, max_rows: int | None) -> bool:
+        """Whether `matmul` runs our grouped W4A16 GEMM on the 4-bit stack: an NVFP4 stack, bf16
+        rows without autograd on a GPU our kernels run on, at most `cuda_ext.MAX_PASS_TOKENS` rows
+        per expert (one pass of the kernel: decode steps)."""
+        return (self.qweight is not None and max_rows is not None and max_rows <= cuda_ext.MAX_PASS_TOKENS
+                and not (torch.is_grad_enabled() and rows.requires_grad) and rows.dtype == torch.bfloat16
+                and cuda_ext.available(rows.device))
+
     def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True, active: Tensor | None = None,
                max_rows: int | None = None) -> Tensor:
         """`rows [R, K]`, sorted by expert, expert e's rows at offsets[e]:offsets[e + 1] (`offsets`
@@ -88,9 +96,7 @@ class StackedExperts:
         Deterministic either way (no split-K). An NVFP4 stack in inference with at most
         `cuda_ext.MAX_PASS_TOKENS` rows per expert (`max_rows`: decode steps) runs our grouped
         W4A16 GEMM on the 4-bit stack instead: no per-call dequantize of every expert."""
-        if (self.qweight is not None and max_rows is not None and max_rows <= cuda_ext.MAX_PASS_TOKENS
-                and not (torch.is_grad_enabled() and rows.requires_grad) and rows.dtype == torch.bfloat16
-                and cuda_ext.available(rows.device)):
+        if self.runs_grouped_w4a16(rows, max_rows):
             return cuda_ext.grouped_gemm(rows, self.qweight, self.scales, self.global_scale, offsets,
                                          self.out_features, self.in_features, max_rows, active)
         ends = offsets[1:].to(torch.int32)  # torch takes each group's end offset, as int32

@@ -132,10 +132,14 @@ def _stack(layer: SparseMoE) -> GroupedExperts:
 
 
 def _humming_grouped(layer: SparseMoE, compile_now: bool, deterministic: bool) -> GroupedExperts:
-    from qerl_pipe.kernels.humming_experts import HummingExperts
+    """humming's copies of the layer's NVFP4 experts, with the layer's stacks serving the decode
+    steps of few rows per expert (`humming_experts.HummingOrStack`)."""
+    from qerl_pipe.kernels.humming_experts import HummingExperts, HummingOrStack
 
-    gate_up = HummingExperts([untile_nvfp4(e.gate_up_proj.kernel_weight) for e in layer.experts])
-    down = HummingExperts([untile_nvfp4(e.down_proj.kernel_weight) for e in layer.experts])
+    gate_up = HummingOrStack(HummingExperts([untile_nvfp4(e.gate_up_proj.kernel_weight) for e in layer.experts]),
+                             layer.stacked.gate_up)
+    down = HummingOrStack(HummingExperts([untile_nvfp4(e.down_proj.kernel_weight) for e in layer.experts]),
+                          layer.stacked.down)
     if compile_now:  # one compile per projection shape and schedule
         gate_up.compile(deterministic)
         down.compile(deterministic)
