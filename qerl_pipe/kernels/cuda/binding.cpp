@@ -30,6 +30,36 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& scales, const at:
               "qweight, scales and global_scale must be on one device");
 }
 
+// K chunks per split for `splits` (clamped to 1..KC, then to the number that leaves no split empty).
+int64_t chunks_per_split(int64_t kc, int64_t& splits) {
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kc));
+  const int64_t per_split = (kc + splits - 1) / splits;
+  splits = (kc + per_split - 1) / per_split;
+  return per_split;
+}
+
+// What every launch sets: the operands, the output, the split-K workspace and the shape.
+qerl_w4a16::GemmParams base_params(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                   const at::Tensor& global_scale, const at::Tensor& out, const at::Tensor& partials,
+                                   const at::Tensor& counters, int64_t n, int64_t k, int64_t per_split) {
+  qerl_w4a16::GemmParams p{};
+  p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  p.ldx = x.stride(0);
+  p.qweight = reinterpret_cast<const uint4*>(qweight.data_ptr());
+  p.scales = scales.data_ptr<uint8_t>();
+  p.global_scale = global_scale.data_ptr<float>();
+  p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  p.ldo = n;
+  p.partials = partials.defined() ? partials.data_ptr<float>() : nullptr;
+  p.counters = counters.data_ptr<int>();
+  p.M = static_cast<int>(x.size(0));
+  p.N = static_cast<int>(n);
+  p.K = static_cast<int>(k);
+  p.KC = static_cast<int>(qweight.size(1));
+  p.chunks_per_split = static_cast<int>(per_split);
+  return p;
+}
+
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                 const at::Tensor& global_scale, const c10::optional<at::Tensor>& bias, int64_t n, int64_t k,
                 int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth, int64_t splits, bool pdl,
@@ -49,9 +79,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
   if (m == 0) return out;
   const int64_t n_pad = qweight.size(0) * qerl_w4a16::kRows;
   const int64_t kc = qweight.size(1);
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kc));
-  const int64_t per_split = (kc + splits - 1) / splits;
-  splits = (kc + per_split - 1) / per_split;  // no empty split
+  const int64_t per_split = chunks_per_split(kc, splits);
   at::Tensor partials;
   if (splits > 1) {
     partials = at::empty({splits, m, n_pad}, x.options().dtype(at::kFloat));
@@ -84,26 +112,12 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
     b_ptr = reinterpret_cast<const __nv_bfloat16*>(lora_b->data_ptr());
     ldu = lora_u->stride(0);
   }
-  qerl_w4a16::GemmParams p{};
+  qerl_w4a16::GemmParams p = base_params(x, qweight, scales, global_scale, out, partials, counters, n, k, per_split);
   p.lora_u = u_ptr;
   p.ldu = ldu;
   p.lora_b = b_ptr;
   p.lora_rank = static_cast<int>(rank);
-  p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
-  p.ldx = x.stride(0);
-  p.qweight = reinterpret_cast<const uint4*>(qweight.data_ptr());
-  p.scales = scales.data_ptr<uint8_t>();
-  p.global_scale = global_scale.data_ptr<float>();
   p.bias = bias_ptr;
-  p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
-  p.ldo = n;
-  p.partials = splits > 1 ? partials.data_ptr<float>() : nullptr;
-  p.counters = counters.data_ptr<int>();
-  p.M = static_cast<int>(m);
-  p.N = static_cast<int>(n);
-  p.K = static_cast<int>(k);
-  p.KC = static_cast<int>(kc);
-  p.chunks_per_split = static_cast<int>(per_split);
   const qerl_w4a16::GemmConfig c{static_cast<int>(mt),    static_cast<int>(nb),    static_cast<int>(warps),
                                  static_cast<int>(wk),    static_cast<int>(depth), static_cast<int>(splits),
                                  pdl ? 1 : 0,             static_cast<int>(stages)};
@@ -157,10 +171,7 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || max_rows == 0) return out;
-  const int64_t kc = qweight.size(1);
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kc));
-  const int64_t per_split = (kc + splits - 1) / splits;
-  splits = (kc + per_split - 1) / per_split;
+  const int64_t per_split = chunks_per_split(qweight.size(1), splits);
   const int64_t cta_rows = warps / wk * (stages > 0 ? 64 : 16 * mt);
   TORCH_CHECK((blocks * qerl_w4a16::kRows) % cta_rows == 0, "a CTA's rows must divide each weight's padded rows");
   at::Tensor partials;
@@ -170,21 +181,7 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& qweight, const at
     TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.numel() >= ctas,
                 "the split-K counter buffer is too small for this launch");
   }
-  qerl_w4a16::GemmParams p{};
-  p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
-  p.ldx = x.stride(0);
-  p.qweight = reinterpret_cast<const uint4*>(qweight.data_ptr());
-  p.scales = scales.data_ptr<uint8_t>();
-  p.global_scale = global_scale.data_ptr<float>();
-  p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
-  p.ldo = n;
-  p.partials = splits > 1 ? partials.data_ptr<float>() : nullptr;
-  p.counters = counters.data_ptr<int>();
-  p.M = static_cast<int>(m);
-  p.N = static_cast<int>(n);
-  p.K = static_cast<int>(k);
-  p.KC = static_cast<int>(kc);
-  p.chunks_per_split = static_cast<int>(per_split);
+  qerl_w4a16::GemmParams p = base_params(x, qweight, scales, global_scale, out, partials, counters, n, k, per_split);
   p.group_offsets = offsets.data_ptr<int64_t>();
   p.group_active = active.has_value() ? active->data_ptr<int>() : nullptr;
   p.groups = static_cast<int>(groups);
