@@ -3,9 +3,12 @@ the routed experts only (`active`, as the routing kernel lists them) or over all
 torch's bf16 grouped GEMM on the same routed rows; 1, 8 and 64 tokens (k = 8), in CUDA graphs.
 
 The grid question: CTAs of experts that got no rows exit at once, but a batch-1 step routes to 8
-of 128 experts, so a grid over all of them launches 16x the CTAs that work.
+of 128 experts, so a grid over all of them launches 16x the CTAs that work. With --sweep, every
+compiled variant whose CTA rows divide an expert's is timed too (`sweep`, µs by config): the
+default takes tokens per pass from the most rows an expert can get (T), which at T = 64 and about
+4 rows per expert spends most MMAs on empty token columns.
 
-python3 bench/scripts/grouped_w4a16_grid.py --out FILE.json
+python3 bench/scripts/grouped_w4a16_grid.py --out FILE.json [--sweep]
 """
 import argparse
 import json
@@ -22,6 +25,7 @@ from qerl_pipe.model.linear import QuantLinear
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", type=Path, required=True)
+ap.add_argument("--sweep", action="store_true", help="time every compiled variant that fits a grouped launch")
 args = ap.parse_args()
 torch.manual_seed(0)
 E, K_TOP = 128, 8
@@ -66,5 +70,20 @@ for tokens in (1, 8, 64):
             "ours_active_us": round(timeit(ours), 2), "ours_all_experts_grid_us": round(timeit(lambda: ours(None)), 2),
             "bf16_grouped_mm_us": round(timeit(lambda: torch._grouped_mm(rows, w, offs=ends)), 2)}
         del w
-        print(tokens, name, results[f"T{tokens}:{name}"], flush=True)
+        if args.sweep:
+            sweep, reference = {}, ours().float()
+            for config in cuda_ext.compiled_configs():
+                cta_rows = config.warps // config.wk * (64 if config.stages else 16 * config.mt)
+                if config.mt == 1 or 512 % cta_rows:  # the wgmma kernel; or a CTA across two experts
+                    continue
+
+                def run(c=config):
+                    return cuda_ext.grouped_gemm(rows, st.qweight, st.scales, st.global_scale, offsets, n, kd, tokens,
+                                                 active, c)
+
+                error = float((run().float() - reference).norm() / reference.norm())
+                sweep[str(config)] = {"us": round(timeit(run), 2), "rel_diff_from_default": error}
+            results[f"T{tokens}:{name}"]["sweep"] = sweep
+            results[f"T{tokens}:{name}"]["sweep_best"] = min(sweep.items(), key=lambda kv: kv[1]["us"])
+        print(tokens, name, {k: v for k, v in results[f"T{tokens}:{name}"].items() if k != "sweep"}, flush=True)
 args.out.write_text(json.dumps(results_file(results, []), indent=1) + "\n")

@@ -396,14 +396,21 @@ def grouped_config(max_rows: int) -> GemmConfig:
 
 
 def grouped_gemm(rows: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, offsets: Tensor,
-                 out_features: int, in_features: int, max_rows: int, active: Tensor | None = None) -> Tensor:
+                 out_features: int, in_features: int, max_rows: int, active: Tensor | None = None,
+                 config: GemmConfig | None = None) -> Tensor:
     """E weights' `rows @ W_e^T` in one launch, straight from their NVFP4 stack (no dequantize):
     `qweight` [E, NB, KC, 256] and `scales` [E, NB, KC, 128] in the tiled layout, `global_scale`
     [E] or [E, 1]; bf16 `rows` [R, K] sorted by weight, weight e's at offsets[e]:offsets[e + 1]
     (int64 [E + 1]); at most `max_rows` rows per weight; `active` (int32 [E], the weights with
-    rows first, then -1) limits the grid to min(E, R) weights' CTAs. Deterministic (no split-K)."""
+    rows first, then -1) limits the grid to min(E, R) weights' CTAs. Deterministic (no split-K).
+    `config` (a compiled register-ring or staged variant; PDL is turned off) overrides
+    `grouped_config`, for the probes that compare them."""
     e = qweight.shape[0]
-    config = grouped_config(max_rows)
+    if config is None:
+        config = grouped_config(max_rows)
+    else:
+        check_config(config)
+        config = replace(config, pdl=False)
     slots = e if active is None else max(1, min(e, rows.shape[0]))
     return _grouped_op(rows, qweight.reshape(-1, *qweight.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
                        global_scale.reshape(-1), offsets, active, slots, out_features, in_features, max_rows,
