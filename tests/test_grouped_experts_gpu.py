@@ -139,10 +139,12 @@ def test_fused_routing_matches_torch_routing(tokens: int) -> None:
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize("with_active", [True, False])
-def test_grouped_w4a16_gemm_on_the_nvfp4_stack(tokens: int, with_active: bool) -> None:
+@pytest.mark.parametrize("passes", ["one", "looped"])
+def test_grouped_w4a16_gemm_on_the_nvfp4_stack(tokens: int, with_active: bool, passes: str) -> None:
     """Our grouped W4A16 GEMM (`cuda_ext.grouped_gemm`: the decode path of an NVFP4 stack) against
     each expert's dequantized weight, both projections' shapes (N off a 64-row block: padded rows
-    must stay out), the grid over the routed experts alone or over all; the same bits again."""
+    must stay out), the grid over the routed experts alone or over all, the default pass for the
+    most rows an expert can get or 8-token passes each CTA loops over; the same bits again."""
     from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
     from qerl_pipe.kernels import cuda_ext, triton_moe
     from qerl_pipe.model.kernel_copies import stack_expert_buffers
@@ -161,11 +163,12 @@ def test_grouped_w4a16_gemm_on_the_nvfp4_stack(tokens: int, with_active: bool) -
         logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
         _, _, source, _, offsets, active = triton_moe.launch_route(logits, k, True, torch.bfloat16)
         rows = torch.randn(tokens, kdim, device="cuda", dtype=torch.bfloat16)[source]
+        config = cuda_ext.grouped_config(tokens if passes == "one" else 1)
         with torch.no_grad():
             got = cuda_ext.grouped_gemm(rows, stack.qweight, stack.scales, stack.global_scale, offsets, n, kdim,
-                                        tokens, active if with_active else None)
+                                        tokens, active if with_active else None, config)
             again = cuda_ext.grouped_gemm(rows, stack.qweight, stack.scales, stack.global_scale, offsets, n, kdim,
-                                          tokens, active if with_active else None)
+                                          tokens, active if with_active else None, config)
         bounds = offsets.tolist()
         expected = torch.cat([rows[bounds[e]:bounds[e + 1]].float() @ dense[e].T for e in range(experts)])
         assert _rel(got, expected) < 1e-2, (n, kdim)

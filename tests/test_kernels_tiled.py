@@ -350,7 +350,10 @@ def test_compiled_configs_match_the_sources() -> None:
 
     assert listed("QERL_W4A16_CONFIGS", "#define QERL_W4A16_STAGED") == cuda_ext.COMPILED
     assert listed("QERL_W4A16_STAGED", "#define QERL_W4A16_WGMMA") == cuda_ext.STAGED
-    assert listed("QERL_W4A16_WGMMA", "int gemm_blocks_per_sm") == cuda_ext.WGMMA
+    assert listed("QERL_W4A16_WGMMA", "#define QERL_W4A16_GROUPED") == cuda_ext.WGMMA
+    assert listed("QERL_W4A16_GROUPED", "int gemm_blocks_per_sm") == cuda_ext.GROUPED
+    # The default grouped launch of every pass size is compiled.
+    assert all(cuda_ext.grouped_config(rows) in cuda_ext.grouped_configs() for rows in (1, 8, 9, 16, 32, 64, 65))
 
 
 def test_table_configs_are_compiled() -> None:
@@ -427,7 +430,7 @@ def test_sources_compile_for_sm90a_without_spills(tmp_path: Path) -> None:
     report = proc.stdout + proc.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
     # every variant, the dequantize pass and the wgmma kernel's fragment-order copy of x
-    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + len(cuda_ext.WGMMA) + 2
+    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + len(cuda_ext.WGMMA) + len(cuda_ext.GROUPED) + 2
     assert "C7513" not in report, "ptxas serialized the wgmma kernel's MMAs: " + report[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report[-2000:]

@@ -4,9 +4,10 @@ torch's bf16 grouped GEMM on the same routed rows; 1, 8 and 64 tokens (k = 8), i
 
 The grid question: CTAs of experts that got no rows exit at once, but a batch-1 step routes to 8
 of 128 experts, so a grid over all of them launches 16x the CTAs that work. With --sweep, every
-compiled variant whose CTA rows divide an expert's is timed too (`sweep`, µs by config): the
+compiled variant of the grouped kernel is timed too (`sweep`, µs by config): the
 default takes tokens per pass from the most rows an expert can get (T), which at T = 64 and about
-4 rows per expert spends most MMAs on empty token columns.
+4 rows per expert spends most MMAs on empty token columns, where a smaller pass, looped by each
+CTA over its expert's rows, would not.
 
 python3 bench/scripts/grouped_w4a16_grid.py --out FILE.json [--sweep]
 """
@@ -72,10 +73,7 @@ for tokens in (1, 8, 64):
         del w
         if args.sweep:
             sweep, reference = {}, ours().float()
-            for config in cuda_ext.compiled_configs():
-                cta_rows = config.warps // config.wk * (64 if config.stages else 16 * config.mt)
-                if config.mt == 1 or 512 % cta_rows:  # the wgmma kernel; or a CTA across two experts
-                    continue
+            for config in cuda_ext.grouped_configs():
 
                 def run(c=config):
                     return cuda_ext.grouped_gemm(rows, st.qweight, st.scales, st.global_scale, offsets, n, kd, tokens,

@@ -80,6 +80,10 @@ WGMMA: tuple[tuple[int, int, int], ...] = (
     (1, 1, 4), (1, 1, 6), (1, 2, 4), (1, 2, 6), (2, 1, 4), (2, 1, 6), (2, 2, 4), (2, 2, 6), (4, 1, 4),
     (4, 2, 4), (4, 2, 5),
 )
+# The grouped kernel's variants (as COMPILED; QERL_W4A16_GROUPED): `_VARIANT`'s and other 8-token passes.
+GROUPED: tuple[tuple[int, int, int, int, int], ...] = (
+    (2, 1, 1, 8, 4), (2, 2, 1, 8, 4), (4, 4, 1, 4, 2), (2, 8, 1, 4, 2), (2, 1, 8, 1, 4), (4, 1, 1, 8, 4),
+)
 
 
 def compiled_configs(splits: int = 1) -> list[GemmConfig]:
@@ -320,15 +324,14 @@ def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, sp
 
 @torch.library.custom_op("qerl::w4a16_grouped_gemm", mutates_args=())
 def _grouped_op(x: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, offsets: Tensor,
-                active: Optional[Tensor], slots: int, n: int, k: int, max_rows: int, mt: int, nb: int, warps: int,
-                wk: int, depth: int, splits: int, stages: int) -> Tensor:
-    return _module().grouped_gemm(x, qweight, scales, global_scale, offsets, active, slots, n, k, max_rows, mt, nb,
-                                  warps, wk, depth, splits, stages, counters(x.device))
+                active: Optional[Tensor], slots: int, n: int, k: int, mt: int, nb: int, warps: int, wk: int,
+                depth: int) -> Tensor:
+    return _module().grouped_gemm(x, qweight, scales, global_scale, offsets, active, slots, n, k, mt, nb, warps, wk,
+                                  depth, counters(x.device))
 
 
 @_grouped_op.register_fake
-def _(x, qweight, scales, global_scale, offsets, active, slots, n, k, max_rows, mt, nb, warps, wk, depth, splits,
-      stages):
+def _(x, qweight, scales, global_scale, offsets, active, slots, n, k, mt, nb, warps, wk, depth):
     return x.new_empty(x.shape[0], n)
 
 
@@ -385,10 +388,17 @@ def dequantize(w: tiled.TiledNVFP4) -> Tensor:
     return _dequant_op(w.qweight, w.scales, w.global_scale, w.out_features, w.in_features)
 
 
+def grouped_configs() -> list[GemmConfig]:
+    """Every compiled variant of the grouped kernel."""
+    return [GemmConfig(mt, nb, wn * wk, wk, depth, 1, pdl=False) for mt, nb, wn, wk, depth in GROUPED]
+
+
 def grouped_config(max_rows: int) -> GemmConfig:
     """The grouped GEMM's launch config for up to `max_rows` rows per weight: the usual
-    register-ring variant for that many tokens per pass (its CTAs take 32 or 64 rows, which divide
-    any stacked weight's 64-row blocks), one K split, no PDL (the kernel reads the offsets first)."""
+    register-ring variant for that many tokens per pass, so up to MAX_PASS_TOKENS rows take one
+    pass (its CTAs take 32 or 64 rows, which divide any stacked weight's 64-row blocks), one K
+    split, no PDL (the kernel reads the offsets first). Each CTA loops over its weight's passes,
+    so a smaller pass (`grouped_gemm(config=...)`) covers any row count too."""
     tokens = min(max(max_rows, 1), MAX_PASS_TOKENS)
     nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
     mt, warps, wk, depth = _VARIANT[nb]
@@ -403,15 +413,13 @@ def grouped_gemm(rows: Tensor, qweight: Tensor, scales: Tensor, global_scale: Te
     [E] or [E, 1]; bf16 `rows` [R, K] sorted by weight, weight e's at offsets[e]:offsets[e + 1]
     (int64 [E + 1]); at most `max_rows` rows per weight; `active` (int32 [E], the weights with
     rows first, then -1) limits the grid to min(E, R) weights' CTAs. Deterministic (no split-K).
-    `config` (a compiled register-ring or staged variant; PDL is turned off) overrides
-    `grouped_config`, for the probes that compare them."""
+    `config` (one of `grouped_configs()`) overrides `grouped_config`, for the probes that compare
+    them."""
     e = qweight.shape[0]
-    if config is None:
-        config = grouped_config(max_rows)
-    else:
-        check_config(config)
-        config = replace(config, pdl=False)
+    config = grouped_config(max_rows) if config is None else config
+    if config not in grouped_configs():
+        raise ValueError(f"{config} is not a compiled grouped GEMM variant; choose one of cuda_ext.grouped_configs()")
     slots = e if active is None else max(1, min(e, rows.shape[0]))
     return _grouped_op(rows, qweight.reshape(-1, *qweight.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
-                       global_scale.reshape(-1), offsets, active, slots, out_features, in_features, max_rows,
-                       config.mt, config.nb, config.warps, config.wk, config.depth, config.splits, config.stages)
+                       global_scale.reshape(-1), offsets, active, slots, out_features, in_features,
+                       config.mt, config.nb, config.warps, config.wk, config.depth)

@@ -138,19 +138,18 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
 // (int32 [E], the weights with rows first, then -1) lets the grid cover `slots` weights, not E.
 at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& global_scale, const at::Tensor& offsets,
-                        const c10::optional<at::Tensor>& active, int64_t slots, int64_t n, int64_t k,
-                        int64_t max_rows, int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth,
-                        int64_t splits, int64_t stages, const at::Tensor& counters) {
+                        const c10::optional<at::Tensor>& active, int64_t slots, int64_t n, int64_t k, int64_t mt,
+                        int64_t nb, int64_t warps, int64_t wk, int64_t depth, const at::Tensor& counters) {
   const int64_t groups = offsets.numel() - 1;
+  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 && groups > 0 &&
+                  offsets.is_contiguous() && offsets.device() == x.device(),
+              "offsets must be a contiguous CUDA int64 [E + 1] tensor on x's device");
   TORCH_CHECK(slots > 0 && slots <= groups && (active.has_value() || slots == groups),
               "slots must be 1..E, and E without an active list");
   if (active.has_value())
     TORCH_CHECK(active->is_cuda() && active->scalar_type() == at::kInt && active->is_contiguous() &&
                     active->numel() >= slots && active->device() == x.device(),
                 "active must be a contiguous CUDA int32 tensor of at least `slots` weights on x's device");
-  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 && groups > 0 &&
-                  offsets.is_contiguous() && offsets.device() == x.device(),
-              "offsets must be a contiguous CUDA int64 [E + 1] tensor on x's device");
   TORCH_CHECK(qweight.dim() == 3 && qweight.size(0) % groups == 0,
               "qweight must stack E weights of equal blocks: [E * N/64, K/32, 256]");
   const int64_t blocks = qweight.size(0) / groups;
@@ -164,33 +163,24 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& qweight, const at
                   x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "x must be a CUDA bf16 [R, K] tensor with 16-byte aligned rows");
   TORCH_CHECK(qweight.device() == x.device(), "x and the weights must be on one device");
-  TORCH_CHECK(mt > 1 && nb > 0 && wk > 0 && warps > 0 && warps % wk == 0 && stages >= 0 && (stages > 0 || depth > 0),
-              "invalid grouped GEMM config: the register-ring or staged kernel (mt 2 or 4)");
-  TORCH_CHECK(max_rows >= 0, "max_rows must be >= 0");
+  TORCH_CHECK(mt > 1 && nb > 0 && wk > 0 && warps > 0 && warps % wk == 0 && depth > 0,
+              "invalid grouped GEMM config: the register-ring kernel (mt 2 or 4, depth > 0)");
+  TORCH_CHECK((blocks * qerl_w4a16::kRows) % (warps / wk * 16 * mt) == 0,
+              "a CTA's rows must divide each weight's padded rows");
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t m = x.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m == 0 || max_rows == 0) return out;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  int64_t splits = 1;  // each CTA loops over its weight's passes: one K split
   const int64_t per_split = chunks_per_split(qweight.size(1), splits);
-  const int64_t cta_rows = warps / wk * (stages > 0 ? 64 : 16 * mt);
-  TORCH_CHECK((blocks * qerl_w4a16::kRows) % cta_rows == 0, "a CTA's rows must divide each weight's padded rows");
-  at::Tensor partials;
-  if (splits > 1) {
-    partials = at::empty({splits, m, blocks * qerl_w4a16::kRows}, x.options().dtype(at::kFloat));
-    const int64_t ctas = (slots * blocks * qerl_w4a16::kRows / cta_rows) * ((max_rows + 8 * nb - 1) / (8 * nb));
-    TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.numel() >= ctas,
-                "the split-K counter buffer is too small for this launch");
-  }
-  qerl_w4a16::GemmParams p = base_params(x, qweight, scales, global_scale, out, partials, counters, n, k, per_split);
+  qerl_w4a16::GemmParams p =
+      base_params(x, qweight, scales, global_scale, out, at::Tensor(), counters, n, k, per_split);
   p.group_offsets = offsets.data_ptr<int64_t>();
   p.group_active = active.has_value() ? active->data_ptr<int>() : nullptr;
   p.groups = static_cast<int>(groups);
   p.group_slots = static_cast<int>(slots);
   p.group_blocks = static_cast<int>(blocks);
-  p.group_max_rows = static_cast<int>(max_rows);
   const qerl_w4a16::GemmConfig c{static_cast<int>(mt), static_cast<int>(nb), static_cast<int>(warps),
-                                 static_cast<int>(wk), static_cast<int>(depth), static_cast<int>(splits),
-                                 0, static_cast<int>(stages)};
+                                 static_cast<int>(wk), static_cast<int>(depth), 1, 0, 0};
   const cudaError_t err = qerl_w4a16::launch_gemm(p, c, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, cudaGetErrorString(err));
   return out;

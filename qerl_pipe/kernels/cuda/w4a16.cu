@@ -187,19 +187,55 @@ __device__ __forceinline__ void prefetch_lora(const GemmParams& p, int row_base,
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(base + off));
 }
 
+// The rows of x and out a CTA multiplies. A plain launch: all of them (these inline to M and 0,
+// so the dense kernels compile as they did before grouped launches existed).
+template <bool GROUPED>
+struct Rows {
+  __device__ __forceinline__ void place(const GemmParams&, int&, int&) {}
+  __device__ __forceinline__ int64_t token0() const { return 0; }  // first row of x / out
+  __device__ __forceinline__ int m(const GemmParams& p) const { return p.M; }  // rows
+  __device__ __forceinline__ int group() const { return 0; }  // the weight (its global scale)
+  __device__ __forceinline__ int out_block(int nblock) const { return nblock; }  // block within it
+  __device__ __forceinline__ int n_pad(int n_blocks) const { return n_blocks * kRows; }  // its rows, padded
+  __device__ __forceinline__ int row_shift() const { return 0; }  // first grid row of its slot
+};
+
+// A grouped launch (a MoE layer's experts): the CTA's expert's rows, from the offsets on the
+// device. The host makes a CTA's rows divide an expert's, so every warp of a CTA has one slot;
+// `place` re-points nblock at the stacked block of the slot's expert.
+template <>
+struct Rows<true> {
+  int64_t first;
+  int rows, weight, block, padded, shift;
+  __device__ __forceinline__ void place(const GemmParams& p, int& nblock, int& n_blocks) {
+    const int slot = nblock / p.group_blocks;
+    block = nblock - slot * p.group_blocks;
+    shift = slot * p.group_blocks * kRows;
+    const int chosen = p.group_active != nullptr ? p.group_active[slot] : slot;
+    weight = chosen >= 0 ? chosen : 0;
+    first = p.group_offsets[weight];
+    rows = chosen >= 0 ? static_cast<int>(p.group_offsets[weight + 1] - first) : 0;
+    n_blocks = p.groups * p.group_blocks;
+    nblock = weight * p.group_blocks + block;
+    padded = p.group_blocks * kRows;
+  }
+  __device__ __forceinline__ int64_t token0() const { return first; }
+  __device__ __forceinline__ int m(const GemmParams&) const { return rows; }
+  __device__ __forceinline__ int group() const { return weight; }
+  __device__ __forceinline__ int out_block(int) const { return block; }
+  __device__ __forceinline__ int n_pad(int) const { return padded; }
+  __device__ __forceinline__ int row_shift() const { return shift; }
+};
+
 // Where a CTA's warp sits: its n8 rows (warp tile), its share of K, its tokens. The passes over
 // M of one (column slice, K split) are consecutive in launch order, so they run side by side and
 // share each weight chunk through L2: M > 8 * NB still reads the weights from HBM once.
-template <int MT, int WN, int WK, int NB>
+template <int MT, int WN, int WK, int NB, bool GROUPED = false>
 struct Place {
   int lane, wn, wk, g, t;
   int columns, bx, by, bz;  // column slice, K split, pass over M
   int nblock, pair0, n_blocks, kc0, kc1, m0;
-  // The rows of x / out this CTA's weight multiplies (token0 : token0 + m; grouped: its weight's,
-  // else 0 : M), its block within that weight, the weight's padded rows, and the first grid row
-  // of its slot (grouped; nblock is then the stacked block of the slot's weight).
-  int64_t token0;
-  int m, group, out_block, n_pad, row_shift;
+  Rows<GROUPED> rows;
   __device__ __forceinline__ Place(const GemmParams& p) {
     constexpr int kWarpTilesPerBlock = kRows / (16 * MT);
     lane = threadIdx.x & 31;
@@ -217,30 +253,11 @@ struct Place {
     const int warp_tile = bx * WN + wn;
     nblock = warp_tile / kWarpTilesPerBlock;
     pair0 = MT == 4 ? 0 : warp_tile % kWarpTilesPerBlock;
+    n_blocks = (p.N + kRows - 1) / kRows;
     kc0 = by * p.chunks_per_split;
     kc1 = min(kc0 + p.chunks_per_split, p.KC);
     m0 = bz * 8 * NB;
-    if (p.group_offsets != nullptr) {
-      // The host makes a CTA's rows divide a weight's: every warp of a CTA has one slot.
-      const int slot = nblock / p.group_blocks;
-      out_block = nblock - slot * p.group_blocks;
-      row_shift = slot * p.group_blocks * kRows;
-      const int chosen = p.group_active != nullptr ? p.group_active[slot] : slot;
-      group = chosen >= 0 ? chosen : 0;
-      token0 = p.group_offsets[group];
-      m = chosen >= 0 ? static_cast<int>(p.group_offsets[group + 1] - token0) : 0;
-      n_blocks = p.groups * p.group_blocks;
-      nblock = group * p.group_blocks + out_block;
-      n_pad = p.group_blocks * kRows;
-    } else {
-      n_blocks = (p.N + kRows - 1) / kRows;
-      group = 0;
-      token0 = 0;
-      m = p.M;
-      out_block = nblock;
-      n_pad = n_blocks * kRows;
-      row_shift = 0;
-    }
+    rows.place(p, nblock, n_blocks);
   }
   // The rows whose LoRA expand this warp will add (first K split only; see add_lora).
   __device__ __forceinline__ void prefetch_lora_rows(const GemmParams& p) const {
@@ -288,8 +305,8 @@ __device__ __forceinline__ void mma_block(float (&acc)[MT][NB][4], const uint32_
 // (WK - 1) * WN * 32 * MT * NB float4s; free for reuse), then write out[] (one K split) or park
 // this split's sums and let the last CTA of the column slice add them up in split order (an atomic
 // ticket, no atomics on the output: a given config gives bit-identical results).
-template <int MT, int NB, int WN, int WK>
-__device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT, WN, WK, NB>& at,
+template <int MT, int NB, int WN, int WK, bool GROUPED>
+__device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT, WN, WK, NB, GROUPED>& at,
                                             float (&acc)[MT][NB][4], float4* red) {
   constexpr int kAcc4 = MT * NB;  // float4s of accumulators per lane
   if constexpr (WK > 1) {
@@ -320,25 +337,25 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT,
     }
   }
   const bool writer = at.wk == 0 && at.nblock < at.n_blocks;
-  const int row_base = at.out_block * kRows + at.pair0 * 16 * MT;  // in this CTA's weight
+  const int row_base = at.rows.out_block(at.nblock) * kRows + at.pair0 * 16 * MT;  // in this CTA's weight
   if (writer) {
     // The global scale in fp32 before anything is added (each split's sums too), then the LoRA
     // expand once per output (by the first K split).
-    scale_all(acc, p.global_scale[at.group] * kProductScale);
+    scale_all(acc, p.global_scale[at.rows.group()] * kProductScale);
     if (p.lora_b != nullptr && at.by == 0) add_lora<MT, NB>(p, acc, row_base, at.m0, at.g, at.t);
   }
   if (gridDim.y == 1) {
     if (!writer) return;
     for_each_output(acc, row_base, at.m0, at.g, at.t, [&](int row, int token, float v) {
-      if (row < p.N && token < at.m)
-        p.out[(size_t)(at.token0 + token) * p.ldo + row] = __float2bfloat16_rn(add_bias(v, p.bias, row));
+      if (row < p.N && token < at.rows.m(p))
+        p.out[(size_t)(at.rows.token0() + token) * p.ldo + row] = __float2bfloat16_rn(add_bias(v, p.bias, row));
     });
     return;
   }
-  const int n_pad = at.n_pad;
+  const int n_pad = at.rows.n_pad(at.n_blocks);
   if (writer) {
     for_each_output(acc, row_base, at.m0, at.g, at.t, [&](int row, int token, float v) {
-      if (token < at.m) __stcg(p.partials + ((size_t)at.by * p.M + at.token0 + token) * n_pad + row, v);
+      if (token < at.rows.m(p)) __stcg(p.partials + ((size_t)at.by * p.M + at.rows.token0() + token) * n_pad + row, v);
     });
   }
   __threadfence();
@@ -354,12 +371,12 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const Place<MT,
   // it reads splits x 64 x 4 * kCtaRows bytes. Each sum still runs in split order.
   constexpr int kCtaRows = WN * 16 * MT;
   constexpr int kQuads = kCtaRows / 4;
-  const int row0 = at.bx * kCtaRows - at.row_shift;
-  const int tokens = min(8 * NB, at.m - at.m0);
+  const int row0 = at.bx * kCtaRows - at.rows.row_shift();
+  const int tokens = min(8 * NB, at.rows.m(p) - at.m0);
   const int splits = gridDim.y;
   const size_t split_stride = (size_t)p.M * n_pad;
   for (int idx = threadIdx.x; idx < tokens * kQuads; idx += blockDim.x) {
-    const int64_t token = at.token0 + at.m0 + idx / kQuads;
+    const int64_t token = at.rows.token0() + at.m0 + idx / kQuads;
     const int row = row0 + idx % kQuads * 4;
     if (row >= p.N) continue;
     const float* part = p.partials + (size_t)token * n_pad + row;
@@ -391,12 +408,9 @@ struct Stage {
 // 16 * MT-row warp tiles; the WK warps that share a warp tile take every WK-th chunk of the CTA's
 // K split and are summed through shared memory in warp order at the end (more warps streaming
 // one tile without more global split-K traffic, which grows with M). Each warp keeps DEPTH chunks
-// of its own weight and activation loads in flight in registers.
-template <int MT, int NB, int WN, int WK, int DEPTH>
-__global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) {
-  const Place<MT, WN, WK, NB> at(p);
-  if (at.m0 >= at.m) return;  // grouped: a pass past its weight's rows (the whole CTA alike)
-  at.prefetch_lora_rows(p);
+// of its own weight and activation loads in flight in registers. One pass of 8 * NB tokens:
+template <int MT, int NB, int WN, int WK, int DEPTH, bool GROUPED>
+__device__ __forceinline__ void gemm_pass(const GemmParams& p, const Place<MT, WN, WK, NB, GROUPED>& at, float4* red) {
   const int g = at.g, t = at.t, wk = at.wk, kc0 = at.kc0;
   // This warp's chunks: kc0 + wk + j * WK for j < mine.
   const int mine = at.kc1 - kc0 > wk ? (at.kc1 - kc0 - wk + WK - 1) / WK : 0;
@@ -414,8 +428,8 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       const int token = at.m0 + b * 8 + g;
-      xvalid[b] = token < at.m;
-      xrow[b] = p.x + (size_t)(at.token0 + (xvalid[b] ? token : 0)) * p.ldx + (kc0 + wk) * kCols + t * 8;
+      xvalid[b] = token < at.rows.m(p);
+      xrow[b] = p.x + (size_t)(at.rows.token0() + (xvalid[b] ? token : 0)) * p.ldx + (kc0 + wk) * kCols + t * 8;
     }
     auto load_weights = [&](Stage<MT, NB>& st, int j) {  // this warp's j-th chunk
       const size_t step = (size_t)j * WK;
@@ -475,8 +489,33 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
     grid_dependency_wait();  // no global write before the previous kernel is done with it
   }
   launch_dependents();
+  finish_tile(p, at, acc, red);
+}
+
+// The pass of the grid's z index.
+template <int MT, int NB, int WN, int WK, int DEPTH>
+__global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) {
+  const Place<MT, WN, WK, NB> at(p);
+  at.prefetch_lora_rows(p);
   __shared__ float4 red[WK > 1 ? (WK - 1) * WN * 32 * MT * NB : 1];
-  finish_tile<MT, NB, WN, WK>(p, at, acc, red);
+  gemm_pass<MT, NB, WN, WK, DEPTH>(p, at, red);
+}
+
+// Grouped (grid z of 1): each CTA runs every pass of its expert's rows in turn, however many, so
+// the pass size can follow the rows an expert usually gets rather than the most it can. A kernel
+// of its own: the loop keeps more state live, which the plain kernels need not pay for.
+template <int MT, int NB, int WN, int WK, int DEPTH>
+__global__ void __launch_bounds__(WN * WK * 32) grouped_kernel(const GemmParams p) {
+  Place<MT, WN, WK, NB, true> at(p);
+  const int rows = at.rows.m(p);
+  if (rows == 0) return;  // an expert without rows, or a slot past the routed ones
+  __shared__ float4 red[WK > 1 ? (WK - 1) * WN * 32 * MT * NB : 1];
+  while (true) {
+    gemm_pass<MT, NB, WN, WK, DEPTH>(p, at, red);
+    at.m0 += 8 * NB;
+    if (at.m0 >= rows) return;
+    __syncthreads();  // the next pass reuses `red`
+  }
 }
 
 // Staged kernel: weights and activations both go through a STAGES-deep shared-memory pipeline of
@@ -501,7 +540,6 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
   static_assert(STAGES >= 2, "a pipeline needs two stages");
   extern __shared__ uint4 smem[];
   const Place<MT, WN, WK, NB> at(p);
-  if (at.m0 >= at.m) return;  // grouped: a pass past its weight's rows (the whole CTA alike)
   at.prefetch_lora_rows(p);
   const int warp = threadIdx.x >> 5;
   const int groups = (at.kc1 - at.kc0 + WK - 1) / WK;
@@ -529,8 +567,8 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
       const int chunk = at.kc0 + c * WK + w;
       const int token = at.m0 + (r >> 2);
       const int col = chunk * kCols + (r & 3) * 8;
-      const bool ok = chunk < at.kc1 && token < at.m && col < p.K;
-      cp_async16(dst + i, p.x + (ok ? (size_t)(at.token0 + token) * p.ldx + col : 0), ok);
+      const bool ok = chunk < at.kc1 && token < p.M && col < p.K;
+      cp_async16(dst + i, p.x + (ok ? (size_t)token * p.ldx + col : 0), ok);
     }
   };
 
@@ -570,7 +608,7 @@ __global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParam
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory becomes the K-warp reduction buffer
   launch_dependents();
-  finish_tile<MT, NB, WN, WK>(p, at, acc, reinterpret_cast<float4*>(smem));
+  finish_tile(p, at, acc, reinterpret_cast<float4*>(smem));
 }
 
 // wgmma kernel (M = 33-256 per pass): a warpgroup owns one 64-row block and each of its warps one
@@ -839,7 +877,7 @@ __global__ void __launch_bounds__(WG * 128, (WgmmaShape<P, WG, STAGES>::kMinBloc
   fence_accumulators(acc);
   cp_async_wait<0>();
   launch_dependents();
-  finish_tile<1, NB, 4 * WG, 1>(p, at, acc, nullptr);
+  finish_tile(p, at, acc, nullptr);
 }
 
 template <int WARPS>
@@ -894,10 +932,9 @@ template <class Kernel>
 cudaError_t launch(Kernel kernel, const GemmParams& p, int cta_rows, int nb, int threads, int smem, int splits,
                    bool pdl, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  const bool grouped = p.group_offsets != nullptr;
+  const bool grouped = p.group_offsets != nullptr;  // one pass in the grid: the CTAs loop over theirs
   const int rows = grouped ? p.group_slots * p.group_blocks * kRows : p.N;
-  const int tokens = grouped ? p.group_max_rows : p.M;
-  cfg.gridDim = dim3((rows + cta_rows - 1) / cta_rows, splits, (tokens + 8 * nb - 1) / (8 * nb));
+  cfg.gridDim = dim3((rows + cta_rows - 1) / cta_rows, splits, grouped ? 1 : (p.M + 8 * nb - 1) / (8 * nb));
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -964,6 +1001,10 @@ int fragment_rows(const GemmConfig& c, int M) {
 #define QERL_W4A16_WGMMA(X)                                                                         \
   X(1, 1, 4) X(1, 1, 6) X(1, 2, 4) X(1, 2, 6) X(2, 1, 4) X(2, 1, 6) X(2, 2, 4) X(2, 2, 6) X(4, 1, 4)  \
   X(4, 2, 4) X(4, 2, 5)
+// Grouped kernels (register ring, as QERL_W4A16_CONFIGS): the default variant of each tokens per
+// pass (cuda_ext._VARIANT) and other 8-token passes; in step with GROUPED in cuda_ext.py.
+#define QERL_W4A16_GROUPED(X)                                                                       \
+  X(2, 1, 1, 8, 4) X(2, 2, 1, 8, 4) X(4, 4, 1, 4, 2) X(2, 8, 1, 4, 2) X(2, 1, 8, 1, 4) X(4, 1, 1, 8, 4)
 
 int gemm_blocks_per_sm(const GemmConfig& c) {
   int blocks = 0;
@@ -990,13 +1031,18 @@ int gemm_blocks_per_sm(const GemmConfig& c) {
 cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
   if (p.group_offsets != nullptr) {
-    // A CTA must not straddle two weights; the offsets are read at the start (no PDL); the wgmma
-    // kernel (mt = 1) and the epilogue's LoRA and bias take one weight only.
-    const int cta_rows = (c.warps / c.wk) * (c.stages > 0 ? 64 : 16 * c.mt);
-    if (c.mt == 1 || c.pdl || p.group_blocks <= 0 || p.groups <= 0 || p.group_slots <= 0 ||
-        p.group_slots > p.groups || (p.group_blocks * kRows) % cta_rows != 0 || p.lora_b != nullptr || p.bias != nullptr)
+    // One K split (each CTA loops over its expert's passes); a CTA must not straddle two weights;
+    // the offsets are read at the start (no PDL); the epilogue's LoRA and bias take one weight.
+    if (c.stages != 0 || c.splits != 1 || c.pdl || p.group_blocks <= 0 || p.groups <= 0 || p.group_slots <= 0 ||
+        p.group_slots > p.groups || (p.group_blocks * kRows) % ((c.warps / c.wk) * 16 * c.mt) != 0 ||
+        p.lora_b != nullptr || p.bias != nullptr)
       return cudaErrorInvalidConfiguration;
-    if (p.group_max_rows <= 0) return cudaSuccess;
+#define QERL_W4A16_GROUPED_DISPATCH(MT, NB, WN, WK, D)                                              \
+  if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D)                  \
+    return launch(grouped_kernel<MT, NB, WN, WK, D>, p, WN * 16 * MT, NB, WN * WK * 32, 0, 1, false, stream);
+    QERL_W4A16_GROUPED(QERL_W4A16_GROUPED_DISPATCH)
+#undef QERL_W4A16_GROUPED_DISPATCH
+    return cudaErrorInvalidConfiguration;
   }
 #define QERL_W4A16_DISPATCH(MT, NB, WN, WK, D)                                                      \
   if (c.stages == 0 && c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D) \
