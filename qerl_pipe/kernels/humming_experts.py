@@ -68,9 +68,10 @@ class HummingExperts:
 
 
 # Rows per expert up to which our grouped W4A16 GEMM on the stack beats humming's copy, per
-# projection of a Qwen3-30B-A3B layer on an H100 (bench/results/moe/grouped-w4a16-probe-*.json and
-# the batch-1 decode profile): at 1 token (8 rows) 10.4 + 8.5 us against humming's 19.8 + 10.4,
-# at 8 tokens 44 + 37 against 97 for both; at 64 tokens 340 + 226 against 188, humming's.
+# projection of a Qwen3-30B-A3B layer on an H100 (ours: bench/results/moe/grouped-w4a16-grid-*.json;
+# humming's: the batch-1 decode profile and grouped-probe-*.json, other runs on that GPU kind): at
+# 1 token (8 rows) 10.4 + 8.5 us against humming's 19.6 + 10.4, at 8 tokens 44 + 37 against 60.5 +
+# 37.0; at 64 tokens 340 + 226 against 117.9 + 69.9, humming's.
 FEW_ROWS = 8
 
 
