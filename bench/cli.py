@@ -104,7 +104,8 @@ def bench_rollout(out: OutOpt = None,
                   lora_rank: Annotated[int, typer.Option(help="LoRA rank attached to our model.")] = 32,
                   formats: Annotated[list[str], typer.Option(help="Base formats of our engine: bf16, nvfp4, nf4.")] = ["bf16,nvfp4"],
                   hbm_tbps: Annotated[float, typer.Option(help="HBM bandwidth (TB/s) of the lower bound.")] = 4.2,
-                  kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too).")] = "deterministic") -> None:
+                  kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too).")] = "deterministic",
+                  kernel_copies: Annotated[bool, typer.Option(help="humming's copies of NVFP4 weights; --no-kernel-copies measures what a run whose memory plan leaves them out gets (a MoE's experts then decode from their 4-bit stacks).")] = True) -> None:
     """Rollout speed: HF generate vs our engine (random weights, needs a CUDA GPU)."""
     from bench.rollout import run_rollout_bench
     from bench.shapes import SHAPES
@@ -114,7 +115,8 @@ def bench_rollout(out: OutOpt = None,
         raise QerlError(f"unknown shapes {unknown}; choose from {sorted(SHAPES)}")
     emit(run_rollout_bench(values(shapes), values(batches, int), prompt_len, new_tokens, hf_new_tokens,
                            None if hf_batches is None else values(hf_batches, int), lora_rank,
-                           tuple(values(formats)), hbm_tbps, partial=out, kernels=kernels), out)
+                           tuple(values(formats)), hbm_tbps, partial=out, kernels=kernels,
+                           kernel_copies=kernel_copies), out)
 
 
 @bench_app.command("train-step")

@@ -131,9 +131,11 @@ def bench_hf(config: dict[str, Any], batches: list[int], prompt_len: int, new_to
 
 def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], prompt_len: int,
                  new_tokens: int, lora_rank: int, hbm_tbps: float, device: str = "cuda",
-                 emit: Emit = lambda row: None) -> list[dict]:
+                 emit: Emit = lambda row: None, kernel_copies: bool = True) -> list[dict]:
     """Our engine on a random model in `base_format` with LoRA attached, one row per batch size
-    (`device="cpu"` only to smoke-test this code on tiny shapes)."""
+    (`device="cpu"` only to smoke-test this code on tiny shapes). `kernel_copies=False`: no
+    humming copies of NVFP4 weights, as a run whose memory plan leaves them out (a MoE's experts
+    then decode from their 4-bit stacks)."""
     _free()
     t0 = time.perf_counter()
     model = init_random_model(config, base_format=base_format, device=device,
@@ -154,7 +156,7 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
         step_weight_bytes = weight_bytes - embed_bytes - expert_bytes + round(share * expert_bytes)
         limits = plan_limits(dcfg, max_seq_len=prompt_len + new_tokens, max_batch=batch,
                              cuda_graphs=device == "cuda")
-        engine = Engine(model, limits)
+        engine = Engine(model, limits, kernel_copies=kernel_copies)
         prompts = _prompts(batch, prompt_len, config["vocab_size"], seed=1)
         # Warm-up: compile the kernels this batch uses, then capture every decode graph (batch x
         # attended length) so that no capture lands in the timed run.
@@ -173,6 +175,7 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
         bound_s = (step_weight_bytes + kv_bytes) / (hbm_tbps * 1e12)
         rows.append({
             "impl": "qerl-engine", "format": base_format, "batch": batch, "new_tokens": new_tokens,
+            "kernel_copies": kernel_copies,
             "generated_tokens": generated, "all_ran_to_length": generated == batch * new_tokens,
             "tokens_per_s": generated / total, "decode_step_ms": 1e3 * step_s,
             "decode_steps": out.decode_steps, "prefill_s": out.prefill_seconds, "total_s": total,
@@ -236,17 +239,18 @@ def targets(rows: list[dict]) -> list[dict]:
 def run_rollout_bench(shapes: list[str], batches: list[int], prompt_len: int = 256, new_tokens: int = 512,
                       hf_new_tokens: int = 64, hf_batches: list[int] | None = None, lora_rank: int = 32,
                       formats: tuple[str, ...] = ("bf16", "nvfp4"), hbm_tbps: float = 4.2,
-                      partial: Path | None = None, kernels: str = "deterministic") -> dict[str, Any]:
+                      partial: Path | None = None, kernels: str = "deterministic",
+                      kernel_copies: bool = True) -> dict[str, Any]:
     """Every row, then the targets. `partial`: rewritten after each row, so a run cut short by a
     time limit still leaves what it measured. `kernels`: the NVFP4 dispatch column (deterministic
-    or fast)."""
+    or fast). `kernel_copies`: whether the engine makes humming's copies (`bench_engine`)."""
     if not torch.cuda.is_available():
         raise QerlError("bench rollout measures GPU generation and needs a CUDA GPU; none is visible here")
     device = torch.device("cuda", torch.cuda.current_device())
     dispatch.configure(dispatch.table_for(device), deterministic=kernels == "deterministic")
     settings = {"prompt_len": prompt_len, "new_tokens": new_tokens, "hf_new_tokens": hf_new_tokens,
                 "lora_rank": lora_rank, "sampling": "temperature 1.0, no top-p/top-k, no stop token",
-                "hbm_tbps_for_bound": hbm_tbps, "kernels": kernels}
+                "hbm_tbps_for_bound": hbm_tbps, "kernels": kernels, "kernel_copies": kernel_copies}
     rows: list[dict] = []
 
     def result() -> dict[str, Any]:
@@ -264,5 +268,6 @@ def run_rollout_bench(shapes: list[str], batches: list[int], prompt_len: int = 2
         if hf_batches != []:
             bench_hf(config, hf_batches or batches, prompt_len, hf_new_tokens, emit)
         for fmt in formats:
-            bench_engine(config, fmt, batches, prompt_len, new_tokens, lora_rank, hbm_tbps, emit=emit)
+            bench_engine(config, fmt, batches, prompt_len, new_tokens, lora_rank, hbm_tbps, emit=emit,
+                         kernel_copies=kernel_copies)
     return result()

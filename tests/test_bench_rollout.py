@@ -57,6 +57,9 @@ def test_moe_rows_on_cpu_bound_the_step_by_the_experts_it_reaches():
     assert one["experts_read_share"] == 0.25 and 0 < one["expert_bytes"] < one["model_bytes"]
     unread = one["expert_bytes"] * (four["experts_read_share"] - one["experts_read_share"])
     assert abs(four["step_bytes_weights"] - one["step_bytes_weights"] - unread) <= 1
+    plain: list[dict] = []  # --no-kernel-copies: the engine is told to make none, and the row says so
+    bench_engine(TINY_MOE, "nvfp4", [1], 8, 3, 2, 4.2, device="cpu", emit=plain.append, kernel_copies=False)
+    assert one["kernel_copies"] and not plain[0]["kernel_copies"] and plain[0]["all_ran_to_length"]
     dense: list[dict] = []  # a dense model: every weight read, as before
     bench_engine(TINY, "bf16", [2], 8, 3, 2, 4.2, device="cpu", emit=dense.append)
     assert dense[0]["expert_bytes"] == 0 and dense[0]["experts_read_share"] == 1.0
