@@ -144,7 +144,7 @@ def test_grouped_w4a16_gemm_on_the_nvfp4_stack(tokens: int, with_active: bool, p
     """Our grouped W4A16 GEMM (`cuda_ext.grouped_gemm`: the decode path of an NVFP4 stack) against
     each expert's dequantized weight, both projections' shapes (N off a 64-row block: padded rows
     must stay out), the grid over the routed experts alone or over all, the default pass for the
-    most rows an expert can get or 8-token passes each CTA loops over; the same bits again."""
+    most rows an expert can get or 8-token passes (more of them in the grid); the same bits again."""
     from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
     from qerl_pipe.kernels import cuda_ext, triton_moe
     from qerl_pipe.model.kernel_copies import stack_expert_buffers

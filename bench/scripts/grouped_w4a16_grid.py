@@ -6,8 +6,8 @@ The grid question: CTAs of experts that got no rows exit at once, but a batch-1 
 of 128 experts, so a grid over all of them launches 16x the CTAs that work. With --sweep, every
 compiled variant of the grouped kernel is timed too (`sweep`, µs by config): the
 default takes tokens per pass from the most rows an expert can get (T), which at T = 64 and about
-4 rows per expert spends most MMAs on empty token columns, where a smaller pass, looped by each
-CTA over its expert's rows, would not.
+4 rows per expert spends most MMAs on empty token columns, where a smaller pass would not (at
+the cost of more passes in the grid, which exit where an expert has no rows left).
 
 python3 bench/scripts/grouped_w4a16_grid.py --out FILE.json [--sweep]
 """

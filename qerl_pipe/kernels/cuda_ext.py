@@ -324,14 +324,14 @@ def _(x, qweight, scales, global_scale, bias, n, k, mt, nb, warps, wk, depth, sp
 
 @torch.library.custom_op("qerl::w4a16_grouped_gemm", mutates_args=())
 def _grouped_op(x: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, offsets: Tensor,
-                active: Optional[Tensor], slots: int, n: int, k: int, mt: int, nb: int, warps: int, wk: int,
-                depth: int) -> Tensor:
-    return _module().grouped_gemm(x, qweight, scales, global_scale, offsets, active, slots, n, k, mt, nb, warps, wk,
-                                  depth, counters(x.device))
+                active: Optional[Tensor], slots: int, n: int, k: int, max_rows: int, mt: int, nb: int, warps: int,
+                wk: int, depth: int) -> Tensor:
+    return _module().grouped_gemm(x, qweight, scales, global_scale, offsets, active, slots, n, k, max_rows, mt, nb,
+                                  warps, wk, depth, counters(x.device))
 
 
 @_grouped_op.register_fake
-def _(x, qweight, scales, global_scale, offsets, active, slots, n, k, mt, nb, warps, wk, depth):
+def _(x, qweight, scales, global_scale, offsets, active, slots, n, k, max_rows, mt, nb, warps, wk, depth):
     return x.new_empty(x.shape[0], n)
 
 
@@ -397,8 +397,8 @@ def grouped_config(max_rows: int) -> GemmConfig:
     """The grouped GEMM's launch config for up to `max_rows` rows per weight: the usual
     register-ring variant for that many tokens per pass, so up to MAX_PASS_TOKENS rows take one
     pass (its CTAs take 32 or 64 rows, which divide any stacked weight's 64-row blocks), one K
-    split, no PDL (the kernel reads the offsets first). Each CTA loops over its weight's passes,
-    so a smaller pass (`grouped_gemm(config=...)`) covers any row count too."""
+    split, no PDL (the kernel reads the offsets first). A smaller pass (`grouped_gemm(config=...)`)
+    runs more of them in the grid's z dimension, each CTA past its weight's rows exiting at once."""
     tokens = min(max(max_rows, 1), MAX_PASS_TOKENS)
     nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
     mt, warps, wk, depth = _VARIANT[nb]
@@ -421,5 +421,5 @@ def grouped_gemm(rows: Tensor, qweight: Tensor, scales: Tensor, global_scale: Te
         raise ValueError(f"{config} is not a compiled grouped GEMM variant; choose one of cuda_ext.grouped_configs()")
     slots = e if active is None else max(1, min(e, rows.shape[0]))
     return _grouped_op(rows, qweight.reshape(-1, *qweight.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
-                       global_scale.reshape(-1), offsets, active, slots, out_features, in_features,
+                       global_scale.reshape(-1), offsets, active, slots, out_features, in_features, max_rows,
                        config.mt, config.nb, config.warps, config.wk, config.depth)

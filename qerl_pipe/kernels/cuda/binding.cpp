@@ -138,8 +138,9 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
 // (int32 [E], the weights with rows first, then -1) lets the grid cover `slots` weights, not E.
 at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& global_scale, const at::Tensor& offsets,
-                        const c10::optional<at::Tensor>& active, int64_t slots, int64_t n, int64_t k, int64_t mt,
-                        int64_t nb, int64_t warps, int64_t wk, int64_t depth, const at::Tensor& counters) {
+                        const c10::optional<at::Tensor>& active, int64_t slots, int64_t n, int64_t k,
+                        int64_t max_rows, int64_t mt, int64_t nb, int64_t warps, int64_t wk, int64_t depth,
+                        const at::Tensor& counters) {
   const int64_t groups = offsets.numel() - 1;
   TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 && groups > 0 &&
                   offsets.is_contiguous() && offsets.device() == x.device(),
@@ -150,8 +151,8 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& qweight, const at
     TORCH_CHECK(active->is_cuda() && active->scalar_type() == at::kInt && active->is_contiguous() &&
                     active->numel() >= slots && active->device() == x.device(),
                 "active must be a contiguous CUDA int32 tensor of at least `slots` weights on x's device");
-  TORCH_CHECK(qweight.dim() == 3 && qweight.size(0) % groups == 0,
-              "qweight must stack E weights of equal blocks: [E * N/64, K/32, 256]");
+  TORCH_CHECK(qweight.dim() == 3 && qweight.size(0) % groups == 0 && qweight.is_contiguous() && scales.is_contiguous(),
+              "qweight must stack E weights of equal blocks, contiguous: [E * N/64, K/32, 256]");
   const int64_t blocks = qweight.size(0) / groups;
   TORCH_CHECK(global_scale.is_cuda() && global_scale.scalar_type() == at::kFloat && global_scale.numel() == groups &&
                   global_scale.is_contiguous() && global_scale.device() == qweight.device(),
@@ -167,10 +168,11 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& qweight, const at
               "invalid grouped GEMM config: the register-ring kernel (mt 2 or 4, depth > 0)");
   TORCH_CHECK((blocks * qerl_w4a16::kRows) % (warps / wk * 16 * mt) == 0,
               "a CTA's rows must divide each weight's padded rows");
+  TORCH_CHECK(max_rows >= 0, "max_rows must be >= 0");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
-  int64_t splits = 1;  // each CTA loops over its weight's passes: one K split
+  int64_t splits = 1;  // split-K tickets would need a pass index per weight
   const int64_t per_split = chunks_per_split(qweight.size(1), splits);
   qerl_w4a16::GemmParams p =
       base_params(x, qweight, scales, global_scale, out, at::Tensor(), counters, n, k, per_split);
@@ -179,6 +181,7 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& qweight, const at
   p.groups = static_cast<int>(groups);
   p.group_slots = static_cast<int>(slots);
   p.group_blocks = static_cast<int>(blocks);
+  p.group_max_rows = static_cast<int>(max_rows);
   const qerl_w4a16::GemmConfig c{static_cast<int>(mt), static_cast<int>(nb), static_cast<int>(warps),
                                  static_cast<int>(wk), static_cast<int>(depth), 1, 0, 0};
   const cudaError_t err = qerl_w4a16::launch_gemm(p, c, c10::cuda::getCurrentCUDAStream());

@@ -501,21 +501,16 @@ __global__ void __launch_bounds__(WN * WK * 32) gemm_kernel(const GemmParams p) 
   gemm_pass<MT, NB, WN, WK, DEPTH>(p, at, red);
 }
 
-// Grouped (grid z of 1): each CTA runs every pass of its expert's rows in turn, however many, so
-// the pass size can follow the rows an expert usually gets rather than the most it can. A kernel
-// of its own: the loop keeps more state live, which the plain kernels need not pay for.
+// Grouped: the pass of the grid's z index over this CTA's expert's rows. A kernel of its own, so
+// that the plain kernels compile without the grouped bookkeeping (`Rows<true>`).
 template <int MT, int NB, int WN, int WK, int DEPTH>
 __global__ void __launch_bounds__(WN * WK * 32) grouped_kernel(const GemmParams p) {
-  Place<MT, WN, WK, NB, true> at(p);
-  const int rows = at.rows.m(p);
-  if (rows == 0) return;  // an expert without rows, or a slot past the routed ones
+  const Place<MT, WN, WK, NB, true> at(p);
+  // An expert without rows, a slot past the routed ones, or a pass past its expert's rows: the
+  // whole CTA alike (its rows lie within one expert's).
+  if (at.m0 >= at.rows.m(p)) return;
   __shared__ float4 red[WK > 1 ? (WK - 1) * WN * 32 * MT * NB : 1];
-  while (true) {
-    gemm_pass<MT, NB, WN, WK, DEPTH>(p, at, red);
-    at.m0 += 8 * NB;
-    if (at.m0 >= rows) return;
-    __syncthreads();  // the next pass reuses `red`
-  }
+  gemm_pass<MT, NB, WN, WK, DEPTH>(p, at, red);
 }
 
 // Staged kernel: weights and activations both go through a STAGES-deep shared-memory pipeline of
@@ -932,9 +927,10 @@ template <class Kernel>
 cudaError_t launch(Kernel kernel, const GemmParams& p, int cta_rows, int nb, int threads, int smem, int splits,
                    bool pdl, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  const bool grouped = p.group_offsets != nullptr;  // one pass in the grid: the CTAs loop over theirs
+  const bool grouped = p.group_offsets != nullptr;
   const int rows = grouped ? p.group_slots * p.group_blocks * kRows : p.N;
-  cfg.gridDim = dim3((rows + cta_rows - 1) / cta_rows, splits, grouped ? 1 : (p.M + 8 * nb - 1) / (8 * nb));
+  const int tokens = grouped ? p.group_max_rows : p.M;  // the most rows one expert can get
+  cfg.gridDim = dim3((rows + cta_rows - 1) / cta_rows, splits, (tokens + 8 * nb - 1) / (8 * nb));
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -1031,12 +1027,14 @@ int gemm_blocks_per_sm(const GemmConfig& c) {
 cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
   if (p.group_offsets != nullptr) {
-    // One K split (each CTA loops over its expert's passes); a CTA must not straddle two weights;
-    // the offsets are read at the start (no PDL); the epilogue's LoRA and bias take one weight.
-    if (c.stages != 0 || c.splits != 1 || c.pdl || p.group_blocks <= 0 || p.groups <= 0 || p.group_slots <= 0 ||
-        p.group_slots > p.groups || (p.group_blocks * kRows) % ((c.warps / c.wk) * 16 * c.mt) != 0 ||
+    // One K split (its tickets would need a pass index per expert); a CTA must not straddle two
+    // weights; the offsets are read at the start (no PDL); the epilogue's LoRA and bias take one
+    // weight.
+    if (c.stages != 0 || c.wk <= 0 || c.splits != 1 || c.pdl || p.group_blocks <= 0 || p.groups <= 0 ||
+        p.group_slots <= 0 || p.group_slots > p.groups || (p.group_blocks * kRows) % ((c.warps / c.wk) * 16 * c.mt) != 0 ||
         p.lora_b != nullptr || p.bias != nullptr)
       return cudaErrorInvalidConfiguration;
+    if (p.group_max_rows <= 0) return cudaSuccess;
 #define QERL_W4A16_GROUPED_DISPATCH(MT, NB, WN, WK, D)                                              \
   if (c.mt == MT && c.nb == NB && c.warps == WN * WK && c.wk == WK && c.depth == D)                  \
     return launch(grouped_kernel<MT, NB, WN, WK, D>, p, WN * 16 * MT, NB, WN * WK * 32, 0, 1, false, stream);

@@ -34,14 +34,14 @@ struct GemmParams {
   // Grouped (a MoE layer's experts), or null: `groups` weights stacked along their 64-row blocks,
   // `group_blocks` blocks each, N one weight's rows. Weight e multiplies rows group_offsets[e] to
   // group_offsets[e + 1] of x (int64 [groups + 1] on the device; M = the last) into the same rows
-  // of out, with global_scale[e], each CTA looping over its weight's passes. The grid has
-  // group_slots slots of a weight's blocks: slot s serves weight group_active[s] (int32 on the
-  // device, the weights with rows first, -1 past them: a batch-1 step launches 8 experts' CTAs,
-  // not 128), or weight s where group_active is null. The register-ring kernel, one K split, no
-  // LoRA, no bias, no PDL (the offsets are read first).
+  // of out, with global_scale[e]; no weight gets more than group_max_rows of them (the grid's
+  // passes). The grid has group_slots slots of a weight's blocks: slot s serves weight
+  // group_active[s] (int32 on the device, the weights with rows first, -1 past them: a batch-1
+  // step launches 8 experts' CTAs, not 128), or weight s where group_active is null. The
+  // register-ring kernel, one K split, no LoRA, no bias, no PDL (the offsets are read first).
   const int64_t* group_offsets;
   const int* group_active;
-  int groups, group_slots, group_blocks;
+  int groups, group_slots, group_blocks, group_max_rows;
 };
 
 // Launch config of the decode GEMM: rows per warp = 16 * mt (2 or 4 m16 tiles), tokens per pass
