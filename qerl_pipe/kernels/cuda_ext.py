@@ -411,8 +411,10 @@ def grouped_gemm(rows: Tensor, qweight: Tensor, scales: Tensor, global_scale: Te
     """E weights' `rows @ W_e^T` in one launch, straight from their NVFP4 stack (no dequantize):
     `qweight` [E, NB, KC, 256] and `scales` [E, NB, KC, 128] in the tiled layout, `global_scale`
     [E] or [E, 1]; bf16 `rows` [R, K] sorted by weight, weight e's at offsets[e]:offsets[e + 1]
-    (int64 [E + 1]); at most `max_rows` rows per weight; `active` (int32 [E], the weights with
-    rows first, then -1) limits the grid to min(E, R) weights' CTAs. Deterministic (no split-K).
+    (int64 [E + 1], nondecreasing from 0 to R: the kernel trusts them, as it reads them on the
+    device; a row outside every range is not written); at most `max_rows` rows per weight;
+    `active` (int32 [E], the weights with rows first, then -1) limits the grid to min(E, R)
+    weights' CTAs. Deterministic (no split-K).
     `config` (one of `grouped_configs()`) overrides `grouped_config`, for the probes that compare
     them."""
     e = qweight.shape[0]
