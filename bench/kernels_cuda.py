@@ -46,7 +46,7 @@ def copy_ceiling_tbps() -> float:
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[cuda_ext.GemmConfig]:
     """The default config, the other compiled variants with its tokens per pass (each with its
-    own `choose_splits`, and the staged ones also unsplit and at half that), the wgmma variants
+    own `choose_splits`), the wgmma variants
     from M = 33 on (at 1, 2 and 4 splits and their own `choose_splits`), and the default's K
     splits halved, doubled and off."""
     base = cuda_ext.default_config(m, n, k, sms)
@@ -59,8 +59,6 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[cuda_ext.GemmConfig]:
         elif c.nb == base.nb and replace(c, splits=base.splits) != base:
             s = cuda_ext.choose_splits(m, n, k, c, sms, cuda_ext.blocks_per_sm(c))
             out.append(replace(c, splits=s))
-            if c.stages:
-                out += [replace(c, splits=1), replace(c, splits=max(1, s // 2))]
     for s in (1, base.splits // 2, base.splits * 2):
         if s >= 1:
             out.append(replace(base, splits=s))

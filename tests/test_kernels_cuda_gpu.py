@@ -6,6 +6,8 @@ allocator hands the poisoned block to the kernel's output), so an unwritten elem
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -156,22 +158,23 @@ def test_scales_of_every_byte_and_sign() -> None:
 def test_chained_launches_overlap_safely(m: int) -> None:
     """Each launch reads the previous one's output: with programmatic dependent launch the
     next kernel starts early, so its wait before reading x (and before writing) must hold. The
-    configs alternate between the default and one that stages x in shared memory, split K (from
-    33 tokens the wgmma kernel, whose launch writes x in fragment order first)."""
+    configs alternate between the default and another compiled variant of its pass size, split K
+    (from 33 tokens the wgmma kernel, whose launch writes x in fragment order first)."""
     layers = [_weight(2048, 2048, 20 + i)[0] for i in range(4)]
     x = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    nb = 1 if m <= 8 else 4 if m <= 32 else 8
-    staged = None
+    default = cuda_ext.default_config(m, 2048, 2048, sms)
+    other = None
     if m > 32:
-        staged = next(c for c in cuda_ext.compiled_configs(3) if c.mt == 1 and 8 * c.nb >= m)
+        other = next(c for c in cuda_ext.compiled_configs(3) if c.mt == 1 and 8 * c.nb >= m)
     elif m > 8:
-        staged = next(c for c in cuda_ext.compiled_configs(3) if c.stages and c.nb == nb)
+        other = next(c for c in cuda_ext.compiled_configs(3)
+                     if c.mt != 1 and c.nb == default.nb and replace(c, splits=default.splits) != default)
 
     def chain(pdl: bool) -> torch.Tensor:
         y = x
         for i, tq in enumerate(layers):
-            cfg = staged if staged is not None and i % 2 else cuda_ext.default_config(m, 2048, 2048, sms)
+            cfg = other if other is not None and i % 2 else default
             y = cuda_ext.gemm(y, tq, config=cuda_ext.GemmConfig(**{**cfg.__dict__, "pdl": pdl}))
         return y
 

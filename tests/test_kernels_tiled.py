@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -121,14 +122,12 @@ def _mma(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]], -1)
 
 
-def emulate_gemm(t: TiledNVFP4, x: torch.Tensor, mt: int, nb: int, wk: int, staged: bool) -> torch.Tensor:
+def emulate_gemm(t: TiledNVFP4, x: torch.Tensor, mt: int, nb: int, wk: int) -> torch.Tensor:
     """out = x @ W^T as one CTA column of the kernels computes it, lane by lane: the A fragments
     of `_fragments` for the warp tile's m16 tiles (MT = 2: tiles 2 * pair0 + i), B fragments from
     the lane's 16-byte piece of x (token m0 + 8b + g, columns 8t..8t + 7 of the chunk; b0 = its
-    elements 4j, 4j + 1, b1 = 4j + 2, 4j + 3) either loaded directly or, staged, through the shared
-    stage's index arithmetic (copy: piece i -> chunk i // (8 NB * 4), token (i % (32 NB)) // 4,
-    part i % 4; read: wk * 32 NB + (8b + g) * 4 + t), MMAs by `_mma`, K-warps summed, and the C
-    fragments scattered as `for_each_output` does."""
+    elements 4j, 4j + 1, b1 = 4j + 2, 4j + 3) loaded directly, MMAs by `_mma`, K-warps summed, and
+    the C fragments scattered as `for_each_output` does."""
     frag = _fragments(t)
     n_blocks, kc = t.qweight.shape[:2]
     m, k = x.shape
@@ -146,21 +145,12 @@ def emulate_gemm(t: TiledNVFP4, x: torch.Tensor, mt: int, nb: int, wk: int, stag
             nblock, pair0 = divmod(warp_tile, 4 // mt)
             acc = torch.zeros(mt, nb, 32, 4, dtype=torch.float64)
             for c in range(-(-kc // wk)):  # chunk groups; K-warp w takes chunk c * wk + w
-                stage = None
-                if staged:  # the CTA's copy of group c: piece i of chunk c * wk + i // (32 nb)
-                    i = torch.arange(wk * nb * 32)
-                    chunk_of, r = i // (nb * 32), i % (nb * 32)
-                    stage = torch.stack([piece(m0 + r[q:q + 1] // 4, c * wk + int(chunk_of[q]), r[q:q + 1] % 4)[0]
-                                         for q in range(len(i))])
                 for w in range(wk):
                     chunk = c * wk + w
                     if chunk >= kc:
-                        continue  # staged: zero-filled; ring: the warp has no such chunk
+                        continue  # the warp has no such chunk
                     for b in range(nb):
-                        if staged:
-                            xv = stage[w * nb * 32 + (b * 8 + g) * 4 + tt]  # [32, 8]
-                        else:
-                            xv = piece(m0 + b * 8 + g, chunk, tt)
+                        xv = piece(m0 + b * 8 + g, chunk, tt)
                         for j in range(2):
                             bfrag = xv[:, 4 * j:4 * j + 4].reshape(32, 2, 2)
                             for tile in range(mt):
@@ -276,14 +266,13 @@ def test_emulated_gemm_matches_the_reference(m: int, n: int, k: int) -> None:
     assert torch.equal(got, x @ _exact(w).T)
 
 
-@pytest.mark.parametrize(("mt", "nb", "wk", "staged"),
-                         [(4, 1, 1, False), (2, 2, 4, False), (4, 1, 8, True), (4, 2, 2, True), (4, 8, 1, True)])
-def test_emulated_lanes_compute_the_product(mt: int, nb: int, wk: int, staged: bool) -> None:
-    """The activation side too: B fragments, the staged copy's index arithmetic and the C scatter,
-    with an M tail, N padded to 64 and K % 32 == 16."""
+@pytest.mark.parametrize(("mt", "nb", "wk"), [(4, 1, 1), (2, 2, 4), (4, 1, 8), (4, 2, 2), (2, 8, 4)])
+def test_emulated_lanes_compute_the_product(mt: int, nb: int, wk: int) -> None:
+    """The activation side too: B fragments and the C scatter, with an M tail, N padded to 64 and
+    K % 32 == 16."""
     w = _random_weight(100, 112, 11, odd_scales=True)
     x = torch.randn(8 * nb + 3, 112, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).double()
-    got = emulate_gemm(tile_nvfp4(w), x, mt, nb, wk, staged)
+    got = emulate_gemm(tile_nvfp4(w), x, mt, nb, wk)
     ref = x @ _exact(w).T
     assert float((got - ref).abs().max()) <= 1e-9 * float(ref.abs().max())
 
@@ -348,8 +337,7 @@ def test_compiled_configs_match_the_sources() -> None:
         block = src[src.index(f"#define {macro}(X)"):src.index(end)]
         return tuple(tuple(int(v) for v in m.split(",")) for m in re.findall(r"X\(([\d, ]+)\)", block))
 
-    assert listed("QERL_W4A16_CONFIGS", "#define QERL_W4A16_STAGED") == cuda_ext.COMPILED
-    assert listed("QERL_W4A16_STAGED", "#define QERL_W4A16_WGMMA") == cuda_ext.STAGED
+    assert listed("QERL_W4A16_CONFIGS", "#define QERL_W4A16_WGMMA") == cuda_ext.COMPILED
     assert listed("QERL_W4A16_WGMMA", "#define QERL_W4A16_GROUPED") == cuda_ext.WGMMA
     assert listed("QERL_W4A16_GROUPED", "int gemm_blocks_per_sm") == cuda_ext.GROUPED
     # The default grouped launch of every pass size is compiled.
@@ -363,6 +351,15 @@ def test_table_configs_are_compiled() -> None:
     for key, c in configs.items():
         assert (c["mt"], c["nb"], c["warps"], c["wk"], c["depth"], c.get("stages", 0)) in compiled, key
         assert c["splits"] >= 1
+
+
+def test_every_compiled_variant_is_launched() -> None:
+    """No dead variants: each compiled config is a shipped table row's or a pass size's default."""
+    _, configs = cuda_ext._table()
+    launched = {replace(cuda_ext.GemmConfig(**c), splits=1) for c in configs.values()}
+    launched |= {cuda_ext.default_config(m, 5, 5, 1, per_sm=1) for m in (1, 16, 32, 64)}  # no table row there
+    launched = {replace(c, splits=1) for c in launched}
+    assert set(cuda_ext.compiled_configs()) == launched
 
 
 def test_table_override(tmp_path: Path, monkeypatch) -> None:
@@ -430,7 +427,7 @@ def test_sources_compile_for_sm90a_without_spills(tmp_path: Path) -> None:
     report = proc.stdout + proc.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
     # every variant, the dequantize pass and the wgmma kernel's fragment-order copy of x
-    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.STAGED) + len(cuda_ext.WGMMA) + len(cuda_ext.GROUPED) + 2
+    assert len(kernels) == len(cuda_ext.COMPILED) + len(cuda_ext.WGMMA) + len(cuda_ext.GROUPED) + 2
     assert "C7513" not in report, "ptxas serialized the wgmma kernel's MMAs: " + report[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report[-2000:]

@@ -1,11 +1,11 @@
 """Run decode-GEMM configs on 7B layers for ncu to profile (two launches each; profile the second).
 
-`ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:'gemm_kernel|staged_kernel'
+`ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:gemm_kernel
 python3 bench/scripts/profile_gemm.py [--m 64]`: at M = 64 it runs, on 7B gate_up and o, the best
-register-ring config (and the same split in two on o) and the best staged config of
-bench/results/kernels-cuda-h200.json (84544ba). `--defaults` runs instead, on all four 7B layers,
-the config the engine launches at that M (`cuda_ext.default_config`: the H200 table's), i.e. what a
-decode step profiles.
+register-ring config of bench/results/kernels-cuda-h200.json (84544ba), and on o the same split in
+two (the staged kernel it also profiled then was deleted: no table row picked it). `--defaults`
+runs instead, on all four 7B layers, the config the engine launches at that M
+(`cuda_ext.default_config`: the H200 table's), i.e. what a decode step profiles.
 """
 import argparse
 
@@ -17,8 +17,8 @@ from qerl_pipe.kernels.tiled import tile_nvfp4
 
 RING = cuda_ext.GemmConfig(2, 8, 4, 4, 2, 1)
 CONFIGS = {
-    "gate_up": (37888, 3584, [RING, cuda_ext.GemmConfig(4, 8, 4, 1, 0, 1, stages=5)]),
-    "o": (3584, 3584, [RING, cuda_ext.GemmConfig(2, 8, 4, 4, 2, 2), cuda_ext.GemmConfig(4, 8, 4, 2, 0, 4, stages=4)]),
+    "gate_up": (37888, 3584, [RING]),
+    "o": (3584, 3584, [RING, cuda_ext.GemmConfig(2, 8, 4, 4, 2, 2)]),
 }
 LAYERS_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 

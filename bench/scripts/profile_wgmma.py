@@ -2,7 +2,8 @@
 
 `ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis
 -k regex:wgmma_kernel python3 bench/scripts/profile_wgmma.py`: M = 64 and 256 at the configs the
-sweep (bench/scripts/wgmma_sweep.py) found fastest there.
+engine launches there (`cuda_ext.default_config`: the shipped table's rows, which the sweep,
+bench/scripts/wgmma_sweep.py, chose).
 """
 import torch
 
@@ -10,7 +11,8 @@ from qerl_pipe.formats.nvfp4 import quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.tiled import tile_nvfp4
 
-RUNS = {64: cuda_ext.GemmConfig(1, 8, 4, 1, 0, 1, stages=4), 256: cuda_ext.GemmConfig(1, 16, 8, 1, 0, 1, stages=4)}
+SMS = cuda_ext.sm_count(torch.device("cuda"))
+RUNS = {m: cuda_ext.default_config(m, 37888, 3584, SMS) for m in (64, 256)}
 
 tq = tile_nvfp4(quantize_nvfp4_in_row_chunks(torch.randn(37888, 3584, device="cuda") * 0.02, name="gate_up"))
 for m, cfg in RUNS.items():

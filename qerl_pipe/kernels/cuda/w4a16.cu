@@ -47,13 +47,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
                : "memory");
 }
-// The same for weights, which are read once: first in line for eviction from L2.
-__device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem, bool valid, uint64_t policy) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(gmem),
-               "r"(valid ? 16 : 0), "l"(policy)
-               : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -513,99 +506,6 @@ __global__ void __launch_bounds__(WN * WK * 32) grouped_kernel(const GemmParams 
   gemm_pass<MT, NB, WN, WK, DEPTH>(p, at, red);
 }
 
-// Staged kernel: weights and activations both go through a STAGES-deep shared-memory pipeline of
-// cp.async copies, so the bytes in flight no longer cost registers (which 64 rows x 64 tokens of
-// fp32 accumulators take) and a warp can own a whole 64-row block. Stage s holds one group of WK
-// consecutive chunks: their activations (8 * NB tokens x 32 columns each, shared by the CTA's WN
-// warp tiles) and, per warp, its chunk's 1024 B of codes and 128 B of scales (copied and read by
-// that warp alone). Chunks past the split's end are zero-filled, so every warp runs every group.
-template <int NB, int WN, int WK, int STAGES>
-struct StagedShape {
-  static constexpr int kXVecs = WK * NB * 32;           // uint4s of activations per stage
-  static constexpr int kWarpVecs = kWords / 4 + kScaleBytes / 16;  // 64 + 8 uint4s per warp
-  static constexpr int kStageVecs = kXVecs + WN * WK * kWarpVecs;
-  static constexpr int kRedVecs = (WK - 1) * WN * 32 * 4 * NB;
-  static constexpr int kBytes = 16 * (STAGES * kStageVecs > kRedVecs ? STAGES * kStageVecs : kRedVecs);
-};
-
-template <int NB, int WN, int WK, int STAGES>
-__global__ void __launch_bounds__(WN * WK * 32, 1) staged_kernel(const GemmParams p) {
-  constexpr int MT = 4;
-  using Shape = StagedShape<NB, WN, WK, STAGES>;
-  static_assert(STAGES >= 2, "a pipeline needs two stages");
-  extern __shared__ uint4 smem[];
-  const Place<MT, WN, WK, NB> at(p);
-  at.prefetch_lora_rows(p);
-  const int warp = threadIdx.x >> 5;
-  const int groups = (at.kc1 - at.kc0 + WK - 1) / WK;
-  // A warp past N (the last CTA column) streams the last real block instead (L2 hits, results
-  // dropped): it must join every barrier of its CTA.
-  const int wblock = at.nblock < at.n_blocks ? at.nblock : at.n_blocks - 1;
-  const uint64_t policy = evict_first_policy();
-
-  auto weights_of_group = [&](int c) {  // this warp's chunk of group c
-    const int chunk = at.kc0 + c * WK + at.wk;
-    const bool ok = chunk < at.kc1;
-    const size_t base = (size_t)wblock * p.KC + (ok ? chunk : at.kc0);
-    uint4* dst = smem + (c % STAGES) * Shape::kStageVecs + Shape::kXVecs + warp * Shape::kWarpVecs;
-#pragma unroll
-    for (int i = at.lane; i < Shape::kWarpVecs; i += 32) {
-      const void* src = i < kWords / 4 ? static_cast<const void*>(p.qweight + base * (kWords / 4) + i)
-                                       : static_cast<const void*>(p.scales + base * kScaleBytes + (i - kWords / 4) * 16);
-      cp_async16_stream(dst + i, src, ok, policy);
-    }
-  };
-  auto x_of_group = [&](int c) {
-    uint4* dst = smem + (c % STAGES) * Shape::kStageVecs;
-    for (int i = threadIdx.x; i < Shape::kXVecs; i += WN * WK * 32) {
-      const int w = i / (NB * 32), r = i % (NB * 32);
-      const int chunk = at.kc0 + c * WK + w;
-      const int token = at.m0 + (r >> 2);
-      const int col = chunk * kCols + (r & 3) * 8;
-      const bool ok = chunk < at.kc1 && token < p.M && col < p.K;
-      cp_async16(dst + i, p.x + (ok ? (size_t)token * p.ldx + col : 0), ok);
-    }
-  };
-
-  float acc[MT][NB][4];
-  zero(acc);
-
-  // Weights do not depend on the previous kernel: under programmatic dependent launch the first
-  // stages' weights stream while it finishes (one commit group); x only after the wait.
-  for (int s = 0; s < STAGES - 1; ++s)
-    if (s < groups) weights_of_group(s);
-  cp_async_commit();
-  grid_dependency_wait();
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < groups) x_of_group(s);
-    cp_async_commit();
-  }
-  for (int c = 0; c < groups; ++c) {
-    // Group c's copies are the first c + 2 commit groups of this thread; S + c are committed.
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // group c has landed for every thread; stage (c - 1) % STAGES is free again
-    if (c + STAGES - 1 < groups) {
-      weights_of_group(c + STAGES - 1);
-      x_of_group(c + STAGES - 1);
-    }
-    cp_async_commit();  // an empty group too: the wait above counts groups
-    const uint4* stage = smem + (c % STAGES) * Shape::kStageVecs;
-    const uint4* w = stage + Shape::kXVecs + warp * Shape::kWarpVecs;
-    uint4 codes[2] = {w[at.lane], w[32 + at.lane]};
-    const uint2 sw = reinterpret_cast<const uint2*>(w + kWords / 4)[at.g * 2 + (at.t >> 1)];
-    const uint32_t scales[2] = {sw.x, sw.y};
-    uint32_t a[MT][2][4];
-    decode_chunk<MT>(codes, scales, a);
-    const uint4* xc = stage + at.wk * NB * 32 + at.g * 4 + at.t;
-#pragma unroll
-    for (int b = 0; b < NB; ++b) mma_block<MT, NB>(acc, a, b, xc[b * 32]);
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the pipeline's shared memory becomes the K-warp reduction buffer
-  launch_dependents();
-  finish_tile(p, at, acc, reinterpret_cast<float4*>(smem));
-}
-
 // wgmma kernel (M = 33-256 per pass): a warpgroup owns one 64-row block and each of its warps one
 // m16 tile; the warps decode their weights from shared memory into registers (the A operand of
 // wgmma.m64nNk16, whose per-warp register layout is mma.m16n8k16's) and the tensor cores read the
@@ -942,15 +842,6 @@ cudaError_t launch(Kernel kernel, const GemmParams& p, int cta_rows, int nb, int
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-template <int NB, int WN, int WK, int S>
-const void* staged_ready() {
-  // Opt in to more than 48 KB of dynamic shared memory once per kernel.
-  static const cudaError_t err = cudaFuncSetAttribute(staged_kernel<NB, WN, WK, S>,
-                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      StagedShape<NB, WN, WK, S>::kBytes);
-  return err == cudaSuccess ? reinterpret_cast<const void*>(staged_kernel<NB, WN, WK, S>) : nullptr;
-}
-
 template <int P, int WG, int S>
 const void* wgmma_ready() {
   static const cudaError_t err = cudaFuncSetAttribute(wgmma_kernel<P, WG, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -981,22 +872,17 @@ int fragment_rows(const GemmConfig& c, int M) {
   return (M + tokens - 1) / tokens * tokens;
 }
 
-// The compiled configs. Register ring: (rows per warp / 16, tokens per pass / 8, warps along N,
-// warps along K, chunks in flight per warp). Staged (64 rows per warp): (tokens per pass / 8,
-// warps along N, warps along K, pipeline stages). Keep in step with COMPILED and STAGED in
-// cuda_ext.py (a CPU test checks). wgmma (a warpgroup per 64-row block, mt = 1): (64-token blocks
-// per pass, warpgroups per CTA, pipeline stages); in step with WGMMA in cuda_ext.py.
+// The compiled configs: those a row of the shipped config table (configs-h200.json) or the
+// default variant of a pass size (cuda_ext._VARIANT) launches; variants no row picked were
+// deleted. Register ring: (rows per warp / 16, tokens per pass / 8, warps along N, warps along K,
+// chunks in flight per warp); in step with COMPILED in cuda_ext.py (a CPU test checks). wgmma (a
+// warpgroup per 64-row block, mt = 1): (64-token blocks per pass, warpgroups per CTA, pipeline
+// stages); in step with WGMMA in cuda_ext.py.
 #define QERL_W4A16_CONFIGS(X)                                                                       \
-  X(4, 1, 4, 1, 4) X(4, 1, 1, 4, 4) X(4, 1, 2, 2, 4) X(2, 1, 8, 1, 4) X(4, 1, 1, 8, 4)            \
-  X(2, 1, 1, 8, 4) X(4, 2, 4, 1, 4) X(4, 2, 1, 4, 4) X(4, 2, 2, 2, 4) X(2, 2, 8, 1, 4)            \
-  X(4, 2, 1, 8, 4) X(2, 2, 1, 8, 4) X(4, 4, 4, 1, 2) X(4, 4, 1, 4, 2) X(4, 4, 2, 2, 2)            \
-  X(2, 4, 8, 1, 2) X(2, 8, 4, 1, 2) X(2, 8, 8, 1, 2) X(2, 8, 1, 4, 2) X(2, 8, 2, 2, 2)
-#define QERL_W4A16_STAGED(X)                                                                        \
-  X(1, 4, 1, 8) X(1, 1, 4, 8) X(1, 1, 8, 6) X(2, 4, 1, 8) X(2, 1, 4, 8) X(2, 2, 2, 8)             \
-  X(4, 4, 1, 6) X(4, 2, 2, 6) X(4, 1, 4, 6) X(8, 4, 1, 5) X(8, 2, 2, 4) X(8, 2, 1, 6)
+  X(4, 1, 4, 1, 4) X(4, 1, 1, 4, 4) X(4, 1, 2, 2, 4) X(2, 1, 1, 8, 4) X(4, 2, 1, 4, 4)            \
+  X(2, 2, 8, 1, 4) X(2, 2, 1, 8, 4) X(4, 4, 1, 4, 2) X(2, 4, 8, 1, 2) X(2, 8, 1, 4, 2)
 #define QERL_W4A16_WGMMA(X)                                                                         \
-  X(1, 1, 4) X(1, 1, 6) X(1, 2, 4) X(1, 2, 6) X(2, 1, 4) X(2, 1, 6) X(2, 2, 4) X(2, 2, 6) X(4, 1, 4)  \
-  X(4, 2, 4) X(4, 2, 5)
+  X(1, 1, 4) X(1, 1, 6) X(1, 2, 4) X(1, 2, 6) X(2, 1, 4) X(2, 2, 6) X(4, 2, 4) X(4, 2, 5)
 // Grouped kernels (register ring, as QERL_W4A16_CONFIGS): the default variant of each tokens per
 // pass (cuda_ext._VARIANT) and other 8-token passes; in step with GROUPED in cuda_ext.py.
 #define QERL_W4A16_GROUPED(X)                                                                       \
@@ -1009,12 +895,6 @@ int gemm_blocks_per_sm(const GemmConfig& c) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gemm_kernel<MT, NB, WN, WK, D>, WN * WK * 32, 0);
   QERL_W4A16_CONFIGS(QERL_W4A16_OCCUPANCY)
 #undef QERL_W4A16_OCCUPANCY
-#define QERL_W4A16_STAGED_OCCUPANCY(NB, WN, WK, S)                                                  \
-  if (c.stages == S && c.mt == 4 && c.nb == NB && c.warps == WN * WK && c.wk == WK && staged_ready<NB, WN, WK, S>()) \
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, staged_kernel<NB, WN, WK, S>, WN * WK * 32,        \
-                                                  StagedShape<NB, WN, WK, S>::kBytes);
-  QERL_W4A16_STAGED(QERL_W4A16_STAGED_OCCUPANCY)
-#undef QERL_W4A16_STAGED_OCCUPANCY
 #define QERL_W4A16_WGMMA_OCCUPANCY(P, WG, S)                                                         \
   if (c.mt == 1 && c.stages == S && c.nb == 8 * P && c.warps == 4 * WG && c.wk == 1 && wgmma_ready<P, WG, S>()) \
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, wgmma_kernel<P, WG, S>, WG * 128,                  \
@@ -1047,14 +927,6 @@ cudaError_t launch_gemm(const GemmParams& p, const GemmConfig& c, cudaStream_t s
     return launch(gemm_kernel<MT, NB, WN, WK, D>, p, WN * 16 * MT, NB, WN * WK * 32, 0, c.splits, c.pdl != 0, stream);
   QERL_W4A16_CONFIGS(QERL_W4A16_DISPATCH)
 #undef QERL_W4A16_DISPATCH
-#define QERL_W4A16_STAGED_DISPATCH(NB, WN, WK, S)                                                   \
-  if (c.stages == S && c.mt == 4 && c.nb == NB && c.warps == WN * WK && c.wk == WK) {              \
-    if (staged_ready<NB, WN, WK, S>() == nullptr) return cudaErrorInvalidConfiguration;          \
-    return launch(staged_kernel<NB, WN, WK, S>, p, WN * 64, NB, WN * WK * 32, StagedShape<NB, WN, WK, S>::kBytes, \
-                  c.splits, c.pdl != 0, stream);                                                  \
-  }
-  QERL_W4A16_STAGED(QERL_W4A16_STAGED_DISPATCH)
-#undef QERL_W4A16_STAGED_DISPATCH
 #define QERL_W4A16_WGMMA_DISPATCH(P, WG, S)                                                          \
   if (c.mt == 1 && c.stages == S && c.nb == 8 * P && c.warps == 4 * WG && c.wk == 1) {            \
     if (wgmma_ready<P, WG, S>() == nullptr) return cudaErrorInvalidConfiguration;                  \

@@ -44,12 +44,12 @@ struct GemmParams {
   int groups, group_slots, group_blocks, group_max_rows;
 };
 
-// Launch config of the decode GEMM: rows per warp = 16 * mt (2 or 4 m16 tiles), tokens per pass
-// = 8 * nb (1, 2, 4 or 8 n8 blocks), warps per CTA, of which wk share each warp tile along K,
-// chunks in flight per warp (register-ring kernel), K splits across CTAs, whether the launch may
-// overlap the previous kernel (programmatic dependent launch: weights prefetched before its
-// results are read), and stages: 0 for the register-ring kernel, else the depth of the staged
-// kernel's shared-memory pipeline (weights and activations copied with cp.async; mt = 4).
+// Launch config of the decode GEMM: rows per warp = 16 * mt (2 or 4 m16 tiles; 1: the wgmma
+// kernel, a warpgroup per 64 rows), tokens per pass = 8 * nb (1, 2, 4 or 8 n8 blocks; wgmma 8, 16
+// or 32), warps per CTA, of which wk share each warp tile along K, chunks in flight per warp
+// (register-ring kernel), K splits across CTAs, whether the launch may overlap the previous kernel
+// (programmatic dependent launch: weights prefetched before its results are read), and stages: 0
+// for the register-ring kernel, else the depth of the wgmma kernel's shared-memory pipeline.
 struct GemmConfig {
   int mt, nb, warps, wk, depth, splits, pdl, stages;
 };
