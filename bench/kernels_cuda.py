@@ -46,9 +46,8 @@ def copy_ceiling_tbps() -> float:
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[cuda_ext.GemmConfig]:
     """The default config, the other compiled variants with its tokens per pass (each with its
-    own `choose_splits`), the wgmma variants
-    from M = 33 on (at 1, 2 and 4 splits and their own `choose_splits`), and the default's K
-    splits halved, doubled and off."""
+    own `choose_splits`), the wgmma variants from M = 33 on (at 1, 2 and 4 splits and their own
+    `choose_splits`), and the default's K splits halved, doubled and off."""
     base = cuda_ext.default_config(m, n, k, sms)
     out = [base]
     for c in cuda_ext.compiled_configs():
