@@ -93,6 +93,14 @@ def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,
     emit(run(values(shapes), tuple(values(ms, int)), out, table_out), out)
 
 
+@bench_app.command("fp8-rows")
+def bench_fp8_rows(out: OutOpt = None) -> None:
+    """FP8 rollout rows (fused activation quantization) vs cuBLAS bf16 and our W4A16 GEMM, per 7B layer and M (needs a Hopper GPU and nvcc)."""
+    from bench.fp8_rows import run
+
+    emit(run(out), out)
+
+
 @bench_app.command("rollout")
 def bench_rollout(out: OutOpt = None,
                   shapes: Annotated[list[str], typer.Option("--shapes", help="Model shapes (comma-separated or repeated): qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b.")] = ["qwen2.5-7b"],
@@ -102,7 +110,7 @@ def bench_rollout(out: OutOpt = None,
                   new_tokens: Annotated[int, typer.Option(help="Generated tokens per sequence (no early stop).")] = 512,
                   hf_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence for HF generate (slow).")] = 64,
                   lora_rank: Annotated[int, typer.Option(help="LoRA rank attached to our model.")] = 32,
-                  formats: Annotated[list[str], typer.Option(help="Base formats of our engine: bf16, nvfp4, nf4.")] = ["bf16,nvfp4"],
+                  formats: Annotated[list[str], typer.Option(help="Base formats of our engine: bf16, nvfp4, nf4; '+fp8' after one (nvfp4+fp8) runs FP8 activations (engine.activations=fp8).")] = ["bf16,nvfp4"],
                   hbm_tbps: Annotated[float, typer.Option(help="HBM bandwidth (TB/s) of the lower bound.")] = 4.2,
                   kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too).")] = "deterministic",
                   kernel_copies: Annotated[bool, typer.Option(help="humming's copies of NVFP4 weights; --no-kernel-copies measures what a run whose memory plan leaves them out gets (a MoE's experts then decode from their 4-bit stacks).")] = True) -> None:

@@ -137,6 +137,9 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
     humming copies of NVFP4 weights, as a run whose memory plan leaves them out (a MoE's experts
     then decode from their 4-bit stacks)."""
     _free()
+    label = base_format
+    base_format, _, activations = base_format.partition("+")  # "nvfp4+fp8": FP8 activations
+    activations = activations or "bf16"
     t0 = time.perf_counter()
     model = init_random_model(config, base_format=base_format, device=device,
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
@@ -156,7 +159,7 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
         step_weight_bytes = weight_bytes - embed_bytes - expert_bytes + round(share * expert_bytes)
         limits = plan_limits(dcfg, max_seq_len=prompt_len + new_tokens, max_batch=batch,
                              cuda_graphs=device == "cuda")
-        engine = Engine(model, limits, kernel_copies=kernel_copies)
+        engine = Engine(model, limits, kernel_copies=kernel_copies, activations=activations)
         prompts = _prompts(batch, prompt_len, config["vocab_size"], seed=1)
         # Warm-up: compile the kernels this batch uses, then capture every decode graph (batch x
         # attended length) so that no capture lands in the timed run.
@@ -174,8 +177,8 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
         kv_bytes = batch * mean_context * kv_bytes_per_token(dcfg, model.dtype)
         bound_s = (step_weight_bytes + kv_bytes) / (hbm_tbps * 1e12)
         rows.append({
-            "impl": "qerl-engine", "format": base_format, "batch": batch, "new_tokens": new_tokens,
-            "kernel_copies": kernel_copies,
+            "impl": "qerl-engine", "format": label, "batch": batch, "new_tokens": new_tokens,
+            "kernel_copies": kernel_copies, "activations": engine.activations, "fp8_copy_bytes": engine.fp8_copy_bytes,
             "generated_tokens": generated, "all_ran_to_length": generated == batch * new_tokens,
             "tokens_per_s": generated / total, "decode_step_ms": 1e3 * step_s,
             "decode_steps": out.decode_steps, "prefill_s": out.prefill_seconds, "total_s": total,
@@ -206,6 +209,10 @@ def _row(rows: list[dict], shape: str, impl: str, fmt: str, batch: int) -> dict 
 # NVFP4 over our bf16 engine (tokens/s) per (shape, batch): the RL-step issue's 7B rows, the
 # lean-decode-step issue's 32B rows, issue 35's Qwen3-30B-A3B rows; NVFP4 over NF4 (the QLoRA base, bitsandbytes' kernels where
 # they win) at batch 8, QeRL's claim; and the batch-1 decode step over its HBM lower bound.
+# Issue 47's FP8-activation rows: (shape, batch, label, base label) -> the tokens/s ratio wanted.
+FP8_TARGETS = {("qwen2.5-7b", 64, "nvfp4+fp8", "bf16"): ">= 1.3", ("qwen2.5-7b", 256, "nvfp4+fp8", "bf16"): ">= 1.2",
+               ("qwen2.5-7b", 8, "nvfp4+fp8", "bf16+fp8"): ">= 1.6", ("qwen2.5-7b", 64, "nvfp4+fp8", "bf16+fp8"): ">= 1.0",
+               ("qwen2.5-7b", 1, "nvfp4+fp8", "nvfp4"): ">= 0.98", ("qwen2.5-7b", 8, "nvfp4+fp8", "nvfp4"): ">= 0.98"}
 SPEEDUP_TARGETS = {("qwen2.5-7b", 1): 1.9, ("qwen2.5-7b", 8): 1.8, ("qwen2.5-7b", 64): 1.25,
                    ("qwen2.5-7b", 256): 0.95, ("qwen2.5-32b", 8): 2.5, ("qwen2.5-32b", 64): 1.8,
                    ("qwen3-30b-a3b", 1): 1.5, ("qwen3-30b-a3b", 8): 1.4, ("qwen3-30b-a3b", 64): 1.1}
@@ -228,6 +235,12 @@ def targets(rows: list[dict]) -> list[dict]:
             over = row["step_over_hbm_bound"]
             out.append(target(f"{shape} {fmt} batch 1: decode step over its HBM lower bound", f"<= {want}x",
                               round(over, 3), "x", over <= want))
+    for (shape, batch, label, base_label), want in FP8_TARGETS.items():
+        mine, base = _row(rows, shape, "qerl-engine", label, batch), _row(rows, shape, "qerl-engine", base_label, batch)
+        if mine and base:
+            ratio, least = mine["tokens_per_s"] / base["tokens_per_s"], float(want.split()[1])
+            out.append(target(f"{shape} batch {batch}: {label} tokens/s over {base_label}", f"{want}x", round(ratio, 3),
+                              "x", ratio >= least))
     ours, hf = _row(rows, "qwen2.5-7b", "qerl-engine", "bf16", 64), _row(rows, "qwen2.5-7b", "hf-generate", "bf16", 64)
     if ours and hf:
         ratio = ours["tokens_per_s"] / hf["tokens_per_s"]

@@ -114,6 +114,12 @@ class EngineSection(_Section):
         "repeats an unbroken one); false also lets humming-kernels' stream-K schedule serve the rows where it is "
         "fastest (measured on an H100: the 7B RL step 8 x 8 1.11x bf16 LoRA against 1.076x; docs/kernels.md).",
     )
+    activations: Literal["bf16", "fp8"] = Field(
+        "bf16", description="Rollout activations of the linears: fp8 runs them with per-token E4M3 activations on an "
+        "FP8 copy of the base (a byte per weight, planned as a kernel copy; GPUs with FP8 tensor cores: Ada, Hopper "
+        "and newer), where it is faster than the base's own kernels (docs/kernels.md); the training forward stays "
+        "bf16, and train.tis_cap defaults to 2 to correct the mismatch. nvfp4 and bf16 bases.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the engine runs (and is tuned).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Activation, KV-cache and dense-weight dtype; auto is bfloat16 on CUDA, float32 on "
@@ -242,7 +248,9 @@ class TrainSection(_Section):
     overlong: OverlongSection = Field(default_factory=OverlongSection)
     dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
     tis_cap: float | None = Field(
-        None, ge=1, description="Truncated importance sampling of the rollout/trainer mismatch; null = off."
+        None, ge=1, description="Truncated importance sampling of the rollout/trainer mismatch (token-level, "
+        "weight min(trainer / rollout probability, cap)); null = off. Unset, it is 2 when the engine runs FP8 "
+        "activations (engine.activations=fp8), as verl and TRL correct FP8 rollouts.",
     )
     rewards: RewardsSection = Field(default_factory=RewardsSection)
     checkpoint_every: int = Field(10, ge=0, description="Checkpoint every N steps (and at the end); 0 = end only.")

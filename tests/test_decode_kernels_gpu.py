@@ -120,19 +120,19 @@ def test_add_rms_norm_matches_reference(dtype, hidden):
     shrink = (torch.randn(96, hidden, generator=gen, device="cuda") * hidden ** -0.5).to(dtype)
     for residual in (None, r):
         ref, ref_h = decode_ops.add_rms_norm_reference(x, residual, weight, noise, 1e-6)
-        got, got_h, _ = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6)
+        got, got_h, _, _ = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6)
         assert torch.equal(got_h, ref_h)  # the residual add rounds once, as torch's does
         # One bf16 step at most (the mean's sum runs in another order).
         torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5)
         # With the LoRA shrink fused: the same normed bits, and u = normed @ A^T (fp32 sums of the
         # rounded normed values, one rounding) next to the matmul on the kernel's own output.
-        fused, fused_h, u = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, shrink)
+        fused, fused_h, u, _ = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, shrink)
         assert torch.equal(fused, got) and torch.equal(fused_h, got_h)
         exact = (got.double() @ shrink.double().t())
         tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
         assert float((u.double() - exact).abs().max()) <= tol * float(exact.abs().max()) + 1e-6
         # Row-wise: a row alone gives the same bits.
-        alone, _, alone_u = triton_decode.launch_add_rms_norm(
+        alone, _, alone_u, _ = triton_decode.launch_add_rms_norm(
             x[3:4], None if residual is None else residual[3:4], weight, noise, 1e-6, shrink)
         assert torch.equal(alone, got[3:4]) and torch.equal(alone_u, u[3:4])
 

@@ -154,8 +154,8 @@ def _run_norm_case(seed: int) -> dict:
     out = {}
     for name, residual, offset in (("no-residual", None, 0.0), ("residual", r, 0.0), ("offset", r, 1.0)):
         ref, ref_h = decode_ops.add_rms_norm_reference(x, residual, weight, noise, 1e-6, offset)
-        got, got_h, none = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, None, offset)
-        fused, fused_h, u = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, shrink, offset)
+        got, got_h, none, _ = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, None, offset)
+        fused, fused_h, u, _ = triton_decode.launch_add_rms_norm(x, residual, weight, noise, 1e-6, shrink, offset)
         alone = triton_decode.launch_add_rms_norm(x[1:2], None if residual is None else r[1:2], weight, noise, 1e-6,
                                                   shrink, offset)[2]
         out[name] = {"max_err": float((got - ref).abs().max()), "same_h": bool(torch.equal(got_h, ref_h)),

@@ -15,7 +15,8 @@ reported per base format with the mean and largest |log p - log q| and the token
 No adapter, no AQN noise: the base model as both paths run it.
 
 python3 bench/scripts/rollout_kl.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out FILE.json
-[--prompts 16 --n 4 --new-tokens 128 --bases bf16,nvfp4 --device cuda]
+[--prompts 16 --n 4 --new-tokens 128 --bases bf16,nvfp4,nvfp4+fp8,bf16+fp8 --device cuda]
+('+fp8': the engine runs FP8 activations, engine.activations=fp8; the trainer's forward stays bf16.)
 """
 import argparse
 import json
@@ -58,12 +59,13 @@ def trainer_logprobs(model, prompt: list[int], tokens: list[int], device: torch.
     return logp[0, len(prompt):].double()
 
 
-def measure(model_dir: Path, prompts: list[list[int]], eos: int, base: str, device: torch.device) -> dict:
+def measure(model_dir: Path, prompts: list[list[int]], eos: int, label: str, device: torch.device) -> dict:
+    base, _, activations = label.partition("+")  # "nvfp4+fp8": the rollout runs FP8 activations
     model = load_model(model_dir, base, dtype=torch.bfloat16, device=device)
     config = DecoderConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     limits = plan_limits(config, max_seq_len=max(map(len, prompts)) + args.new_tokens,
                          max_batch=len(prompts) * args.n, cuda_graphs=device.type == "cuda")
-    engine = Engine(model, limits)
+    engine = Engine(model, limits, activations=activations or "bf16")
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, seed=11,
                               stop_token_ids=(eos,))
     out = engine.generate(prompts, args.n, sampling)
@@ -72,7 +74,7 @@ def measure(model_dir: Path, prompts: list[list[int]], eos: int, base: str, devi
         train = trainer_logprobs(model, prompts[out.prompt_index[k]], tokens, device)
         diffs.append(torch.tensor(logps, dtype=torch.float64, device=device) - train)
     d = torch.cat(diffs)  # log p (engine) - log q (trainer), per sampled token
-    row = {"base": base, "sequences": len(out.tokens), "tokens": d.numel(),
+    row = {"base": label, "rollout_activations": engine.activations, "sequences": len(out.tokens), "tokens": d.numel(),
            "kl_k1": float(d.mean()), "kl_k3": float((torch.exp(-d) - 1 + d).mean()),
            "mean_abs_logprob_diff": float(d.abs().mean()), "max_abs_logprob_diff": float(d.abs().max()),
            "engine_cuda_graphs": engine.uses_cuda_graphs}

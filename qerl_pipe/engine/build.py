@@ -23,6 +23,7 @@ import torch
 
 import qerl_pipe
 from qerl_pipe.engine.artifact import ENGINE_FILE, ENGINE_FORMAT_VERSION, device_kind
+from qerl_pipe.engine.fp8 import check_activations
 from qerl_pipe.engine.limits import EngineLimits, plan_limits
 from qerl_pipe.engine.weights import save_engine_model
 from qerl_pipe.errors import QerlError
@@ -57,6 +58,7 @@ class EngineSpec:
     tune_kernels: str  # "auto", "on" or "off"
     dtype: str  # "auto" or a torch dtype's name
     deterministic: bool = True  # NVFP4: the dispatch's deterministic column (kernels.dispatch)
+    activations: str = "bf16"  # the rollout's: "bf16" or "fp8" (engine.fp8)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ def plan_engine(section: EngineSpec, hf_config: dict[str, Any], device: torch.de
             f"({config.max_position_embeddings}); lower engine.max_seq_len"
         )
     cuda = device.type == "cuda"
+    check_activations(section.activations, section.base_format, device)
     four_bit = not base_format(section.base_format).dense
     graphs = _switch(section.cuda_graphs, cuda, cuda, "cuda_graphs", "needs a CUDA device")
     tunable = " or ".join(name for name in NAMES if not base_format(name).dense)
@@ -157,6 +160,7 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
         "kernel_table": table_to_json(table) if table is not None else None,
         "dispatch_table": dispatch_table.to_json() if dispatch_table is not None else None,
         "deterministic": section.deterministic,
+        "activations": section.activations,
         "device": {"type": device.type, "name": device_kind(device)},
         "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "build_seconds": seconds,

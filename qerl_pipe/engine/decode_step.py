@@ -12,6 +12,8 @@ batch of single tokens, in as few kernels as the fused pieces allow:
 - o_proj's LoRA shrink in one kernel (`lora_shrink`);
 - each projection's bias and LoRA expand inside its matmul where the base runs on the CUDA NVFP4
   GEMM (`QuantLinear.inference_forward`).
+With FP8 rollouts (`engine.fp8`) the norm kernel and the gate also write the E4M3 rows of the
+projections that run on FP8 copies at this batch size (no quantization launch of their own).
 On CPU both are their plain-torch references (same structure, same math), which the tests use.
 What sets a family apart runs inside the same kernels: a layer's sliding window and score cap in
 the attention kernel (blocks before the window are skipped), partial rotary in its RoPE, Gemma's
@@ -27,19 +29,32 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qerl_pipe.engine.fp8 import gate_fp8
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention, lora_shrink
-from qerl_pipe.model.decoder import Decoder, KVCache
+from qerl_pipe.kernels.fp8 import Fp8Rows
+from qerl_pipe.model.decoder import MLP, Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.moe import SparseMoE
 from qerl_pipe.model.norm import RMSNorm
 
 
 def _norm(x: Tensor, residual: Tensor | None, norm: RMSNorm, lora: FusedLora,
-          following: QuantLinear | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Residual add + RMSNorm, and the LoRA shrink of the projection that reads the result."""
+          following: QuantLinear | None) -> tuple[Tensor, Tensor, Tensor | None, Fp8Rows | None]:
+    """Residual add + RMSNorm, and the LoRA shrink of the projection that reads the result (and
+    its E4M3 rows where that projection runs FP8 activations)."""
     shrink = None if following is None else lora.shrink_of(following)
-    return add_rms_norm(x, residual, norm.weight, norm.noise, norm.eps, shrink, norm.offset)
+    quantize = following is not None and lora.runs_fp8(following, x.shape[0])
+    return add_rms_norm(x, residual, norm.weight, norm.noise, norm.eps, shrink, norm.offset, quantize)
+
+
+def _mlp(mlp: MLP, normed: Tensor, u: Tensor | None, q: Fp8Rows | None, lora: FusedLora, act: str) -> Tensor:
+    """gate/up, the gate, down; the gate also writes down's E4M3 rows where down runs FP8."""
+    gate_up = lora.project(mlp.gate_up_proj, normed, u, q)
+    if lora.runs_fp8(mlp.down_proj, gate_up.shape[0]):
+        h, q_down = gate_fp8(act, gate_up)
+        return lora.project(mlp.down_proj, h, None, q_down)
+    return lora.project(mlp.down_proj, mlp.gate(gate_up))
 
 
 def _output_norm(x: Tensor, norm: RMSNorm) -> Tensor:
@@ -63,11 +78,11 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
     scale = cfg.attn_scale if cfg.attn_scale is not None else d ** -0.5
     tables = model.rope_cos_sin(positions)  # per layer, [B, rotary_dim] each
     layers = model.layers
-    normed, residual, u = _norm(model.embed(tokens), None, layers[0].input_layernorm, lora,
-                                layers[0].self_attn.qkv_proj)
+    normed, residual, u, q8 = _norm(model.embed(tokens), None, layers[0].input_layernorm, lora,
+                                    layers[0].self_attn.qkv_proj)
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = lora.project(attn.qkv_proj, normed, u).split(attn.sizes, dim=-1)
+        q, k, v = lora.project(attn.qkv_proj, normed, u, q8).split(attn.sizes, dim=-1)
         q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
         if attn.q_norm is not None:  # Qwen3, Gemma3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
@@ -78,16 +93,17 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
         if layer.sandwich:
             attended = _output_norm(attended, layer.post_attention_layernorm)
         if isinstance(mlp, SparseMoE):  # routed experts: each expert's LoRA shrink runs on its own rows
-            normed, residual, _ = _norm(attended, residual, layer.mlp_norm, lora, None)
+            normed, residual, _, _ = _norm(attended, residual, layer.mlp_norm, lora, None)
             down = mlp(normed, lora.project)
         else:
-            normed, residual, u = _norm(attended, residual, layer.mlp_norm, lora, mlp.gate_up_proj)
-            down = lora.project(mlp.down_proj, mlp.gate(lora.project(mlp.gate_up_proj, normed, u)))
+            normed, residual, u, q8 = _norm(attended, residual, layer.mlp_norm, lora, mlp.gate_up_proj)
+            down = _mlp(mlp, normed, u, q8, lora, cfg.hidden_act)
         if layer.sandwich:
             down = _output_norm(down, layer.post_feedforward_layernorm)
         if i + 1 < len(layers):
             following = layers[i + 1]
-            normed, residual, u = _norm(down, residual, following.input_layernorm, lora, following.self_attn.qkv_proj)
+            normed, residual, u, q8 = _norm(down, residual, following.input_layernorm, lora,
+                                            following.self_attn.qkv_proj)
         else:
-            normed, residual, u = _norm(down, residual, model.norm, lora, None)
+            normed, residual, u, q8 = _norm(down, residual, model.norm, lora, None)
     return model.head(normed)

@@ -33,12 +33,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from qerl_pipe.engine.fp8 import Fp8Linears, check_activations
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.engine.graphs import DecodeRunner, model_fingerprint
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.engine.sampling import SamplingParams, sample, sequence_key
 from qerl_pipe.engine.scheduler import Group, Scheduler
 from qerl_pipe.errors import QerlError
+from qerl_pipe.log import log
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming, detach_humming
 
@@ -128,6 +130,10 @@ class Engine:
     and the AQN noise in its RMSNorm buffers. Update noise in place (`noise.copy_`); graphs are recaptured
     automatically when a parameter or buffer has been rebound or a LoRA switch changed, and
     `reset_graphs()` forces it.
+
+    `activations="fp8"`: the rollout's dense linears take per-token FP8 activations on FP8 copies
+    of their bases (`engine.fp8`), made here when `kernel_copies` (the memory plan's room for
+    copies) allows; `self.activations` says what runs.
     """
 
     def __init__(
@@ -138,9 +144,11 @@ class Engine:
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         cuda_graphs: bool | None = None,
         kernel_copies: bool = True,
+        activations: str = "bf16",
     ):
         if prefill_tokens < 1:
             raise PromptError(f"prefill_tokens must be >= 1; got {prefill_tokens}")
+        check_activations(activations, model.base_format, model.embed_tokens.weight.device)
         self.model, self.limits, self.prefill_tokens = model, limits, prefill_tokens
         self.device = model.embed_tokens.weight.device
         self.cache = model.make_cache(limits.max_batch, limits.max_seq_len)
@@ -163,20 +171,30 @@ class Engine:
         pinned = self.device.type == "cuda"
         self._host_records = [torch.zeros(2 * slots, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
-        # Before any graph is captured: humming's copies and kernels, where the dispatch table
-        # sends rows of this model's shapes to humming (unless the memory plan left them out), and
-        # a MoE's grouped experts.
-        if kernel_copies:
+        # Before any graph is captured: the kernel copies of the base the memory plan has room
+        # for: FP8 copies for FP8 activations (their rows are those humming would serve), else
+        # humming's where the dispatch table sends rows of this model's shapes to it; and a MoE's
+        # grouped experts.
+        fp8 = None
+        if kernel_copies and activations == "fp8":
+            detach_humming(model)
+            fp8 = Fp8Linears(model)
+        elif kernel_copies:
             attach_humming(model)
         else:
             detach_humming(model)
+            if activations == "fp8":
+                log("engine: no room for FP8 copies of the base in the memory plan; the rollout runs bf16 "
+                    "activations")
+        self.activations = "fp8" if fp8 is not None else "bf16"
+        self.fp8_copy_bytes = fp8.nbytes if fp8 is not None else 0
         attach_grouped_experts(model, copies=kernel_copies)
         # A MoE layer's per-expert loop takes its row counts from the routing (a host sync and
         # data-dependent shapes), which a CUDA graph cannot replay: a MoE decodes in graphs only
         # where every sparse layer runs grouped (fixed shapes, no sync), else eagerly.
         use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes
                           and all_experts_grouped(model))
-        self._lora = FusedLora(model, model.dtype)
+        self._lora = FusedLora(model, model.dtype, fp8)
         self._runner = DecodeRunner(
             model, self._lora, self.cache, self._tokens, self._positions, limits.graph_batch_sizes, use_graphs
         )

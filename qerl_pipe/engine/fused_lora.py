@@ -21,14 +21,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from qerl_pipe.engine.fp8 import Fp8Linears
 from qerl_pipe.kernels.cuda_ext import LORA_RANK_MULTIPLE
+from qerl_pipe.kernels.fp8 import Fp8Rows
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.moe import inference_modules
 
 
 class FusedLora:
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
-        self.model, self.dtype = model, dtype
+    """`fp8`: the FP8 copies of the bases (`engine.fp8`) where the rollout runs FP8 activations;
+    `project` sends them the rows they serve, and the adapter stays bf16 on top."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, fp8: Fp8Linears | None = None):
+        self.model, self.dtype, self.fp8 = model, dtype, fp8
         self._copies: dict[QuantLinear, tuple[Tensor, Tensor]] = {}
 
     @torch.no_grad()
@@ -73,16 +78,28 @@ class FusedLora:
         pair = self._active(linear)
         return None if pair is None else pair[0]
 
-    def project(self, linear: QuantLinear, x: Tensor, u: Tensor | None = None) -> Tensor:
+    def runs_fp8(self, linear: QuantLinear, rows: int) -> bool:
+        """Whether `project` runs `rows` rows of `linear` on its FP8 copy (so a kernel upstream
+        should write their E4M3 codes)."""
+        return self.fp8 is not None and self.fp8.serves(linear, rows)
+
+    def project(self, linear: QuantLinear, x: Tensor, u: Tensor | None = None, q: Fp8Rows | None = None) -> Tensor:
         """x [..., in_features] through the linear: its base (+ bias), then its adapter fused.
-        `u`, if given, is x @ shrink_of(linear)^T computed upstream (rows as x's)."""
+        `u`, if given, is x @ shrink_of(linear)^T computed upstream (rows as x's); `q`, x's E4M3
+        rows computed upstream (used where the FP8 copy serves these rows)."""
         x2 = x.reshape(-1, linear.in_features)
         pair = self._active(linear)
         lora = None
         if pair is not None:
             a, b = pair
             lora = (x2 @ a.t() if u is None else u.reshape(-1, a.shape[0]), b)
-        return linear.inference_forward(x2, lora).reshape(*x.shape[:-1], linear.out_features)
+        if self.runs_fp8(linear, x2.shape[0]):
+            y = self.fp8.base_forward(linear, x2, q)
+            if lora is not None:
+                y.addmm_(lora[0], lora[1].t())
+        else:
+            y = linear.inference_forward(x2, lora)
+        return y.reshape(*x.shape[:-1], linear.out_features)
 
     def addresses(self) -> tuple[int, ...]:
         """Where the copies live: a captured CUDA graph is valid only while these are unchanged."""

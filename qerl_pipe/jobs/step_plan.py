@@ -24,7 +24,7 @@ from qerl_pipe.kernels import humming_backend
 from qerl_pipe.kernels.base_formats import base_format as format_entry
 from qerl_pipe.kernels.dispatch import DispatchTable, humming_copy_shapes, table_for
 from qerl_pipe.memory.plan import MemoryPlan, StepShape, plan_step, step_budget
-from qerl_pipe.memory.step import expert_copy_bytes, kernel_copy_bytes
+from qerl_pipe.memory.step import expert_copy_bytes, fp8_copy_bytes, kernel_copy_bytes
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import EngineSection, Recipe, TrainSection
 from qerl_pipe.rl.algo.logprobs import DEFAULT_CHUNK
@@ -70,16 +70,21 @@ def _plan(train: TrainSection, config: DecoderConfig, base_format: str, dtype: t
 
 
 def copy_bytes_asked(config: DecoderConfig, base_format: str, device: torch.device, table: DispatchTable | None,
-                     deterministic: bool, lora_experts: bool) -> int:
-    """The bytes of the humming copies an NVFP4 engine on `device` makes: the linears `table`'s
-    column sends to humming, and an MoE's experts for their grouped GEMMs (not when the experts
-    carry LoRA, which the grouped GEMMs do not apply)."""
-    if not format_entry(base_format).hopper_dispatch:
-        return 0
-    grouped = (bool(config.num_sparse_layers) and not lora_experts and device.type == "cuda"
+                     deterministic: bool, lora_experts: bool, activations: str = "bf16") -> int:
+    """The bytes of the kernel copies an engine on `device` makes: with FP8 activations the FP8
+    copies of the dense linears (`engine.fp8`); else, of an NVFP4 base, humming's copies of the
+    linears `table`'s column sends to humming; and of an NVFP4 MoE, humming's copies of the
+    experts for their grouped GEMMs (not when the experts carry LoRA, which the grouped GEMMs do
+    not apply)."""
+    nvfp4 = format_entry(base_format).hopper_dispatch
+    grouped = (nvfp4 and bool(config.num_sparse_layers) and not lora_experts and device.type == "cuda"
                and humming_backend.available(device))
-    return (kernel_copy_bytes(config, humming_copy_shapes(device, table, deterministic))
-            + (expert_copy_bytes(config) if grouped else 0))
+    experts = expert_copy_bytes(config) if grouped else 0
+    if activations == "fp8":
+        return fp8_copy_bytes(config) + experts
+    if not nvfp4:
+        return 0
+    return kernel_copy_bytes(config, humming_copy_shapes(device, table, deterministic)) + experts
 
 
 def plan_train(train: TrainSection, engine_dir: Path, device: torch.device,
@@ -94,7 +99,7 @@ def plan_train(train: TrainSection, engine_dir: Path, device: torch.device,
     measured = spec.get("dispatch_table")  # the engine's own table, else the one shipped for this GPU
     copies = copy_bytes_asked(config, spec["base_format"], device,
                               DispatchTable.from_json(measured) if measured else None, spec.get("deterministic", True),
-                              train.lora.experts)
+                              train.lora.experts, spec.get("activations", "bf16"))
     plan = _plan(train, config, spec["base_format"], getattr(torch, spec["dtype"]), limits.max_seq_len,
                  limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}", device, copies)
     return plan, enforced
@@ -110,7 +115,7 @@ def plan_engine_step(train: TrainSection, engine: EngineSection, config: Decoder
         return None, False
     # The engine's table is measured later in its build: the one shipped for this GPU stands in.
     copies = copy_bytes_asked(config, engine.base_format, device, table_for(device), engine.deterministic,
-                              train.lora.experts)
+                              train.lora.experts, engine.activations)
     plan = _plan(train, config, engine.base_format, dtype, engine.max_seq_len, engine.max_batch, processes, budget,
                  source, f"({engine.base_format} base)", device, copies)
     return plan, enforced

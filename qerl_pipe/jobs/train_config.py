@@ -17,16 +17,31 @@ SETTING_NAMES = {"kv_slots": "KV slots (engine.max_batch)", "micro_batch": "trai
                  "logprob_chunk": "LM-head chunk"}
 
 
-def train_config(section: TrainSection, plan: MemoryPlan | None = None) -> TrainConfig:
+# train.tis_cap where the recipe leaves it unset and the rollout runs FP8 activations: the
+# token-level cap verl, TRL and NeMo-RL ship for FP8 rollouts over a bf16 trainer.
+FP8_TIS_CAP = 2.0
+
+
+def tis_cap(section: TrainSection, rollout_activations: str = "bf16") -> float | None:
+    """The truncated-importance-sampling cap the trainer runs: the recipe's when it sets one (null
+    included), else FP8_TIS_CAP for FP8 rollouts, else off."""
+    if "tis_cap" in section.model_fields_set or rollout_activations != "fp8":
+        return section.tis_cap
+    return FP8_TIS_CAP
+
+
+def train_config(section: TrainSection, plan: MemoryPlan | None = None,
+                 rollout_activations: str = "bf16") -> TrainConfig:
     """`section` as the trainer runs it: with `plan`, its micro-batch and LM-head chunk; without one
-    (a trainer built by hand), the recipe's micro-batch and the default chunk."""
+    (a trainer built by hand), the recipe's micro-batch and the default chunk. `rollout_activations`:
+    the engine's (`engine.activations`), which sets the default `tis_cap`."""
     a, o = section.aqn, section.overlong
     return TrainConfig(
         steps=section.steps, seed=section.seed, prompts_per_step=section.prompts_per_step,
         group_size=section.group_size, max_new_tokens=section.max_new_tokens, temperature=section.temperature,
         top_p=section.top_p, top_k=section.top_k,
         loss=PolicyLossConfig(section.loss, section.eps_low, section.eps_high, section.kl_coef,
-                              section.max_new_tokens, section.tis_cap),
+                              section.max_new_tokens, tis_cap(section, rollout_activations)),
         scale_rewards=section.scale_rewards,
         rewards=RewardSpec(section.rewards.accuracy, section.rewards.format, tuple(section.rewards.custom)),
         aqn=AqnSchedule(a.schedule, a.sigma_start, a.sigma_end, a.num_stages), aqn_in_training=a.apply_in_training,

@@ -25,7 +25,7 @@ import torch
 
 from qerl_pipe.artifacts import Artifact
 from qerl_pipe.engine import Engine
-from qerl_pipe.engine.artifact import load_engine
+from qerl_pipe.engine.artifact import load_engine, read_engine_json
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer
@@ -42,6 +42,7 @@ from qerl_pipe.model.lora import LoraSpec, apply_lora, check_lora_targets
 from qerl_pipe.model.peft import ADAPTER_DIR, save_adapter
 from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.recipe import Recipe, TrainSection
+from qerl_pipe.rl.algo.losses import MISMATCH_MEANS
 from qerl_pipe.rl.loop.accuracy import GreedyAccuracy, greedy_accuracy
 from qerl_pipe.rl.loop.config import TrainConfig
 from qerl_pipe.rl.loop.distributed import Dist
@@ -144,6 +145,7 @@ def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, A
         "rollout_tokens_per_s": mean("rollout_tokens_per_s", records),
         "step_seconds_mean": mean("step_seconds", records),
         "memory_plan_changes": plan_changes(plan),
+        "mismatch": _mismatch(records),
     }
     write_json(run_dir / "report.json", report)
     lines = [f"# Training report ({len(records)} steps on {device}: {report['step_seconds_total']} s of RL steps in "
@@ -159,11 +161,25 @@ def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, A
             lines.append(f"| {name} | {r['accuracy']:.3f} ({r['correct']}/{r['total']}) | "
                          f"{r['response_length_mean']:.1f} | {r['truncation_rate']:.2f} |")
         lines.append("")
+    if (m := report["mismatch"]) is not None:
+        lines += [f"Rollout vs trainer log-probabilities over the {m['steps']} updating steps: k3 KL(rollout || trainer) "
+                  f"{m['mismatch_k3']:.2e} per token on average, ratio trainer / rollout mean {m['tis_ratio_mean']:.4f} and "
+                  f"max {m['tis_ratio_max']:.3g}, share of tokens above the TIS cap {m['tis_truncated']:.4f}.", ""]
     lines += [f"Training reward, first tenth of the steps: {report['reward_first_tenth']:.3f}; last tenth: "
               f"{report['reward_last_tenth']:.3f} (accuracy {report['accuracy_first_tenth']:.3f} -> "
               f"{report['accuracy_last_tenth']:.3f}).", ""]
     (run_dir / "report.md").write_text("\n".join(lines))
     return report
+
+
+def _mismatch(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rollout/trainer mismatch over the steps that updated (means of the per-step means, the
+    largest ratio); None when no step did (or the records predate the metrics)."""
+    rows = [r for r in records if r.get("mismatch_k3") is not None]
+    if not rows:
+        return None
+    out: dict[str, Any] = {key: sum(r[key] for r in rows) / len(rows) for key in MISMATCH_MEANS}
+    return {**out, "tis_ratio_max": max(r["tis_ratio_max"] for r in rows), "steps": len(rows)}
 
 
 def _what_trains(section: TrainSection) -> str:
@@ -219,7 +235,8 @@ def run_train_job(section: TrainSection, cfg: TrainConfig, engine_dir: Path, pro
                                        section.max_new_tokens, "training", SECTION)
     eval_problems, eval_prompts, _ = fit_prompts(tokenizer, eval_problems, section.instruction, limits.max_seq_len,
                                                  section.max_new_tokens, "evaluation", SECTION)
-    engine_runner = Engine(model, limits, kernel_copies=plan.kernel_copies)
+    activations = read_engine_json(engine_dir).get("activations", "bf16")
+    engine_runner = Engine(model, limits, kernel_copies=plan.kernel_copies, activations=activations)
     # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
     with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
         if dense_bytes and dist.is_main:

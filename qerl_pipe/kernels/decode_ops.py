@@ -3,7 +3,8 @@
 Each has a plain-torch reference (CPU, and the tests' oracle) and Triton kernels for CUDA
 (`triton_decode`, imported only there: Triton is a Linux-only dependency).
 
-**add_rms_norm(x, residual, weight, noise, eps, shrink=None, offset=0)** returns (normed, h, u) with
+**add_rms_norm(x, residual, weight, noise, eps, shrink=None, offset=0, quantize=False)** returns
+(normed, h, u, q), q the E4M3 rows of `normed` when `quantize` (FP8 rollouts), with
 h = residual + x rounded to x's dtype once (as a bf16 add is) and normed = h / rms(h) * (offset +
 weight + noise) (offset 1: Gemma's `(1 + w)` norms),
 computed in fp32 and rounded once: the numbers of `model.norm.rms_norm(residual + x, ...)`, up to
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from qerl_pipe.kernels.fp8 import Fp8Rows, quantize_rows
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor,
@@ -82,15 +85,18 @@ FUSED_SHRINK_MAX_ROWS = 16
 
 
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
-                 shrink: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor | None]:
+                 shrink: Tensor | None = None, offset: float = 0.0,
+                 quantize: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Fp8Rows | None]:
     """See the module doc: the Triton kernel on CUDA, else the torch reference (which leaves u to
-    the caller, as the kernel does above FUSED_SHRINK_MAX_ROWS)."""
+    the caller, as the kernel does above FUSED_SHRINK_MAX_ROWS). `quantize`: also the normed rows'
+    E4M3 codes and scales (`kernels.fp8`), from the same rounded values; else None."""
     if x.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_add_rms_norm
 
         fused = shrink is not None and x.shape[0] <= FUSED_SHRINK_MAX_ROWS
-        return launch_add_rms_norm(x, residual, weight, noise, eps, shrink if fused else None, offset)
-    return (*add_rms_norm_reference(x, residual, weight, noise, eps, offset), None)
+        return launch_add_rms_norm(x, residual, weight, noise, eps, shrink if fused else None, offset, quantize)
+    normed, h = add_rms_norm_reference(x, residual, weight, noise, eps, offset)
+    return normed, h, None, quantize_rows(normed) if quantize else None
 
 
 def lora_shrink(x: Tensor, shrink: Tensor | None) -> Tensor | None:

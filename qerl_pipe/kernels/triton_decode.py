@@ -11,8 +11,9 @@ SPLIT is fixed and the merge runs in split order, so a sequence's output depends
 position and cache, never on the batch it runs in or the attention length (splits past the
 position add exact zeros): rollouts stay independent of batch placement.
 
-**Residual add + RMSNorm** (and the next projection's LoRA shrink): programs per row only (one for
-the norm, one per BLOCK_R columns of u), so a row's results never depend on its batch.
+**Residual add + RMSNorm** (and the next projection's LoRA shrink, and with FP8 rollouts the
+row's E4M3 codes and scale): programs per row only (one for the norm, one per BLOCK_R columns of
+u), so a row's results never depend on its batch.
 
 **LoRA shrink** (`_lora_shrink`), for o_proj, whose input (attention's output) no norm computes:
 one program per 256 columns of all rows (A read once, across many SMs), the partial sums added in
@@ -35,7 +36,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from qerl_pipe.kernels.fp8 import FP8, FP8_MAX as _FP8_MAX, MIN_AMAX as _MIN_AMAX, Fp8Rows
 from qerl_pipe.kernels.triton_pdl import launch_dependents, pdl_options, wait_previous
+
+FP8_MAX: tl.constexpr = tl.constexpr(_FP8_MAX)
+MIN_AMAX: tl.constexpr = tl.constexpr(_MIN_AMAX)
 
 SPLIT = 128  # cache positions per program
 FULL_WINDOW = 1 << 30  # the window of a layer with full attention: wider than any cache
@@ -188,8 +193,9 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
 
 
 @triton.jit
-def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, H, R, sx, sr, so, sh, sa, su, eps, offset,
-                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, q_ptr, s_ptr, H, R, sx, sr, so, sh, sa, su,
+                  sq, eps, offset, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (row, 0) writes the row's normed values (and h); program (row, j > 0) computes u's
     # columns [(j - 1) * BLOCK_R, j * BLOCK_R) = normed_row . A[those rows]^T from the same values
     # (the same code gives the same 1 / rms bit for bit, and each normed element is rounded to the
@@ -219,6 +225,11 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, H, R
         if HAS_RESIDUAL:
             tl.store(h_ptr + row * sh + offs, h, mask=ok)
         tl.store(out_ptr + row * so + offs, normed, mask=ok)
+        if QUANT:  # the row's E4M3 codes and scale, from the rounded values (as `fp8.quantize_rows`)
+            n32 = normed.to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(n32), 0), MIN_AMAX) / FP8_MAX
+            tl.store(q_ptr + row * sq + offs, tl.math.div_rn(n32, scale).to(q_ptr.dtype.element_ty), mask=ok)
+            tl.store(s_ptr + row, scale)
     else:
         u = tl.sum(a.to(tl.float32) * normed.to(tl.float32)[None, :], 1)
         tl.store(u_ptr + row * su + offs_r, u.to(u_ptr.dtype.element_ty), mask=r_ok)
@@ -228,9 +239,11 @@ SHRINK_TILE = 16384  # elements of A per shrink program (BLOCK_R rows of the pad
 
 
 def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
-                        shrink: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor | None]:
+                        shrink: Tensor | None = None, offset: float = 0.0,
+                        quantize: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Fp8Rows | None]:
     """The Triton kernel (any device Triton runs on, the interpreter included); x [rows, H],
-    shrink (a LoRA A, [R, H]) or None. Each row's results depend on that row alone."""
+    shrink (a LoRA A, [R, H]) or None; `quantize`: the normed rows' E4M3 codes too. Each row's
+    results depend on that row alone."""
     rows, hidden = x.shape
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("add_rms_norm needs rows contiguous in their last dimension")
@@ -244,13 +257,16 @@ def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, nois
     n_u = 0 if shrink is None else shrink.shape[0]
     u = None if shrink is None else torch.empty(rows, n_u, dtype=x.dtype, device=x.device)
     u_arg = out if u is None else u
+    q = torch.empty(rows, hidden, dtype=FP8, device=x.device) if quantize else None
+    q_scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else None
     block = triton.next_power_of_2(hidden)
     block_r = max(1, SHRINK_TILE // block)
     _add_rms_norm[(rows, 1 + triton.cdiv(n_u, block_r))](
-        x, r, weight, noise, out, h, a, u_arg, hidden, n_u, x.stride(0), r.stride(0), out.stride(0), h.stride(0),
-        a.stride(0), u_arg.stride(0), eps, float(offset), HAS_RESIDUAL=residual is not None, BLOCK=block, BLOCK_R=block_r,
+        x, r, weight, noise, out, h, a, u_arg, out if q is None else q, out if q_scale is None else q_scale,
+        hidden, n_u, x.stride(0), r.stride(0), out.stride(0), h.stride(0), a.stride(0), u_arg.stride(0),
+        hidden, eps, float(offset), HAS_RESIDUAL=residual is not None, QUANT=quantize, BLOCK=block, BLOCK_R=block_r,
         num_warps=max(1, min(16, block // 256)), **pdl_options(x.device))
-    return out, h, u
+    return out, h, u, None if q is None else Fp8Rows(q, q_scale)
 
 
 @triton.jit

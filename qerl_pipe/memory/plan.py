@@ -50,7 +50,7 @@ BUDGET_KEY = "train.memory_budget_gb"
 # What each part of the estimate is called in messages.
 PART_NAMES = {"weights": "weights", "lora_and_optimizer": "LoRA + AdamW", "full_and_optimizer": "masters + AdamW",
               "kv_cache": "KV cache", "activations": "activations", "dequant_scratch": "dequant scratch",
-              "kernel_copies": "humming copies", "dense_base": "base dequantized for the CPU",
+              "kernel_copies": "kernel copies (humming / FP8)", "dense_base": "base dequantized for the CPU",
               "slack": "slack"}
 
 
@@ -156,8 +156,8 @@ class MemoryPlan:
                 f"micro-batch {self.micro_batch}, LM-head chunk {self.logprob_chunk}: estimated peak "
                 f"{self.estimate_bytes / GB:.1f} GB ({_parts(self.estimate)}), {budget}"
                 + ("" if self.kernel_copies or not self.kernel_copies_asked else
-                   f"; no humming copies of the base ({self.kernel_copies_asked / GB:.1f} GB did not fit: our "
-                   "kernels serve their rows)"))
+                   f"; no kernel copies of the base ({self.kernel_copies_asked / GB:.1f} GB did not fit: the "
+                   "base's own kernels serve their rows)"))
 
 
 def _gb_up(n: int) -> float:

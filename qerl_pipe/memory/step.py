@@ -166,6 +166,12 @@ def kernel_copy_bytes(c: DecoderConfig, shapes: Iterable[tuple[int, int]]) -> in
                for k, outs, n in _model_linears(c) if (sum(outs), k) in wanted)
 
 
+def fp8_copy_bytes(c: DecoderConfig) -> int:
+    """The FP8 copies of FP8 rollouts (`engine.fp8`): every attention and dense-MLP linear again at
+    a byte per weight and an fp32 scale per output channel (not a MoE's experts)."""
+    return sum((k + 4) * sum(outs) * n for k, outs, n in _model_linears(c, experts=False))
+
+
 def expert_copy_bytes(c: DecoderConfig) -> int:
     """An NVFP4 MoE's experts stacked again in humming-kernels' layout for their grouped GEMMs
     (`model.kernel_copies`): the experts' NVFP4 bytes again; 0 for a dense model."""

@@ -90,9 +90,9 @@ def policy_loss(
     clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a
     per_token = -torch.minimum(unclipped, clipped)
     if cfg.tis_cap is not None and rollout_logp is not None:
-        # The rollout engine's policy differs slightly from the trainer's (kernels, noise):
-        # reweight by the truncated ratio trainer-old / rollout (Yao et al., "Your efficient RL
-        # framework secretly brings you off-policy RL training", 2025).
+        # The rollout engine's policy differs slightly from the trainer's (kernels, noise, FP8
+        # activations): reweight by the truncated ratio trainer-old / rollout (Yao et al., "Your
+        # efficient RL framework secretly brings you off-policy RL training", 2025).
         per_token = per_token * torch.exp(old - rollout_logp).clamp(max=cfg.tis_cap).detach()
     kl = None
     if cfg.kl_coef > 0 and ref_logp is not None:
@@ -107,7 +107,29 @@ def policy_loss(
             "ratio_mean": float((ratio * mask).sum() / n),
             "kl": float((kl * mask).sum() / n) if kl is not None else 0.0,
         }
+        if rollout_logp is not None:
+            metrics.update(mismatch_metrics(old, rollout_logp, mask, cfg.tis_cap))
     return loss, metrics
+
+
+# The mismatch metrics averaged over tokens (with `tis_ratio_max`, the max): every step logs them.
+MISMATCH_MEANS = ("mismatch_k3", "tis_ratio_mean", "tis_truncated")
+
+
+def mismatch_metrics(trainer_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
+                     cap: float | None) -> dict[str, float]:
+    """How far the rollout's policy is from the trainer's on the sampled tokens (`mask` > 0):
+    `mismatch_k3`, the mean k3 estimate of KL(rollout || trainer) per token (the tokens are the
+    rollout's samples); the mean and max of the ratio trainer / rollout probability that TIS
+    weights by; `tis_truncated`, the share of tokens whose ratio exceeds `cap` (0 without one)."""
+    m = mask > 0
+    if not bool(m.any()):
+        return {"mismatch_k3": 0.0, "tis_ratio_mean": 1.0, "tis_ratio_max": 1.0, "tis_truncated": 0.0}
+    trainer, rollout = trainer_logp.detach()[m].double(), rollout_logp[m].double()
+    ratio = torch.exp(trainer - rollout)
+    return {"mismatch_k3": float(k3_kl(rollout, trainer).mean()), "tis_ratio_mean": float(ratio.mean()),
+            "tis_ratio_max": float(ratio.max()),
+            "tis_truncated": float((ratio > cap).double().mean()) if cap is not None else 0.0}
 
 
 def _aggregate(per_token: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNorm) -> Tensor:

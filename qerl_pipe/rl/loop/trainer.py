@@ -50,7 +50,7 @@ from qerl_pipe.model.lora import lora_disabled, lora_parameters
 from qerl_pipe.rl.algo.advantages import group_advantages, soft_overlong_penalty, zero_variance_groups
 from qerl_pipe.rl.algo.aqn import clear_noise, draw_noise
 from qerl_pipe.rl.algo.logprobs import sequence_logprobs
-from qerl_pipe.rl.algo.losses import LossNorm, policy_loss
+from qerl_pipe.rl.algo.losses import MISMATCH_MEANS, LossNorm, policy_loss
 from qerl_pipe.rl.loop.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
 from qerl_pipe.rl.loop.config import TrainConfig
 from qerl_pipe.rl.loop.data_order import DataOrder
@@ -308,6 +308,8 @@ class Trainer:
         old = self._fixed_logprobs(micro, base=False) if cfg.mu > 1 else [None] * len(micro)
         ref = self._fixed_logprobs(micro, base=True) if cfg.loss.kl_coef > 0 else [None] * len(micro)
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": 0.0}
+        mismatch = dict.fromkeys(MISMATCH_MEANS, 0.0)
+        ratio_max = 0.0
         counted = response_tokens = 0
         for update in range(cfg.mu):
             self.optimizer.zero_grad(set_to_none=True)
@@ -324,6 +326,9 @@ class Trainer:
                 if update == 0:
                     totals["entropy"] += float((entropy * mb.response_mask).sum())
                     response_tokens += int(mb.response_mask.sum())
+                    for key in MISMATCH_MEANS:  # rollout vs the trainer before this batch's updates
+                        mismatch[key] += m[key] * tokens
+                    ratio_max = max(ratio_max, m["tis_ratio_max"])
             self.dist.sum_gradients(self.params)  # before clipping: every rank clips the same gradient
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
             totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) / cfg.mu
@@ -333,8 +338,13 @@ class Trainer:
         train_tokens = int(batch.attention_mask.sum()) * passes if batch is not None else 0
         # Each rank's loss is its share of the global loss: sums over ranks give the batch's figures.
         (totals["loss"], totals["clip_fraction"], totals["kl"], counted, totals["entropy"], response_tokens,
-         train_tokens) = self.dist.sum([totals["loss"], totals["clip_fraction"], totals["kl"], counted,
-                                        totals["entropy"], response_tokens, train_tokens])
+         train_tokens, *mismatch_sums) = self.dist.sum([totals["loss"], totals["clip_fraction"], totals["kl"], counted,
+                                                        totals["entropy"], response_tokens, train_tokens,
+                                                        *mismatch.values()])
+        first_pass = counted / cfg.mu  # the tokens of update 0, over which the mismatch was summed
+        for key, total in zip(MISMATCH_MEANS, mismatch_sums):
+            totals[key] = total / max(first_pass, 1)
+        totals["tis_ratio_max"] = float(self.dist.max([ratio_max])[0])
         # Summed over ranks above (the gradient norm is of the summed gradients): the same on every rank.
         self._refuse_non_finite("the loss or its gradient", _non_finite([[totals["loss"], totals["grad_norm"]]]))
         for key in ("clip_fraction", "kl"):
@@ -362,7 +372,7 @@ class Trainer:
             self.optimizer.step()
             self._push()
         return {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": None,
-                "train_tokens": 0}
+                "train_tokens": 0, **dict.fromkeys((*MISMATCH_MEANS, "tis_ratio_max"), None)}
 
 
 def _non_finite(rows: Sequence[Sequence[float]]) -> int:

@@ -1,0 +1,123 @@
+"""FP8 rollout rows against cuBLAS bf16 and our W4A16 GEMM, per 7B layer and M (issue 47).
+
+`qerl-pipe bench fp8-rows --out FILE.json` (a GPU with FP8 tensor cores). For each Qwen2.5-7B
+linear (q/k/v and gate/up fused, as the model runs them) and each M, under one protocol (L2-cold
+weight copies, one CUDA graph, median of replays; `kernels.tuning.time_graph`):
+- `bf16_us`: x @ W^T, cuBLAS bf16;
+- `qerl_us`: our W4A16 CUDA GEMM on the NVFP4 weight (M <= 256);
+- `fp8_us`: the FP8 GEMM (`kernels.fp8.fp8_linear`, torch's row-wise scaled matmul) on the FP8
+  copy the engine makes of the NVFP4 weight, activations already quantized (as the fused norm and
+  gate kernels hand them over);
+- `fp8_quant_us`: the same plus the one compiled quantization launch (o_proj's input, prefill).
+And the fused producers with and without their FP8 output: the add + RMSNorm kernel (hidden
+3584) and the SiLU gate (2 x 18944). The layer-weighted ratio counts a decoder layer as the
+engine runs it: q/k/v and gate/up on norm-fused activations, o on a quantization launch, down on
+the gate-fused ones, each fused producer's extra time included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.kernels import LAYER_SHAPES
+from bench.results import nulls_for_non_finite, results_file, target
+from qerl_pipe.engine.fp8 import gate_fp8, quantize_fused
+from qerl_pipe.errors import QerlError
+from qerl_pipe.kernels import cuda_ext
+from qerl_pipe.kernels.decode_ops import add_rms_norm
+from qerl_pipe.kernels.dispatch_measure import REPS, inputs, operands
+from qerl_pipe.kernels.fp8 import Fp8Rows, fp8_linear, quantize_rows, quantize_weight, runs_fp8
+from qerl_pipe.kernels.tuning import rel_err, time_graph
+from qerl_pipe.model.decoder import silu_gate
+from qerl_pipe.strict_json import write_json
+
+MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
+MODEL = "qwen2.5-7b"
+# Issue 47: the layer-weighted FP8 rows (activation quantization included) over cuBLAS bf16.
+LAYER_TARGETS = {64: 1.4, 256: 1.4}
+
+
+def _layer_rows(layer: str, n: int, k: int, device: torch.device) -> list[dict]:
+    ops = operands(n, k, device, humming=False, bf16=True, label=f"{MODEL} {layer}")
+    # The engine's copy: per-channel E4M3 of the NVFP4 weight dequantized to bf16.
+    copies = [quantize_weight(cuda_ext.dequantize(t)) for t in ops.tiled]
+    rows = []
+    for m in MS:
+        x, ref = inputs(ops, m)
+        q = quantize_rows(x)
+        row: dict[str, Any] = {"model": MODEL, "layer": layer, "N": n, "K": k, "M": m}
+        row["bf16_us"] = time_graph([lambda w=w: x @ w.T for w in ops.bf16], REPS) * 1e6
+        if m <= 256:
+            row["qerl_us"] = time_graph([lambda t=t: cuda_ext.gemm(x, t) for t in ops.tiled], REPS) * 1e6
+        row["fp8_us"] = time_graph([lambda w=w: fp8_linear(q, w) for w in copies], REPS) * 1e6
+        row["fp8_quant_us"] = time_graph([lambda w=w: fp8_linear(Fp8Rows(*quantize_fused(x)), w) for w in copies],
+                                         REPS) * 1e6
+        row["fp8_rel_err"] = rel_err(fp8_linear(q, copies[0]), ref)
+        row["bf16_rel_err"] = rel_err(x @ ops.bf16[0].T, ref)
+        rows.append(row)
+        print(f"{layer:8} M {m:5}: bf16 {row['bf16_us']:8.1f} us, W4A16 {row.get('qerl_us', float('nan')):8.1f}, "
+              f"fp8 {row['fp8_us']:8.1f} (+quant {row['fp8_quant_us']:8.1f}), err {row['fp8_rel_err']:.2e}", flush=True)
+    return rows
+
+
+def _producer_rows(device: torch.device) -> list[dict]:
+    """The fused producers' time with and without their FP8 output, per M."""
+    hidden, inter = LAYER_SHAPES[MODEL]["o"][1], LAYER_SHAPES[MODEL]["down"][1]
+    gen = torch.Generator(device=device).manual_seed(3)
+    weight = torch.rand(hidden, generator=gen, device=device).to(torch.bfloat16)
+    noise = torch.zeros(hidden, device=device)
+    rows = []
+    for m in MS:
+        x, r = (torch.randn(m, hidden, generator=gen, device=device).to(torch.bfloat16) for _ in range(2))
+        gu = torch.randn(m, 2 * inter, generator=gen, device=device).to(torch.bfloat16)
+        rows.append({
+            "M": m,
+            "norm_us": time_graph([lambda: add_rms_norm(x, r, weight, noise, 1e-6)], REPS) * 1e6,
+            "norm_fp8_us": time_graph([lambda: add_rms_norm(x, r, weight, noise, 1e-6, quantize=True)], REPS) * 1e6,
+            "gate_us": time_graph([lambda: silu_gate(gu)], REPS) * 1e6,
+            "gate_fp8_us": time_graph([lambda: gate_fp8("silu", gu)], REPS) * 1e6,
+        })
+    return rows
+
+
+def _weighted(layers: list[dict], producers: list[dict], m: int) -> dict[str, float]:
+    """bf16 layer time over the FP8 layer time as the engine runs it (see the module doc); and
+    over our W4A16 GEMM's, where it ran."""
+    by = {r["layer"]: r for r in layers if r["M"] == m}
+    p = next(r for r in producers if r["M"] == m)
+    bf16 = sum(r["bf16_us"] for r in by.values())
+    fp8 = (by["qkv"]["fp8_us"] + by["gate_up"]["fp8_us"] + by["o"]["fp8_quant_us"] + by["down"]["fp8_us"]
+           + 2 * (p["norm_fp8_us"] - p["norm_us"]) + (p["gate_fp8_us"] - p["gate_us"]))
+    out = {"M": m, "bf16_us": bf16, "fp8_us": fp8, "fp8_over_bf16": bf16 / fp8,
+           "fp8_gemm_only_over_bf16": bf16 / sum(r["fp8_us"] for r in by.values())}
+    if all("qerl_us" in r for r in by.values()):
+        w4 = sum(r["qerl_us"] for r in by.values())
+        out["w4a16_us"], out["w4a16_over_bf16"], out["fp8_over_w4a16"] = w4, bf16 / w4, w4 / fp8
+    return out
+
+
+def run(out: Path | None) -> dict[str, Any]:
+    if not torch.cuda.is_available() or not runs_fp8(torch.device("cuda")):
+        raise QerlError("bench fp8-rows needs a CUDA GPU with FP8 tensor cores (Ada, Hopper or newer)")
+    why = cuda_ext.why_unavailable("cuda")
+    if why is not None:
+        raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); the comparison needs a Hopper GPU and nvcc")
+    device = torch.device("cuda", torch.cuda.current_device())
+    layers = [row for layer, (n, k) in LAYER_SHAPES[MODEL].items() for row in _layer_rows(layer, n, k, device)]
+    producers = _producer_rows(device)
+    weighted = [_weighted(layers, producers, m) for m in MS]
+    for w in weighted:
+        print(f"M {w['M']:5}: FP8 layer {w['fp8_over_bf16']:.3f}x bf16 (GEMMs alone {w['fp8_gemm_only_over_bf16']:.3f}x)"
+              + (f", W4A16 {w['w4a16_over_bf16']:.3f}x" if "w4a16_over_bf16" in w else ""), flush=True)
+    targets = [target(f"{MODEL} layer-weighted FP8 rows over cuBLAS bf16 at M = {m}, activation quantization included",
+                      f">= {want}x", round(w["fp8_over_bf16"], 3), "x", w["fp8_over_bf16"] >= want)
+               for m, want in LAYER_TARGETS.items() for w in weighted if w["M"] == m]
+    result = results_file({"layers": layers, "producers": producers, "layer_weighted": weighted}, targets,
+                          protocol=f"L2-cold weight copies, one CUDA graph, median of {REPS} replays")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(out, nulls_for_non_finite(result), indent=1)
+    return result

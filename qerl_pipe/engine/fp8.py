@@ -1,0 +1,127 @@
+"""FP8 rollouts (`engine.activations: fp8`): the rollout's linears on FP8 tensor cores.
+
+Each dense linear of the model (q/k/v, o, gate/up, down; not a MoE's experts) gets an E4M3 copy
+of its frozen base with per-channel scales, made once when the engine starts (`Fp8Linears`; one
+byte per weight, counted by the memory plan as a kernel copy and left out when it does not fit).
+A rollout projection whose row count the FP8 GEMM serves (`serves`) takes per-token E4M3
+activations: the decode step's RMSNorm kernel writes them beside its bf16 output, the SiLU (or
+GELU) gate writes them in the same compiled kernel (`gate_fp8`), and o_proj's input and the
+prefill's are quantized by one compiled kernel (`quantize_fused`). The LoRA adapter stays in bf16
+on the bf16 activations (its shrink reads the same normed rows); the training forward never sees
+FP8. Below `MIN_ROWS[format]` rows the base format's own kernel keeps the rows: NVFP4's W4A16
+GEMM reads a quarter of FP8's bytes and wins at decode batches (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qerl_pipe.errors import QerlError
+from qerl_pipe.kernels.fp8 import Fp8Rows, Fp8Weight, fp8_linear, quantize_weight, row_codes, runs_fp8
+from qerl_pipe.log import log
+from qerl_pipe.model.fused import fused_on_cuda
+from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.moe import SparseMoE
+
+ACTIVATIONS = ("bf16", "fp8")
+
+# The fewest rows a projection must have to run in FP8, per base format: NVFP4's W4A16 GEMM reads
+# 0.56 bytes a weight against FP8's 1 and wins while the step is bound by weight bytes.
+MIN_ROWS = {"nvfp4": 17, "bf16": 1}
+
+
+def check_activations(activations: str, base_format: str, device: torch.device) -> None:
+    """Refuse, in one line that names the fix, what cannot run FP8 activations here."""
+    if activations not in ACTIVATIONS:
+        raise QerlError(f"engine.activations={activations!r}: choose one of {', '.join(ACTIVATIONS)}")
+    if activations == "bf16":
+        return
+    if base_format not in MIN_ROWS:
+        raise QerlError(f"engine.activations=fp8 takes an nvfp4 or bf16 base, not {base_format} (the QLoRA "
+                        "baseline runs bitsandbytes' kernels as its users do); set engine.activations=bf16")
+    if device.type == "cuda" and not runs_fp8(device):
+        name = torch.cuda.get_device_name(device)
+        raise QerlError(f"engine.activations=fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper or "
+                        f"newer); {name} has none; set engine.activations=bf16")
+
+
+def fp8_linears(model: nn.Module) -> list[QuantLinear]:
+    """The linears that get an FP8 copy: every decoder layer's attention and dense-MLP projections."""
+    out = []
+    for layer in model.layers:
+        out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        if not isinstance(layer.mlp, SparseMoE):
+            out += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return out
+
+
+def copy_bytes(shapes: list[tuple[int, int]]) -> int:
+    """What FP8 copies of linears of shapes (N, K) take: a byte per weight and an fp32 scale per row."""
+    return sum(n * k + 4 * n for n, k in shapes)
+
+
+def _dense_base(linear: QuantLinear) -> Tensor:
+    if linear.fmt.dense:
+        return linear.weight
+    return linear.fmt.dense_copy(linear.kernel_weight, torch.bfloat16)
+
+
+class Fp8Linears:
+    """The FP8 copies of a model's linears (`fp8_linears`) and the rows they serve."""
+
+    def __init__(self, model: nn.Module):
+        self.copies: dict[QuantLinear, Fp8Weight] = {}
+        self.min_rows = MIN_ROWS[model.base_format]
+        with torch.no_grad():
+            for linear in fp8_linears(model):
+                dense = _dense_base(linear)
+                self.copies[linear] = quantize_weight(dense)
+                del dense
+        log(f"engine: FP8 copies of {len(self.copies)} linears ({self.nbytes / 2**30:.2f} GiB); projections of "
+            f"{self.min_rows}+ rows run FP8 activations")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.copies.values())
+
+    def serves(self, linear: QuantLinear, rows: int) -> bool:
+        return rows >= self.min_rows and linear in self.copies
+
+    def base_forward(self, linear: QuantLinear, x: Tensor, q: Fp8Rows | None) -> Tensor:
+        """x [M, K] @ W^T (+ bias) through the FP8 copy; `q`: x's E4M3 rows if a kernel upstream
+        made them, else they are made here."""
+        if q is None:
+            q = Fp8Rows(*quantize_fused(x))
+        y = fp8_linear(q, self.copies[linear], x.dtype)
+        return y if linear.bias is None else y.add_(linear.bias)
+
+
+@fused_on_cuda
+def quantize_fused(x: Tensor) -> tuple[Tensor, Tensor]:
+    """`kernels.fp8.row_codes`, one compiled kernel on CUDA."""
+    return row_codes(x)
+
+
+@fused_on_cuda
+def _silu_gate_fp8(gate_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    return (h, *row_codes(h))
+
+
+@fused_on_cuda
+def _gelu_tanh_gate_fp8(gate_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = F.gelu(gate, approximate="tanh") * up
+    return (h, *row_codes(h))
+
+
+_GATES_FP8 = {"silu": _silu_gate_fp8, "gelu_pytorch_tanh": _gelu_tanh_gate_fp8}
+
+
+def gate_fp8(hidden_act: str, gate_up: Tensor) -> tuple[Tensor, Fp8Rows]:
+    """The MLP gate (`model.decoder.GATES`) and its E4M3 rows, in one compiled kernel on CUDA."""
+    h, codes, scale = _GATES_FP8[hidden_act](gate_up)
+    return h, Fp8Rows(codes, scale)

@@ -1,0 +1,93 @@
+"""FP8 (E4M3) rollout linears: per-token activation scales, per-channel weight scales.
+
+    y = (x8 * sx) @ (w8 * sw)^T,   sx = amax(x row) / 448,   sw = amax(w row) / 448
+
+x8 and w8 are float8_e4m3fn. On a GPU with FP8 tensor cores (compute capability 8.9+: Ada,
+Hopper) the product runs `torch._scaled_mm` with row-wise scales (the library's FP8 GEMM, twice
+the bf16 MMA rate on Hopper); elsewhere the plain-torch reference below, which is also the tests'
+oracle. The activation quantization (`quantize_rows`) is fused into the kernel that produces the
+activations wherever the rollout has one (the RMSNorm before q/k/v and gate/up, the SiLU gate
+before down: `engine.fp8`); the function here is the reference and serves the rest (o_proj,
+prefill). docs/kernels.md says where FP8 rows serve and the figures that chose them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite E4M3 value
+# A zero row (an idle engine slot) gets this amax: its codes are all 0, and no division by zero.
+MIN_AMAX = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations [M, K] as E4M3 codes and their per-row scale [M, 1] (fp32)."""
+
+    codes: Tensor
+    scale: Tensor
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A frozen base [N, K] as E4M3 codes (row-major, so `codes.t()` is the column-major [K, N]
+    operand the FP8 GEMM takes) and its per-output-channel scale [1, N] (fp32)."""
+
+    codes: Tensor
+    scale: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scale.numel() * 4
+
+
+def runs_fp8(device: torch.device) -> bool:
+    """Whether `device` has FP8 tensor cores (CUDA compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def row_codes(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row E4M3 codes of x [..., K] (any float dtype) and their scale [..., 1]: scale = amax /
+    448, codes = x / scale rounded to nearest. The fused kernels compute exactly this from the
+    same rounded inputs. (Plain tensors: what a compiled function returns.)"""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    return (x32 / scale).to(FP8), scale
+
+
+def quantize_rows(x: Tensor) -> Fp8Rows:
+    """`row_codes` of x [M, K] as an `Fp8Rows`."""
+    return Fp8Rows(*row_codes(x))
+
+
+def quantize_weight(w: Tensor, rows_per_chunk: int = 4096) -> Fp8Weight:
+    """Per-output-channel E4M3 copy of a dense weight [N, K], quantized in row chunks so that no
+    fp32 copy of the whole weight exists (a 7B model's gate/up is 136 M weights)."""
+    n = w.shape[0]
+    codes = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scale = torch.empty(1, n, dtype=torch.float32, device=w.device)
+    for lo in range(0, n, rows_per_chunk):
+        q = quantize_rows(w[lo:lo + rows_per_chunk])
+        codes[lo:lo + rows_per_chunk] = q.codes
+        scale[0, lo:lo + rows_per_chunk] = q.scale[:, 0]
+    return Fp8Weight(codes, scale)
+
+
+def fp8_linear_reference(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype) -> Tensor:
+    """(x8 * sx) @ (w8 * sw)^T in fp32, rounded once to `out_dtype`."""
+    a = x.codes.float() * x.scale
+    b = w.codes.float() * w.scale.t()
+    return (a @ b.t()).to(out_dtype)
+
+
+def fp8_linear(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """x [M, K] @ W^T -> [M, N] in `out_dtype`: the FP8 GEMM where the device has one, else the
+    reference. The GEMM needs K and N multiples of 16 (every real model's are)."""
+    codes = x.codes
+    if runs_fp8(codes.device) and out_dtype == torch.bfloat16:
+        return torch._scaled_mm(codes, w.codes.t(), scale_a=x.scale, scale_b=w.scale, out_dtype=out_dtype)
+    return fp8_linear_reference(x, w, out_dtype)

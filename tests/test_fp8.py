@@ -1,0 +1,164 @@
+"""FP8 rollouts on the CPU (the references): the E4M3 rows and copies, the engine's FP8 path, the
+recipe key and its refusals, the memory plan's copy bytes, the TIS default and the mismatch metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_model, randomize_lora_b
+from qerl_pipe.engine import Engine, SamplingParams, plan_limits
+from qerl_pipe.engine import fp8 as engine_fp8
+from qerl_pipe.errors import QerlError
+from qerl_pipe.jobs.step_plan import copy_bytes_asked
+from qerl_pipe.jobs.train_config import FP8_TIS_CAP, train_config
+from qerl_pipe.kernels import fp8
+from qerl_pipe.memory.step import fp8_copy_bytes
+from qerl_pipe.model.config import DecoderConfig
+from qerl_pipe.model.load import load_model
+from qerl_pipe.model.lora import LoraSpec
+from qerl_pipe.recipe import EngineSection, TrainSection
+from qerl_pipe.rl.algo.losses import PolicyLossConfig, policy_loss
+
+from bench.shapes import SHAPES
+
+
+def test_quantize_rows_scale_and_rounding():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 96, generator=gen) * torch.tensor([1.0, 1e-3, 50.0, 1.0, 0.0])[:, None]
+    q = fp8.quantize_rows(x)
+    assert q.codes.dtype == fp8.FP8 and q.scale.shape == (5, 1)
+    amax = x.abs().amax(-1)
+    torch.testing.assert_close(q.scale[:4, 0], amax[:4] / fp8.FP8_MAX)
+    assert float(q.codes[:4].float().abs().amax(-1).min()) == fp8.FP8_MAX  # each row's largest value maps to 448
+    back = q.codes.float() * q.scale
+    # E4M3 keeps 3 mantissa bits: nearest rounding is within 2^-4 of each value (normal range).
+    normal = x.abs() >= q.scale * 2 ** -6
+    assert bool(((back - x).abs() <= x.abs() * 2 ** -4 + 1e-30)[normal].all())
+    assert float(q.codes[4].float().abs().max()) == 0 and bool(torch.isfinite(back).all())  # a zero row
+
+
+def test_weight_copy_is_per_output_channel_and_chunked():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 48, generator=gen) * torch.linspace(0.01, 3, 70)[:, None]
+    whole, chunked = fp8.quantize_weight(w), fp8.quantize_weight(w, rows_per_chunk=16)
+    assert whole.scale.shape == (1, 70) and whole.nbytes == 70 * 48 + 70 * 4
+    assert torch.equal(whole.codes.view(torch.uint8), chunked.codes.view(torch.uint8))
+    assert torch.equal(whole.scale, chunked.scale)
+    x = torch.randn(3, 48, generator=gen)
+    got = fp8.fp8_linear(fp8.quantize_rows(x), whole, torch.float32)
+    exact = x @ w.T
+    assert float((got - exact).norm() / exact.norm()) < 0.06
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_fp8(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-fp8"), "llama")
+
+
+def _model(path: Path, base: str):
+    model = load_model(path, base, dtype=torch.float32, device="cpu", lora=LoraSpec(rank=4, alpha=8))
+    randomize_lora_b(model, 0.3)
+    return model
+
+
+def test_engine_runs_every_dense_projection_on_fp8_copies(tiny_llama_fp8, monkeypatch):
+    model = _model(tiny_llama_fp8, "bf16")
+    limits = plan_limits(model.config, max_seq_len=48, max_batch=4)
+    calls: list[tuple[int, int]] = []
+    real = engine_fp8.fp8_linear
+
+    def counted(x, w, out_dtype=torch.bfloat16):
+        calls.append(tuple(w.codes.shape))
+        return real(x, w, out_dtype)
+
+    monkeypatch.setattr(engine_fp8, "fp8_linear", counted)
+    engine = Engine(model, limits, activations="fp8")
+    assert engine.activations == "fp8"
+    assert engine.fp8_copy_bytes == sum(m.out_features * (m.in_features + 4) for m in engine_fp8.fp8_linears(model))
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    got = engine.generate([[1, 5, 6, 7], [1, 9, 10]], n=2, sampling=params)
+    shapes = {(m.out_features, m.in_features) for m in engine_fp8.fp8_linears(model)}
+    assert set(calls) == shapes  # q/k/v, o, gate/up and down, in prefill and decode
+    ref = Engine(model, limits).generate([[1, 5, 6, 7], [1, 9, 10]], n=2, sampling=params)
+    first = max(abs(a[0] - b[0]) for a, b in zip(ref.logprobs, got.logprobs))
+    assert 0 < first < 0.1  # FP8 moved the numbers, a little
+
+
+def test_nvfp4_decode_rows_below_the_crossover_keep_the_w4a16_kernel(tiny_llama_fp8, monkeypatch):
+    model = _model(tiny_llama_fp8, "nvfp4")
+    served: list[int] = []
+    real = engine_fp8.Fp8Linears.base_forward
+
+    def spy(self, linear, x, q):
+        served.append(x.shape[0])
+        return real(self, linear, x, q)
+
+    monkeypatch.setattr(engine_fp8.Fp8Linears, "base_forward", spy)
+    engine = Engine(model, plan_limits(model.config, max_seq_len=48, max_batch=4), activations="fp8")
+    engine.generate([[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]], n=2,
+                    sampling=SamplingParams(temperature=0, max_new_tokens=4))
+    # The 18-token prefill runs FP8; decode steps of 2 rows stay on the NVFP4 kernel.
+    assert served and min(served) >= engine_fp8.MIN_ROWS["nvfp4"]
+
+
+def test_no_room_for_copies_falls_back_to_bf16_activations(tiny_llama_fp8):
+    model = _model(tiny_llama_fp8, "bf16")
+    engine = Engine(model, plan_limits(model.config, max_seq_len=32, max_batch=2), kernel_copies=False,
+                    activations="fp8")
+    assert engine.activations == "bf16" and engine.fp8_copy_bytes == 0
+
+
+def test_refusals_name_the_fix(monkeypatch):
+    with pytest.raises(QerlError, match="engine.activations=fp8 takes an nvfp4 or bf16 base, not nf4"):
+        engine_fp8.check_activations("fp8", "nf4", torch.device("cpu"))
+    with pytest.raises(QerlError, match="choose one of bf16, fp8"):
+        engine_fp8.check_activations("int8", "nvfp4", torch.device("cpu"))
+    monkeypatch.setattr(engine_fp8, "runs_fp8", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(QerlError, match="needs FP8 tensor cores .* A100 has none; set engine.activations=bf16"):
+        engine_fp8.check_activations("fp8", "nvfp4", torch.device("cuda"))
+    engine_fp8.check_activations("bf16", "nf4", torch.device("cuda"))  # bf16 runs anywhere
+
+
+def test_recipe_key():
+    assert EngineSection().activations == "bf16"
+    assert EngineSection(activations="fp8").activations == "fp8"
+    with pytest.raises(ValueError, match="activations"):
+        EngineSection(activations="fp16")
+
+
+def test_tis_cap_defaults_to_2_with_fp8_rollouts_unless_the_recipe_sets_it():
+    assert train_config(TrainSection()).loss.tis_cap is None
+    assert train_config(TrainSection(), rollout_activations="fp8").loss.tis_cap == FP8_TIS_CAP == 2.0
+    assert train_config(TrainSection(tis_cap=3.0), rollout_activations="fp8").loss.tis_cap == 3.0
+    assert train_config(TrainSection(tis_cap=None), rollout_activations="fp8").loss.tis_cap is None  # off, on purpose
+    assert train_config(TrainSection(tis_cap=1.5)).loss.tis_cap == 1.5
+
+
+def test_fp8_copies_are_planned_instead_of_humming_copies():
+    c = DecoderConfig.from_hf(SHAPES["qwen2.5-7b"])
+    # 28 layers of q/k/v [4608, 3584], o [3584, 3584], gate/up [37888, 3584], down [3584, 18944].
+    per_layer = sum(n * (k + 4) for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)))
+    assert fp8_copy_bytes(c) == 28 * per_layer
+    cpu = torch.device("cpu")
+    for base in ("nvfp4", "bf16"):
+        assert copy_bytes_asked(c, base, cpu, None, True, False, "fp8") == 28 * per_layer
+    assert copy_bytes_asked(c, "bf16", cpu, None, True, False) == 0
+
+
+def test_mismatch_metrics_are_logged_with_and_without_the_cap():
+    logp = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
+    rollout = torch.tensor([[-1.0, -2.5, -0.4, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    for cap in (None, 1.5):
+        _, m = policy_loss(logp, torch.tensor([1.0]), mask, PolicyLossConfig("dapo", 0.2, 0.28, 0.0, 4, cap),
+                           rollout_logp=rollout)
+        d = torch.tensor([0.0, 0.5, -0.1], dtype=torch.float64)  # trainer - rollout on the 3 counted tokens
+        ratio = torch.exp(d)
+        assert m["mismatch_k3"] == pytest.approx(float((ratio - d - 1).mean()))
+        assert m["tis_ratio_mean"] == pytest.approx(float(ratio.mean()))
+        assert m["tis_ratio_max"] == pytest.approx(float(ratio.max()))
+        assert m["tis_truncated"] == pytest.approx(1 / 3 if cap else 0.0)
