@@ -411,6 +411,26 @@ def _apply_override(data: dict[str, Any], path: list[str], value: Any, text: str
     node[path[-1]] = value
 
 
+def _refuse_duplicate_keys(node: yaml.Node, origin: Path, where: str = "") -> None:
+    """YAML lets a later key silently replace an earlier one (`lr: 1e-4 ... lr: 0.5` trains at
+    0.5): refuse any repeated key, at any depth, with its path and both lines."""
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            path = f"{where}.{key}" if where else str(key)
+            if key is not None and key != "<<":
+                line = key_node.start_mark.line + 1
+                if key in lines:
+                    raise RecipeError(f"{origin}: `{path}` is given twice (lines {lines[key]} and {line}); YAML would "
+                                      "keep only the last one: delete one of them")
+                lines[key] = line
+            _refuse_duplicate_keys(value_node, origin, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, origin, f"{where}[{i}]")
+
+
 def load_recipe(path: Path | None, overrides: list[str] = ()) -> Recipe:
     """Read a recipe file (or the defaults when `path` is None) and apply `--set` overrides."""
     origin = str(path) if path else "the default recipe"
@@ -418,8 +438,12 @@ def load_recipe(path: Path | None, overrides: list[str] = ()) -> Recipe:
     if path is not None:
         if not path.is_file():
             raise RecipeError(f"recipe file {path} does not exist; pass an existing YAML file to --recipe")
+        text = read_user_text(path, "recipe file", RecipeError)
         try:
-            loaded = yaml.safe_load(read_user_text(path, "recipe file", RecipeError))
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+            if root is not None:
+                _refuse_duplicate_keys(root, path)
+            loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise RecipeError(f"{path}: not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):

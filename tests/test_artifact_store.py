@@ -192,6 +192,19 @@ def test_a_killed_run_leftover_is_removed_when_the_artifact_is_made(tmp_path):
     assert created and not leftover.exists()
 
 
+def test_a_killed_force_rebuild_leftover_is_removed_by_a_plain_rerun_that_reuses(tmp_path):
+    """`quantize --force` killed midway leaves the artifact's own temporary directory next to the
+    artifact itself; the next plain run of the same stage reuses the artifact and removes it."""
+    store = ArtifactStore(tmp_path)
+    made, created = make(store, {"k": 1})
+    assert created
+    leftover = tmp_path / f".tmp-{made.path.name}-999999"
+    (leftover / "sub").mkdir(parents=True)
+    (leftover / "sub" / "big.bin").write_bytes(b"x" * 1024)
+    again, created = make(store, {"k": 1})
+    assert not created and again.path == made.path and not leftover.exists()
+
+
 def test_any_run_on_the_store_removes_abandoned_temporaries_and_ls_shows_them(tmp_path):
     """A writer holds its artifact's lock while its temporary directory exists: one whose lock is
     free was left by a killed run and goes with the next artifact made anywhere in the store."""

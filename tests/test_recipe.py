@@ -136,3 +136,19 @@ def test_keys_lists_every_recipe_key_with_its_type_default_and_meaning():
     assert lora.startswith("train.lora.rank: int (>= 1); default 32") and "train.lr:" not in lora
     wrong = cli("keys", "trian", ok=False)
     assert wrong.exit_code == 1 and "did you mean 'train'?" in wrong.stderr
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("train:\n  lr: 1.0e-4\n  steps: 2\n  lr: 0.5\n", "`train.lr` is given twice (lines 2 and 4)"),
+    ("train:\n  lr: 1.0e-4\nengine:\n  max_batch: 4\ntrain:\n  steps: 3\n", "`train` is given twice (lines 1 and 5)"),
+    ("train:\n  aqn:\n    sigma_start: 0.01\n    sigma_start: 0.02\n", "`train.aqn.sigma_start` is given twice (lines 3 and 4)"),
+])
+def test_a_duplicate_key_at_any_depth_is_refused_with_its_path_and_lines(tmp_path, text, needle):
+    recipe = tmp_path / "dup.yaml"
+    recipe.write_text(text)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe)
+    assert str(recipe) in str(err.value) and needle in str(err.value)
+    recipe.write_text(text.replace("  lr: 0.5\n", "").replace("train:\n  steps: 3\n", "")
+                      .replace("    sigma_start: 0.02\n", ""))
+    load_recipe(recipe)  # without the repeat the same file loads

@@ -273,17 +273,16 @@ class ArtifactStore:
             except ArtifactError:
                 if not force or not (final / MANIFEST_NAME).is_file():
                     raise
-            if existing is not None and not force:
-                # A run that only reuses still clears what killed runs left (`ls` promises it).
-                self._sweep_abandoned(final.name)
-                yield None, existing
-                return
             # Under this artifact's lock no live process writes one: any temporary directory of it
-            # is what a killed run left (possibly gigabytes), so it goes; so do other artifacts' whose
+            # is what a killed run left (a `--force` rebuild killed midway, possibly gigabytes), so it
+            # goes, also when this run only reuses (`ls` promises it); so do other artifacts' whose
             # lock is free.
             self._sweep_abandoned(final.name)
             for leftover in self.root.glob(f"{_TMP_PREFIX}{final.name}-*"):
                 shutil.rmtree(leftover, ignore_errors=True)
+            if existing is not None and not force:
+                yield None, existing
+                return
             tmp = self.root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
             tmp.mkdir()
             pending = PendingArtifact(id=art_id, dir=tmp)
