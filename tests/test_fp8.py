@@ -101,7 +101,7 @@ def test_nvfp4_decode_rows_below_the_crossover_keep_the_w4a16_kernel(tiny_llama_
     engine.generate([[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]], n=2,
                     sampling=SamplingParams(temperature=0, max_new_tokens=4))
     # The 18-token prefill runs FP8; decode steps of 2 rows stay on the NVFP4 kernel.
-    assert served and min(served) >= engine_fp8.MIN_ROWS["nvfp4"]
+    assert served and min(served) >= engine_fp8.NVFP4_MIN_ROWS
 
 
 def test_no_room_for_copies_falls_back_to_bf16_activations(tiny_llama_fp8):

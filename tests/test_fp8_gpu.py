@@ -99,7 +99,7 @@ def _model(path: Path, base: str):
 @pytest.fixture
 def every_row_fp8(monkeypatch):
     """Decode batches of a few rows run FP8 on an NVFP4 base too (by default from 17 rows)."""
-    monkeypatch.setitem(engine_fp8.MIN_ROWS, "nvfp4", 1)
+    monkeypatch.setattr(engine_fp8, "NVFP4_MIN_ROWS", 1)
 
 
 @pytest.mark.parametrize("base", ["bf16", "nvfp4"])

@@ -8,8 +8,8 @@ activations: the decode step's RMSNorm kernel writes them beside its bf16 output
 GELU) gate writes them in the same compiled kernel (`gate_fp8`), and o_proj's input and the
 prefill's are quantized by one compiled kernel (`quantize_fused`). The LoRA adapter stays in bf16
 on the bf16 activations (its shrink reads the same normed rows); the training forward never sees
-FP8. Below `MIN_ROWS[format]` rows the base format's own kernel keeps the rows: NVFP4's W4A16
-GEMM reads a quarter of FP8's bytes and wins at decode batches (docs/kernels.md).
+FP8. Below `NVFP4_MIN_ROWS` rows an NVFP4 base's own kernel keeps the rows: NVFP4's W4A16
+GEMM reads 0.56 bytes a weight to FP8's 1 and wins at decode batches (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl_pipe.errors import QerlError
+from qerl_pipe.kernels.base_formats import BaseFormat
+from qerl_pipe.kernels.base_formats import base_format as format_entry
 from qerl_pipe.kernels.fp8 import Fp8Rows, Fp8Weight, fp8_linear, quantize_weight, row_codes, runs_fp8
 from qerl_pipe.log import log
 from qerl_pipe.model.fused import fused_on_cuda
@@ -27,18 +29,25 @@ from qerl_pipe.model.moe import SparseMoE
 
 ACTIVATIONS = ("bf16", "fp8")
 
-# The fewest rows a projection must have to run in FP8, per base format: NVFP4's W4A16 GEMM reads
-# 0.56 bytes a weight against FP8's 1 and wins while the step is bound by weight bytes.
-MIN_ROWS = {"nvfp4": 17, "bf16": 1}
+# The fewest rows a projection of an NVFP4 base must have to run in FP8: below, its W4A16 GEMM
+# (0.56 bytes a weight against FP8's 1) wins while the step is bound by weight bytes. A bf16
+# base runs FP8 from one row.
+NVFP4_MIN_ROWS = 17
+
+
+def min_rows(fmt: BaseFormat) -> int:
+    """The fewest rows a projection of base format `fmt` runs in FP8."""
+    return 1 if fmt.dense else NVFP4_MIN_ROWS
 
 
 def check_activations(activations: str, base_format: str, device: torch.device) -> None:
     """Refuse, in one line that names the fix, what cannot run FP8 activations here."""
     if activations not in ACTIVATIONS:
         raise QerlError(f"engine.activations={activations!r}: choose one of {', '.join(ACTIVATIONS)}")
-    if activations == "bf16":
+    if activations != "fp8":
         return
-    if base_format not in MIN_ROWS:
+    fmt = format_entry(base_format)
+    if not (fmt.dense or fmt.hopper_dispatch):
         raise QerlError(f"engine.activations=fp8 takes an nvfp4 or bf16 base, not {base_format} (the QLoRA "
                         "baseline runs bitsandbytes' kernels as its users do); set engine.activations=bf16")
     if device.type == "cuda" and not runs_fp8(device):
@@ -73,7 +82,7 @@ class Fp8Linears:
 
     def __init__(self, model: nn.Module):
         self.copies: dict[QuantLinear, Fp8Weight] = {}
-        self.min_rows = MIN_ROWS[model.base_format]
+        self.min_rows = min_rows(format_entry(model.base_format))
         with torch.no_grad():
             for linear in fp8_linears(model):
                 dense = _dense_base(linear)

@@ -118,7 +118,7 @@ def build_engine_stage(call: StageCall) -> Artifact:
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
     plan, budget = _plan(recipe, base.hf_config, device, processes)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
-    if section.activations == "bf16":
+    if section.activations != "fp8":
         del config["engine"]["activations"]  # the default: engines made before the setting keep their ids
     if fmt.layout_version > 1:
         # A base whose stored bytes changed gets new ids, so the store rebuilds rather than
