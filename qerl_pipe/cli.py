@@ -198,8 +198,10 @@ def _run_command(stage: Stage, options: tuple[Extra, ...], values: dict[str, Any
     if values.get("greedy") and values.get("k") is None:  # eval's --greedy
         values["k"] = 1  # greedy gives one response per problem, whatever k the recipe samples
     overrides = list(values["set_"] or [])
+    # An option left out (None, or a flag's False) sets nothing; `--limit 0` is a value (0 == False
+    # in Python, so `not in (None, False)` dropped it) and meets the key's own check.
     overrides += [f"{e.sets}={dumps(values[e.name])}" for e in options
-                  if e.sets is not None and values[e.name] not in (None, False)]
+                  if e.sets is not None and values[e.name] is not None and values[e.name] is not False]
     recipe = _recipe(values["recipe"], overrides, values.get("model"))
     given = {inp.keyword: values[inp.keyword] for inp in stage.inputs}
     entry_options = {e.name: values[e.name] for e in EXTRAS.get(stage, ()) if e.sets is None and e.name != NPROC}

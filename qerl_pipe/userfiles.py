@@ -18,7 +18,7 @@ def read_user_text(path: Path, what: str, error: type[QerlError] = QerlError) ->
     """`path` as UTF-8 text; a file that is not UTF-8, or cannot be read, is an `error` naming it
     (the caller's own kind, which its callers may catch)."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a leading byte-order mark (some editors write one) is not text
     except UnicodeDecodeError as exc:
         raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
                         "re-save it as UTF-8") from None

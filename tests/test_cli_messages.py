@@ -115,3 +115,12 @@ def test_stage_help_says_where_the_recipe_keys_are_and_shows_flags_without_a_typ
         assert "qerl-pipe keys" in out, command
         assert "<bool>" not in out and "--force" in out, command  # a flag takes no value
     assert "<bool>" not in cli("bench", "quantize", "--help").stdout
+
+
+def test_eval_limit_zero_is_one_rule_for_the_flag_and_the_key(tmp_path):
+    """`--limit 0` is a value like `--set eval.limit=0` (it used to be dropped as if left out, so
+    eval ran every problem): both are refused before any work, naming the key."""
+    for args in (["--limit", "0"], ["--set", "eval.limit=0"]):
+        result = cli("eval", "--artifacts", tmp_path, "--model", "missing-model", *args, ok=False)
+        assert result.exit_code == 1, result.stderr
+        assert "eval.limit" in result.stderr and "greater than or equal to 1" in result.stderr, result.stderr

@@ -155,3 +155,14 @@ def test_render_prompt_chat_template(tokenizer_dir):
     assert ids[0] == tok.bos_token_id  # the template's <s> is the special token, not its characters
     text = f"<s>user: What is 12 + 30?\n{DEFAULT_INSTRUCTIONS['gsm8k']}\nassistant:"
     assert ids == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_byte_order_mark_is_accepted_and_every_line_is_checked_whatever_the_limit(tmp_path):
+    good = json.dumps({"question": "1 + 1?", "answer": "2"})
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes("\ufeff".encode() + f"{good}\n{good}\n".encode())  # as some editors save UTF-8
+    assert [p.answer for p in load_problems(str(path))] == ["2", "2"]
+    path.write_text(f"{good}\n{good}\nnot json\n")
+    for limit in (None, 1):  # a malformed line past the limit is still found
+        with pytest.raises(TaskError, match=r"bom.jsonl:3: not valid JSON"):
+            load_problems(str(path), limit=limit)

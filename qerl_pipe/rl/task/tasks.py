@@ -92,9 +92,9 @@ def load_problems(spec: str, *, limit: int | None = None, seed: int = 0,
 
 def _read_jsonl(path: Path, prefix: str, kind: str, q_field: str, a_field: str, limit: int | None) -> list[Problem]:
     problems: list[Problem] = []
+    # Every line is checked, also past `limit`: a malformed line is an error whatever the limit,
+    # so a file that passes with `limit` set passes without it.
     for lineno, row in read_jsonl_objects(path, "problem file", TaskError):
-        if limit is not None and len(problems) >= limit:
-            break
         for field, option in ((q_field, "question_field"), (a_field, "answer_field")):
             if row.get(field) is None:
                 raise TaskError(f"{path}:{lineno}: no field '{field}' (fields: {', '.join(row) or 'none'}); "
@@ -103,7 +103,8 @@ def _read_jsonl(path: Path, prefix: str, kind: str, q_field: str, a_field: str, 
         if not answer:
             raise TaskError(f"{path}:{lineno}: empty answer in field '{a_field}'"
                             + (" (a GSM8K answer must end with '#### <number>')" if kind == "gsm8k" else ""))
-        problems.append(Problem(f"{prefix}:{len(problems)}", str(row[q_field]), answer, kind))
+        if limit is None or len(problems) < limit:
+            problems.append(Problem(f"{prefix}:{len(problems)}", str(row[q_field]), answer, kind))
     return problems
 
 
