@@ -71,8 +71,10 @@ def _stopped_line(exc: KeyboardInterrupt) -> str:
     again = f": {shlex.join(['qerl-pipe', *_COMMAND])}" if _COMMAND else ""
     if detail:
         return f"stopped by {name} {detail}; the same command resumes from there{again}"
-    return (f"stopped by {name}: no partial artifact was kept; the same command again reuses the finished stages and "
-            f"resumes a train from its last checkpoint{again}")
+    command = _COMMAND[0] if _COMMAND else "run"
+    then = {"run": "reuses the finished stages and resumes a train from its last checkpoint",
+            "train": "resumes the run from its last checkpoint, if one was written"}.get(command, "makes it anew")
+    return f"stopped by {name}: no partial artifact was kept; the same command again {then}{again}"
 
 
 def _user_errors(fn: F) -> F:
@@ -240,9 +242,11 @@ def run(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")], set_:
     from qerl_pipe.pipeline import run_recipe
 
     results = run_recipe(_recipe(recipe, set_), _store(artifacts, verify), force=force)
+    # Each artifact's path on stdout in stage order (the last line is the last stage's, as a stage
+    # command's is), each labelled with its stage on stderr.
     for stage, artifact in results.items():
         typer.echo(f"{stage}: {artifact.path}", err=True)
-    print(list(results.values())[-1].path)
+        print(artifact.path)
 
 
 @app.command()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -74,16 +74,18 @@ def describe_os_error(exc: OSError, fix: str | None = None) -> str:
 
 
 @contextmanager
-def resumable_on_full_disk(work_dir: Path) -> Iterator[None]:
+def resumable_on_full_disk(work_dir: Path, has_checkpoint: Callable[[], bool]) -> Iterator[None]:
     """A full disk while a resumable stage works in `work_dir`: unlike an artifact's temporary
-    directory, the work directory stays, so the fix is space and the same command, which resumes."""
+    directory, the work directory stays, so the fix is space and the same command, which resumes
+    from the last checkpoint (`has_checkpoint()` says whether one was written yet)."""
     try:
         yield
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        raise QerlError(describe_os_error(exc, f"free space, then run the same command again: it resumes from "
-                                               f"the last checkpoint in {work_dir}, which is kept")) from None
+        then = (f"it resumes from the last checkpoint in {work_dir}, which is kept" if has_checkpoint() else
+                f"it starts the run over in {work_dir} (no checkpoint was written before the disk filled)")
+        raise QerlError(describe_os_error(exc, f"free space, then run the same command again: {then}")) from None
 
 
 DATA_FILE_SUFFIXES = (".jsonl", ".txt")

@@ -239,6 +239,8 @@ def test_run_chains_three_stages_and_reuses_them(tiny_llama, store_dir, tmp_path
     assert engine.name.startswith("build-engine-")
     for stage in ("calibrate", "quantize", "build-engine"):
         assert f"{stage}: {store_dir}" in first.stderr
+    # stdout: each artifact's path in stage order, the last stage's last (as the README says).
+    assert [Path(p).name.split("-")[0] for p in first.stdout.split()] == ["calibrate", "quantize", "build"]
     (quantized,) = named(store_dir, "quantize-")
     assert read_json(engine / "manifest.json")["parents"] == [quantized.removeprefix("quantize-")]
     assert read_json(store_dir / quantized / "manifest.json")["summary"]["quant_algo"] == "NVFP4"  # calibrated

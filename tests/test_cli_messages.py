@@ -6,6 +6,8 @@ import fcntl
 import threading
 import time
 
+import pytest
+
 from qerl_pipe.artifacts import ArtifactStore
 from tests.stage_cli import cli
 
@@ -124,3 +126,18 @@ def test_eval_limit_zero_is_one_rule_for_the_flag_and_the_key(tmp_path):
         result = cli("eval", "--artifacts", tmp_path, "--model", "missing-model", *args, ok=False)
         assert result.exit_code == 1, result.stderr
         assert "eval.limit" in result.stderr and "greater than or equal to 1" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("command", "then"), [
+    (["quantize", "--recipe", "r.yaml"], "makes it anew"),
+    (["train", "--recipe", "r.yaml"], "resumes the run from its last checkpoint, if one was written"),
+    (["run", "r.yaml"], "reuses the finished stages and resumes a train from its last checkpoint")])
+def test_the_stopped_line_speaks_of_the_command_that_stopped(monkeypatch, command, then):
+    import qerl_pipe.cli as qcli
+
+    monkeypatch.setattr(qcli, "_COMMAND", command)
+    line = qcli._stopped_line(KeyboardInterrupt())
+    assert line.startswith(f"stopped by SIGINT: no partial artifact was kept; the same command again {then}: qerl-pipe "
+                           f"{command[0]}"), line
+    assert ("a train" in line) == (command[0] == "run")  # a quantize is no train
+

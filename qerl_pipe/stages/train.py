@@ -33,6 +33,7 @@ from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan
 from qerl_pipe.recipe import Recipe, TrainSection
+from qerl_pipe.rl.loop.checkpoint import latest_checkpoint
 from qerl_pipe.rl.loop.config import TrainConfig
 from qerl_pipe.rl.loop.distributed import Dist, init_distributed
 from qerl_pipe.rl.task.rewards import custom_reward_digests
@@ -108,7 +109,7 @@ def train_stage(call: StageCall) -> Artifact:
         dist.broadcast((None, str(run_dir)))
         if call.force and run_dir.exists():
             shutil.rmtree(run_dir)
-        with resumable_on_full_disk(run_dir):
+        with resumable_on_full_disk(run_dir, lambda: latest_checkpoint(run_dir) is not None):
             run_dir.mkdir(parents=True, exist_ok=True)
             run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
             write_json(run_dir / RUN_FILE, run)
