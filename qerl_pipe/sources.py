@@ -12,6 +12,8 @@ import functools
 import importlib.metadata
 import os
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +22,7 @@ from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, artifa
 from qerl_pipe.dag import IMPORT, find_or_build
 from qerl_pipe.errors import ModelSourceError
 from qerl_pipe.formats.hf_config import read_model_config
-from qerl_pipe.log import log, quiet_transformers
+from qerl_pipe.log import console, log, quiet_transformers
 from qerl_pipe.recipe import ModelSection
 from qerl_pipe.strict_json import write_json
 
@@ -113,6 +115,24 @@ def _imported(artifact: Artifact) -> ResolvedModel:
                          config=read_model_config(artifact.path), parents=[artifact.id])
 
 
+@contextmanager
+def _tqdm_off_unless_terminal() -> Iterator[None]:
+    """transformers' GGUF reader without its tqdm bar while stderr is not a terminal (the module
+    binds tqdm at import, so neither transformers' switch nor tqdm's environment reaches it)."""
+    if console.is_terminal:
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+
+    bar = gguf_reader.tqdm
+    gguf_reader.tqdm = functools.partial(bar, disable=True)
+    log("import: converting the GGUF tensors to bf16")
+    try:
+        yield
+    finally:
+        gguf_reader.tqdm = bar
+
+
 def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
     import torch
     from qerl_pipe.formats.checkpoint import save_safetensors
@@ -120,10 +140,13 @@ def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
 
     quiet_transformers()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # transformers' GGUF reader draws a tqdm bar of its own (not behind its progress-bar
+        # switch): off a terminal its carriage returns would fill the log, so it is off there.
+        with _tqdm_off_unless_terminal():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=trust_remote_code
+            )
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # transformers raises many types for unreadable or unsupported GGUF files
         raise ModelSourceError(f"cannot read GGUF file {gguf}: {exc}") from None
     # transformers refuses save_pretrained on a GGUF-loaded model, so write the directory by hand:

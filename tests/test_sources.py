@@ -30,6 +30,11 @@ def test_default_smollm2_quickstart_end_to_end(tmp_path):
             "--set", "eval.limit=2", "--set", "eval.k=2", "--set", "eval.max_new_tokens=8"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.stderr + str(result.exception)
+    # Off a terminal no bar writes carriage returns into the log (the GGUF reader's own included).
+    assert "\r" not in result.stderr and "import: converting the GGUF tensors to bf16" in result.stderr
+    assert result.stderr.count("train: memory plan:") == 2  # said once, by the train that ran
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "memory plan" not in again.stderr  # a run that only reuses plans nothing aloud
     evaluated = Path(result.stdout.strip().splitlines()[-1])
     assert evaluated.name.startswith("eval-")
     (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("train-")]

@@ -104,16 +104,19 @@ def check_train_model(recipe: Recipe, hf_config: dict[str, Any]) -> None:
 
 
 def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist: Dist = Dist()) -> MemoryPlan:
-    """The plan of each rank's step over the engine in `engine_dir` (`jobs.step_plan.plan_train`), said
-    by rank 0; under train.memory_budget_gb on CUDA the process is capped to the budget. Raises
-    MemoryBudgetError, naming the smallest budget that fits, before anything is loaded."""
+    """The plan of each rank's step over the engine in `engine_dir` (`jobs.step_plan.plan_train`);
+    under train.memory_budget_gb on CUDA the process is capped to the budget. Raises
+    MemoryBudgetError, naming the smallest budget that fits, before anything is loaded. The plan
+    is said by `say_plan` when the run trains (a reused run says nothing of it)."""
     plan, enforced = plan_train(section, engine_dir, device, dist.world_size)
-    if dist.is_main:
-        log(f"train: memory plan: {plan.describe()}")
-        log(f"train: memory plan: {plan_changes(plan)}")
     if enforced:
         enforce_budget(plan.budget_bytes, device)
     return plan
+
+
+def say_plan(plan: MemoryPlan) -> None:
+    log(f"train: memory plan: {plan.describe()}")
+    log(f"train: memory plan: {plan_changes(plan)}")
 
 
 def _write_greedy_accuracy(run_dir: Path, name: str, result: GreedyAccuracy) -> dict[str, Any]:

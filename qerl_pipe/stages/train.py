@@ -28,7 +28,7 @@ from qerl_pipe.dag import TRAIN, register
 from qerl_pipe.engine.artifact import check_engine_for, read_engine_json
 from qerl_pipe.hf import pick_device
 from qerl_pipe.jobs.train_config import train_config
-from qerl_pipe.jobs.train_job import check_train_inputs, check_train_model, plan_run, run_train_job
+from qerl_pipe.jobs.train_job import check_train_inputs, check_train_model, plan_run, run_train_job, say_plan
 from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan
@@ -109,6 +109,7 @@ def train_stage(call: StageCall) -> Artifact:
         dist.broadcast((None, str(run_dir)))
         if call.force and run_dir.exists():
             shutil.rmtree(run_dir)
+        say_plan(plan)
         with resumable_on_full_disk(run_dir, lambda: latest_checkpoint(run_dir) is not None):
             run_dir.mkdir(parents=True, exist_ok=True)
             run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
