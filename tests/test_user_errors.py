@@ -173,7 +173,7 @@ def test_a_checkpoint_on_a_full_disk_is_one_error_that_says_the_run_resumes(tmp_
     assert latest_checkpoint(tmp_path) is None  # nothing half-written counts as a checkpoint
 
 
-def test_a_nan_in_a_norm_weight_is_refused_by_quantize_and_calibrate_naming_the_tensor(tiny_llama, tmp_path):
+def test_a_nan_in_a_norm_weight_is_refused_by_quantize_calibrate_and_build_engine_naming_it_alike(tiny_llama, tmp_path):
     from safetensors.torch import load_file, save_file
 
     model = copy_model(tiny_llama, tmp_path / "model")
@@ -183,7 +183,9 @@ def test_a_nan_in_a_norm_weight_is_refused_by_quantize_and_calibrate_naming_the_
     save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
     store = tmp_path / "store"
     for command in (["quantize", *FAST], ["calibrate", "--set", "calibrate.num_samples=2", "--set",
-                                          "calibrate.seq_len=16"]):
+                                          "calibrate.seq_len=16"],
+                    ["build-engine", "--set", "engine.base_format=bf16", "--set", "engine.device=cpu",
+                     "--set", "engine.max_seq_len=128", "--set", "engine.max_batch=2"]):
         result = cli(command[0], "--model", model, "--artifacts", store, *command[1:], ok=False)
         one_line_failure(result, f"{name} has non-finite values", "re-download or re-convert")
         assert named(store, command[0]) == [] and not list(store.glob(".tmp-*"))

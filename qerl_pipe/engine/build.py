@@ -28,6 +28,7 @@ from qerl_pipe.engine.limits import EngineLimits, plan_limits
 from qerl_pipe.engine.weights import save_engine_model
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.checkpoint import refuse_non_finite
+from qerl_pipe.formats.names import hf_name
 from qerl_pipe.formats.modelopt_writer import copy_model_files
 from qerl_pipe.hf import compute_dtype, count_parameters
 from qerl_pipe.kernels.base_formats import NAMES, base_format
@@ -112,9 +113,11 @@ def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
 
 def _check_finite(model: torch.nn.Module) -> None:
     """A bf16 (or NF4) base is built from the source's weights as they are: NaN or inf there would
-    give an engine whose every rollout is empty. (A 4-bit quantize already refuses them.)"""
+    give an engine whose every rollout is empty. (A 4-bit quantize already refuses them.) The
+    tensor is named as the model's files name it, as quantize and calibrate do (a fused q/k/v or
+    gate/up base by its fused name under the same prefix)."""
     for name, t in model.state_dict().items():
-        refuse_non_finite(name, t)
+        refuse_non_finite(name if name.startswith("lm_head") else hf_name(name), t)
 
 
 def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, section: EngineSpec,
