@@ -210,9 +210,7 @@ def find_or_build(stage_: Stage, store: "ArtifactStore", *, config: dict[str, An
     `pending.summary`; the store seals it. `force` makes it again; `find_only` makes nothing and
     raises MissingArtifact instead."""
     if find_only:
-        from qerl_pipe.artifacts import artifact_id
-
-        existing = store.find_existing(stage_.name, artifact_id(stage_.name, stage_.version, config, parents))
+        existing = store.find_existing(stage_.name, store.artifact_id_for(stage_.name, stage_.version, config, parents))
         if existing is None:
             raise MissingArtifact(stage_.name, store.root)
         log(f"{stage_.name}: up to date, reusing {existing.path}")

@@ -249,6 +249,27 @@ def test_run_chains_three_stages_and_reuses_them(tiny_llama, store_dir, tmp_path
     assert last_line(second) == engine and second.stderr.count("up to date") == 3
 
 
+def test_a_report_setting_makes_a_new_quantize_whose_children_are_reused(tiny_llama, store_dir, tmp_path):
+    """quantize.quality.* changes the quantize artifact (its report) but no byte build-engine reads:
+    the engine of the first is the engine of the second (children take the parent's content)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"stages: [quantize, build-engine]\nmodel:\n  source: {tiny_llama}\n"
+                      "quantize:\n  quality:\n    perplexity: always\n    num_samples: 2\n    seq_len: 16\n"
+                      "engine:\n  max_seq_len: 128\n  max_batch: 4\n  device: cpu\n")
+    first = cli("run", recipe, "--artifacts", store_dir)
+    for setting in ("quantize.quality.num_samples=3", "quantize.quality.perplexity=never"):
+        again = cli("run", recipe, "--artifacts", store_dir, "--set", setting)
+        assert last_line(again) == last_line(first), setting  # the same engine
+        assert "build-engine: up to date" in again.stderr and "quantize: up to date" not in again.stderr
+    assert len(named(store_dir, "quantize-")) == 3 and len(named(store_dir, "build-engine-")) == 1
+    engine = read_json(last_line(first) / "manifest.json")
+    (quantized,) = engine["parents"]
+    assert engine["parent_identities"] == [read_json(store_dir / f"quantize-{quantized}" / "manifest.json")["content"]]
+    # A setting that changes the weights is a new engine.
+    other = cli("run", recipe, "--artifacts", store_dir, "--set", "quantize.method=mse")
+    assert last_line(other) != last_line(first)
+
+
 def test_nan_weights_are_refused_before_any_artifact(tiny_llama, store_dir, tmp_path):
     """A damaged model (one NaN weight) gets a one-line error from calibrate and from a bf16
     build-engine, and no artifact."""

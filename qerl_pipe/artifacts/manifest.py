@@ -70,7 +70,10 @@ def build_manifest(
     parents: list[str],
     root: Path,
     summary: dict[str, Any],
+    reports: frozenset[str] = frozenset(),
+    identities: list[str] | None = None,
 ) -> dict[str, Any]:
+    files = describe_files(root)
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "id": art_id,
@@ -78,13 +81,25 @@ def build_manifest(
         "stage": {"name": stage, "version": stage_version},
         "config": config,
         "parents": parents,
-        "files": describe_files(root),
+        # What the id took of each parent (`Artifact.identity`): its content digest, or its id.
+        "parent_identities": parents if identities is None else identities,
+        "files": files,
+        "reports": sorted(reports),
+        "content": content_digest(files, reports),
         "package": {"name": "qerl-pipe", "version": qerl_pipe.__version__},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "summary": summary,
     }
     manifest["digest"] = manifest_digest(manifest)
     return manifest
+
+
+def content_digest(files: dict[str, dict[str, Any]], reports: frozenset[str] | set[str]) -> str:
+    """What a child reads of an artifact: its files but the reports (`reports`), by their sha256.
+    A child's id takes this instead of the parent's id, so a setting that changes only a report
+    (quantize's quality report) makes a new parent whose children are reused."""
+    kept = {name: meta["sha256"] for name, meta in files.items() if name not in reports}
+    return hashlib.sha256(canonical_json(kept).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,12 @@ class Artifact:
     @property
     def id(self) -> str:
         return self.manifest["id"]
+
+    @property
+    def identity(self) -> str:
+        """What its children's ids take: the digest of the files they read (`content_digest`);
+        the id itself for an artifact made before manifests recorded it (its children keep their ids)."""
+        return self.manifest.get("content", self.id)
 
     @property
     def kind(self) -> str:
@@ -129,12 +150,16 @@ def manifest_problems(manifest: dict[str, Any]) -> list[Problem]:
     problems = []
     try:
         expected = artifact_id(manifest["stage"]["name"], manifest["stage"]["version"], manifest["config"],
-                               manifest["parents"])
+                               manifest.get("parent_identities", manifest["parents"]))
     except (KeyError, TypeError):
         return [Problem(f"{MANIFEST_NAME}: lacks its stage, config or parents (edited by hand)", "manifest")]
     if expected != manifest.get("id"):
         problems.append(Problem(f"{MANIFEST_NAME}: id {manifest.get('id')} does not follow from its stage, config and "
                                 f"parents ({expected}): edited by hand", "manifest"))
+    if "content" in manifest and manifest["content"] != content_digest(manifest.get("files", {}),
+                                                                       set(manifest.get("reports", []))):
+        problems.append(Problem(f"{MANIFEST_NAME}: its content digest does not follow from its files: edited by hand",
+                                "manifest"))
     if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):  # older manifests have none
         problems.append(Problem(f"{MANIFEST_NAME}: edited after the artifact was made (its digest differs)", "manifest"))
     return problems

@@ -45,6 +45,9 @@ class PendingArtifact:
     id: str
     dir: Path
     summary: dict[str, Any] = field(default_factory=dict)
+    # Files (relative paths) the stage writes as reports only: no child reads them, so they are
+    # left out of the identity children take (`manifest.content_digest`).
+    reports: set[str] = field(default_factory=set)
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -200,6 +203,19 @@ class ArtifactStore:
                                 "give more of the id")
         return self._open(matches[0], verify)
 
+    def identities(self, parents: list[str]) -> list[str]:
+        """What a child's id takes of each parent (by id): its `Artifact.identity` when it is in this
+        store, else the id itself."""
+        out = []
+        for parent in parents:
+            found = self._starting_with(parent) if parent else []
+            out.append(_read_manifest(found[0]).get("content", parent) if len(found) == 1 else parent)
+        return out
+
+    def artifact_id_for(self, stage: str, stage_version: int, config: dict[str, Any], parents: list[str]) -> str:
+        """The id `create` gives the artifact of these inputs (`identities` of the parents)."""
+        return artifact_id(stage, stage_version, config, self.identities(parents))
+
     def _starting_with(self, prefix: str) -> list[Path]:
         """Artifact directories '<stage>-<id>' (damaged ones too) whose name or id starts with `prefix`."""
         self._refuse_a_file_root()
@@ -260,7 +276,8 @@ class ArtifactStore:
         The caller writes into `pending.dir`; on a clean exit the manifest is written and the
         directory renamed into place. On an exception the temporary directory is removed.
         """
-        art_id = artifact_id(stage, stage_version, config, parents)
+        identities = self.identities(parents)
+        art_id = artifact_id(stage, stage_version, config, identities)
         final = self.path_for(stage, art_id)
         with ExitStack() as held:
             blocked = self._enter_lock(held, final.name)
@@ -291,6 +308,7 @@ class ArtifactStore:
                 manifest = build_manifest(
                     art_id=art_id, kind=kind, stage=stage, stage_version=stage_version,
                     config=config, parents=parents, root=tmp, summary=pending.summary,
+                    reports=frozenset(pending.reports), identities=identities,
                 )
                 write_json(tmp / MANIFEST_NAME, manifest)
                 self._swap_into_place(tmp, final)

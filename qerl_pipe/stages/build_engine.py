@@ -79,7 +79,7 @@ def _plan(recipe: Recipe, hf_config: dict[str, Any], device: torch.device,
 
 def _quantized_base(artifact: Artifact) -> _Base:
     hf_config = read_model_config(artifact.path)
-    return _Base(artifact.path, hf_config, {"quantized": artifact.id}, [artifact.id])
+    return _Base(artifact.path, hf_config, {"quantized": artifact.identity}, [artifact.id])
 
 
 def check_engine_recipe(recipe: Recipe, store: ArtifactStore) -> None:

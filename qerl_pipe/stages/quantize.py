@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, artifact_id
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.artifacts.store import check_output_dir, copy_to
 from qerl_pipe.dag import CALIBRATE, QUANTIZE, register
 from qerl_pipe.errors import ModelSourceError, QerlError, RecipeError
@@ -94,7 +94,7 @@ def quantize_stage(call: StageCall, *, output: Path | None = None) -> Artifact:
         quantize_key["quality"] = report_key
     config = {"model": model_key, "quantize": quantize_key, "calibrated": calibration is not None}
     parents = resolved.parents + ([calibration.id] if calibration else [])
-    output_done = check_output_dir(output, artifact_id(STAGE.name, STAGE.version, config, parents))  # before any work
+    output_done = check_output_dir(output, call.store.artifact_id_for(STAGE.name, STAGE.version, config, parents))  # before any work
 
     def build(pending: PendingArtifact) -> None:
         started = time.perf_counter()
@@ -113,6 +113,7 @@ def quantize_stage(call: StageCall, *, output: Path | None = None) -> Artifact:
         write_configs(resolved.dir, pending.dir, quant_algo, sorted({"lm_head", *plan.excluded}), dtype)
         quality = layer_error_report(section.method, errors, output_basis)
         write_json(pending.dir / "quality.json", quality)
+        pending.reports.add("quality.json")  # read by people, never by a stage: not in the children's ids
         ppl = perplexity_report(resolved, pending.dir, section.quality, recipe.model.trust_remote_code)
         size_in = sum(p.stat().st_size for p in shards)
         size_out = sum(p.stat().st_size for p in pending.dir.glob("*.safetensors"))
