@@ -133,11 +133,11 @@ def test_planner_gives_up_the_copies_before_any_step_setting() -> None:
     assert not plan.kernel_copies and plan.estimate["kernel_copies"] == 0
     assert (plan.kv_slots, plan.micro_batch, plan.logprob_chunk) == (free.kv_slots, free.micro_batch,
                                                                       free.logprob_chunk)
-    assert "no humming copies" in plan.describe()
+    assert "no kernel copies of the base" in plan.describe()
     assert plan.to_json()["kernel_copies_asked_bytes"] == copies
     # Without asking, nothing changes: no copies, no note.
     plain = plan_step(c, "nvfp4", shape, None)
-    assert not plain.kernel_copies and "humming" not in plain.describe()
+    assert not plain.kernel_copies and "kernel copies" not in plain.describe()
 
 
 def test_engine_section_is_deterministic_by_default() -> None:
