@@ -320,7 +320,7 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     cfg = train_config(s, size.micro_batch, s.prompts, s.group_size, s.response_len)
     trainer = _trainer(model, engine, prompts, cfg, size.logprob_chunk)
     _sync(device)
-    captures = engine._runner.captures
+    captures = engine.runner.graphs.captures
     steps, peaks = [], {"allocated": 0, "reserved": 0}
     for _ in range(s.timed_steps):
         t0 = time.perf_counter()
@@ -332,7 +332,7 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
         steps.append({"step_s": step_s, "rollout_s": m["rollout_seconds"],
                       "train_s": step_s - (m["step_seconds"] - m["train_seconds"])})
         peaks = {k: None if v is None else max(v, peaks[k] or 0) for k, v in _peaks(device).items()}
-    captures = engine._runner.captures - captures
+    captures = engine.runner.graphs.captures - captures
     steady = {k: statistics.median(st[k] for st in (steps[1:] or steps)) for k in ("step_s", "rollout_s", "train_s")}
     # The same rollout outside the trainer (engine.generate alone, as `bench rollout` runs it):
     # whether the in-step rollout pays for something the engine alone does not.

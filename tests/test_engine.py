@@ -236,7 +236,7 @@ def test_lora_and_aqn_noise_reach_the_rollouts(tiny_llama):
     adapted = engine.generate(PROMPTS, sampling=greedy)
     assert adapted.tokens != plain.tokens
     # The engine decoded through its fused copy of the adapter, refreshed from B.
-    assert engine._lora.addresses()
+    assert engine.runner.lora.addresses()
     for i, prompt in enumerate(PROMPTS):
         assert adapted.tokens[i] == _reference_greedy(model, prompt, 8)
     with lora_disabled(model):
@@ -266,8 +266,8 @@ def test_bucketed_schedule_refills_and_compacts(llama32):
     params = SamplingParams(max_new_tokens=14, seed=4, stop_token_ids=tuple(range(0, 320, 9)))
     reference = _engine(llama32, max_batch=1).generate(prompts, n=2, sampling=params)
     engine = _engine(llama32, max_batch=8)
-    engine._runner.sizes = (1, 2, 4, 8)  # buckets as the graphs would use, decode still eager
-    engine._runner.lengths = (16, 32, 64)  # attention over a prefix of the cache rows
+    engine.runner.graphs.sizes = (1, 2, 4, 8)  # buckets as the graphs would use, decode still eager
+    engine.runner.graphs.lengths = (16, 32, 64)  # attention over a prefix of the cache rows
     out = engine.generate(prompts, n=2, sampling=params)
     assert out.tokens == reference.tokens and out.finish_reasons == reference.finish_reasons
     assert "stop" in out.finish_reasons and "length" in out.finish_reasons
@@ -362,13 +362,13 @@ def test_sampling_params_normalise_stop_ids():
 def test_engine_limits_and_cache(llama32):
     limits = EngineLimits(max_batch=3, max_seq_len=32, kv_cache_bytes=0)
     engine = Engine(llama32, limits)
-    assert engine.cache.k.shape == (2, 3, 2, 32, 16) and engine.cache.k.dtype == torch.float32
+    assert engine.runner.cache.k.shape == (2, 3, 2, 32, 16) and engine.runner.cache.k.dtype == torch.float32
     assert not engine.uses_cuda_graphs and engine.captured_graph_sizes == ()
     engine.reset_graphs()  # a no-op without graphs
-    view = engine.cache.first_slots(2, 16)
-    assert view.batch_size == 2 and view.max_len == 16 and view.k.data_ptr() == engine.cache.k.data_ptr()
+    view = engine.runner.cache.first_slots(2, 16)
+    assert view.batch_size == 2 and view.max_len == 16 and view.k.data_ptr() == engine.runner.cache.k.data_ptr()
     with pytest.raises(ValueError):
-        engine.cache.first_slots(4)
+        engine.runner.cache.first_slots(4)
 
 
 def test_graph_bookkeeping_with_a_fake_cuda_graph(llama32, monkeypatch):
@@ -409,8 +409,8 @@ def test_graph_bookkeeping_with_a_fake_cuda_graph(llama32, monkeypatch):
     params = SamplingParams(max_new_tokens=14, seed=4, stop_token_ids=tuple(range(0, 320, 9)))
     reference = _engine(llama32, max_batch=8).generate(PROMPTS * 3, n=2, sampling=params)
     engine = _engine(llama32, max_batch=8)
-    engine._runner.use_graphs, engine._runner.sizes = True, (1, 2, 4, 8)
-    engine._runner.lengths = (8, 16, 32, 64)
+    engine.runner.graphs.use_graphs, engine.runner.graphs.sizes = True, (1, 2, 4, 8)
+    engine.runner.graphs.lengths = (8, 16, 32, 64)
     out = engine.generate(PROMPTS * 3, n=2, sampling=params)
     assert out.tokens == reference.tokens and out.compactions > 0
     assert len(captures) == len(set(captures)) >= 4  # each (batch, length) captured once

@@ -39,7 +39,7 @@ def _engine(model: Decoder, max_batch: int, graphs: bool, buckets_of: Engine | N
     limits = plan_limits(model.config, max_seq_len=64, max_batch=max_batch, cuda_graphs=True)
     engine = Engine(model, limits, cuda_graphs=graphs)
     if buckets_of is not None:  # eager on the graphs' batch sizes: the same kernels run
-        engine._runner.sizes = buckets_of._runner.sizes
+        engine.runner.graphs.sizes = buckets_of.runner.graphs.sizes
     return engine
 
 
@@ -94,14 +94,14 @@ def test_graph_schedule_refills_compacts_and_matches_one_at_a_time(tiny_llama):
     params = SamplingParams(max_new_tokens=20, seed=4, stop_token_ids=tuple(range(0, 320, 9)))
     prompts = PROMPTS * 3
     engine = _engine(model, 8, graphs=True)
-    engine._runner.lengths = (16, 32, 64)  # several attention lengths too
+    engine.runner.graphs.lengths = (16, 32, 64)  # several attention lengths too
     out = engine.generate(prompts, n=2, sampling=params)
     single = _engine(model, 1, graphs=False).generate(prompts, n=2, sampling=params)
     assert out.tokens == single.tokens and out.finish_reasons == single.finish_reasons
     assert out.compactions > 0 and out.max_active == 8
     assert len(engine.captured_graph_sizes) >= 2, engine.captured_graph_sizes
-    assert len({length for _, length in engine._runner._graphs}) >= 2
-    print(f"captured (batch, length) {sorted(engine._runner._graphs)}, {out.decode_steps} steps, "
+    assert len({length for _, length in engine.runner.graphs._graphs}) >= 2
+    print(f"captured (batch, length) {sorted(engine.runner.graphs._graphs)}, {out.decode_steps} steps, "
           f"{out.compactions} compactions")
 
 
@@ -119,24 +119,24 @@ def test_in_place_and_rebound_tensors_under_graphs(tiny_llama):
         for m in model.modules():
             if isinstance(m, RMSNorm):
                 m.noise.copy_(torch.randn(m.noise.shape, generator=gen, device="cuda") * 0.2)
-    captured = dict(graphed._runner._graphs)
+    captured = dict(graphed.runner.graphs._graphs)
     after = graphed.generate(PROMPTS, sampling=GREEDY)
     assert after.tokens != before.tokens
     _assert_same(after, eager.generate(PROMPTS, sampling=GREEDY), atol=1e-5)
-    assert captured and all(graphed._runner._graphs.get(b) is g for b, g in captured.items())  # not recaptured
+    assert captured and all(graphed.runner.graphs._graphs.get(b) is g for b, g in captured.items())  # not recaptured
     # Rebinding a buffer (new address) is noticed: the graphs are recaptured, results still right.
     for m in model.modules():
         if isinstance(m, RMSNorm):
             m.noise = torch.randn(m.noise.shape, generator=gen, device="cuda") * 0.2
     rebound = graphed.generate(PROMPTS, sampling=GREEDY)
     _assert_same(rebound, eager.generate(PROMPTS, sampling=GREEDY), atol=1e-5)
-    assert all(graphed._runner._graphs.get(b) is not g for b, g in captured.items())  # recaptured
+    assert all(graphed.runner.graphs._graphs.get(b) is not g for b, g in captured.items())  # recaptured
     graphed.reset_graphs()
     assert graphed.captured_graph_sizes == ()
     _assert_same(graphed.generate(PROMPTS, sampling=GREEDY), rebound, atol=1e-5)
     # Everything captured up front (idle slots: harmless warm-up writes), then the same results.
     graphed.reset_graphs()
-    assert graphed.capture_graphs() == len(graphed._runner.sizes) * len(graphed._runner.lengths)
+    assert graphed.capture_graphs() == len(graphed.runner.graphs.sizes) * len(graphed.runner.graphs.lengths)
     _assert_same(graphed.generate(PROMPTS, sampling=GREEDY), rebound, atol=1e-5)
 
 

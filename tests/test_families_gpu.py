@@ -67,7 +67,7 @@ def test_cuda_graphs_equal_eager_bf16(saved, family, base):
     model = _model(saved[family], base, torch.bfloat16)
     graphed = _engine(model, graphs=True)
     eager = _engine(model, graphs=False)
-    eager._runner.sizes = graphed._runner.sizes  # the same batch buckets: the same kernels run
+    eager.runner.graphs.sizes = graphed.runner.graphs.sizes  # the same batch buckets: the same kernels run
     for params in (GREEDY, SAMPLED):
         g, e = graphed.generate(PROMPTS, n=2, sampling=params), eager.generate(PROMPTS, n=2, sampling=params)
         assert g.tokens == e.tokens and g.finish_reasons == e.finish_reasons

@@ -108,7 +108,7 @@ def test_fp8_graph_replay_equals_eager(tiny_qwen2, base, every_row_fp8):
     limits = plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True)
     graphed = Engine(model, limits, activations="fp8")
     eager = Engine(model, limits, cuda_graphs=False, activations="fp8")
-    eager._runner.sizes = graphed._runner.sizes  # the same batch buckets: the same kernels
+    eager.runner.graphs.sizes = graphed.runner.graphs.sizes  # the same batch buckets: the same kernels
     assert graphed.activations == eager.activations == "fp8" and graphed.uses_cuda_graphs
     for params in (GREEDY, SAMPLED):
         g, e = graphed.generate(PROMPTS, n=2, sampling=params), eager.generate(PROMPTS, n=2, sampling=params)

@@ -153,3 +153,16 @@ def test_the_product_never_imports_the_lab():
     edges = {(str(path.relative_to(PACKAGE)), function, module)
              for path in PACKAGE.rglob("*.py") for function, module in _lab_imports(path)}
     assert edges == {LAB_HOOK}, "qerl_pipe must not import the lab (bench/): the lab imports the product"
+
+
+def test_the_generation_loop_never_reaches_into_the_engine_or_its_runner():
+    """engine.py's loop asks `ModelRunner` (admit / prefill / step / move / release) and never
+    reads or writes a private attribute of another object: no `x._name` but on `self`."""
+    import re
+
+    source = (Path(__file__).parents[1] / "qerl_pipe" / "engine" / "engine.py").read_text()
+    reaching = [line.strip() for line in source.splitlines()
+                if re.search(r"\b(?!self\b)\w+\._[a-z]\w*", line.split("#")[0])
+                and not line.lstrip().startswith(("from ", "import "))]
+    assert reaching == [], reaching
+    assert re.search(r"\bself\.(engine|runner)\._", source) is None

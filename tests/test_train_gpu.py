@@ -83,7 +83,7 @@ def test_full_fine_tuning_on_cuda_with_graph_rollouts(tiny_llama):
                       (tokenizer.eos_token_id,))
     params = SamplingParams(temperature=0.5, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,), seed=7)
     engine.generate(prompts[:4], n=2, sampling=params)  # captures the graphs the last rollout replays
-    captured = dict(engine._runner._graphs)
+    captured = dict(engine.runner.graphs._graphs)
     before = [p.detach().clone() for p in model.parameters()]
     pointers = [p.data_ptr() for p in model.parameters()]
 
@@ -95,7 +95,7 @@ def test_full_fine_tuning_on_cuda_with_graph_rollouts(tiny_llama):
     assert [p.data_ptr() for p in model.parameters()] == pointers  # in place: the graphs' addresses hold
 
     out = engine.generate(prompts[:4], n=2, sampling=params)
-    assert captured and all(engine._runner._graphs.get(k) is g for k, g in captured.items())  # not recaptured
+    assert captured and all(engine.runner.graphs._graphs.get(k) is g for k, g in captured.items())  # not recaptured
     batch = rollout_batch(out, prompts, "cuda")
     with torch.no_grad():
         logp, _ = trainer._logprobs(batch)

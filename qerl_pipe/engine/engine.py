@@ -35,9 +35,10 @@ from torch import Tensor
 
 from qerl_pipe.engine.fp8 import Fp8Linears, check_activations
 from qerl_pipe.engine.fused_lora import FusedLora
-from qerl_pipe.engine.graphs import DecodeRunner, model_fingerprint
+from qerl_pipe.engine.graphs import model_fingerprint
 from qerl_pipe.engine.limits import EngineLimits
-from qerl_pipe.engine.sampling import SamplingParams, sample, sequence_key
+from qerl_pipe.engine.model_runner import LaunchedStep, ModelRunner
+from qerl_pipe.engine.sampling import SamplingParams, sequence_key
 from qerl_pipe.engine.scheduler import Group, Scheduler
 from qerl_pipe.errors import QerlError
 from qerl_pipe.log import log
@@ -100,16 +101,7 @@ class _Step:
     """A launched decode step whose tokens are still on their way to the host."""
 
     rows: list[tuple[int, int]]  # (row of the step's record, sequence index)
-    record: Tensor  # [2, b] float64 (tokens, logprobs): host memory the step's record is copied into
-    done: torch.cuda.Event | None  # recorded after that copy (None: the copy was synchronous)
-
-
-def _indices(values: list[int], device: torch.device) -> Tensor:
-    """An int64 index tensor on `device` without a stream sync: a tensor from ordinary host
-    memory is copied synchronously, which would make the host wait for the step in flight."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.long, device=device)
-    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+    launched: LaunchedStep
 
 
 def _env_graphs_enabled() -> bool:
@@ -151,25 +143,6 @@ class Engine:
         check_activations(activations, model.base_format, model.embed_tokens.weight.device)
         self.model, self.limits, self.prefill_tokens = model, limits, prefill_tokens
         self.device = model.embed_tokens.weight.device
-        self.cache = model.make_cache(limits.max_batch, limits.max_seq_len)
-        slots = limits.max_batch
-
-        def buffer() -> Tensor:
-            return torch.zeros(slots, dtype=torch.long, device=self.device)
-
-        # Per-slot state on the device, updated in place: the graphs read tokens/positions from
-        # fixed addresses, and keeping the rest there avoids per-step host-to-device copies.
-        self._tokens = buffer()  # token fed to the next step
-        self._positions = buffer()  # where that token goes in the cache
-        self._keys = buffer()  # the slot's sequence key
-        self._steps = buffer()  # tokens the slot's sequence has generated so far
-        self._live = buffer()  # 1 = a sequence occupies the slot (idle slots keep position 0)
-        self._vocab = torch.arange(model.config.vocab_size, device=self.device)
-        # Each step's (tokens, logprobs) go to the host in one copy. Two pinned buffers in turn:
-        # one is read while the next step's copy lands in the other.
-        self._record_buffer = torch.zeros(2 * slots, dtype=torch.float64, device=self.device)
-        pinned = self.device.type == "cuda"
-        self._host_records = [torch.zeros(2 * slots, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
         # Before any graph is captured: the kernel copies of the base the memory plan has room
         # for: FP8 copies for FP8 activations (their rows are those humming would serve), else
@@ -194,24 +167,21 @@ class Engine:
         # where every sparse layer runs grouped (fixed shapes, no sync), else eagerly.
         use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes
                           and all_experts_grouped(model))
-        self._lora = FusedLora(model, model.dtype, fp8)
-        self._runner = DecodeRunner(
-            model, self._lora, self.cache, self._tokens, self._positions, limits.graph_batch_sizes, use_graphs
-        )
+        self.runner = ModelRunner(model, limits, FusedLora(model, model.dtype, fp8), use_graphs)
         self._fingerprint: tuple | None = None
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        return self._runner.use_graphs
+        return self.runner.graphs.use_graphs
 
     @property
     def captured_graph_sizes(self) -> tuple[int, ...]:
-        return self._runner.captured_sizes
+        return self.runner.graphs.captured_sizes
 
     def reset_graphs(self) -> None:
         """Forget the captured CUDA graphs (call after replacing LoRA/noise tensors rather than
         updating them in place); the next generate captures again. No-op without graphs."""
-        self._runner.reset()
+        self.runner.graphs.reset()
         self._fingerprint = None
 
     def capture_graphs(self) -> int:
@@ -221,17 +191,12 @@ class Engine:
         Safe between generate calls: all slots are idle, so the warm-up steps only write unused
         position 0 of each row.
         """
-        if not self._runner.use_graphs:
+        if not self.uses_cuda_graphs:
             return 0
-        self._lora.refresh()
+        self.runner.lora.refresh()
         with torch.inference_mode():
             self._check_graphs()  # the same model state generate() will see
-            self._live.zero_()
-            self._positions.zero_()
-            for b in self._runner.sizes:
-                for length in self._runner.lengths:
-                    self._runner.ensure_captured(b, length)
-        return len(self._runner._graphs)
+            return self.runner.capture_all()
 
     # ------------------------------------------------------------------ API
 
@@ -252,8 +217,9 @@ class Engine:
             raise PromptError(f"first_sequence_id must be an integer >= 0; got {first_sequence_id!r}")
         # The fused adapter copy is refreshed in place from the current LoRA parameters on entry
         # (outside inference mode: tensors made inside it could not be updated in place later).
-        self._lora.refresh()
+        self.runner.lora.refresh()
         with torch.inference_mode():
+            self._check_graphs()
             return _Generation(self, prompt_lists, n, sampling, first_sequence_id).run()
 
     # ------------------------------------------------------------------ helpers
@@ -294,20 +260,21 @@ class Engine:
         return out
 
     def _check_graphs(self) -> None:
-        if not self._runner.use_graphs:
+        if not self.uses_cuda_graphs:
             return
-        fingerprint = (model_fingerprint(self.model), self._lora.addresses())
+        fingerprint = (model_fingerprint(self.model), self.runner.lora.addresses())
         if self._fingerprint is not None and fingerprint != self._fingerprint:
-            self._runner.reset()  # a captured graph would read stale addresses / LoRA switches
+            self.runner.graphs.reset()  # a captured graph would read stale addresses / LoRA switches
         self._fingerprint = fingerprint
 
 
 class _Generation:
-    """One generate() call: its sequences, its scheduler and its output lists."""
+    """One generate() call: its sequences, its scheduler and its output lists. It asks the engine's
+    runner for every change of slot state (`model_runner.ModelRunner`) and never writes it."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], n: int, params: SamplingParams,
                  first_sequence_id: int = 0):
-        self.e, self.params, self.n = engine, params, n
+        self.engine, self.runner, self.params, self.n = engine, engine.runner, params, n
         self.seqs = [
             _Sequence(p, s, prompt, sequence_key(params.seed, first_sequence_id + p * n + s))
             for p, prompt in enumerate(prompts)
@@ -318,11 +285,7 @@ class _Generation:
         self.out = Rollouts([s.prompt_index for s in self.seqs], [s.sample_index for s in self.seqs], [], [], [])
 
     def run(self) -> Rollouts:
-        e = self.e
-        e._check_graphs()
-        # A previous call that raised may have left slots marked live.
-        e._live.zero_()
-        e._positions.zero_()
+        self.runner.clear()
         pending: _Step | None = None  # launched, its tokens not yet read back
         while self.sched.busy or pending is not None:
             if self.sched.should_admit() or (pending is not None and not self._needs_step()):
@@ -355,7 +318,6 @@ class _Generation:
 
     def _admit(self) -> None:
         """Admit the sequences the scheduler places (lowest free slots), prefill each distinct prompt once."""
-        e = self.e
         groups = self.sched.admit()
         # Short prompts together: less padding per prefill batch.
         groups.sort(key=lambda g: len(self.seqs[g[0][0]].prompt))
@@ -365,7 +327,8 @@ class _Generation:
         while start < len(groups):
             # The longest prompt is last in the chunk (sorted), so the padded size is count x its length.
             end = start + 1
-            while end < len(groups) and (end + 1 - start) * len(self.seqs[groups[end][0][0]].prompt) <= e.prefill_tokens:
+            while (end < len(groups)
+                   and (end + 1 - start) * len(self.seqs[groups[end][0][0]].prompt) <= self.engine.prefill_tokens):
                 end += 1
             logits = self._prefill(groups[start:end])
             for g, group in enumerate(groups[start:end]):
@@ -373,36 +336,17 @@ class _Generation:
                 order.extend(group)
             start = end
         seq_ids = [i for i, _ in order]
-        slot_ids = [slot for _, slot in order]
-        slots_t = torch.tensor(slot_ids, device=e.device)
-        keys = torch.tensor([self.seqs[i].key for i in seq_ids], device=e.device)
-        positions = torch.tensor([len(self.seqs[i].prompt) for i in seq_ids], device=e.device)
-        tokens, logprobs = sample(torch.cat(rows), keys, torch.zeros_like(keys), e._vocab, self.params)
-        e._tokens[slots_t] = tokens
-        e._positions[slots_t] = positions
-        e._keys[slots_t] = keys
-        e._steps[slots_t] = 1
-        e._live[slots_t] = 1
+        tokens, logprobs = self.runner.admit([slot for _, slot in order], torch.cat(rows),
+                                             [self.seqs[i].key for i in seq_ids],
+                                             [len(self.seqs[i].prompt) for i in seq_ids], self.params)
         self.out.max_active = max(self.out.max_active, len(self.sched.active))
-        host = torch.stack((tokens.double(), logprobs.double())).cpu()
-        self._record(list(enumerate(seq_ids)), host[0].long().tolist(), host[1].tolist())
+        self._record(list(enumerate(seq_ids)), tokens, logprobs)
 
     def _prefill(self, groups: list[Group]) -> Tensor:
         """Prefill each group's prompt into its first slot, copy it to the others: logits [G, V]."""
-        e = self.e
         prompts = [self.seqs[g[0][0]].prompt for g in groups]
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, : len(p)] = torch.tensor(p)
-        lengths = torch.tensor([len(p) for p in prompts])
-        first = torch.tensor([g[0][1] for g in groups])
-        logits = e.model.prefill(ids.to(e.device), e.cache, first.to(e.device), lengths.to(e.device),
-                                 project=e._lora.project)
-        src = [g[0][1] for g in groups for _ in g[1:]]
-        dst = [slot for g in groups for _, slot in g[1:]]
-        if dst:
-            e.cache.copy_slots(torch.tensor(src, device=e.device), torch.tensor(dst, device=e.device), width)
+        siblings = [(g[0][1], slot) for g in groups for _, slot in g[1:]]
+        logits = self.runner.prefill(prompts, [g[0][1] for g in groups], siblings)
         self.out.prefills += len(prompts)
         self.out.prefill_tokens += sum(len(p) for p in prompts)
         return logits
@@ -421,60 +365,29 @@ class _Generation:
 
     def _launch_step(self) -> _Step:
         """Launch one decode step and its sampling; the record's copy to the host is on its way."""
-        e, runner, active = self.e, self.e._runner, self.sched.active
-        b, moves = self.sched.plan_step(runner.batch_size_for, bucketed=bool(runner.sizes))
+        graphs, active = self.runner.graphs, self.sched.active
+        b, moves = self.sched.plan_step(graphs.batch_size_for, bucketed=bool(graphs.sizes))
         if moves:
             self._move(moves)
         reach = max(self._length(i) for i in active.values())
-        logits = runner.run(b, runner.length_for(reach))
-        record = e._record_buffer[: 2 * b].view(2, b)
-        if logits.is_cuda and not self.params.truncates:
-            from qerl_pipe.kernels.triton_sample import launch_sample_step
-
-            temperature = 0.0 if self.params.greedy else self.params.temperature
-            launch_sample_step(logits, e._keys[:b], e._steps[:b], e._positions[:b], e._live[:b], e._tokens[:b],
-                               record, temperature)
-        else:
-            tokens, logprobs = sample(logits, e._keys[:b], e._steps[:b], e._vocab, self.params)
-            e._tokens[:b].copy_(tokens)
-            e._positions[:b].add_(e._live[:b])  # idle slots stay at position 0
-            e._steps[:b].add_(1)
-            record[0].copy_(tokens)
-            record[1].copy_(logprobs)
+        launched = self.runner.step(b, graphs.length_for(reach), self.params)
         self.out.decode_steps += 1
         self.out.decode_rows += b
-        buffer = e._host_records[self.out.decode_steps % 2]
-        host = buffer[: 2 * b].view(2, b)
-        done = None
-        if record.is_cuda:
-            host.copy_(record, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host.copy_(record)
         for i in active.values():
             self.seqs[i].in_flight += 1
-        return _Step([(slot, i) for slot, i in active.items()], host, done)
+        return _Step([(slot, i) for slot, i in active.items()], launched)
 
     def _collect(self, step: _Step) -> None:
         """Wait for a launched step's record and take its tokens."""
-        if step.done is not None:
-            step.done.synchronize()
+        tokens, logprobs = step.launched.wait()
         for _, i in step.rows:
             self.seqs[i].in_flight -= 1
-        self._record(step.rows, step.record[0].long().tolist(), step.record[1].tolist())
+        self._record(step.rows, tokens, logprobs)
 
     def _move(self, moves: list[tuple[int, int]]) -> None:
         """Apply the scheduler's compaction: each (source, destination) slot's KV rows and state."""
-        e = self.e
         length = max(self._length(self.sched.active[d]) for _, d in moves)
-        src = _indices([s for s, _ in moves], e.device)
-        dst = _indices([d for _, d in moves], e.device)
-        e.cache.copy_slots(src, dst, min(length, e.limits.max_seq_len))
-        for buf in (e._tokens, e._positions, e._keys, e._steps, e._live):
-            buf[dst] = buf[src]
-        e._live[src] = 0
-        e._positions[src] = 0
+        self.runner.move(moves, min(length, self.engine.limits.max_seq_len))
         self.out.compactions += 1
 
     def _record(self, rows: list[tuple[int, int]], tokens: list[int], logprobs: list[float]) -> None:
@@ -502,6 +415,4 @@ class _Generation:
             finished.append(self.sched.slot_of(i))
         if finished:
             self.sched.release(finished)
-            index = _indices(finished, self.e.device)
-            self.e._live[index] = 0
-            self.e._positions[index] = 0
+            self.runner.release(finished)

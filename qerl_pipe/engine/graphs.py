@@ -90,6 +90,11 @@ class DecodeRunner:
         raise ValueError(f"{positions} positions exceed the cache's {self.cache.max_len}")
 
     @property
+    def captured(self) -> int:
+        """How many (batch size, attention length) graphs exist now."""
+        return len(self._graphs)
+
+    @property
     def captured_sizes(self) -> tuple[int, ...]:
         """Batch sizes with at least one captured graph."""
         return tuple(sorted({b for b, _ in self._graphs}))
