@@ -110,7 +110,7 @@ def bench_rollout(out: OutOpt = None,
                   new_tokens: Annotated[int, typer.Option(help="Generated tokens per sequence (no early stop).")] = 512,
                   hf_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence for HF generate (slow).")] = 64,
                   lora_rank: Annotated[int, typer.Option(help="LoRA rank attached to our model.")] = 32,
-                  formats: Annotated[list[str], typer.Option(help="Base formats of our engine: bf16, nvfp4, nf4; '+fp8' after one (nvfp4+fp8) runs FP8 activations (engine.activations=fp8).")] = ["bf16,nvfp4"],
+                  formats: Annotated[list[str], typer.Option(help="Base formats of our engine: bf16, nvfp4, nf4; '+fp8' after one (nvfp4+fp8) runs FP8 activations (engine.activations=fp8), '+fp8kv' an FP8 KV cache (engine.kv_cache=fp8).")] = ["bf16,nvfp4"],
                   hbm_tbps: Annotated[float, typer.Option(help="HBM bandwidth (TB/s) of the lower bound.")] = 4.2,
                   kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too).")] = "deterministic",
                   kernel_copies: Annotated[bool, typer.Option(help="humming's copies of NVFP4 weights; --no-kernel-copies measures what a run whose memory plan leaves them out gets (a MoE's experts then decode from their 4-bit stacks).")] = True) -> None:

@@ -120,6 +120,12 @@ class EngineSection(_Section):
         "and newer), where it is faster than the base's own kernels (docs/kernels.md); the training forward stays "
         "bf16, and train.tis_cap defaults to 2 to correct the mismatch. nvfp4 and bf16 bases.",
     )
+    kv_cache: Literal["bf16", "fp8"] = Field(
+        "bf16", description="The rollout's KV cache: bf16 (the model dtype) or fp8 (E4M3 with an fp32 scale per "
+        "token and head, written as the keys and values are made; GPUs with FP8 support: Ada, Hopper and newer). "
+        "fp8 takes about half the bytes, so a memory budget gives about twice the KV slots; train.tis_cap "
+        "defaults to 2 with it. The training forward never reads the cache.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the engine runs (and is tuned).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Activation, KV-cache and dense-weight dtype; auto is bfloat16 on CUDA, float32 on "
@@ -249,8 +255,8 @@ class TrainSection(_Section):
     dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
     tis_cap: float | None = Field(
         None, ge=1, description="Truncated importance sampling of the rollout/trainer mismatch (token-level, "
-        "weight min(trainer / rollout probability, cap)); null = off. Unset, it is 2 when the engine runs FP8 "
-        "activations (engine.activations=fp8), as verl and TRL correct FP8 rollouts.",
+        "weight min(trainer / rollout probability, cap)); null = off. Unset, it is 2 when the engine's rollouts "
+        "run FP8 (engine.activations=fp8 or engine.kv_cache=fp8), as verl and TRL correct FP8 rollouts.",
     )
     rewards: RewardsSection = Field(default_factory=RewardsSection)
     checkpoint_every: int = Field(10, ge=0, description="Checkpoint every N steps (and at the end); 0 = end only.")

@@ -132,3 +132,54 @@ def test_fp8_greedy_agrees_with_bf16_activations(tiny_qwen2, base, every_row_fp8
     print(f"{base}: greedy tokens equal before the first difference: {agreed}/{total}; first-token logprob "
           f"difference max {max(first):.4f}")
     assert agreed / total >= 0.5 and max(first) < 0.1
+
+
+@pytest.mark.parametrize(("d", "window", "softcap"), [(128, 0, 0.0), (64, 40, 0.0), (256, 0, 30.0)])
+def test_fp8_kv_attention_kernel_matches_its_reference(d, window, softcap):
+    from qerl_pipe.kernels.decode_ops import decode_attention_reference
+    from qerl_pipe.kernels.fp8 import row_codes
+    from qerl_pipe.kernels.triton_decode import launch_decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(d + window)
+    b, hq, hkv, length = 3, 8, 2, 300
+    q, k, v = (torch.randn(b, h, d, generator=gen, device="cuda").to(torch.bfloat16) for h in (hq, hkv, hkv))
+    angle = torch.rand(b, d // 2, generator=gen, device="cuda")
+    cos = torch.cat([angle.cos()] * 2, -1).to(torch.bfloat16)
+    sin = torch.cat([angle.sin()] * 2, -1).to(torch.bfloat16)
+    positions = torch.tensor([0, 130, 299], device="cuda")
+    k8, ks = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"))
+    v8, vs = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"))
+    caches = [(k8.clone(), v8.clone(), ks[..., 0].clone(), vs[..., 0].clone()) for _ in range(2)]
+    got = launch_decode_attention(q, k, v, cos, sin, caches[0][0], caches[0][1], positions, d ** -0.5, window,
+                                  softcap, caches[0][2], caches[0][3])
+    ref = decode_attention_reference(q, k, v, cos, sin, caches[1][0], caches[1][1], positions, d ** -0.5, window,
+                                     softcap, caches[1][2], caches[1][3])
+    # The same dequantized keys and values (rounded to bf16 for the kernel's dot products).
+    assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+    for mine, theirs in zip(caches[0], caches[1]):
+        if mine.dtype == torch.float32:
+            torch.testing.assert_close(mine, theirs, atol=0, rtol=1e-6)
+        else:
+            same = float((mine.view(torch.uint8) == theirs.view(torch.uint8)).float().mean())
+            assert same >= 0.9999, f"the kernel wrote {1 - same:.2e} of the codes differently"
+
+
+@pytest.mark.parametrize("base", ["bf16", "nvfp4"])
+def test_fp8_kv_cache_engine_graphs_and_greedy(tiny_qwen2, base):
+    model = _model(tiny_qwen2, base)
+    limits = plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True, kv_cache="fp8")
+    graphed = Engine(model, limits)
+    eager = Engine(model, limits, cuda_graphs=False)
+    eager.runner.graphs.sizes = graphed.runner.graphs.sizes
+    assert graphed.uses_cuda_graphs and graphed.runner.cache.k.dtype == torch.float8_e4m3fn
+    g, e = graphed.generate(PROMPTS, n=2, sampling=SAMPLED), eager.generate(PROMPTS, n=2, sampling=SAMPLED)
+    assert g.tokens == e.tokens
+    ref = Engine(model, plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True)).generate(
+        PROMPTS, n=1, sampling=GREEDY)
+    got = graphed.generate(PROMPTS, n=1, sampling=GREEDY)
+    agreed = total = 0
+    for a, b in zip(ref.tokens, got.tokens):
+        prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        agreed, total = agreed + prefix, total + len(a)
+    print(f"{base}, FP8 KV cache: greedy tokens equal before the first difference: {agreed}/{total}")
+    assert agreed / total >= 0.5

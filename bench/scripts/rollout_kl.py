@@ -15,8 +15,9 @@ reported per base format with the mean and largest |log p - log q| and the token
 No adapter, no AQN noise: the base model as both paths run it.
 
 python3 bench/scripts/rollout_kl.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out FILE.json
-[--prompts 16 --n 4 --new-tokens 128 --bases bf16,nvfp4,nvfp4+fp8,bf16+fp8 --device cuda]
-('+fp8': the engine runs FP8 activations, engine.activations=fp8; the trainer's forward stays bf16.)
+[--prompts 16 --n 4 --new-tokens 128 --bases bf16,nvfp4,nvfp4+fp8,bf16+fp8,nvfp4+fp8kv --device cuda]
+('+fp8': the engine runs FP8 activations, engine.activations=fp8; '+fp8kv': an FP8 KV cache,
+engine.kv_cache=fp8; the trainer's forward stays bf16.)
 """
 import argparse
 import json
@@ -60,12 +61,13 @@ def trainer_logprobs(model, prompt: list[int], tokens: list[int], device: torch.
 
 
 def measure(model_dir: Path, prompts: list[list[int]], eos: int, label: str, device: torch.device) -> dict:
-    base, _, activations = label.partition("+")  # "nvfp4+fp8": the rollout runs FP8 activations
+    base, *options = label.split("+")  # "nvfp4+fp8": FP8 activations; "+fp8kv": an FP8 KV cache
     model = load_model(model_dir, base, dtype=torch.bfloat16, device=device)
     config = DecoderConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     limits = plan_limits(config, max_seq_len=max(map(len, prompts)) + args.new_tokens,
-                         max_batch=len(prompts) * args.n, cuda_graphs=device.type == "cuda")
-    engine = Engine(model, limits, activations=activations or "bf16")
+                         max_batch=len(prompts) * args.n, cuda_graphs=device.type == "cuda",
+                         kv_cache="fp8" if "fp8kv" in options else "bf16")
+    engine = Engine(model, limits, activations="fp8" if "fp8" in options else "bf16")
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, seed=11,
                               stop_token_ids=(eos,))
     out = engine.generate(prompts, args.n, sampling)
@@ -74,7 +76,7 @@ def measure(model_dir: Path, prompts: list[list[int]], eos: int, label: str, dev
         train = trainer_logprobs(model, prompts[out.prompt_index[k]], tokens, device)
         diffs.append(torch.tensor(logps, dtype=torch.float64, device=device) - train)
     d = torch.cat(diffs)  # log p (engine) - log q (trainer), per sampled token
-    row = {"base": label, "rollout_activations": engine.activations, "sequences": len(out.tokens), "tokens": d.numel(),
+    row = {"base": label, "rollout_activations": engine.activations, "kv_cache": limits.kv_cache, "sequences": len(out.tokens), "tokens": d.numel(),
            "kl_k1": float(d.mean()), "kl_k3": float((torch.exp(-d) - 1 + d).mean()),
            "mean_abs_logprob_diff": float(d.abs().mean()), "max_abs_logprob_diff": float(d.abs().max()),
            "engine_cuda_graphs": engine.uses_cuda_graphs}

@@ -23,7 +23,7 @@ import torch
 
 import qerl_pipe
 from qerl_pipe.engine.artifact import ENGINE_FILE, ENGINE_FORMAT_VERSION, device_kind
-from qerl_pipe.engine.fp8 import check_activations
+from qerl_pipe.engine.fp8 import check_activations, check_kv_cache
 from qerl_pipe.engine.limits import EngineLimits, plan_limits
 from qerl_pipe.engine.weights import save_engine_model
 from qerl_pipe.errors import QerlError
@@ -60,6 +60,7 @@ class EngineSpec:
     dtype: str  # "auto" or a torch dtype's name
     deterministic: bool = True  # NVFP4: the dispatch's deterministic column (kernels.dispatch)
     activations: str = "bf16"  # the rollout's: "bf16" or "fp8" (engine.fp8)
+    kv_cache: str = "bf16"  # the KV cache's format (engine.limits.KV_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ def plan_engine(section: EngineSpec, hf_config: dict[str, Any], device: torch.de
         )
     cuda = device.type == "cuda"
     check_activations(section.activations, section.base_format, device)
+    check_kv_cache(section.kv_cache, device)
     four_bit = not base_format(section.base_format).dense
     graphs = _switch(section.cuda_graphs, cuda, cuda, "cuda_graphs", "needs a CUDA device")
     tunable = " or ".join(name for name in NAMES if not base_format(name).dense)
@@ -101,7 +103,7 @@ def plan_engine(section: EngineSpec, hf_config: dict[str, Any], device: torch.de
     dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
     # Raises now when not even one sequence fits.
     limits = plan_limits(config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
-                         kv_budget_bytes=kv_budget_bytes, dtype=dtype, cuda_graphs=graphs)
+                         kv_budget_bytes=kv_budget_bytes, dtype=dtype, cuda_graphs=graphs, kv_cache=section.kv_cache)
     return EnginePlan(config, dtype, kv_budget_bytes, limits, graphs, tune)
 
 

@@ -87,8 +87,9 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
         if attn.q_norm is not None:  # Qwen3, Gemma3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = tables[i]
-        out = decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], positions, scale,
-                               attn.spec.window or 0, attn.spec.softcap or 0.0)
+        k_cache, v_cache, k_scale, v_scale = cache.layer(i)
+        out = decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale, attn.spec.window or 0,
+                               attn.spec.softcap or 0.0, k_scale, v_scale)
         attended = lora.project(attn.o_proj, out, lora_shrink(out, lora.shrink_of(attn.o_proj)))
         if layer.sandwich:
             attended = _output_norm(attended, layer.post_attention_layernorm)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from qerl_pipe.engine.fp8 import Fp8Linears, check_activations
+from qerl_pipe.engine.fp8 import Fp8Linears, check_activations, check_kv_cache
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.engine.graphs import model_fingerprint
 from qerl_pipe.engine.limits import EngineLimits
@@ -141,6 +141,7 @@ class Engine:
         if prefill_tokens < 1:
             raise PromptError(f"prefill_tokens must be >= 1; got {prefill_tokens}")
         check_activations(activations, model.base_format, model.embed_tokens.weight.device)
+        check_kv_cache(limits.kv_cache, model.embed_tokens.weight.device)
         self.model, self.limits, self.prefill_tokens = model, limits, prefill_tokens
         self.device = model.embed_tokens.weight.device
         want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()

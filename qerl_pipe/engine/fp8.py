@@ -56,6 +56,14 @@ def check_activations(activations: str, base_format: str, device: torch.device) 
                         f"newer); {name} has none; set engine.activations=bf16")
 
 
+def check_kv_cache(kv_cache: str, device: torch.device) -> None:
+    """Refuse an FP8 KV cache where its kernels cannot run (Triton's E4M3 needs FP8 hardware)."""
+    if kv_cache == "fp8" and device.type == "cuda" and not runs_fp8(device):
+        name = torch.cuda.get_device_name(device)
+        raise QerlError(f"engine.kv_cache=fp8 needs FP8 support (compute capability 8.9+: Ada, Hopper or newer); "
+                        f"{name} has none; set engine.kv_cache=bf16")
+
+
 def fp8_linears(model: nn.Module) -> list[QuantLinear]:
     """The linears that get an FP8 copy: every decoder layer's attention and dense-MLP projections."""
     out = []

@@ -15,6 +15,9 @@ import torch
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.config import DecoderConfig
 
+# The KV cache's formats (engine.kv_cache): the model dtype, or E4M3 with a scale per token and head.
+KV_FORMATS = ("bf16", "fp8")
+
 # Batch sizes the decode step is captured for as CUDA graphs (each a fixed shape); a batch runs
 # on the smallest captured size that holds it. Powers of two keep the padding waste under 2x.
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -30,6 +33,7 @@ class EngineLimits:
     max_seq_len: int  # prompt + generated tokens per slot
     kv_cache_bytes: int  # keys + values for max_batch x max_seq_len
     graph_batch_sizes: tuple[int, ...] = field(default=())  # empty: no CUDA graphs (CPU)
+    kv_cache: str = "bf16"  # the cache's format: the model dtype, or "fp8" (E4M3 + a scale per token and head)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_seq_len < 2:
@@ -37,6 +41,8 @@ class EngineLimits:
                 f"engine limits need max_batch >= 1 and max_seq_len >= 2; got {self.max_batch}, "
                 f"{self.max_seq_len}"
             )
+        if self.kv_cache not in KV_FORMATS:
+            raise EngineLimitsError(f"engine.kv_cache={self.kv_cache!r}: choose one of {', '.join(KV_FORMATS)}")
         if any(b < 1 or b > self.max_batch for b in self.graph_batch_sizes):
             raise EngineLimitsError(
                 f"CUDA-graph batch sizes {self.graph_batch_sizes} must lie in 1..max_batch={self.max_batch}"
@@ -62,13 +68,15 @@ class EngineLimits:
             max_seq_len=int(data["max_seq_len"]),
             kv_cache_bytes=int(data["kv_cache_bytes"]),
             graph_batch_sizes=tuple(int(b) for b in data.get("graph_batch_sizes", ())),
+            kv_cache=str(data.get("kv_cache", "bf16")),
         )
 
 
-def kv_bytes_per_token(config: DecoderConfig, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of keys plus values one token occupies across all layers."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+def kv_bytes_per_token(config: DecoderConfig, dtype: torch.dtype = torch.bfloat16, kv_cache: str = "bf16") -> int:
+    """Bytes of keys plus values one token occupies across all layers: in the model dtype, or
+    (kv_cache "fp8") one byte per element and an fp32 scale per head."""
+    per_head = config.head_dim + 4 if kv_cache == "fp8" else config.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * per_head
 
 
 def plan_limits(
@@ -79,6 +87,7 @@ def plan_limits(
     kv_budget_bytes: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     cuda_graphs: bool = False,
+    kv_cache: str = "bf16",
 ) -> EngineLimits:
     """The largest batch up to `max_batch` whose KV cache fits `kv_budget_bytes` (None: no cap).
 
@@ -88,7 +97,7 @@ def plan_limits(
         raise EngineLimitsError(f"max_seq_len must be at least 2 (a prompt token and one more); got {max_seq_len}")
     if max_batch < 1:
         raise EngineLimitsError(f"max_batch must be at least 1; got {max_batch}")
-    per_sequence = kv_bytes_per_token(config, dtype) * max_seq_len
+    per_sequence = kv_bytes_per_token(config, dtype, kv_cache) * max_seq_len
     batch = max_batch
     if kv_budget_bytes is not None:
         batch = min(max_batch, kv_budget_bytes // per_sequence)
@@ -98,4 +107,4 @@ def plan_limits(
                 f"budget is {kv_budget_bytes / 2**20:.1f} MiB; lower max_seq_len or raise the KV budget"
             )
     graphs = tuple(b for b in DEFAULT_GRAPH_SIZES if b < batch) + (batch,) if cuda_graphs else ()
-    return EngineLimits(batch, max_seq_len, per_sequence * batch, graphs)
+    return EngineLimits(batch, max_seq_len, per_sequence * batch, graphs, kv_cache)

@@ -47,7 +47,7 @@ class ModelRunner:
     def __init__(self, model: Decoder, limits: EngineLimits, lora: FusedLora, use_graphs: bool):
         self.model, self.lora = model, lora
         self.device = model.embed_tokens.weight.device
-        self.cache = model.make_cache(limits.max_batch, limits.max_seq_len)
+        self.cache = model.make_cache(limits.max_batch, limits.max_seq_len, fp8=limits.kv_cache == "fp8")
         slots = limits.max_batch
 
         def buffer() -> Tensor:

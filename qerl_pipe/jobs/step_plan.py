@@ -47,24 +47,26 @@ class EngineBudget:
 
 
 def train_step_shape(train: TrainSection, max_seq_len: int, max_batch: int, processes: int = 1,
-                     dense_base: bool = False) -> StepShape:
+                     dense_base: bool = False, kv_cache: str = "bf16") -> StepShape:
     """The step `train` asks of each of `processes` ranks over an engine of `max_batch` slots of
-    `max_seq_len` tokens; the recipe's micro-batch and the default LM-head chunk are the bounds.
-    `dense_base`: on a CPU, where a 4-bit base is also held dequantized (`model.dense_copy`)."""
+    `max_seq_len` tokens in a `kv_cache` cache; the recipe's micro-batch and the default LM-head
+    chunk are the bounds. `dense_base`: on a CPU, where a 4-bit base is also held dequantized
+    (`model.dense_copy`)."""
     prompts = max(1, train.prompts_per_step // processes)
     return StepShape(sequences=prompts * train.group_size, prompts=prompts, seq_len=max_seq_len,
                      prompt_len=max(0, max_seq_len - train.max_new_tokens), lora_rank=train.lora.rank,
                      max_kv_slots=max_batch, max_micro_batch=train.micro_batch_size,
                      max_logprob_chunk=DEFAULT_CHUNK, adapter=train.adapter, dense_base=dense_base,
-                     lora_experts=train.lora.experts)
+                     lora_experts=train.lora.experts, kv_cache=kv_cache)
 
 
 def _plan(train: TrainSection, config: DecoderConfig, base_format: str, dtype: torch.dtype, max_seq_len: int,
           max_batch: int, processes: int, budget: int | None, budget_source: str, what: str, device: torch.device,
-          kernel_copies: int = 0) -> MemoryPlan:
+          kernel_copies: int = 0, kv_cache: str = "bf16") -> MemoryPlan:
     """What train and build-engine share: the plan of `train`'s step on `device` to `budget`
-    (`step_budget`), with `kernel_copies` bytes of humming copies asked for (`copy_bytes_asked`)."""
-    shape = train_step_shape(train, max_seq_len, max_batch, processes, dense_base=device.type == "cpu")
+    (`step_budget`), with `kernel_copies` bytes of kernel copies asked for (`copy_bytes_asked`)."""
+    shape = train_step_shape(train, max_seq_len, max_batch, processes, dense_base=device.type == "cpu",
+                             kv_cache=kv_cache)
     return plan_step(config, base_format, shape, budget, dtype=dtype, budget_source=budget_source,
                      what=f"train's step {what}", kernel_copies=kernel_copies)
 
@@ -101,7 +103,8 @@ def plan_train(train: TrainSection, engine_dir: Path, device: torch.device,
                               DispatchTable.from_json(measured) if measured else None, spec.get("deterministic", True),
                               train.lora.experts, spec.get("activations", "bf16"))
     plan = _plan(train, config, spec["base_format"], getattr(torch, spec["dtype"]), limits.max_seq_len,
-                 limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}", device, copies)
+                 limits.max_batch, processes, budget, source, f"over the engine {engine_dir.name}", device, copies,
+                 limits.kv_cache)
     return plan, enforced
 
 
@@ -117,7 +120,7 @@ def plan_engine_step(train: TrainSection, engine: EngineSection, config: Decoder
     copies = copy_bytes_asked(config, engine.base_format, device, table_for(device), engine.deterministic,
                               train.lora.experts, engine.activations)
     plan = _plan(train, config, engine.base_format, dtype, engine.max_seq_len, engine.max_batch, processes, budget,
-                 source, f"({engine.base_format} base)", device, copies)
+                 source, f"({engine.base_format} base)", device, copies, engine.kv_cache)
     return plan, enforced
 
 

@@ -22,26 +22,30 @@ SETTING_NAMES = {"kv_slots": "KV slots (engine.max_batch)", "micro_batch": "trai
 FP8_TIS_CAP = 2.0
 
 
-def tis_cap(section: TrainSection, rollout_activations: str = "bf16") -> float | None:
+def tis_cap(section: TrainSection, fp8_rollout: bool = False) -> float | None:
     """The truncated-importance-sampling cap the trainer runs: the recipe's when it sets one (null
     included), else FP8_TIS_CAP for FP8 rollouts, else off."""
-    if "tis_cap" in section.model_fields_set or rollout_activations != "fp8":
+    if "tis_cap" in section.model_fields_set or not fp8_rollout:
         return section.tis_cap
     return FP8_TIS_CAP
 
 
-def train_config(section: TrainSection, plan: MemoryPlan | None = None,
-                 rollout_activations: str = "bf16") -> TrainConfig:
+def fp8_rollout(engine: dict) -> bool:
+    """Whether an engine (its engine.json) rolls out in FP8: activations or KV cache."""
+    return engine.get("activations") == "fp8" or engine["limits"].get("kv_cache") == "fp8"
+
+
+def train_config(section: TrainSection, plan: MemoryPlan | None = None, fp8: bool = False) -> TrainConfig:
     """`section` as the trainer runs it: with `plan`, its micro-batch and LM-head chunk; without one
-    (a trainer built by hand), the recipe's micro-batch and the default chunk. `rollout_activations`:
-    the engine's (`engine.activations`), which sets the default `tis_cap`."""
+    (a trainer built by hand), the recipe's micro-batch and the default chunk. `fp8`: the engine's
+    rollouts run FP8 (`fp8_rollout`), which sets the default `tis_cap`."""
     a, o = section.aqn, section.overlong
     return TrainConfig(
         steps=section.steps, seed=section.seed, prompts_per_step=section.prompts_per_step,
         group_size=section.group_size, max_new_tokens=section.max_new_tokens, temperature=section.temperature,
         top_p=section.top_p, top_k=section.top_k,
         loss=PolicyLossConfig(section.loss, section.eps_low, section.eps_high, section.kl_coef,
-                              section.max_new_tokens, tis_cap(section, rollout_activations)),
+                              section.max_new_tokens, tis_cap(section, fp8)),
         scale_rewards=section.scale_rewards,
         rewards=RewardSpec(section.rewards.accuracy, section.rewards.format, tuple(section.rewards.custom)),
         aqn=AqnSchedule(a.schedule, a.sigma_start, a.sigma_end, a.num_stages), aqn_in_training=a.apply_in_training,

@@ -24,7 +24,8 @@ takes the new token's q [B, Hq, D] and k, v [B, Hkv, D] (strided views of the q/
 output are fine), rotates the leading R dims of q and k (rotate-half RoPE, as Hugging Face Llama;
 cos/sin [B, R], R = D but for partial rotary), writes k and v at `positions` of each cache row
 and returns softmax(s)·V over cache positions 0..positions[b] as [B, Hq * D], the layout o_proj
-reads, with s = q·K^T·scale, soft-capped to softcap·tanh(s / softcap) when softcap > 0, and only
+reads (an FP8 cache, with `k_scale` / `v_scale` [B, Hkv, L]: k and v stored as E4M3 codes with a
+scale per token and head, `fp8.row_codes`, and read back dequantized), with s = q·K^T·scale, soft-capped to softcap·tanh(s / softcap) when softcap > 0, and only
 the last `window` positions (the new one included) visible when window > 0 (sliding window). In
 the eager step this was RoPE twice, two scatters, a mask, SDPA and a transpose copy; on CUDA it is two kernels (split-KV, then a merge; see `triton_decode`).
 """
@@ -34,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qerl_pipe.kernels.fp8 import Fp8Rows, quantize_rows
+from qerl_pipe.kernels.fp8 import Fp8Rows, quantize_rows, row_codes
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor,
@@ -58,15 +59,27 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                                v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
-                               softcap: float = 0.0) -> Tensor:
-    """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32."""
+                               softcap: float = 0.0, k_scale: Tensor | None = None,
+                               v_scale: Tensor | None = None) -> Tensor:
+    """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32. An FP8
+    cache (`k_scale`, `v_scale` given) stores the new k and v as `row_codes` of each head and
+    attends over the dequantized cache, the new token included."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     index = positions.view(b, 1, 1, 1).expand(b, hkv, 1, d)
-    k_cache.scatter_(2, index, k[:, :, None])
-    v_cache.scatter_(2, index, v[:, :, None].to(v_cache.dtype))
-    scores = q.float().view(b, hkv, hq // hkv, d) @ k_cache.float().transpose(-1, -2) * scale
+    if k_scale is None:
+        k_cache.scatter_(2, index, k[:, :, None])
+        v_cache.scatter_(2, index, v[:, :, None].to(v_cache.dtype))
+        keys, vals = k_cache.float(), v_cache.float()
+    else:
+        token = positions.view(b, 1, 1).expand(b, hkv, 1)
+        for x, codes, scales in ((k, k_cache, k_scale), (v.to(q.dtype), v_cache, v_scale)):
+            q8, s8 = row_codes(x)
+            codes.view(torch.uint8).scatter_(2, index, q8[:, :, None].view(torch.uint8))  # no fp8 scatter on CPU
+            scales.scatter_(2, token, s8)
+        keys, vals = k_cache.float() * k_scale[..., None], v_cache.float() * v_scale[..., None]
+    scores = q.float().view(b, hkv, hq // hkv, d) @ keys.transpose(-1, -2) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     cached = torch.arange(k_cache.shape[2], device=q.device)
@@ -75,7 +88,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin
     if window:
         visible = visible & (cached > position - window)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return (probs @ v_cache.float()).to(q.dtype).reshape(b, hq * d)
+    return (probs @ vals).to(q.dtype).reshape(b, hq * d)
 
 
 # Up to this many rows the shrink runs inside the norm kernel. Each row's programs read all of A
@@ -111,11 +124,13 @@ def lora_shrink(x: Tensor, shrink: Tensor | None) -> Tensor | None:
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                      v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
-                     softcap: float = 0.0) -> Tensor:
+                     softcap: float = 0.0, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """See the module doc: the Triton kernels on CUDA where they apply, else the torch reference."""
     if q.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_decode_attention, supports
 
         if supports(q, k_cache):
-            return launch_decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, softcap)
-    return decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, softcap)
+            return launch_decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, softcap,
+                                           k_scale, v_scale)
+    return decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, softcap,
+                                      k_scale, v_scale)

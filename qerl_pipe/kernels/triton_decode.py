@@ -50,7 +50,7 @@ BLOCK_N = 64  # positions per inner step (a tl.dot tile)
 def supports(q: Tensor, k_cache: Tensor) -> bool:
     """Head sizes the attention kernels take: a power of two from 16 (a tl.dot side) to 256."""
     d = q.shape[-1]
-    return 16 <= d <= 256 and d & (d - 1) == 0 and k_cache.stride(-1) == 1 and q.dtype == k_cache.dtype
+    return 16 <= d <= 256 and d & (d - 1) == 0 and k_cache.stride(-1) == 1 and k_cache.dtype in (q.dtype, FP8)
 
 
 @triton.jit
@@ -77,14 +77,38 @@ def _soft_cap(scores, cap, CAPPED: tl.constexpr):
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+def _stored(x, scale_ptr, FP8_KV: tl.constexpr):
+    """A new k or v row [1, D] as the cache stores it (FP8_KV: E4M3 codes of x / scale, the scale
+    written to `scale_ptr`, as `fp8.row_codes`) and as attention reads it back (dequantized)."""
+    if FP8_KV:
+        x32 = x.to(tl.float32)
+        row_scale = tl.maximum(tl.max(tl.abs(x32), 1), MIN_AMAX) / FP8_MAX
+        codes = tl.math.div_rn(x32, row_scale[:, None]).to(tl.float8e4nv)
+        tl.store(scale_ptr + tl.arange(0, 1), row_scale)
+        return codes, (codes.to(tl.float32) * row_scale[:, None]).to(x.dtype)
+    return x, x
+
+
+@triton.jit
+def _load_kv(ptr, scale_ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr, FP8_KV: tl.constexpr):
+    """Cache rows [BLOCK, D] at positions offs_n, in the compute dtype (FP8_KV: codes x scale)."""
+    rows = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    if FP8_KV:
+        scales = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+        return (rows.to(tl.float32) * scales[:, None]).to(dtype)
+    return rows
+
+
+@triton.jit
+def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
              sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, s_cos, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
-             Hq, S, scale, window, cap,
+             sks_b, sks_h, svs_b, svs_h, Hq, S, scale, window, cap,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
-             BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+             BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+             USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
-    dtype = kc_ptr.dtype.element_ty
+    dtype = q_ptr.dtype.element_ty  # the model dtype (an FP8 cache is read back into it)
     pos = tl.load(pos_ptr + b).to(tl.int32)
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, GP)
@@ -110,16 +134,18 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, m_p
     hi_w = tl.where(lo_w < hi, hi, lo)
     kc = kc_ptr + b * skc_b + h * skc_h
     vc = vc_ptr + b * svc_b + h * svc_h
+    ks = ks_ptr + b * sks_b + h * sks_h  # scales: one per position (FP8_KV only)
+    vs = vs_ptr + b * svs_b + h * svs_h
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
-        keys = tl.load(kc + offs_n[:, None] * skc_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        keys = _load_kv(kc, ks, offs_n, offs_d, skc_t, n_ok, dtype, FP8_KV)
         scores = _soft_cap(tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale, cap, CAPPED)
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        vals = tl.load(vc + offs_n[:, None] * svc_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        vals = _load_kv(vc, vs, offs_n, offs_d, svc_t, n_ok, dtype, FP8_KV)
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vals, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -129,8 +155,10 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, m_p
         one = tl.arange(0, 1)
         k_new = _rope_rows(k_ptr + b * sk_b, h + one, sk_h, one < 1, c, sn, offs_d, ROT, ROT // 2).to(dtype)
         v_new = tl.load(v_ptr + b * sv_b + h * sv_h + offs_d[None, :] + one[:, None] * 0).to(dtype)
-        tl.store(kc + pos * skc_t + offs_d[None, :] + one[:, None] * 0, k_new)
-        tl.store(vc + pos * svc_t + offs_d[None, :] + one[:, None] * 0, v_new)
+        k_code, k_new = _stored(k_new, ks + pos, FP8_KV)  # later steps read what the cache holds
+        v_code, v_new = _stored(v_new, vs + pos, FP8_KV)
+        tl.store(kc + pos * skc_t + offs_d[None, :] + one[:, None] * 0, k_code.to(kc_ptr.dtype.element_ty))
+        tl.store(vc + pos * svc_t + offs_d[None, :] + one[:, None] * 0, v_code.to(vc_ptr.dtype.element_ty))
         score = _soft_cap(tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale, cap, CAPPED)
         m_new = tl.maximum(m_i, score)
         p_new = tl.exp(score - m_new)
@@ -165,8 +193,10 @@ def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, USE_PDL: tl.const
 
 def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                             v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
-                            softcap: float = 0.0) -> Tensor:
-    """The two Triton kernels (any device Triton runs on, the interpreter included)."""
+                            softcap: float = 0.0, k_scale: Tensor | None = None,
+                            v_scale: Tensor | None = None) -> Tensor:
+    """The two Triton kernels (any device Triton runs on, the interpreter included); an FP8 cache
+    comes with its scales [B, Hkv, L] (contiguous in L)."""
     b, hq, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
@@ -179,14 +209,20 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
     # fp32 k/v tiles of head_dim 256 (Gemma) at 64 positions need 276 KB of shared memory, above
     # Hopper's 227 KB: half the positions per inner step (SPLIT stays a multiple of it).
     block = BLOCK_N // 2 if d * q.element_size() > 512 else BLOCK_N
+    fp8_kv = k_scale is not None
+    if fp8_kv and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1):
+        raise ValueError("an FP8 cache's scales must be contiguous in their position dimension")
+    ks, vs = (k_scale, v_scale) if fp8_kv else (m, m)  # unread without FP8
     _partial[(b, hkv, splits)](
-        q, k, v, cos, sin, k_cache, v_cache, positions, m, l_sum, acc,
+        q, k, v, cos, sin, k_cache, v_cache, ks, vs, positions, m, l_sum, acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=SPLIT, BLOCK=block,
-        CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(q.device))
+        CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8_kv, num_warps=4,
+        **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
     return out

@@ -51,6 +51,7 @@ class StepSize:
     logprob_chunk: int
     dense_base: bool = False  # a CPU run: the 4-bit base also held dequantized, once (model.dense_copy)
     lora_experts: bool = False  # MoE: LoRA on every routed expert too (recipe train.lora.experts)
+    kv_cache: str = "bf16"  # the KV cache's format (engine.kv_cache)
 
 
 def _linears(c: DecoderConfig) -> list[tuple[int, tuple[int, ...]]]:
@@ -200,7 +201,7 @@ def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter
     parts = {
         "weights": weight_bytes(c, base_format, dtype),
         **trained,
-        "kv_cache": kv_bytes_per_token(c, dtype) * s.kv_slots * s.seq_len,
+        "kv_cache": kv_bytes_per_token(c, dtype, s.kv_cache) * s.kv_slots * s.seq_len,
         "activations": activation_bytes(c, s, dtype),
         **({"dense_base": dense_base_bytes(c, dtype)} if s.dense_base and not format_entry(base_format).dense else
            {"dequant_scratch": scratch_bytes(c, base_format, dtype)}),

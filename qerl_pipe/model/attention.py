@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qerl_pipe.kernels.fp8 import row_codes
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -69,14 +71,22 @@ def _attend_capped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, spec: Attentio
     return (probs.to(v.dtype) @ v)
 
 
-def attend_prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                   mask: Tensor | None, spec: AttentionSpec) -> Tensor:
-    """Write the prompt's k/v at positions 0..T-1 of `slots`, then attend causally within the prompt.
+def attend_prefill(q: Tensor, k: Tensor, v: Tensor, cache: tuple[Tensor, Tensor, Tensor | None, Tensor | None],
+                   slots: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+    """Write the prompt's k/v at positions 0..T-1 of `slots` in the layer's cache (keys, values and,
+    for an FP8 cache, their scales: `KVCache.layer`), then attend causally within the prompt (on the
+    prompt's own k/v, as vLLM's prefill does: the cache's rounding reaches the decode steps).
 
     Right padding is harmless: a real token never attends to a later pad, and a pad's cache entry
     lies beyond the slot's length, where decode masks it out and later overwrites it.
     """
     t = q.shape[2]
-    k_cache[slots, :, :t] = k
-    v_cache[slots, :, :t] = v
+    k_cache, v_cache, k_scale, v_scale = cache
+    for x, codes, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scales is None:
+            codes[slots, :, :t] = x
+        else:
+            q8, s8 = row_codes(x)
+            codes.view(torch.uint8)[slots, :, :t] = q8.view(torch.uint8)  # as bytes: no fp8 indexing on CPU
+            scales[slots, :, :t] = s8[..., 0]
     return attend(q, k, v, mask, spec)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from qerl_pipe.kernels.fp8 import FP8
 from qerl_pipe.model.attention import AttentionSpec, attend, attend_prefill, visible
 from qerl_pipe.model.config import DecoderConfig, RopeConfig
 from qerl_pipe.model.fused import fused_on_cuda
@@ -41,7 +42,10 @@ def call_module(linear: QuantLinear, x: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Preallocated keys/values [layers, batch, kv_heads, max_len, head_dim] in the model dtype.
+    """Preallocated keys/values [layers, batch, kv_heads, max_len, head_dim] in the model dtype, or
+    with `fp8` as E4M3 codes with one fp32 scale per token and head ([layers, batch, kv_heads,
+    max_len] each for keys and values: `k_scale`, `v_scale`; None otherwise), written as
+    `kernels.fp8.row_codes` of each head's vector.
 
     A row ("slot") holds one sequence; its length is tracked by the caller (the engine), which
     passes the write position of each slot to the engine's `decode_step`.
@@ -54,10 +58,20 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.bfloat16,
         device: Device = "cpu",
+        fp8: bool = False,
     ):
         shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        stored = FP8 if fp8 else dtype
+        self.k = torch.zeros(shape, dtype=stored, device=device)
+        self.v = torch.zeros(shape, dtype=stored, device=device)
+        self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
+        self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """Layer i's keys, values and their scales (None without FP8)."""
+        if self.k_scale is None:
+            return self.k[i], self.v[i], None, None
+        return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
 
     @property
     def batch_size(self) -> int:
@@ -73,12 +87,14 @@ class KVCache:
         `length`: copy only positions 0..length-1 (what the sequences hold; the rest of a row is
         masked anyway), so moving short sequences does not copy whole max_len rows.
         """
-        if length is None:
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
-        else:
-            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is None:
+                continue
+            t = t.view(torch.uint8) if t.dtype == FP8 else t  # as bytes: no fp8 indexing on CPU
+            if length is None:
+                t[:, dst] = t[:, src]
+            else:
+                t[:, dst, :, :length] = t[:, src, :, :length]
 
     def first_slots(self, batch_size: int, length: int | None = None) -> "KVCache":
         """A cache over slots 0..batch_size-1 and positions 0..length-1 sharing this one's storage.
@@ -95,6 +111,8 @@ class KVCache:
             )
         view = object.__new__(KVCache)
         view.k, view.v = self.k[:, :batch_size, :, :length], self.v[:, :batch_size, :, :length]
+        view.k_scale, view.v_scale = ((None, None) if self.k_scale is None else
+                                      (self.k_scale[:, :batch_size, :, :length], self.v_scale[:, :batch_size, :, :length]))
         return view
 
 
@@ -331,9 +349,9 @@ class Decoder(nn.Module):
         """[B, T, vocab] logits in the model dtype (for long batches, apply `head` in chunks)."""
         return self.head(self.forward(input_ids, positions, attention_mask))
 
-    def make_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """An empty KV cache in this model's dtype and on its device."""
-        return KVCache(self.config, batch_size, max_len, self.dtype, self.embed_tokens.weight.device)
+    def make_cache(self, batch_size: int, max_len: int, fp8: bool = False) -> KVCache:
+        """An empty KV cache in this model's dtype (`fp8`: E4M3 with scales) and on its device."""
+        return KVCache(self.config, batch_size, max_len, self.dtype, self.embed_tokens.weight.device, fp8)
 
     @torch.inference_mode()
     def prefill(
@@ -349,8 +367,7 @@ class Decoder(nn.Module):
         positions = torch.arange(t, device=input_ids.device).expand(n, t)
         masks = self._masks(positions[:1], None)  # positions are 0..T-1 in every row
         attends = [
-            partial(attend_prefill, k_cache=cache.k[i], v_cache=cache.v[i], slots=slots, mask=masks[i],
-                    spec=layer.self_attn.spec)
+            partial(attend_prefill, cache=cache.layer(i), slots=slots, mask=masks[i], spec=layer.self_attn.spec)
             for i, layer in enumerate(self.layers)
         ]
         hidden = self._run_layers(input_ids, positions, attends, project)

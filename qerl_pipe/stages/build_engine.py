@@ -67,7 +67,8 @@ def engine_spec(section: EngineSection) -> EngineSpec:
     """The engine the section asks for, as the engine package takes it (the KV budget and the
     device are decided here)."""
     return EngineSpec(section.base_format, section.max_seq_len, section.max_batch, section.cuda_graphs,
-                      section.tune_kernels, section.dtype, section.deterministic, section.activations)
+                      section.tune_kernels, section.dtype, section.deterministic, section.activations,
+                      section.kv_cache)
 
 
 def _plan(recipe: Recipe, hf_config: dict[str, Any], device: torch.device,
@@ -118,8 +119,9 @@ def build_engine_stage(call: StageCall) -> Artifact:
         base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
     plan, budget = _plan(recipe, base.hf_config, device, processes)
     config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
-    if section.activations != "fp8":
-        del config["engine"]["activations"]  # the default: engines made before the setting keep their ids
+    for key in ("activations", "kv_cache"):
+        if config["engine"][key] != "fp8":
+            del config["engine"][key]  # the default: engines made before the setting keep their ids
     if fmt.layout_version > 1:
         # A base whose stored bytes changed gets new ids, so the store rebuilds rather than
         # reuses its old engines (engines of the other formats keep their ids).

@@ -27,7 +27,7 @@ from qerl_pipe.artifacts.store import link_tree
 from qerl_pipe.dag import TRAIN, register
 from qerl_pipe.engine.artifact import check_engine_for, read_engine_json
 from qerl_pipe.hf import pick_device
-from qerl_pipe.jobs.train_config import train_config
+from qerl_pipe.jobs.train_config import fp8_rollout, train_config
 from qerl_pipe.jobs.train_job import check_train_inputs, check_train_model, plan_run, run_train_job, say_plan
 from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.log import log
@@ -91,7 +91,7 @@ def train_stage(call: StageCall) -> Artifact:
     engine = _engine(call, dist)
     check_engine_for(engine, "train", section.max_new_tokens, "--engine")
     plan = plan_run(section, engine.path, device, dist)  # over train.memory_budget_gb: refused now
-    cfg = train_config(section, plan, read_engine_json(engine.path).get("activations", "bf16"))
+    cfg = train_config(section, plan, fp8_rollout(read_engine_json(engine.path)))
     config = {"train": train_key(section), "device": device.type}
     for key, spec in (("data_sha256", section.data), ("eval_data_sha256", section.eval_data)):
         if (digest := data_file_key(spec)) is not None:
