@@ -15,14 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qerl_pipe.errors import QerlError
 from qerl_pipe.log import log
 
-if TYPE_CHECKING:  # annotations only: the recipe module needs pydantic
+if TYPE_CHECKING:  # annotations only
     from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
-    from qerl_pipe.recipe import Recipe
+
+
+class RecipeView(Protocol):
+    """What the DAG reads of a recipe (`recipe.Recipe`, which imports this module for the stage
+    order: the DAG names no recipe type, so there is no cycle, not even for annotations)."""
+
+    stages: list[str]
+    engine: Any
+    train: Any
 
 # A stage's entry point, `fn(call: runner.StageCall, **options) -> Artifact`, and its check,
 # `fn(recipe, store)`, which refuses from the recipe and the model's config.json alone (a GGUF
@@ -31,7 +39,7 @@ if TYPE_CHECKING:  # annotations only: the recipe module needs pydantic
 # plan fits into train.memory_budget_gb. `run` and `--build-missing` call it for every stage they
 # will build, before the first one (`runner.preflight`).
 EntryPoint = Callable[..., "Artifact"]
-Check = Callable[["Recipe", "ArtifactStore"], Any]
+Check = Callable[[RecipeView, "ArtifactStore"], Any]
 
 
 @dataclass(frozen=True)
@@ -72,8 +80,8 @@ class Input:
     option: str
     help: str
     optional: bool = False
-    used: Callable[["Recipe"], bool] | None = None
-    made_by: Callable[["Recipe"], Stage] | None = None
+    used: Callable[[RecipeView], bool] | None = None
+    made_by: Callable[[RecipeView], Stage] | None = None
     loose: bool = False
 
     @property
@@ -81,24 +89,24 @@ class Input:
         """The input's name in the entry point's call (`--run` -> `run`)."""
         return self.option.removeprefix("--").replace("-", "_")
 
-    def used_by(self, recipe: "Recipe") -> bool:
+    def used_by(self, recipe: RecipeView) -> bool:
         return self.used is None or self.used(recipe)
 
-    def stage_for(self, recipe: "Recipe") -> Stage:
+    def stage_for(self, recipe: RecipeView) -> Stage:
         return self.made_by(recipe) if self.made_by is not None else self.stage
 
 
-def _in_recipe(stage: Stage) -> Callable[["Recipe"], bool]:
+def _in_recipe(stage: Stage) -> Callable[[RecipeView], bool]:
     return lambda recipe: stage.name in recipe.stages
 
 
-def full_run_eval(recipe: "Recipe") -> bool:
+def full_run_eval(recipe: RecipeView) -> bool:
     """A full fine-tuning run has no adapter: `run` evaluates its merged-bf16 export (the trained
     model) with an engine built from it, instead of an adapter over the recipe's engine."""
     return recipe.train.adapter == "full" and "train" in recipe.stages
 
 
-def _from_quantize_artifact(recipe: "Recipe") -> bool:
+def _from_quantize_artifact(recipe: RecipeView) -> bool:
     """Whether the recipe's engine base is built from the quantize artifact (nvfp4; nf4 and bf16
     read the original model). Imported here, with a recipe at hand: the registry imports torch,
     which reading the DAG does not."""
@@ -182,7 +190,7 @@ def entry_point(stage_: Stage) -> EntryPoint:
     return _ENTRY_POINTS[stage_.name]
 
 
-def check_recipe(stage_: Stage, recipe: "Recipe", store: "ArtifactStore") -> None:
+def check_recipe(stage_: Stage, recipe: RecipeView, store: "ArtifactStore") -> None:
     if stage_.name in _CHECKS:
         _CHECKS[stage_.name](recipe, store)
 
