@@ -189,3 +189,14 @@ def test_a_nan_in_a_norm_weight_is_refused_by_quantize_calibrate_and_build_engin
         result = cli(command[0], "--model", model, "--artifacts", store, *command[1:], ok=False)
         one_line_failure(result, f"{name} has non-finite values", "re-download or re-convert")
         assert named(store, command[0]) == [] and not list(store.glob(".tmp-*"))
+
+
+def test_a_full_disk_before_any_checkpoint_says_the_run_starts_over(tmp_path):
+    from qerl_pipe.errors import QerlError
+    from qerl_pipe.userfiles import resumable_on_full_disk
+
+    for has_checkpoint, says in ((False, "it starts the run over in"), (True, "it resumes from the last checkpoint in")):
+        with pytest.raises(QerlError) as err, resumable_on_full_disk(tmp_path, lambda: has_checkpoint):
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "state.pt"))
+        assert says in str(err.value) and str(tmp_path) in str(err.value)
+        assert ("checkpoint in" in str(err.value)) == has_checkpoint
