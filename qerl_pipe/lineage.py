@@ -65,8 +65,8 @@ def walk_chain(run: Artifact, store: ArtifactStore) -> Chain:
     config = engine.manifest["config"]
     base = config["base"]
     quantized = None
-    if "quantized" in base:
-        quantized = _stored(store, QUANTIZE.name, base["quantized"], "NVFP4 checkpoint", run)
+    if "quantized" in base:  # by its id among the engine's parents (the config keys its content)
+        quantized = _stored(store, QUANTIZE.name, engine.manifest["parents"][0], "NVFP4 checkpoint", run)
         model_key = quantized.manifest["config"]["model"]
     else:
         model_key = base["model"]
@@ -122,8 +122,8 @@ def _frozen_base(engine: Artifact) -> tuple[str, str] | None:
     base, fmt = config.get("base"), config.get("engine", {}).get("base_format")
     if not isinstance(base, dict) or fmt is None:
         return None
-    if "quantized" in base:
-        return fmt, f"quantize artifact {base['quantized']}"
+    if "quantized" in base:  # the checkpoint's content digest (its id for engines made before)
+        return fmt, f"NVFP4 checkpoint {base['quantized']}"
     content = base.get("model", {}).get("content")
     if content is None:
         return None
@@ -160,7 +160,7 @@ def engine_model_name(engine: Artifact, store: ArtifactStore) -> str:
     model_key = base.get("model")
     if model_key is None and "quantized" in base:
         try:
-            model_key = store.resolve(base["quantized"], verify=False).manifest["config"]["model"]
+            model_key = store.resolve(engine.manifest["parents"][0], verify=False).manifest["config"]["model"]
         except (ArtifactError, KeyError):
             model_key = None
     try:

@@ -252,7 +252,7 @@ def _edit_manifest(art, edit) -> None:
     # The id takes the parents' identities (`parent_identities`); the lineage is under the digest.
     (lambda m: m.update(parents=["p2"]), "edited after the artifact was made"),
     (lambda m: m.update(parent_identities=["p2"]), "does not follow from its stage, config and parents"),
-    (lambda m: m.update(reports=["sub/blob.bin"]), "its content digest does not follow from its files"),
+    (lambda m: m.update(reports=["sub/blob.bin"], content="0" * 16), "its content digest does not follow from its files"),
     (lambda m: m.update(id="0" * 16), "does not follow from its stage, config and parents"),
     (lambda m: m.pop("stage"), "lacks its stage, config or parents"),
 ])

@@ -41,7 +41,7 @@ def test_build_from_the_quantize_artifact_and_reuse(tiny_llama, store_dir):
     spec = read_json(engine / "engine.json")
     assert spec["format_version"] == 1 and spec["base_format"] == "nvfp4" and spec["dtype"] == "float32"
     assert spec["limits"] == {"max_batch": 8, "max_seq_len": 256, "graph_batch_sizes": [],
-                              "kv_cache_bytes": spec["limits"]["kv_cache_bytes"]}
+                              "kv_cache_bytes": spec["limits"]["kv_cache_bytes"], "kv_cache": "bf16"}
     assert spec["kernel_table"] is None and spec["device"] == {"type": "cpu", "name": "cpu"}
     assert "quantization_config" not in read_json(engine / "config.json")  # not the modelopt layout
     manifest = read_json(engine / "manifest.json")

@@ -249,6 +249,40 @@ def _run_route_case(case: tuple, seed: int) -> dict:
             "combine_err": float((combined - expected).abs().max())}
 
 
+def _run_fp8_case(seed: int) -> dict:
+    """The FP8 outputs of the norm kernel and the FP8 KV path of the attention kernel against
+    their references. Only what the interpreter computes exactly is compared exactly: its own
+    float -> E4M3 conversion rounds wrongly across binades (31.6 -> 16), which the GPU test checks."""
+    from qerl_pipe.kernels import decode_ops, fp8, triton_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 600, generator=gen)
+    weight, noise = torch.rand(600, generator=gen), torch.zeros(600)
+    normed, _, _, q = triton_decode.launch_add_rms_norm(x, None, weight, noise, 1e-6, None, 0.0, True)
+    b, hq, hkv, d, length = 2, 4, 2, 32, 150
+    qq, k, v = (torch.randn(b, h, d, generator=gen) for h in (hq, hkv, hkv))
+    cos, sin = torch.ones(b, d), torch.zeros(b, d)
+    positions = torch.tensor([3, 140])
+    k8, ks = fp8.row_codes(torch.randn(b, hkv, length, d, generator=gen))
+    v8, vs = fp8.row_codes(torch.randn(b, hkv, length, d, generator=gen))
+    caches = [(k8.clone(), v8.clone(), ks[..., 0].clone(), vs[..., 0].clone()) for _ in range(2)]
+    got = triton_decode.launch_decode_attention(qq, k, v, cos, sin, caches[0][0], caches[0][1], positions,
+                                                d ** -0.5, 0, 0.0, caches[0][2], caches[0][3])
+    ref = decode_ops.decode_attention_reference(qq, k, v, cos, sin, caches[1][0], caches[1][1], positions,
+                                                d ** -0.5, 0, 0.0, caches[1][2], caches[1][3])
+    return {"norm_scale_exact": bool(torch.equal(q.scale, fp8.quantize_rows(normed).scale)),
+            "attention_rel_err": float((got - ref).norm() / ref.norm()),
+            "kv_scales_close": bool(torch.allclose(caches[0][2], caches[1][2], rtol=1e-6, atol=0)
+                                    and torch.allclose(caches[0][3], caches[1][3], rtol=1e-6, atol=0))}
+
+
+def test_fp8_norm_output_and_fp8_kv_attention_match_their_references(results: dict[str, dict]) -> None:
+    r = results["fp8"]
+    assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
+    assert r["norm_scale_exact"] and r["kv_scales_close"], f"seed {r['seed']}: {r}"
+    assert r["attention_rel_err"] < 2e-2, f"seed {r['seed']}: {r}"  # see _run_fp8_case on the interpreter
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
     if importlib.util.find_spec("triton") is None:
@@ -346,4 +380,9 @@ if __name__ == "__main__":
             out[_route_id(route_case)] = {"seed": seed, **_run_route_case(route_case, seed)}
         except Exception as e:  # noqa: BLE001
             out[_route_id(route_case)] = {"seed": seed, "error": repr(e)}
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    try:
+        out["fp8"] = {"seed": seed, **_run_fp8_case(seed)}
+    except Exception as e:  # noqa: BLE001
+        out["fp8"] = {"seed": seed, "error": repr(e)}
     print(json.dumps(out))

@@ -84,8 +84,7 @@ def build_manifest(
         # What the id took of each parent (`Artifact.identity`): its content digest, or its id.
         "parent_identities": parents if identities is None else identities,
         "files": files,
-        "reports": sorted(reports),
-        "content": content_digest(files, reports),
+        **({"reports": sorted(reports), "content": content_digest(files, reports)} if reports else {}),
         "package": {"name": "qerl-pipe", "version": qerl_pipe.__version__},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "summary": summary,
@@ -95,9 +94,11 @@ def build_manifest(
 
 
 def content_digest(files: dict[str, dict[str, Any]], reports: frozenset[str] | set[str]) -> str:
-    """What a child reads of an artifact: its files but the reports (`reports`), by their sha256.
-    A child's id takes this instead of the parent's id, so a setting that changes only a report
-    (quantize's quality report) makes a new parent whose children are reused."""
+    """What a child reads of an artifact that declares reports (files no child reads): its other
+    files, by their sha256. A child's id takes this instead of the parent's id, so a setting that
+    changes only a report (quantize's quality report) makes a new parent whose children are reused.
+    Artifacts without reports keep their id as identity: some of their files carry build times
+    (engine.json), so their content differs between two builds of the same inputs."""
     kept = {name: meta["sha256"] for name, meta in files.items() if name not in reports}
     return hashlib.sha256(canonical_json(kept).encode()).hexdigest()[:16]
 

@@ -82,7 +82,7 @@ def _stored(x, scale_ptr, FP8_KV: tl.constexpr):
     written to `scale_ptr`, as `fp8.row_codes`) and as attention reads it back (dequantized)."""
     if FP8_KV:
         x32 = x.to(tl.float32)
-        row_scale = tl.maximum(tl.max(tl.abs(x32), 1), MIN_AMAX) / FP8_MAX
+        row_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x32), 1), MIN_AMAX), FP8_MAX)
         codes = tl.math.div_rn(x32, row_scale[:, None]).to(tl.float8e4nv)
         tl.store(scale_ptr + tl.arange(0, 1), row_scale)
         return codes, (codes.to(tl.float32) * row_scale[:, None]).to(x.dtype)
@@ -263,7 +263,7 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, q_pt
         tl.store(out_ptr + row * so + offs, normed, mask=ok)
         if QUANT:  # the row's E4M3 codes and scale, from the rounded values (as `fp8.quantize_rows`)
             n32 = normed.to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(n32), 0), MIN_AMAX) / FP8_MAX
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(n32), 0), MIN_AMAX), FP8_MAX)  # IEEE, as torch divides
             tl.store(q_ptr + row * sq + offs, tl.math.div_rn(n32, scale).to(q_ptr.dtype.element_ty), mask=ok)
             tl.store(s_ptr + row, scale)
     else:
