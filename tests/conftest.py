@@ -65,6 +65,16 @@ def randomize_weights(model: torch.nn.Module, norm_center: float = 1.0, embed_st
                 p.normal_(0, 0.08)
 
 
+def adapted_model(path: Path, base: str, dtype: torch.dtype, device: str, rank: int = 4):
+    """The model in `path` loaded in `base` with a LoRA adapter of `rank` whose B's are nonzero."""
+    from qerl_pipe.model.load import load_model
+    from qerl_pipe.model.lora import LoraSpec
+
+    model = load_model(path, base, dtype=dtype, device=device, lora=LoraSpec(rank=rank, alpha=2 * rank))
+    randomize_lora_b(model, 0.3)
+    return model
+
+
 def randomize_lora_b(model: torch.nn.Module, scale: float, seed: int = 0) -> None:
     """Nonzero LoRA B's (drawn on the model's device), so that the adapters change the outputs."""
     device = next(model.parameters()).device

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_model, randomize_lora_b
+from conftest import adapted_model, make_tiny_model
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.engine import fp8 as engine_fp8
 from qerl_pipe.errors import QerlError
@@ -17,8 +17,6 @@ from qerl_pipe.jobs.train_config import FP8_TIS_CAP, fp8_rollout, train_config
 from qerl_pipe.kernels import fp8
 from qerl_pipe.memory.step import fp8_copy_bytes
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.load import load_model
-from qerl_pipe.model.lora import LoraSpec
 from qerl_pipe.recipe import EngineSection, TrainSection
 from qerl_pipe.rl.algo.losses import PolicyLossConfig, policy_loss
 
@@ -59,9 +57,7 @@ def tiny_llama_fp8(tmp_path_factory) -> Path:
 
 
 def _model(path: Path, base: str):
-    model = load_model(path, base, dtype=torch.float32, device="cpu", lora=LoraSpec(rank=4, alpha=8))
-    randomize_lora_b(model, 0.3)
-    return model
+    return adapted_model(path, base, torch.float32, "cpu")
 
 
 def test_engine_runs_every_dense_projection_on_fp8_copies(tiny_llama_fp8, monkeypatch):

@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_model, randomize_lora_b
+from conftest import adapted_model
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.engine import fp8 as engine_fp8
 from qerl_pipe.kernels.fp8 import FP8_MAX, fp8_linear, fp8_linear_reference, quantize_rows, quantize_weight, runs_fp8
-from qerl_pipe.model.load import load_model
-from qerl_pipe.model.lora import LoraSpec
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,15 +83,8 @@ def test_fp8_gemm_matches_its_reference(m, n, k):
     assert err < 0.06 and float(q.codes.float().abs().max()) == FP8_MAX
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-fp8"), "qwen2")
-
-
 def _model(path: Path, base: str):
-    model = load_model(path, base, dtype=torch.bfloat16, device="cuda", lora=LoraSpec(rank=8, alpha=16))
-    randomize_lora_b(model, 0.3)
-    return model
+    return adapted_model(path, base, torch.bfloat16, "cuda", rank=8)
 
 
 @pytest.fixture
