@@ -251,8 +251,9 @@ def _run_route_case(case: tuple, seed: int) -> dict:
 
 def _run_fp8_case(seed: int) -> dict:
     """The FP8 outputs of the norm kernel and the FP8 KV path of the attention kernel against
-    their references. Only what the interpreter computes exactly is compared exactly: its own
-    float -> E4M3 conversion rounds wrongly across binades (31.6 -> 16), which the GPU test checks."""
+    their references. The interpreter's own float -> E4M3 conversion rounds wrongly across binades
+    (31.6 -> 16; the GPU test checks the rounding), so the new k and v here lie on the E4M3 grid
+    times a power of two: their codes need no rounding, and the rest must match closely."""
     from qerl_pipe.kernels import decode_ops, fp8, triton_decode
 
     gen = torch.Generator().manual_seed(seed)
@@ -260,8 +261,9 @@ def _run_fp8_case(seed: int) -> dict:
     weight, noise = torch.rand(600, generator=gen), torch.zeros(600)
     normed, _, _, q = triton_decode.launch_add_rms_norm(x, None, weight, noise, 1e-6, None, 0.0, True)
     b, hq, hkv, d, length = 2, 4, 2, 32, 150
-    qq, k, v = (torch.randn(b, h, d, generator=gen) for h in (hq, hkv, hkv))
-    cos, sin = torch.ones(b, d), torch.zeros(b, d)
+    qq = torch.randn(b, hq, d, generator=gen)
+    k, v = (fp8.row_codes(torch.randn(b, hkv, d, generator=gen))[0].float() * 2.0 ** -5 for _ in range(2))
+    cos, sin = torch.ones(b, d), torch.zeros(b, d)  # no rotation: k stays on the grid
     positions = torch.tensor([3, 140])
     k8, ks = fp8.row_codes(torch.randn(b, hkv, length, d, generator=gen))
     v8, vs = fp8.row_codes(torch.randn(b, hkv, length, d, generator=gen))
@@ -280,7 +282,7 @@ def test_fp8_norm_output_and_fp8_kv_attention_match_their_references(results: di
     r = results["fp8"]
     assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
     assert r["norm_scale_exact"] and r["kv_scales_close"], f"seed {r['seed']}: {r}"
-    assert r["attention_rel_err"] < 2e-2, f"seed {r['seed']}: {r}"  # see _run_fp8_case on the interpreter
+    assert r["attention_rel_err"] < 1e-4, f"seed {r['seed']}: {r}"
 
 
 @pytest.fixture(scope="module")
