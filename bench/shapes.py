@@ -1,5 +1,5 @@
 """Hugging Face configs with the exact shapes of the models the benchmarks stand in for: the
-dense Qwen2.5 family (7B, 14B, 32B, 72B) and the Qwen3-MoE Qwen3-30B-A3B.
+dense Qwen2.5 family (3B, 7B, 14B, 32B, 72B) and the Qwen3-MoE Qwen3-30B-A3B.
 
 Random weights of these shapes measure speed and memory at scale without a model hub: what a
 kernel or a decode step costs depends on the shapes, not on the values. Figures from the
@@ -22,6 +22,8 @@ def _qwen25(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: i
 
 
 QWEN25_SHAPES: dict[str, dict[str, Any]] = {
+    # 3B ties its embeddings and has the smaller vocabulary of Qwen2.5-3B-Instruct's config.json.
+    "qwen2.5-3b": {**_qwen25(2048, 11008, 36, 16, 2), "vocab_size": 151936, "tie_word_embeddings": True},
     "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4),
     "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8),
     "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8),
