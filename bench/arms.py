@@ -1,13 +1,11 @@
-"""Side-by-side learning dynamics of training arms (bf16 LoRA, QLoRA, NVFP4, NVFP4 + AQN, full
-fine-tuning, calibrated NVFP4, ...).
+"""The QeRL paper's claims checked on training arms (bf16 LoRA, QLoRA, NVFP4, NVFP4 + AQN, full
+fine-tuning, calibrated NVFP4, ...): the lab's layer over the product's `qerl-pipe compare`
+(`qerl_pipe.compare`: the one reader, summary and figure of arms).
 
-Reads the run directories the arms wrote (finished `run` artifacts or interrupted
-`<store>/.runs/train-<id>` work directories, both hold `metrics.jsonl`), or, where only a run's
-log came back, the log (its per-step lines and greedy accuracies; no entropy, settings or memory
-there), and writes one results
-JSON (command, commit, gpu, per-arm summaries, a `targets` block holding the QeRL paper's claims
-checked on these runs) plus one PNG per metric with every arm on the same axes. Greedy answers a
-run kept are graded again with today's grader (`read_greedy`).
+What the lab adds: arms read from a run's log where only the log came back (its per-step lines
+and greedy accuracies; no entropy, settings or memory there), greedy answers a run kept graded
+again with today's grader (`read_greedy`), the steps to a reward level, and a results JSON
+(command, commit, gpu, per-arm summaries, a `targets` block holding the paper's claims).
 
     qerl-pipe bench arms --arm qerl=RUN_DIR --arm bf16=RUN.log ... --out-dir DIR
 """
@@ -21,14 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.results import nulls_for_non_finite, results_file, target
+from qerl_pipe import compare
+from qerl_pipe.compare import SMOOTH, Arm
 from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.task.rewards import RewardSpec, score
 from qerl_pipe.rl.task.tasks import PACKAGED, Problem
 from qerl_pipe.strict_json import write_json
-
-PLOTTED = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
-           ("entropy", "policy entropy (nats/token)"), ("response_length_mean", "response length (tokens)"))
-SMOOTH = 5  # steps in the plotted moving average; the raw curve is drawn faintly under it
 
 
 # Reading a run back from its log (where its run directory was lost: the earlier bf16 arms in
@@ -69,7 +65,7 @@ def parse_greedy_line(line: str) -> tuple[str, dict[str, Any]] | None:
     return m.group(1), {"accuracy": correct / total, "correct": correct, "total": total}
 
 
-def read_log(log: Path) -> dict[str, Any]:
+def read_log(log: Path, name: str = "") -> Arm:
     """An arm from its run's log: the per-step lines (a resumed run's repeated steps: the last
     printing wins, as in metrics.jsonl) and the greedy accuracies before and after."""
     steps: dict[int, dict[str, Any]] = {}
@@ -82,22 +78,20 @@ def read_log(log: Path) -> dict[str, Any]:
             evals[greedy[0]] = greedy[1]
     if not steps:
         raise SystemExit(f"{log} has no 'train: step' lines; pass the log of a train or run command")
-    return {"records": [steps[k] for k in sorted(steps)], "run": {}, "eval": evals}
+    return Arm(name or log.stem, [steps[k] for k in sorted(steps)], {}, evals)
 
 
-def read_arm(run_dir: Path) -> dict[str, Any]:
-    """One arm's per-step records and, when the run finished, its settings and greedy evaluation;
-    a log file instead of a run directory reads `read_log`."""
+def read_arm(run_dir: Path, name: str = "") -> Arm:
+    """One arm as `compare.read_run` reads it, its kept greedy answers graded again; a log file
+    instead of a run directory reads `read_log`."""
     if run_dir.is_file():
-        return read_log(run_dir)
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
+        return read_log(run_dir, name)
+    if not (run_dir / "metrics.jsonl").is_file():
         raise SystemExit(f"{run_dir} has no metrics.jsonl; pass a train run artifact, its .runs work directory "
                          "or its log")
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
-    evals = {name: result for name in ("before", "after") if (result := read_greedy(run_dir, name)) is not None}
-    return {"records": records, "run": run, "eval": evals}
+    arm = compare.read_run(run_dir, name or run_dir.name)
+    arm.greedy = {when: result for when in ("before", "after") if (result := read_greedy(run_dir, when)) is not None}
+    return arm
 
 
 def read_greedy(run_dir: Path, name: str) -> dict[str, Any] | None:
@@ -121,42 +115,27 @@ def read_greedy(run_dir: Path, name: str) -> dict[str, Any] | None:
 def first_step_reaching(records: list[dict[str, Any]], key: str, level: float) -> int | None:
     """The first step whose `SMOOTH`-step trailing mean of `key` reaches `level`."""
     for i in range(len(records)):
-        if (_mean(records[max(0, i - SMOOTH + 1):i + 1], key) or 0.0) >= level:
+        if (compare.mean_of(records[max(0, i - SMOOTH + 1):i + 1], key) or 0.0) >= level:
             return records[i]["step"]
     return None
 
 
-def _mean(records: list[dict[str, Any]], key: str) -> float | None:
-    # A step with no trainable group (every group's rewards equal) has no entropy: None, skipped;
-    # a log-read arm has none at all: None.
-    values = [r[key] for r in records if r.get(key) is not None]
-    return sum(values) / len(values) if values else None
-
-
-def summarize(name: str, arm: dict[str, Any]) -> dict[str, Any]:
-    records = arm["records"]
-    tenth = max(1, len(records) // 10)
-    train = arm["run"].get("train", {})
+def summarize(name: str, arm: Arm) -> dict[str, Any]:
+    """`compare.summarize`'s row under the lab's names, with what the claims need besides."""
+    records, row = arm.records, compare.summarize(arm)
     return {
-        "arm": name,
-        "steps": len(records),
-        "finished": "after" in arm["eval"],
-        "lr": train.get("lr"),
-        "aqn": train.get("aqn", {}).get("schedule"),
-        "adapter": train.get("adapter", "lora") if train else None,
-        "greedy_accuracy_before": arm["eval"].get("before", {}).get("accuracy"),
-        "greedy_accuracy_after": arm["eval"].get("after", {}).get("accuracy"),
-        "greedy_accuracy_after_graded_in_run": arm["eval"].get("after", {}).get("graded_in_run"),
-        "eval_problems": arm["eval"].get("after", arm["eval"].get("before", {})).get("total"),
-        "reward_first_tenth": _mean(records[:tenth], "reward_mean"),
-        "reward_last_tenth": _mean(records[-tenth:], "reward_mean"),
-        "entropy_first_tenth": _mean(records[:tenth], "entropy"),
-        "entropy_last_tenth": _mean(records[-tenth:], "entropy"),
+        "arm": name, "steps": row["steps"], "finished": "after" in arm.greedy, "lr": row["lr"], "aqn": row["aqn"],
+        "adapter": row["adapter"],
+        "greedy_accuracy_before": row["greedy_before"],
+        "greedy_accuracy_after": row["greedy_after"],
+        "greedy_accuracy_after_graded_in_run": arm.greedy.get("after", {}).get("graded_in_run"),
+        "eval_problems": arm.greedy.get("after", arm.greedy.get("before", {})).get("total"),
+        **{key: row[key] for key in ("reward_first_tenth", "reward_last_tenth", "entropy_first_tenth",
+                                     "entropy_last_tenth")},
         "step_reward_0.5": first_step_reaching(records, "reward_mean", 0.5),
         "step_reward_0.8": first_step_reaching(records, "reward_mean", 0.8),
         "step_seconds_median": sorted(r["step_seconds"] for r in records)[len(records) // 2],
-        "peak_gpu_memory_gib": max((r["peak_gpu_memory_gib"] for r in records if r.get("peak_gpu_memory_gib") is not None),
-                                   default=None),
+        "peak_gpu_memory_gib": row["peak_gpu_memory_gib"],
     }
 
 
@@ -238,43 +217,6 @@ def _pairs(option: str, value: str, form: str, example: str) -> list[tuple[str, 
     return pairs
 
 
-def _smoothed(values: list[float]) -> list[float]:
-    return [sum(values[max(0, i - SMOOTH + 1):i + 1]) / len(values[max(0, i - SMOOTH + 1):i + 1])
-            for i in range(len(values))]
-
-
-def write_plots(arms: dict[str, dict[str, Any]], out_dir: Path, title: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    for key, label in PLOTTED:
-        if not any(r.get(key) is not None for arm in arms.values() for r in arm["records"]):
-            continue  # e.g. entropy when every arm was read from its log
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, arm in arms.items():
-            kept = [r for r in arm["records"] if r.get(key) is not None]
-            if not kept:
-                continue
-            steps = [r["step"] for r in kept]
-            values = [r[key] for r in kept]
-            (line,) = ax.plot(steps, _smoothed(values), label=name, linewidth=1.6)
-            ax.plot(steps, values, color=line.get_color(), alpha=0.2, linewidth=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.set_title(f"{title}: {label} ({SMOOTH}-step mean; raw faint)", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"{key}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path.name)
-    return written
-
-
 def summarize_arms(arm_specs: Sequence[str], out_dir: Path, title: str = "arms", full: str = "bf16",
                    quantized: str = "nvfp4,nf4", aqn_pairs: str = "qerl:nvfp4,bf16-aqn:bf16",
                    qlora_pairs: str = "qerl:nf4,nvfp4:nf4", note: str = "", gpu: str | None = None,
@@ -290,10 +232,10 @@ def summarize_arms(arm_specs: Sequence[str], out_dir: Path, title: str = "arms",
         name, sep, path = spec.partition("=")
         if not sep:
             raise QerlError(f"--arm {spec!r}: expected NAME=RUN_DIR")
-        arms[name] = read_arm(Path(path))
+        arms[name] = read_arm(Path(path), name)
     rows = {name: summarize(name, arm) for name, arm in arms.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(arms, out_dir, title)
+    plots = ["compare.png"] if compare.plot(list(arms.values()), out_dir / "compare.png", title) else []
     claims = paper_claims(rows, [q for q in quantized.split(",") if q], full, pairs, qlora, par, calibrated)
     extra = {"gpu": gpu} if gpu else {}
     out = results_file(list(rows.values()), claims, note=note, plots=plots, **extra)

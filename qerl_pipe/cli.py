@@ -258,6 +258,35 @@ def keys(section: Annotated[Optional[str], typer.Argument(help="A section (train
     print(format_keys(recipe_keys(section)))
 
 
+@app.command()
+@_user_errors
+def compare(arms: Annotated[list[str], typer.Argument(help="Arms: train runs (artifact or .runs/ directory) or eval artifacts of their adapters, each PATH or NAME=PATH.")],
+            out_dir: Annotated[Optional[Path], typer.Option(help="Also write compare.json and compare.png (reward, accuracy, entropy, response length against steps) here.")] = None,
+            reference: Annotated[Optional[list[str]], typer.Option(help="A reference figure per arm, ARM=FIGURE (say the paper's: qerl='GSM8K 90.8'); repeatable.")] = None,
+            title: Annotated[str, typer.Option(help="The figure's title.")] = "arms") -> None:
+    """Put training arms side by side: a Markdown table on stdout (reward, greedy accuracy and pass@1, entropy, steps, GPU hours, peak memory) and, with --out-dir, its JSON and one figure."""
+    from qerl_pipe import compare as cmp
+
+    references = cmp.parse_references(reference or [])
+    read = [cmp.read_arm(path, name) for name, path in map(cmp.parse_arm, arms)]
+    names = [arm.name for arm in read]
+    if len(set(names)) != len(names):
+        raise QerlError(f"two arms share a name ({', '.join(names)}); name them: NAME=PATH")
+    unknown = sorted(set(references) - set(names))
+    if unknown:
+        raise QerlError(f"--reference names {unknown}, which are not arms ({', '.join(names)})")
+    rows = [cmp.summarize(arm, references.get(arm.name)) for arm in read]
+    print(cmp.table(rows))
+    if out_dir is not None:
+        from qerl_pipe.strict_json import write_json
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json(out_dir / "compare.json", {"arms": rows}, indent=1)
+        if not cmp.plot(read, out_dir / "compare.png", title):
+            typer.echo("compare: matplotlib is not installed, so no figure (pip install matplotlib)", err=True)
+        typer.echo(f"compare: {out_dir / 'compare.json'}", err=True)
+
+
 @app.command("ls")
 @_user_errors
 def list_artifacts(artifacts: ArtifactsOpt = None) -> None:

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from bench import arms
+from qerl_pipe import compare
+from qerl_pipe.compare import Arm
 from bench.arms import parse_greedy_line, parse_step_line
 from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.loop.metrics import greedy_line, step_line
@@ -49,9 +51,9 @@ def test_a_log_read_arm_keeps_each_steps_last_printing_and_its_greedy_accuracies
     # killed after step 6, resumed from the step-4 checkpoint: steps 5 and 6 printed twice
     log = _log(tmp_path, [0.1, 0.2, 0.3, 0.4, 0.9, 0.9], 5, [0.5, 0.6, 0.9], after=True)
     arm = arms.read_arm(log)
-    assert [r["step"] for r in arm["records"]] == [1, 2, 3, 4, 5, 6, 7]
-    assert [r["reward_mean"] for r in arm["records"]] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.9]
-    assert arm["eval"] == {"before": {"accuracy": 8 / 256, "correct": 8, "total": 256},
+    assert [r["step"] for r in arm.records] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["reward_mean"] for r in arm.records] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.9]
+    assert arm.greedy == {"before": {"accuracy": 8 / 256, "correct": 8, "total": 256},
                            "after": {"accuracy": 216 / 256, "correct": 216, "total": 256}}
     row = arms.summarize("nvfp4", arm)
     assert row["finished"] and row["greedy_accuracy_after"] == 216 / 256 and row["eval_problems"] == 256
@@ -60,7 +62,7 @@ def test_a_log_read_arm_keeps_each_steps_last_printing_and_its_greedy_accuracies
 
 
 def test_claims_skip_what_a_log_cannot_tell(tmp_path):
-    full = arms.summarize("bf16", {"records": [_record(1, 0.6, entropy=0.7)], "run": {}, "eval": {}})
+    full = arms.summarize("bf16", Arm("bf16", [_record(1, 0.6, entropy=0.7)]))
     from_log = arms.summarize("nvfp4", arms.read_arm(_log(tmp_path, [0.2, 0.8, 0.8], 4, [], after=False)))
     assert not from_log["finished"]
     claims = arms.paper_claims({"bf16": full, "nvfp4": from_log}, ["nvfp4"], "bf16", [("qerl", "nvfp4")])
@@ -68,12 +70,10 @@ def test_claims_skip_what_a_log_cannot_tell(tmp_path):
     assert claims[0]["measured"] == 1 and claims[0]["met"] is False
 
 
-def test_plots_leave_out_a_metric_no_arm_has(tmp_path):
+def test_a_log_read_arm_plots_without_the_metrics_a_log_lacks(tmp_path):
     pytest.importorskip("matplotlib")
     arm = arms.read_arm(_log(tmp_path, [0.1, 0.5], 3, [], after=False))
-    written = arms.write_plots({"nvfp4": arm}, tmp_path, "t")
-    assert "entropy.png" not in written and "reward_mean.png" in written
-    assert all((tmp_path / name).stat().st_size > 0 for name in written)
+    assert compare.plot([arm], tmp_path / "arms.png", "t") and (tmp_path / "arms.png").stat().st_size > 0
 
 
 def test_a_log_without_step_lines_is_refused_with_what_to_pass(tmp_path):
