@@ -233,6 +233,10 @@ class TrainSection(_Section):
     lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay to 0.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="adamw: torch's, float32 moments; adamw8bit: bitsandbytes' AdamW8bit (8-bit moments, "
+        "as the QeRL paper trains; a CUDA GPU and the qlora extra: pip install -e '.[qlora]').",
+    )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null = off.")
     gradient_checkpointing: bool = Field(
         True, description="Recompute each layer's activations in backward (less memory, ~1/3 more compute)."

@@ -41,6 +41,7 @@ def test_recipe_settings_and_planned_memory(path: Path):
     assert train.max_new_tokens == (4096 if gsm8k else 8192) and train.temperature == 1.0 and train.kl_coef == 0
     assert train.loss == ("grpo" if gsm8k else "dapo") and train.eps_high == (0.2 if gsm8k else 0.28)
     assert train.memory_budget_gb == 80 and (recipe.eval.temperature, recipe.eval.top_p) == (0.6, 0.95)
+    assert train.optimizer == "adamw8bit"
     assert (train.aqn.schedule == "exponential") == ("-qerl" in path.stem)
     assert train.lr == (5e-6 if "bf16" in path.stem or "-full" in path.stem else 1e-5)
     assert (engine.kv_cache == "fp8") == path.stem.endswith("-fp8kv")
@@ -53,3 +54,45 @@ def test_recipe_settings_and_planned_memory(path: Path):
     assert (int(slots), int(waves), int(sequences), int(micro), int(chunk)) == (
         plan.kv_slots, plan.waves, plan.shape.sequences, plan.micro_batch, plan.logprob_chunk)
     assert float(peak) == round(plan.estimate_bytes / GB, 1) <= 80
+
+
+def test_adamw8bit_is_a_recipe_key_refused_where_it_cannot_run(monkeypatch):
+    from qerl_pipe.errors import QerlError
+    from qerl_pipe.jobs.train_config import train_config
+    from qerl_pipe.jobs.train_job import check_optimizer
+    from qerl_pipe.recipe import TrainSection
+    from qerl_pipe.stages.train import train_key
+
+    assert train_config(TrainSection(optimizer="adamw8bit")).optimizer == "adamw8bit"
+    assert "optimizer" not in train_key(TrainSection())  # the default: runs made before keep their ids
+    assert train_key(TrainSection(optimizer="adamw8bit"))["optimizer"] == "adamw8bit"
+    check_optimizer("adamw", "cpu")
+    with pytest.raises(QerlError, match="steps CUDA tensors only, and this train runs on the CPU: set train.optimizer=adamw"):
+        check_optimizer("adamw8bit", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    import builtins
+
+    real = builtins.__import__
+
+    def no_bnb(name, *args, **kwargs):
+        if name == "bitsandbytes":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_bnb)
+    with pytest.raises(QerlError, match=r"needs bitsandbytes: pip install -e '.\[qlora\]'"):
+        check_optimizer("adamw8bit", "auto")
+
+
+def test_make_optimizer_builds_bitsandbytes_adamw8bit():
+    bnb = pytest.importorskip("bitsandbytes")
+    from dataclasses import replace
+
+    from qerl_pipe.jobs.train_config import train_config
+    from qerl_pipe.recipe import TrainSection
+    from qerl_pipe.rl.loop.trainer import make_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    cfg = train_config(TrainSection())
+    assert isinstance(make_optimizer(params, cfg), torch.optim.AdamW)
+    assert isinstance(make_optimizer(params, replace(cfg, optimizer="adamw8bit")), bnb.optim.AdamW8bit)

@@ -53,6 +53,7 @@ def train_config(section: TrainSection, plan: MemoryPlan | None = None, fp8: boo
         overlong_buffer=o.buffer or max(1, section.max_new_tokens // 4),
         dynamic_sampling=section.dynamic_sampling.enabled, max_draws=section.dynamic_sampling.max_draws,
         mu=section.mu, lr=section.lr, weight_decay=section.weight_decay, warmup_steps=section.warmup_steps,
+        optimizer=section.optimizer,
         max_grad_norm=section.max_grad_norm, full=section.adapter == "full",
         micro_batch=plan.micro_batch if plan is not None else section.micro_batch_size,
         logprob_chunk=plan.logprob_chunk if plan is not None else DEFAULT_CHUNK,

@@ -28,7 +28,7 @@ from qerl_pipe.engine import Engine
 from qerl_pipe.engine.artifact import load_engine, read_engine_json
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
-from qerl_pipe.hf import load_tokenizer
+from qerl_pipe.hf import load_tokenizer, pick_device
 from qerl_pipe.jobs.step_plan import plan_recipe_step, plan_train
 from qerl_pipe.jobs.train_config import plan_changes
 from qerl_pipe.kernels.base_formats import base_format
@@ -91,8 +91,23 @@ def check_train_inputs(recipe: Recipe, engine: Artifact | None = None
             raise QerlError(f"train.adapter=full trains every weight, which needs a bf16 base, but {source} is "
                             f"{base} (4-bit codes cannot take gradient updates): {fix}, or train LoRA over the "
                             "4-bit base with train.adapter=lora")
+    check_optimizer(recipe.train.optimizer, recipe.train.device)
     problems, eval_problems = load_train_problems(recipe.train)
     return problems, eval_problems, load_custom_rewards(recipe.train.rewards.custom)
+
+
+def check_optimizer(optimizer: str, device: str) -> None:
+    """AdamW8bit runs on CUDA tensors with bitsandbytes installed: refused, naming the fix, where not."""
+    if optimizer != "adamw8bit":
+        return
+    if pick_device(device).type != "cuda":
+        raise QerlError("train.optimizer=adamw8bit (bitsandbytes' AdamW8bit) steps CUDA tensors only, and this train "
+                        "runs on the CPU: set train.optimizer=adamw")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise QerlError("train.optimizer=adamw8bit needs bitsandbytes: pip install -e '.[qlora]', or set "
+                        "train.optimizer=adamw") from None
 
 
 def check_train_model(recipe: Recipe, hf_config: dict[str, Any]) -> None:

@@ -42,6 +42,7 @@ class TrainConfig:
     lr: float
     weight_decay: float
     warmup_steps: int
+    optimizer: str  # "adamw" (torch) or "adamw8bit" (bitsandbytes: 8-bit moments, CUDA)
     max_grad_norm: float | None
     full: bool  # every weight trains (a bf16 base), not a LoRA adapter
     # How the work is cut: the memory plan's values.

@@ -140,7 +140,7 @@ class Trainer:
         # shared model after each step (model/full.py); LoRA: the adapter's own float32 tensors.
         self.full = FullTraining(model) if cfg.full else None
         self.params = self.full.masters if self.full is not None else lora_parameters(model)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(self.params, cfg)
         self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, cfg.steps)
         # Every rank walks the same data order and takes whole draws; each then samples its share.
         self.data = DataOrder(len(self.prompts), cfg.seed)
@@ -373,6 +373,16 @@ class Trainer:
             self._push()
         return {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": None,
                 "train_tokens": 0, **dict.fromkeys((*MISMATCH_MEANS, "tis_ratio_max"), None)}
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over `params`: torch's, or bitsandbytes' AdamW8bit (8-bit moments, blockwise scaled;
+    CUDA tensors only: `check_optimizer` refuses it elsewhere before any work)."""
+    if cfg.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _non_finite(rows: Sequence[Sequence[float]]) -> int:
