@@ -16,14 +16,17 @@ of the trained weights), `metrics.jsonl`, `plots/`, `report.json` / `report.md`,
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qerl_pipe.artifacts import Artifact
+from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
+from qerl_pipe.artifacts.store import link_tree
 from qerl_pipe.engine import Engine
 from qerl_pipe.engine.artifact import load_engine, read_engine_json
 from qerl_pipe.errors import QerlError
@@ -44,6 +47,7 @@ from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.algo.losses import MISMATCH_MEANS
 from qerl_pipe.rl.loop.accuracy import GreedyAccuracy, greedy_accuracy
+from qerl_pipe.rl.loop.checkpoint import latest_checkpoint
 from qerl_pipe.rl.loop.config import TrainConfig
 from qerl_pipe.rl.loop.distributed import Dist
 from qerl_pipe.rl.loop.metrics import PLOTS_DIR, greedy_line, write_plots
@@ -52,6 +56,10 @@ from qerl_pipe.rl.task.prompts import fit_prompts, stop_token_ids
 from qerl_pipe.rl.task.rewards import CustomReward, load_custom_rewards
 from qerl_pipe.rl.task.tasks import Problem, load_problems
 from qerl_pipe.strict_json import dumps, write_json
+from qerl_pipe.userfiles import resumable_on_full_disk
+
+# The run's record of what names it and its memory plan, in its work directory and artifact.
+RUN_FILE = "run.json"
 
 # Where a full fine-tuning run keeps its trained weights, a Hugging Face model directory (a LoRA
 # run keeps its adapter in ADAPTER_DIR); export reads them there.
@@ -302,3 +310,43 @@ def run_train_job(section: TrainSection, cfg: TrainConfig, engine_dir: Path, pro
         **({"processes": dist.world_size} if dist.enabled else {}),
         "seconds_this_session": round(time.perf_counter() - started, 1),
     }
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What rank 0's build of a train run needs, settled before the store is asked."""
+
+    store: ArtifactStore
+    force: bool  # start the run over (`--force`)
+    recipe: Recipe
+    engine: Artifact
+    model_name: str  # the model as the recipe named it (adapter configs, reports)
+    config: dict[str, Any]  # what names the run (written to run.json)
+    cfg: TrainConfig
+    plan: MemoryPlan
+    problems: list[Problem]
+    eval_problems: list[Problem]
+    device: torch.device
+    dist: Dist
+
+
+def train_in_work_dir(pending: PendingArtifact, run: RunInputs, built: list[Path]) -> None:
+    """Train (or resume) in the run's work directory (`store.work_dir_for`), then link it into
+    `pending`; appends the work directory to `built`."""
+    dist, section = run.dist, run.recipe.train
+    run_dir = run.store.work_dir_for("train", pending.id)
+    dist.broadcast((None, str(run_dir)))
+    if run.force and run_dir.exists():
+        shutil.rmtree(run_dir)
+    say_plan(run.plan)
+    with resumable_on_full_disk(run_dir, lambda: latest_checkpoint(run_dir) is not None):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record = {"id": pending.id, "engine": run.engine.id, **run.config, "memory_plan": run.plan.to_json()}
+        write_json(run_dir / RUN_FILE, record)
+        dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
+        summary = run_train_job(section, run.cfg, run.engine.path, run.problems, run.eval_problems, run.device,
+                                run_dir, run.model_name,
+                                run.recipe.model.trust_remote_code, dist, run.plan)
+        link_tree(run_dir, pending.dir)
+    pending.summary.update(summary)
+    built.append(run_dir)

@@ -17,34 +17,33 @@ the run directory and the result, so they all agree on one run.
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact, load_artifact
-from qerl_pipe.artifacts.store import link_tree
+from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.dag import TRAIN, register
 from qerl_pipe.engine.artifact import check_engine_for, read_engine_json
 from qerl_pipe.hf import pick_device
 from qerl_pipe.jobs.train_config import fp8_rollout, train_config
-from qerl_pipe.jobs.train_job import check_train_inputs, check_train_model, plan_run, run_train_job, say_plan
+from qerl_pipe.jobs.train_job import (
+    RunInputs, check_train_inputs, check_train_model, plan_run, run_train_job, train_in_work_dir,
+)
 from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import MemoryPlan
 from qerl_pipe.recipe import Recipe, TrainSection
-from qerl_pipe.rl.loop.checkpoint import latest_checkpoint
 from qerl_pipe.rl.loop.config import TrainConfig
 from qerl_pipe.rl.loop.distributed import Dist, init_distributed
 from qerl_pipe.rl.task.rewards import custom_reward_digests
 from qerl_pipe.rl.task.tasks import Problem
 from qerl_pipe.runner import StageCall
 from qerl_pipe.sources import peek_model_config
-from qerl_pipe.strict_json import write_json
-from qerl_pipe.userfiles import data_file_key, data_spec_key, resumable_on_full_disk
+from qerl_pipe.userfiles import data_file_key, data_spec_key
 
 STAGE = TRAIN
-RUN_FILE = "run.json"
 
 
 def train_key(section: TrainSection) -> dict[str, Any]:
@@ -81,19 +80,8 @@ def _engine(call: StageCall, dist: Dist) -> Artifact:
     return found if found is not None else load_artifact(path, verify=False)
 
 
-@register(STAGE, check=check_train_recipe)
-def train_stage(call: StageCall) -> Artifact:
-    """Train the recipe's `train` section over the engine (resuming an interrupted run; `force`
-    starts it over). Under torchrun every rank calls this; all return the artifact."""
-    recipe, store, section = call.recipe, call.store, call.recipe.train
-    dist, device_choice = init_distributed(section.device)
-    device = pick_device(device_choice)
-    problems, eval_problems, custom_rewards = check_train_inputs(recipe, call.passed("engine"))  # before any work
-    dist.share(section.prompts_per_step)  # B must split evenly over the ranks
-    engine = _engine(call, dist)
-    check_engine_for(engine, "train", section.max_new_tokens, "--engine")
-    plan = plan_run(section, engine.path, device, dist)  # over train.memory_budget_gb: refused now
-    cfg = train_config(section, plan, fp8_rollout(read_engine_json(engine.path)))
+def _run_config(section: TrainSection, device: torch.device, custom_rewards: list, dist: Dist) -> dict[str, Any]:
+    """What names the run: its settings, device, data and reward files by content, and its ranks."""
     config = {"train": train_key(section), "device": device.type}
     for key, spec in (("data_sha256", section.data), ("eval_data_sha256", section.eval_data)):
         if (digest := data_file_key(spec)) is not None:
@@ -102,28 +90,28 @@ def train_stage(call: StageCall) -> Artifact:
         config["custom_rewards_sha256"] = rewards  # an edited reward function is a new run
     if dist.enabled:  # ranks change the floating-point sums (not the method): a run of its own
         config["processes"] = dist.world_size
+    return config
+
+
+@register(STAGE, check=check_train_recipe)
+def train_stage(call: StageCall) -> Artifact:
+    """Train the recipe's `train` section over the engine (resuming an interrupted run; `force`
+    starts it over). Under torchrun every rank calls this; all return the artifact."""
+    recipe, section = call.recipe, call.recipe.train
+    dist, device_choice = init_distributed(section.device)
+    device = pick_device(device_choice)
+    problems, eval_problems, custom_rewards = check_train_inputs(recipe, call.passed("engine"))  # before any work
+    dist.share(section.prompts_per_step)  # B must split evenly over the ranks
+    engine = _engine(call, dist)
+    check_engine_for(engine, "train", section.max_new_tokens, "--engine")
+    plan = plan_run(section, engine.path, device, dist)  # over train.memory_budget_gb: refused now
+    cfg = train_config(section, plan, fp8_rollout(read_engine_json(engine.path)))
+    config = _run_config(section, device, custom_rewards, dist)
     if not dist.is_main:
         return _follow_train(recipe, cfg, engine, problems, eval_problems, device, plan, dist)
     built: list[Path] = []
-
-    def build(pending: PendingArtifact) -> None:
-        run_dir = store.work_dir_for(STAGE.name, pending.id)
-        dist.broadcast((None, str(run_dir)))
-        if call.force and run_dir.exists():
-            shutil.rmtree(run_dir)
-        say_plan(plan)
-        with resumable_on_full_disk(run_dir, lambda: latest_checkpoint(run_dir) is not None):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            run = {"id": pending.id, "engine": engine.id, **config, "memory_plan": plan.to_json()}
-            write_json(run_dir / RUN_FILE, run)
-            dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
-            summary = run_train_job(section, cfg, engine.path, problems, eval_problems, device, run_dir,
-                                    engine_model_name(engine, store), recipe.model.trust_remote_code, dist, plan)
-            link_tree(run_dir, pending.dir)
-        pending.summary.update(summary)
-        built.append(run_dir)
-
-    artifact = call.seal(config=config, parents=[engine.id], build=build)
+    run = RunInputs(call.store, call.force, recipe, engine, engine_model_name(engine, call.store), config, cfg, plan, problems, eval_problems, device, dist)
+    artifact = call.seal(config=config, parents=[engine.id], build=partial(train_in_work_dir, run=run, built=built))
     if not built:
         dist.broadcast((str(artifact.path), None))
         return artifact
