@@ -1,20 +1,13 @@
-"""`qerl-pipe build-engine`: the model as the rollout engine and the trainer run it.
-
-Everything that can be done once per (model, GPU) is done here and stored, so that train and
-eval start in seconds: the base is converted to the kernels' layout (`engine.weights`), the
-KV-cache limits are planned from a memory budget on the target device (`engine.limits`: the KV
-bytes the step planner gives train's step under `train.memory_budget_gb`, `jobs.step_plan`), and
-on CUDA the 4-bit kernels are tuned for the model's layer shapes (`kernels.tuning`). Tuning is
-per GPU, so the GPU's name is part of the artifact's identity.
-
-The base comes from the quantize artifact (nvfp4) or from the original model (nf4, the QLoRA
-baseline; bf16); choosing it and keying the artifact is this module, the build itself is
-`engine.build`. Later stages open the engine with `engine.artifact.load_engine`.
-"""
+"""`qerl-pipe build-engine`: the model as the rollout engine and the trainer run it, done once per
+(model, GPU) and stored: the base in the kernels' layout, KV limits planned from the memory budget,
+kernels tuned on CUDA (the GPU's name is in the id). This module chooses the base (the quantize
+artifact for nvfp4, the original model for nf4 and bf16) and keys the artifact; `engine.build`
+builds it, `engine.artifact.load_engine` opens it (docs/engine.md)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +22,7 @@ from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.hf import pick_device
 from qerl_pipe.jobs.step_plan import EngineBudget, engine_budget
+from qerl_pipe.kernels.base_formats import BaseFormat
 from qerl_pipe.kernels.base_formats import base_format as format_entry
 from qerl_pipe.log import log
 from qerl_pipe.memory.plan import budget_cap
@@ -78,11 +72,6 @@ def _plan(recipe: Recipe, hf_config: dict[str, Any], device: torch.device,
     return plan_engine(engine_spec(recipe.engine), hf_config, device, budget.kv_bytes), budget
 
 
-def _quantized_base(artifact: Artifact) -> _Base:
-    hf_config = read_model_config(artifact.path)
-    return _Base(artifact.path, hf_config, {"quantized": artifact.identity}, [artifact.id])
-
-
 def check_engine_recipe(recipe: Recipe, store: ArtifactStore) -> None:
     """The check before any work (`run`'s and `--build-missing`'s, before their first stage): what
     `_plan` refuses (sequences past the model's positions, a train step no plan fits), from the
@@ -92,33 +81,30 @@ def check_engine_recipe(recipe: Recipe, store: ArtifactStore) -> None:
         _plan(recipe, hf_config, pick_device(recipe.engine.device), current_dist().world_size)
 
 
-@register(STAGE, check=check_engine_recipe)
-def build_engine_stage(call: StageCall) -> Artifact:
-    """Build (or reuse) the engine the recipe's `engine` section describes: nvfp4 from the quantize
-    artifact, nf4 and bf16 from the recipe's model."""
+def _base_of(call: StageCall, fmt: BaseFormat) -> _Base:
+    """Where the base weights come from: the quantize artifact (nvfp4), else the recipe's model."""
     recipe = call.recipe
-    section = recipe.engine
-    device = pick_device(section.device)
-    # Under `train --nproc N` (rank 0 building a missing engine) each rank runs 1/N of the step.
-    processes = current_dist().world_size
-    fmt = format_entry(section.base_format)
     if fmt.from_quantize_artifact:
         if call.passed("quantized") is None:  # an engine that cannot be built fails before calibrate and quantize
             check_engine_recipe(recipe, call.store)
-        base = _quantized_base(call.input("quantized"))
-    else:
-        resolved = call.model()
-        model_key = model_config_key(resolved, recipe.model)
-        quantized = call.input("quantized")  # not used by this base: only the one passed, if any
-        if quantized is not None:
-            _unused_quantized(quantized, model_key, recipe, section.base_format)
-        quant = detect_quant_format(resolved.config)
-        if quant is not None and not fmt.loads_nvfp4_checkpoint:
-            raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an {fmt.name} engine needs the "
-                                   "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
-        base = _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
-    plan, budget = _plan(recipe, base.hf_config, device, processes)
-    config = {"base": base.identity, "engine": section.model_dump(), "device": device_kind(device)}
+        quantized = call.input("quantized")
+        return _Base(quantized.path, read_model_config(quantized.path), {"quantized": quantized.identity}, [quantized.id])
+    resolved = call.model()
+    model_key = model_config_key(resolved, recipe.model)
+    quantized = call.input("quantized")  # not used by this base: only the one passed, if any
+    if quantized is not None:
+        _unused_quantized(quantized, model_key, recipe, fmt.name)
+    quant = detect_quant_format(resolved.config)
+    if quant is not None and not fmt.loads_nvfp4_checkpoint:
+        raise ModelSourceError(f"{resolved.dir} is an NVFP4 checkpoint ({quant}); an {fmt.name} engine needs the "
+                               "original 16-bit model as model.source (re-rounding 4-bit codes would compound)")
+    return _Base(resolved.dir, resolved.config, {"model": model_key}, resolved.parents)
+
+
+def _engine_key(recipe: Recipe, base: _Base, fmt: BaseFormat, device: torch.device,
+                budget: EngineBudget) -> dict[str, Any]:
+    """What names the engine: its base, section, GPU and, where a budget sized it, that step."""
+    config = {"base": base.identity, "engine": recipe.engine.model_dump(), "device": device_kind(device)}
     for key in ("activations", "kv_cache"):
         if config["engine"][key] != "fp8":
             del config["engine"][key]  # the default: engines made before the setting keep their ids
@@ -130,14 +116,32 @@ def build_engine_stage(call: StageCall) -> Artifact:
         # The budget and train's step sized the KV cache, and engine.json holds that plan (engines
         # without a budget keep their ids).
         config["memory_budget_gb"] = recipe.train.memory_budget_gb
-        config["train_step"] = asdict(budget.plan.shape)
+        step = asdict(budget.plan.shape)
+        if step["kv_cache"] != "fp8":
+            del step["kv_cache"]  # likewise
+        config["train_step"] = step
+    return config
 
-    def build(pending: PendingArtifact) -> None:
-        memory_plan = budget.plan.to_json() if budget.plan is not None else None
-        if budget.plan is not None:
-            log(f"build-engine: KV cache from train's memory plan: {budget.plan.describe()}")
-        with budget_cap(budget.cap_bytes, device):  # the build proves the budget, as train will
-            pending.summary.update(write_engine(base.dir, base.hf_config, plan, engine_spec(section), device,
-                                                pending.dir, memory_plan))
 
-    return call.seal(config=config, parents=base.parents, build=build)
+def _write(pending: PendingArtifact, *, base: _Base, plan: EnginePlan, budget: EngineBudget,
+           section: EngineSection, device: torch.device) -> None:
+    memory_plan = budget.plan.to_json() if budget.plan is not None else None
+    if budget.plan is not None:
+        log(f"build-engine: KV cache from train's memory plan: {budget.plan.describe()}")
+    with budget_cap(budget.cap_bytes, device):  # the build proves the budget, as train will
+        pending.summary.update(write_engine(base.dir, base.hf_config, plan, engine_spec(section), device,
+                                            pending.dir, memory_plan))
+
+
+@register(STAGE, check=check_engine_recipe)
+def build_engine_stage(call: StageCall) -> Artifact:
+    """Build (or reuse) the engine the recipe's `engine` section describes: nvfp4 from the quantize
+    artifact, nf4 and bf16 from the recipe's model."""
+    recipe, section = call.recipe, call.recipe.engine
+    device = pick_device(section.device)
+    fmt = format_entry(section.base_format)
+    base = _base_of(call, fmt)
+    # Under `train --nproc N` (rank 0 building a missing engine) each rank runs 1/N of the step.
+    plan, budget = _plan(recipe, base.hf_config, device, current_dist().world_size)
+    build = partial(_write, base=base, plan=plan, budget=budget, section=section, device=device)
+    return call.seal(config=_engine_key(recipe, base, fmt, device, budget), parents=base.parents, build=build)
