@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -21,7 +23,7 @@ from qerl_pipe.formats.checkpoint import refuse_non_finite, save_safetensors
 from qerl_pipe.hf import compute_dtype, count_parameters, load_hf_causal_lm, load_tokenizer, pick_device
 from qerl_pipe.log import log, progress
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.recipe import Recipe
+from qerl_pipe.recipe import CalibrateSection, Recipe
 from qerl_pipe.runner import StageCall
 from qerl_pipe.sources import model_config_key
 from qerl_pipe.strict_json import write_json
@@ -77,6 +79,39 @@ def check_calibrate_recipe(recipe: Recipe, store: ArtifactStore) -> None:
     load_texts(recipe.calibrate.data, recipe.calibrate.field)
 
 
+def _calibrate(pending: PendingArtifact, *, resolved: Any, section: CalibrateSection, trust_remote_code: bool) -> None:
+    """The model's activation and weight statistics on the section's text, into `pending`."""
+    started = time.perf_counter()
+    device = pick_device(section.device)
+    dtype = compute_dtype(section.dtype, device, count_parameters(resolved.config))
+    tokenizer = load_tokenizer(resolved.dir, trust_remote_code)
+    ids = pack_sequences(load_texts(section.data, section.field), tokenizer, section.num_samples, section.seq_len)
+    model = load_hf_causal_lm(resolved.dir, dtype, device, trust_remote_code)
+    for name, tensor in model.state_dict().items():  # a NaN norm would surface as some linear's input
+        refuse_non_finite(name, tensor)
+    log(f"calibrate: {section.num_samples} x {section.seq_len} tokens of {section.data} on {device} ({dtype})")
+    batches = (chunk.to(device) for chunk in ids.split(section.batch_size))
+    n_batches = -(-section.num_samples // section.batch_size)
+    input_amax, mean_square, tokens = collect_input_stats(model, progress(batches, "calibrate", n_batches))
+    linears = {}
+    for name, module in model.named_modules():
+        if name in input_amax:
+            linears[name] = {"input_amax": input_amax[name], **_weight_stats(module.weight)}
+    _check_finite(linears, mean_square)
+    stats = {"tokens": tokens, "data": section.data, "device": str(device), "dtype": str(dtype), "linears": linears}
+    write_json(pending.dir / STATS_FILE, stats)
+    save_safetensors({name: mean_square[name] for name in linears}, pending.dir / CHANNELS_FILE)
+    worst = max(linears.items(), key=lambda kv: kv[1]["weight_amax_over_rms"])
+    pending.summary.update({
+        "tokens": tokens,
+        "linears": len(linears),
+        "max_input_amax": max(v["input_amax"] for v in linears.values()),
+        "max_weight_amax_over_rms": {"module": worst[0], "value": worst[1]["weight_amax_over_rms"]},
+        "seconds": round(time.perf_counter() - started, 2),
+    })
+    log(f"calibrate: {tokens} tokens through {len(linears)} linears in {pending.summary['seconds']} s")
+
+
 @register(STAGE, check=check_calibrate_recipe)
 def calibrate_stage(call: StageCall) -> Artifact:
     """Calibrate the recipe's model (no inputs, so `build_missing` changes nothing)."""
@@ -92,37 +127,7 @@ def calibrate_stage(call: StageCall) -> Artifact:
     if data_sha256 is not None:
         config["data_sha256"] = data_sha256  # an edited file is new data
 
-    def build(pending: PendingArtifact) -> None:
-        started = time.perf_counter()
-        device = pick_device(section.device)
-        dtype = compute_dtype(section.dtype, device, count_parameters(resolved.config))
-        tokenizer = load_tokenizer(resolved.dir, recipe.model.trust_remote_code)
-        ids = pack_sequences(load_texts(section.data, section.field), tokenizer, section.num_samples, section.seq_len)
-        model = load_hf_causal_lm(resolved.dir, dtype, device, recipe.model.trust_remote_code)
-        for name, tensor in model.state_dict().items():  # a NaN norm would surface as some linear's input
-            refuse_non_finite(name, tensor)
-        log(f"calibrate: {section.num_samples} x {section.seq_len} tokens of {section.data} on {device} ({dtype})")
-        batches = (chunk.to(device) for chunk in ids.split(section.batch_size))
-        n_batches = -(-section.num_samples // section.batch_size)
-        input_amax, mean_square, tokens = collect_input_stats(model, progress(batches, "calibrate", n_batches))
-        linears = {}
-        for name, module in model.named_modules():
-            if name in input_amax:
-                linears[name] = {"input_amax": input_amax[name], **_weight_stats(module.weight)}
-        _check_finite(linears, mean_square)
-        stats = {"tokens": tokens, "data": section.data, "device": str(device), "dtype": str(dtype), "linears": linears}
-        write_json(pending.dir / STATS_FILE, stats)
-        save_safetensors({name: mean_square[name] for name in linears}, pending.dir / CHANNELS_FILE)
-        worst = max(linears.items(), key=lambda kv: kv[1]["weight_amax_over_rms"])
-        pending.summary.update({
-            "tokens": tokens,
-            "linears": len(linears),
-            "max_input_amax": max(v["input_amax"] for v in linears.values()),
-            "max_weight_amax_over_rms": {"module": worst[0], "value": worst[1]["weight_amax_over_rms"]},
-            "seconds": round(time.perf_counter() - started, 2),
-        })
-        log(f"calibrate: {tokens} tokens through {len(linears)} linears in {pending.summary['seconds']} s")
-
+    build = partial(_calibrate, resolved=resolved, section=section, trust_remote_code=recipe.model.trust_remote_code)
     return call.seal(config=config, parents=resolved.parents, build=build)
 
 
