@@ -54,10 +54,10 @@ def train_key(section: TrainSection) -> dict[str, Any]:
         del key["memory_budget_gb"]  # (a budget sets the micro-batch and the rollout waves: it is in the id)
     if key["adapter"] == "lora":
         del key["adapter"]  # the default: runs made before the setting existed keep their ids
-    if key["optimizer"] == "adamw":
-        del key["optimizer"]  # likewise
     else:
         del key["lora"]  # a full run has no adapter: its settings change nothing
+    if key["optimizer"] == "adamw":
+        del key["optimizer"]  # the default: likewise
     return key
 
 
