@@ -143,3 +143,14 @@ def test_import_is_a_stage_of_its_own_for_a_gguf_source_only(tiny_llama, store_d
     result = cli("import", "--model", tiny_llama, "--artifacts", store_dir, ok=False)
     assert result.exit_code == 1 and "is not a GGUF file: there is nothing to import" in result.stderr
     assert not store_dir.exists() or [p.name for p in store_dir.iterdir()] == []
+
+
+def test_each_stage_entry_point_stays_under_40_lines():
+    """A stage's entry point asks its call for inputs, keys and seals; its work is in named functions."""
+    import ast
+
+    for path in sorted((Path(__file__).parents[1] / "qerl_pipe" / "stages").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(d, ast.Call) and getattr(d.func, "id", None) == "register" for d in node.decorator_list):
+                assert node.end_lineno - node.lineno + 1 < 40, f"{path.name}: {node.name}"

@@ -356,7 +356,8 @@ def test_bad_sampling_params_are_refused(kwargs, match):
 
 def test_sampling_params_normalise_stop_ids():
     params = SamplingParams(stop_token_ids=[2, 5])  # a list from a recipe
-    assert params.stop_token_ids == (2, 5) and hash(params)
+    assert params.stop_token_ids == (2, 5)
+    assert params == SamplingParams(stop_token_ids=(2, 5)) and hash(params) == hash(SamplingParams(stop_token_ids=(2, 5)))
 
 
 def test_engine_limits_and_cache(llama32):

