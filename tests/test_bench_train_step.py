@@ -340,6 +340,7 @@ def test_qwen3_30b_a3b_shape_is_the_published_model():
     assert ("qwen3-30b-a3b", "nvfp4", 40) in train_step.LADDER
 
 
+@pytest.mark.slow
 def test_moe_step_on_cpu_routers_random_and_expert_lora_from_the_recipe(tmp_path):
     """A tiny Qwen3-MoE step, by --shape and by a recipe standing in for the 30B-A3B rung: the routers
     get random weights, LoRA stays on attention unless the recipe's train.lora.experts asks for more."""

@@ -66,6 +66,7 @@ def pointers(stamps: Path, stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, P
     return {stage: Path((stamps / stage).read_text().strip()) for stage in stages}
 
 
+@pytest.mark.slow
 def test_make_runs_every_stage_once_and_a_second_make_runs_nothing(tiny_llama, tmp_path):
     recipe, store = tmp_path / "tiny.yaml", tmp_path / "artifacts"
     recipe.write_text(TINY_RECIPE.format(model=tiny_llama))
@@ -107,6 +108,7 @@ def test_make_runs_every_stage_once_and_a_second_make_runs_nothing(tiny_llama, t
     assert all((art / "manifest.json").is_file() for art in arts.values())
 
 
+@pytest.mark.slow
 def test_make_chains_an_nf4_recipe_through_the_same_stages(tiny_qwen2, tmp_path):
     # The chain always hands build-engine the quantize artifact; an nf4 (QLoRA) engine leaves it
     # unused and reads the model, as `qerl-pipe run` does.

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import make_tiny_model, read_json
 
 DIMS = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
             num_key_value_heads=8, max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
+@pytest.mark.slow
 def test_peak_host_memory_is_a_fraction_of_the_model(tmp_path):
     model = make_tiny_model(tmp_path / "model", "llama", dims=DIMS, shard_mb=16)
     result = subprocess.run(

@@ -171,6 +171,7 @@ METRIC_KEYS = {"step", "reward_mean", "reward_std", "accuracy", "entropy", "resp
                "peak_gpu_memory_gib", "loss", "grad_norm", "kept_groups", "draws"}
 
 
+@pytest.mark.slow
 def test_grpo_raises_a_verifiable_reward(tiny):
     # The tiny model's LM head (init std 0.02) can barely move a logit; temperature 0.25 gives the
     # adapter the leverage a real model has (and the same temperature enters the logprobs).

@@ -16,6 +16,7 @@ from qerl_pipe.sources import resolve_model
 from qerl_pipe.textdata import load_texts, pack_sequences
 
 
+@pytest.mark.slow
 def test_default_smollm2_quickstart_end_to_end(tmp_path):
     """The README's main job, smaller: import the packaged GGUF, calibrate, quantize, report, build the
     engine, one training step with a greedy evaluation before and after, the PEFT export, and the

@@ -130,6 +130,7 @@ def _command(model: Path, store: Path) -> list[str]:
     return [sys.executable, "-m", "qerl_pipe", *map(str, args)]
 
 
+@pytest.mark.slow
 def test_a_killed_full_run_resumes_bit_identical(tiny_llama, tmp_path):
     reference, run, _ = kill_and_resume(lambda store: _command(tiny_llama, store), tmp_path, 180)
     for rel in ("model/model.safetensors", "checkpoints/step-000010/full_weights.safetensors"):

@@ -188,6 +188,7 @@ def assert_same_training(run: Path, reference: Path) -> list[dict]:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_bit_identical(tiny_llama, tmp_path):
     reference, run, resumed = kill_and_resume(lambda store: _command(tiny_llama, store), tmp_path, 120)
     assert "greedy accuracy before training" not in resumed.stderr  # kept from the first session
@@ -237,6 +238,7 @@ def _short_run(model: Path, store: Path) -> list[str]:
     return [sys.executable, "-m", "qerl_pipe", *map(str, args)]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_in_progress_and_says_how_to_resume(tiny_llama, tmp_path):
     store = tmp_path / "store"
     proc = subprocess.Popen(_short_run(tiny_llama, store), env=_env(QERL_TEST_SLOW_REWARD="1"),
