@@ -1,13 +1,7 @@
-"""`qerl-pipe compare ARM...`: training arms side by side, as one table and one figure.
-
-An arm is a train run (its artifact, or its `.runs/` work directory while it runs or after a
-kill) or an eval artifact of a run's adapter (then its pass@1 too, and the run it names in the
-same store). Per arm: the training reward (first and last tenth of the steps), the greedy accuracy
-before and after (the run's own evaluation), pass@1 (the eval artifact's), the entropy, the
-steps, the GPU hours and the peak GPU memory; and a reference figure (`--reference ARM=FIGURE`,
-say a paper's). docs/eval.md has the columns; the figure plots reward, accuracy, entropy and
-response length against steps for every arm.
-"""
+"""`qerl-pipe compare ARM...`: training arms side by side, one table and one figure. An arm is a train
+run (artifact or `.runs/` directory) or an eval artifact of a run's adapter (its pass@1 too); per
+arm the reward, greedy accuracy, pass@1, entropy, steps, GPU hours, peak memory and a reference
+figure, and a figure of reward, accuracy, entropy and length against steps (docs/eval.md)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,8 @@
-"""The engine's decode step: one new token for every cache slot, over the shared training model.
-
-It runs the model's own modules and tensors (embedding, norms and their AQN noise, the QuantLinear
-projections' bases, the LM head) and the engine's fused copy of the adapters (`FusedLora`), so
-rollouts always see the current weights, but not the model's forward: the step is written for a
-batch of single tokens, in as few kernels as the fused pieces allow:
-- residual add + RMSNorm in one kernel (`kernels.decode_ops.add_rms_norm`), which also carries
-  the residual stream, so the decoder layer has no separate add, and at decode batches also
-  computes the LoRA shrink (u = x A^T) of the projection that reads it (q/k/v, gate/up);
-- RoPE, the KV-cache write and split-KV attention in two (`kernels.decode_ops.decode_attention`),
-  writing the [B, heads * head_dim] layout o_proj reads, with no mask tensor and no transpose copy;
-- o_proj's LoRA shrink in one kernel (`lora_shrink`);
-- each projection's bias and LoRA expand inside its matmul where the base runs on the CUDA NVFP4
-  GEMM (`QuantLinear.inference_forward`).
-With FP8 rollouts (`engine.fp8`) the norm kernel and the gate also write the E4M3 rows of the
-projections that run on FP8 copies at this batch size (no quantization launch of their own).
-On CPU both are their plain-torch references (same structure, same math), which the tests use.
-What sets a family apart runs inside the same kernels: a layer's sliding window and score cap in
-the attention kernel (blocks before the window are skipped), partial rotary in its RoPE, Gemma's
-`(1 + w)` norms in the norm kernel; Gemma's norms on a sublayer's output are one norm kernel each.
-A Qwen3-MoE sparse layer runs its router and experts (`model.moe`) through the same fused LoRA.
-
-Shapes never depend on the positions (the new k/v go where `positions` says, attention stops
-there), so the engine can capture the step as a CUDA graph per (batch, attention length).
-"""
+"""The engine's decode step: one new token per cache slot over the shared model's modules and the
+engine's fused adapter copy, in as few kernels as the fused pieces allow (add + RMSNorm with the
+next LoRA shrink and, for FP8 rollouts, the E4M3 rows; RoPE + KV write + split-KV attention; the
+bias and LoRA expand in the GEMM's epilogue). Shapes never depend on positions, so it is captured
+as a CUDA graph per (batch, length). docs/engine.md#the-decode-step-enginedecode_steppy."""
 
 from __future__ import annotations
 

@@ -1,27 +1,8 @@
-"""The rollout engine: continuous batching over a preallocated KV cache, one prefill per prompt.
-
-Scheduling in short (docs/engine.md has the whole story):
-
-- A sequence is a (prompt, sample) pair; all P*n wait in a queue, prompt-major.
-- A wave admits queued sequences into free slots (lowest first). Each distinct prompt of the wave
-  is prefilled once, in right-padded batches bounded by a token budget, into the slot of its first
-  sample; its KV rows are copied into the slots of the other samples, and every sample draws its
-  first token from the same prefill logits with its own random stream.
-- Decode steps run the engine's `decode_step` (engine/decode_step.py) on the first b slots, b the smallest CUDA-graph size
-  covering the highest active slot, and the first L positions, L the smallest length bucket
-  covering every active sequence. When the active sequences would fit a smaller size they are
-  moved (KV rows included) into low free slots, so the tail runs on small graphs.
-- A finished sequence frees its slot at once; the queue refills free slots as soon as enough of
-  them are free to take the next prompt's samples (or a quarter of the batch).
-- Steps run one ahead of the host: step t+1 is launched before step t's tokens are read back, so
-  the host's bookkeeping overlaps the GPU's work. A sequence that stopped at step t has computed
-  one more row at t+1, which is dropped.
-
-Who decides what: the scheduler (engine/scheduler.py) owns the queue and the slot table and says
-which sequences to admit into which slots, which to move and which slots are free again; this
-module applies its answers to the KV cache and the per-slot device buffers, and runs the prefills
-and decode steps.
-"""
+"""The rollout engine: continuous batching over a preallocated KV cache, one prefill per prompt
+shared by its samples, decode steps on the smallest CUDA-graph size holding the active slots,
+finished slots refilled at once, steps launched one ahead of the host. The scheduler decides the
+slots, the runner (`model_runner`) changes the device state, this loop asks both and keeps the
+sequences. docs/engine.md#scheduling has the whole policy."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""FP8 rollouts (`engine.activations: fp8`): the rollout's linears on FP8 tensor cores.
-
-Each dense linear of the model (q/k/v, o, gate/up, down; not a MoE's experts) gets an E4M3 copy
-of its frozen base with per-channel scales, made once when the engine starts (`Fp8Linears`; one
-byte per weight, counted by the memory plan as a kernel copy and left out when it does not fit).
-A rollout projection whose row count the FP8 GEMM serves (`serves`) takes per-token E4M3
-activations: the decode step's RMSNorm kernel writes them beside its bf16 output, the SiLU (or
-GELU) gate writes them in the same compiled kernel (`gate_fp8`), and o_proj's input and the
-prefill's are quantized by one compiled kernel (`quantize_fused`). The LoRA adapter stays in bf16
-on the bf16 activations (its shrink reads the same normed rows); the training forward never sees
-FP8. Below `NVFP4_MIN_ROWS` rows an NVFP4 base's own kernel keeps the rows: NVFP4's W4A16
-GEMM reads 0.56 bytes a weight to FP8's 1 and wins at decode batches (docs/kernels.md).
-"""
+"""FP8 rollouts (`engine.activations: fp8`): E4M3 copies of the dense linears' bases, made once when
+the engine starts (`Fp8Linears`), serve the rollout projections of at least `min_rows` rows with
+per-token E4M3 activations, which the norm kernel and the compiled gate write beside their bf16
+outputs; the adapter stays bf16 and training never sees FP8. `check_activations` and
+`check_kv_cache` refuse what cannot run here. docs/kernels.md#fp8-rollouts has the design."""
 
 from __future__ import annotations
 

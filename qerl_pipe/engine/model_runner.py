@@ -1,11 +1,7 @@
-"""The engine's device state and the work done on it (nano-vllm's `ModelRunner`).
-
-It owns the KV cache, the per-slot buffers on the device (the token each slot feeds next, its
-position, its sequence's random-stream key, its step count, whether it is live), the buffers a
-step's sampled tokens reach the host through, the fused adapter copy and the decode graphs
-(`graphs.DecodeRunner`). The generation loop (`engine.Engine`) asks it to `prefill`, `admit`,
-`step`, `move` and `release` slots, and never writes its state. docs/engine.md has the schedule.
-"""
+"""The engine's device state and the work done on it (nano-vllm's `ModelRunner`): the KV cache, the
+per-slot buffers, the host record buffers, the fused adapter copy and the decode graphs. The
+generation loop (`engine.Engine`) asks it to `prefill`, `admit`, `step`, `move` and `release`
+slots and never writes its state (docs/engine.md)."""
 
 from __future__ import annotations
 

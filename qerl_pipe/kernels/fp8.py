@@ -1,15 +1,7 @@
-"""FP8 (E4M3) rollout linears: per-token activation scales, per-channel weight scales.
-
-    y = (x8 * sx) @ (w8 * sw)^T,   sx = amax(x row) / 448,   sw = amax(w row) / 448
-
-x8 and w8 are float8_e4m3fn. On a GPU with FP8 tensor cores (compute capability 8.9+: Ada,
-Hopper) the product runs `torch._scaled_mm` with row-wise scales (the library's FP8 GEMM, twice
-the bf16 MMA rate on Hopper); elsewhere the plain-torch reference below, which is also the tests'
-oracle. The activation quantization (`quantize_rows`) is fused into the kernel that produces the
-activations wherever the rollout has one (the RMSNorm before q/k/v and gate/up, the SiLU gate
-before down: `engine.fp8`); the function here is the reference and serves the rest (o_proj,
-prefill). docs/kernels.md says where FP8 rows serve and the figures that chose them.
-"""
+"""FP8 (E4M3) linears: y = (x8 * sx) @ (w8 * sw)^T with a scale per token (x) and per output channel
+(w), each amax / 448. torch's row-wise scaled matmul runs it on GPUs with FP8 tensor cores
+(`fp8_linear`); elsewhere the plain-torch reference, also the tests' oracle. `row_codes` is the
+quantization every fused kernel reproduces exactly. docs/kernels.md#fp8-rollouts."""
 
 from __future__ import annotations
 
