@@ -1,20 +1,8 @@
-"""The engine's inference copy of the model's LoRA adapters, fused per linear.
-
-Decoding one token per sequence makes the training path's per-projection adapter (a cat, a cast,
-one small matmul and one add per projection) a dozen tiny kernels per layer, more than the 4-bit
-matmul itself at batch 1-8. Here each adapted QuantLinear has A of every adapted projection
-stacked [R, K] and B block-diagonal [N, R] with the scaling folded in, both in the activation
-dtype, R padded with zero rows / columns to a multiple of 16 (what the CUDA GEMM's epilogue
-takes; zeros add nothing). u = x @ A^T is computed upstream where a kernel can (the add + RMSNorm
-before q/k/v and gate/up) or here, and the expand y += u @ B^T runs in the NVFP4 GEMM's epilogue
-(`QuantLinear.inference_forward`), or as one in-place matmul after the base.
-
-The copy belongs to the engine, not to the model (the model has no inference mode to switch):
-`refresh()` copies the current parameters in place at every `generate`, so each rollout sees the
-latest optimizer step and CUDA graphs captured over the copy stay valid. It is never
-differentiated. A linear whose adapter is switched off (`model.lora.lora_disabled`) runs its base
-alone, as its own forward does.
-"""
+"""The engine's inference copy of the model's LoRA adapters, fused per linear: A of every adapted
+projection stacked [R, K], B block-diagonal [N, R] with the scaling folded in, R padded to the GEMM
+epilogue's multiple. `refresh()` copies the parameters in place at every `generate` (graphs stay
+valid); `project` runs a linear's base (or its FP8 copy) and the adapter's expand. Never
+differentiated. docs/engine.md#lora-aqn-noise-and-cuda-graphs and docs/model.md."""
 
 from __future__ import annotations
 
