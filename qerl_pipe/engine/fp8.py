@@ -66,11 +66,6 @@ def fp8_linears(model: nn.Module) -> list[QuantLinear]:
     return out
 
 
-def copy_bytes(shapes: list[tuple[int, int]]) -> int:
-    """What FP8 copies of linears of shapes (N, K) take: a byte per weight and an fp32 scale per row."""
-    return sum(n * k + 4 * n for n, k in shapes)
-
-
 def _dense_base(linear: QuantLinear) -> Tensor:
     if linear.fmt.dense:
         return linear.weight
