@@ -112,6 +112,9 @@ class StepSettings:
     # The NVFP4 dispatch column (kernels.dispatch): "deterministic" (the default) or "fast"
     # (humming's stream-K rows too: not the same bits run to run).
     kernels: str = "deterministic"
+    # The rollout's FP8 settings (engine.activations, engine.kv_cache): "bf16" or "fp8" each.
+    activations: str = "bf16"
+    kv_cache: str = "bf16"
     # Run one more step with torch.profiler around its training phase (kernel time by kind).
     profile_train: bool = False
     # Steps timed one after another: the row's figures are the median of those after the first
@@ -127,7 +130,7 @@ class StepSettings:
         return StepShape(self.sequences, self.prompts, self.prompt_len + self.response_len, self.prompt_len,
                          self.lora_rank, self.kv_slots or self.sequences,
                          self.micro_batch or DEFAULT_MICRO_BATCH.get(shape, 4), self.logprob_chunk, self.adapter,
-                         lora_experts=self.lora_experts)
+                         lora_experts=self.lora_experts, kv_cache=self.kv_cache)
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,8 @@ def read_recipe(path: Path) -> RecipeStep:
                             prompt_len=engine.max_seq_len - train.max_new_tokens, response_len=train.max_new_tokens,
                             lora_rank=train.lora.rank, lora_experts=train.lora.experts,
                             micro_batch=train.micro_batch_size, kv_slots=engine.max_batch,
-                            adapter=train.adapter, kernels="deterministic" if engine.deterministic else "fast")
+                            adapter=train.adapter, kernels="deterministic" if engine.deterministic else "fast",
+                            activations=engine.activations, kv_cache=engine.kv_cache)
     return RecipeStep(path.name, shape, engine.base_format, settings, train.memory_budget_gb)
 
 
@@ -202,7 +206,9 @@ def _trainer(model: Decoder, engine: Engine, prompts: list[list[int]], cfg: Trai
              logprob_chunk: int) -> Trainer:
     problems = [Problem(f"synthetic:{i}", "", "0", "arithmetic") for i in range(len(prompts))]
     # No stop ids: every response runs to max_new_tokens.
-    run = replace(trainer_config(cfg), logprob_chunk=logprob_chunk)  # the section's micro-batch is the plan's
+    # The section's micro-batch is the plan's; FP8 rollouts get the TIS default train gives them.
+    run = replace(trainer_config(cfg, fp8=engine.activations == "fp8" or engine.runner.cache.k_scale is not None),
+                  logprob_chunk=logprob_chunk)
     return Trainer(model, engine, LetterTokenizer(), problems, prompts, run, stop_token_ids=())
 
 
@@ -312,8 +318,8 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     _sync(device)
     build_s, build_peak = time.perf_counter() - t0, _peaks(device)["allocated"]
     limits = plan_limits(model.config, max_seq_len=size.seq_len, max_batch=size.kv_slots,
-                         cuda_graphs=_cuda(device))
-    engine = Engine(model, limits, kernel_copies=kernel_copies)
+                         cuda_graphs=_cuda(device), kv_cache=s.kv_cache)
+    engine = Engine(model, limits, kernel_copies=kernel_copies, activations=s.activations)
     prompts = _prompts(s.prompts, s.prompt_len, model.config.vocab_size)
     warmup = _warm_up(model, engine, prompts, s, size, device)
 
@@ -378,7 +384,7 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
         dispatch.configure(dispatch.table_for(torch.device(device)), deterministic=s.kernels == "deterministic")
     decoder_config = DecoderConfig.from_hf(config)
     copies = copy_bytes_asked(decoder_config, quant, torch.device(device), dispatch.active(torch.device(device))[0],
-                              s.kernels == "deterministic", s.lora_experts) if _cuda(device) else 0
+                              s.kernels == "deterministic", s.lora_experts, s.activations) if _cuda(device) else 0
     try:
         plan = plan_step(decoder_config, quant, s.shape(name), budget,
                          budget_source="train.memory_budget_gb" if recipe else "--memory-budget-gb",
