@@ -32,13 +32,18 @@ EXPECTED = {
     "qwen2.5-72b-nvfp4-80gb.yaml": (54, 1, 128),
     "qwen2.5-72b-bf16-80gb.yaml": None,
     "qwen3-30b-a3b-nvfp4-40gb.yaml": (64, 8, 1024),
+    # An FP8 KV cache (engine.kv_cache: fp8) where it changes the plan (issue 50).
+    "qwen2.5-7b-nvfp4-16gb-fp8kv.yaml": (64, 4, 128),
+    "qwen2.5-32b-nvfp4-40gb-fp8kv.yaml": (62, 1, 128),
+    "qwen2.5-72b-nvfp4-80gb-fp8kv.yaml": (64, 4, 512),
 }
 
 
 def _recipe_plan(path: Path, budget_gb: float | None = None):
     recipe = load_recipe(path)
     config = DecoderConfig.from_hf(SHAPES[shape_for_source(recipe.model.source)])
-    shape = train_step_shape(recipe.train, recipe.engine.max_seq_len, recipe.engine.max_batch)
+    shape = train_step_shape(recipe.train, recipe.engine.max_seq_len, recipe.engine.max_batch,
+                             kv_cache=recipe.engine.kv_cache)
     gb = recipe.train.memory_budget_gb if budget_gb is None else budget_gb
     return plan_step(config, recipe.engine.base_format, shape, int(gb * GB))
 
