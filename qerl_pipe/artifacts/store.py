@@ -209,7 +209,7 @@ class ArtifactStore:
         out = []
         for parent in parents:
             found = self._starting_with(parent) if parent else []
-            out.append(_read_manifest(found[0]).get("content", parent) if len(found) == 1 else parent)
+            out.append(self._open(found[0], verify=False).identity if len(found) == 1 else parent)
         return out
 
     def artifact_id_for(self, stage: str, stage_version: int, config: dict[str, Any], parents: list[str]) -> str:
