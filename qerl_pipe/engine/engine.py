@@ -141,8 +141,6 @@ class Engine:
             if activations == "fp8":
                 log("engine: no room for FP8 copies of the base in the memory plan; the rollout runs bf16 "
                     "activations")
-        self.activations = "fp8" if fp8 is not None else "bf16"
-        self.fp8_copy_bytes = fp8.nbytes if fp8 is not None else 0
         attach_grouped_experts(model, copies=kernel_copies)
         # A MoE layer's per-expert loop takes its row counts from the routing (a host sync and
         # data-dependent shapes), which a CUDA graph cannot replay: a MoE decodes in graphs only
@@ -151,6 +149,15 @@ class Engine:
                           and all_experts_grouped(model))
         self.runner = ModelRunner(model, limits, FusedLora(model, model.dtype, fp8), use_graphs)
         self._fingerprint: tuple | None = None
+
+    @property
+    def activations(self) -> str:
+        """What the rollout's linears run on: "fp8" where FP8 copies were made, else "bf16"."""
+        return "bf16" if self.runner.lora.fp8 is None else "fp8"
+
+    @property
+    def fp8_copy_bytes(self) -> int:
+        return 0 if self.runner.lora.fp8 is None else self.runner.lora.fp8.nbytes
 
     @property
     def uses_cuda_graphs(self) -> bool:
