@@ -6,6 +6,8 @@ outputs; the adapter stays bf16 and training never sees FP8. `check_activations`
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -108,24 +110,19 @@ def quantize_fused(x: Tensor) -> tuple[Tensor, Tensor]:
     return row_codes(x)
 
 
-@fused_on_cuda
-def _silu_gate_fp8(gate_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = F.silu(gate) * up
-    return (h, *row_codes(h))
+# The gates' activations (`model.decoder.GATES`' functions, as config.json names them).
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 @fused_on_cuda
-def _gelu_tanh_gate_fp8(gate_up: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _gate_and_codes(gate_up: Tensor, hidden_act: str) -> tuple[Tensor, Tensor, Tensor]:
     gate, up = gate_up.chunk(2, dim=-1)
-    h = F.gelu(gate, approximate="tanh") * up
+    h = _ACTIVATIONS[hidden_act](gate) * up
     return (h, *row_codes(h))
-
-
-_GATES_FP8 = {"silu": _silu_gate_fp8, "gelu_pytorch_tanh": _gelu_tanh_gate_fp8}
 
 
 def gate_fp8(hidden_act: str, gate_up: Tensor) -> tuple[Tensor, Fp8Rows]:
-    """The MLP gate (`model.decoder.GATES`) and its E4M3 rows, in one compiled kernel on CUDA."""
-    h, codes, scale = _GATES_FP8[hidden_act](gate_up)
+    """The MLP gate (`model.decoder.GATES`) and its E4M3 rows, in one compiled kernel on CUDA (one
+    compile per activation: the name is a constant to it)."""
+    h, codes, scale = _gate_and_codes(gate_up, hidden_act)
     return h, Fp8Rows(codes, scale)
