@@ -63,6 +63,7 @@ from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budg
 from qerl_pipe.memory.step import StepSize
 from qerl_pipe.errors import QerlError
 from qerl_pipe.jobs.step_plan import copy_bytes_asked
+from qerl_pipe.jobs.train_config import fp8_rollout
 from qerl_pipe.jobs.train_config import train_config as trainer_config
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.kernels import dispatch
@@ -207,8 +208,8 @@ def _trainer(model: Decoder, engine: Engine, prompts: list[list[int]], cfg: Trai
     problems = [Problem(f"synthetic:{i}", "", "0", "arithmetic") for i in range(len(prompts))]
     # No stop ids: every response runs to max_new_tokens.
     # The section's micro-batch is the plan's; FP8 rollouts get the TIS default train gives them.
-    run = replace(trainer_config(cfg, fp8=engine.activations == "fp8" or engine.runner.cache.k_scale is not None),
-                  logprob_chunk=logprob_chunk)
+    fp8 = fp8_rollout({"activations": engine.activations, "limits": engine.limits.to_json()})  # as engine.json says
+    run = replace(trainer_config(cfg, fp8=fp8), logprob_chunk=logprob_chunk)
     return Trainer(model, engine, LetterTokenizer(), problems, prompts, run, stop_token_ids=())
 
 
