@@ -138,13 +138,7 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
     then decode from their 4-bit stacks)."""
     _free()
     label = base_format
-    # "nvfp4+fp8": FP8 activations (engine.activations); "+fp8kv": an FP8 KV cache (engine.kv_cache).
-    base_format, *options = base_format.split("+")
-    unknown = set(options) - {"fp8", "fp8kv"}
-    if unknown:
-        raise QerlError(f"format {label!r}: unknown option(s) {sorted(unknown)}; write BASE[+fp8][+fp8kv]")
-    activations = "fp8" if "fp8" in options else "bf16"
-    kv_cache = "fp8" if "fp8kv" in options else "bf16"
+    base_format, activations, kv_cache = parse_label(label)
     t0 = time.perf_counter()
     model = init_random_model(config, base_format=base_format, device=device,
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
@@ -199,6 +193,16 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
     del model
     _free()
     return rows
+
+
+def parse_label(label: str) -> tuple[str, str, str]:
+    """(base format, engine.activations, engine.kv_cache) of a format label: `BASE[+fp8][+fp8kv]`,
+    "+fp8" for FP8 activations, "+fp8kv" for an FP8 KV cache."""
+    base_format, *options = label.split("+")
+    unknown = set(options) - {"fp8", "fp8kv"}
+    if unknown:
+        raise QerlError(f"format {label!r}: unknown option(s) {sorted(unknown)}; write BASE[+fp8][+fp8kv]")
+    return base_format, "fp8" if "fp8" in options else "bf16", "fp8" if "fp8kv" in options else "bf16"
 
 
 def _fmt(r: dict) -> str:

@@ -28,6 +28,7 @@ import torch
 
 from qerl_pipe.artifacts import ArtifactStore
 from bench.results import results_file
+from bench.rollout import parse_label
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.engine.limits import plan_limits
 from qerl_pipe.model.config import DecoderConfig
@@ -61,13 +62,12 @@ def trainer_logprobs(model, prompt: list[int], tokens: list[int], device: torch.
 
 
 def measure(model_dir: Path, prompts: list[list[int]], eos: int, label: str, device: torch.device) -> dict:
-    base, *options = label.split("+")  # "nvfp4+fp8": FP8 activations; "+fp8kv": an FP8 KV cache
+    base, activations, kv_cache = parse_label(label)
     model = load_model(model_dir, base, dtype=torch.bfloat16, device=device)
     config = DecoderConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     limits = plan_limits(config, max_seq_len=max(map(len, prompts)) + args.new_tokens,
-                         max_batch=len(prompts) * args.n, cuda_graphs=device.type == "cuda",
-                         kv_cache="fp8" if "fp8kv" in options else "bf16")
-    engine = Engine(model, limits, activations="fp8" if "fp8" in options else "bf16")
+                         max_batch=len(prompts) * args.n, cuda_graphs=device.type == "cuda", kv_cache=kv_cache)
+    engine = Engine(model, limits, activations=activations)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, seed=11,
                               stop_token_ids=(eos,))
     out = engine.generate(prompts, args.n, sampling)
