@@ -1,10 +1,8 @@
 """The `qerl-pipe` command line: thin over the pipeline (`pipeline.py`).
 
-The stage commands are generated from the DAG (`dag.STAGES`: each stage's name, help and inputs,
-with `EXTRAS` for the few options a stage adds). They print the artifact directory as the last
-line of stdout (logs and progress go to stderr), so a Makefile or a shell can chain them. A
-user-facing error prints one line and exits 1.
-"""
+Stage commands are generated from `dag.STAGES` (plus `EXTRAS`); each prints its artifact directory as
+the last line of stdout (logs go to stderr), and a user-facing error prints one line and exits 1.
+See docs/pipeline.md, section "Chaining the stages"."""
 
 from __future__ import annotations
 
@@ -331,7 +329,7 @@ def verify(ref: Annotated[str, typer.Argument(help="Artifact path, directory nam
 
 
 class _Lab(TyperGroup):
-    """`qerl-pipe bench`: the benchmarks (the package `bench`, beside this one, bench/cli.py), under
+    """`qerl-pipe bench`: the benchmarks (the package `qerl_lab`, beside this one, qerl_lab/cli.py), under
     this CLI's error policy. Imported when a bench command or its list is first asked for, never at
     start-up: the product imports nothing of the lab, and `qerl-pipe --help` needs only this help."""
 
@@ -339,12 +337,12 @@ class _Lab(TyperGroup):
         if self.commands:
             return
         try:
-            from bench.cli import bench_app  # the one place the product reaches the lab (tests/test_layers.py)
+            from qerl_lab.cli import bench_app  # the one place the product reaches the lab (tests/test_layers.py)
         except ModuleNotFoundError as exc:
-            if exc.name != "bench":
+            if exc.name != "qerl_lab":
                 raise
-            # An install made before the lab left qerl_pipe/ (its editable finder maps qerl_pipe only).
-            typer.echo("error: `qerl-pipe bench` needs the package bench (bench/ beside qerl_pipe/), which this "
+            # An install made before the lab became qerl_lab (its editable finder maps only the packages it had).
+            typer.echo("error: `qerl-pipe bench` needs the package qerl_lab (qerl_lab/ beside qerl_pipe/), which this "
                        "install does not have; install the repository again (pip install -e . or pip install .)", err=True)
             raise typer.Exit(1) from None
 

@@ -352,9 +352,9 @@ def test_a_nan_in_a_summary_is_refused_and_leaves_no_artifact(tmp_path):
 
 def test_every_json_the_package_writes_goes_through_the_strict_writer():
     # json.dumps writes NaN as a bare `NaN` unless told not to; qerl_pipe.strict_json always tells it
-    # (and so does the lab's every results file: bench/*.py)
+    # (and so does the lab's every results file: qerl_lab/*.py)
     root = Path(__file__).parents[1]
-    modules = sorted([*(root / "qerl_pipe").rglob("*.py"), *(root / "bench").glob("*.py")])
+    modules = sorted([*(root / "qerl_pipe").rglob("*.py"), *(root / "qerl_lab").glob("*.py")])
     loose = [f"{path.relative_to(root)}:{n}" for path in modules if path.name != "strict_json.py"
              for n, line in enumerate(path.read_text().splitlines(), 1) if "json.dump" in line]
     assert loose == [], loose

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.random_model import init_random_model
+from qerl_pipe.model.random_init import init_random_model
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels.base_formats import FORMATS, NAMES, NVFP4, UnknownBaseFormat, base_format
 from qerl_pipe.model.linear import QuantLinear
@@ -94,7 +94,7 @@ def test_an_unknown_format_gets_a_clear_error():
 NOT_A_BASE_FORMAT = {
     ("qerl_pipe/kernels/dispatch_measure.py", "bf16"): "the label of the cuBLAS-over-bf16-weights column the "
                                                        "dispatch is measured against, not a model's base",
-    ("bench/nf4_dispatch.py", "bf16"): "the label of the cuBLAS-over-bf16-weights column the NF4 rows are "
+    ("qerl_lab/nf4_dispatch.py", "bf16"): "the label of the cuBLAS-over-bf16-weights column the NF4 rows are "
                                        "measured against, not a model's base",
     ("qerl_pipe/formats/bnb_nf4.py", "nf4"): "bitsandbytes' own quant_type of a Params4bit (nf4 or fp4), not a "
                                              "model's base",
@@ -138,7 +138,7 @@ if dtype == "float32" or {"bf16": 1}: pass
 
 
 def test_no_module_outside_the_registry_compares_a_base_format_name():
-    lab = PACKAGE.parent / "bench"
+    lab = PACKAGE.parent / "qerl_lab"
     modules = [p for p in [*PACKAGE.rglob("*.py"), *lab.glob("*.py")] if p != REGISTRY]
     assert len(modules) > 100 and lab / "train_step.py" in modules  # the whole package is read, and the lab's modules
     found = {}

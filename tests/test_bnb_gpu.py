@@ -130,17 +130,3 @@ def test_bitsandbytes_cuda_quantizer_is_within_a_level_of_our_bytes() -> None:
     diff = (theirs_codes - unpack_nf4(ours.packed).int()).abs()
     assert int(diff.max()) <= 1
     assert float(diff.float().mean()) < 1e-4, f"{int(diff.sum())} of {diff.numel()} codes differ"
-
-
-def test_the_bench_measures_nf4_rows_and_makes_a_table(rule) -> None:
-    from bench.nf4_dispatch import measure_nf4_shape, nf4_operands, nf4_table, time_dispatch
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    ops = nf4_operands(*SHAPES[2], device)
-    rows = measure_nf4_shape(ops, (1, 16, 64))
-    assert [(r["op"], r["M"]) for r in rows] == [(op, m) for op in ("nf4", "nf4-dx") for m in (1, 16, 64)]
-    assert all(r["winner"] in ("triton", "bnb", "dequant") and r["bf16_us"] > 0 for r in rows)
-    rule(nf4_table(rows, device), True)
-    for r in rows:
-        time_dispatch(ops, r)
-        assert r["dispatch_backend"] == r["winner"] and r["dispatch_rel_err"] < MAX_REL

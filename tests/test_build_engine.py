@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.random_model import init_random_model
+from qerl_pipe.model.random_init import init_random_model
 from qerl_pipe.engine.limits import EngineLimits, kv_bytes_per_token
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.model.config import DecoderConfig

@@ -101,16 +101,6 @@ def test_bench_kernels_cuda_refuses_an_m_it_does_not_measure():
     assert "--ms [3]" in result.stderr and "1024" in result.stderr
 
 
-def test_kernels_cuda_targets_of_unmeasured_m_are_left_out():
-    from bench.kernels_cuda import _targets
-
-    rows = [{"model": m, "layer": layer, "M": 8, "bf16_us": 10.0, "speedup_best": 2.5, "gemm_tbps": 3.0}
-            for m in ("qwen2.5-7b", "qwen2.5-32b") for layer in ("qkv", "gate_up", "down")]
-    names = [t["name"] for t in _targets(rows, ceiling=4.0)]
-    assert any("M 1-16" in n for n in names) and any("gate_up and down" in n for n in names)
-    assert not any("M 64" in n or "M 1024" in n or "M 4096" in n or "M 256" in n for n in names)
-
-
 def test_stage_help_says_where_the_recipe_keys_are_and_shows_flags_without_a_type():
     for command in ("calibrate", "quantize", "build-engine", "train", "export", "eval", "run"):
         out = " ".join(cli(command, "--help").stdout.split())
@@ -140,4 +130,3 @@ def test_the_stopped_line_speaks_of_the_command_that_stopped(monkeypatch, comman
     assert line.startswith(f"stopped by SIGINT: no partial artifact was kept; the same command again {then}: qerl-pipe "
                            f"{command[0]}"), line
     assert ("a train" in line) == (command[0] == "run")  # a quantize is no train
-

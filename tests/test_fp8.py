@@ -20,7 +20,7 @@ from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.recipe import EngineSection, TrainSection
 from qerl_pipe.rl.algo.losses import PolicyLossConfig, policy_loss
 
-from bench.shapes import SHAPES
+from qerl_pipe.model.shapes import SHAPES
 
 
 def test_quantize_rows_scale_and_rounding():

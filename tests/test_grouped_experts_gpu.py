@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.random_model import init_random_model
-from bench.shapes import QWEN3_MOE_SHAPES
+from qerl_pipe.model.random_init import init_random_model
+from qerl_pipe.model.shapes import QWEN3_MOE_SHAPES
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.kernels import humming_backend, torch_grouped
 from qerl_pipe.kernels.humming_experts import HummingOrStack

@@ -2,7 +2,7 @@
 from the source files (nothing is imported): module-level and in-function imports, those under
 `if TYPE_CHECKING:` apart (annotations only: no edge at run time). No two packages may import
 each other, even through others, and the lower layers must not import the ones above them. The lab
-(the package `bench`, beside qerl_pipe) sits on top of it all: the product imports nothing of it, but
+(the package `qerl_lab`, beside qerl_pipe) sits on top of it all: the product imports nothing of it, but
 for the one hook that starts a `qerl-pipe bench` command (LAB_HOOK)."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ FORBIDDEN = {
     "qerl_pipe.rl.loop": PIPELINE | {"qerl_pipe.jobs", "qerl_pipe.recipe"},
     "qerl_pipe.jobs": PIPELINE,
 }
-LAB = "bench"
+LAB = "qerl_lab"
 # The only edge from the product to the lab: in a method of cli.py's `bench` group, run when a bench
-# command is asked for (tests/test_lab.py checks that `import qerl_pipe.cli` does not run it).
-LAB_HOOK = ("cli.py", "_load", "bench.cli")
+# command is asked for (tests/lab/test_lab_cli.py checks that `import qerl_pipe.cli` does not run it).
+LAB_HOOK = ("cli.py", "_load", "qerl_lab.cli")
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -145,14 +145,14 @@ def _lab_imports(path: Path) -> Iterator[tuple[str, str]]:
 
 def test_the_lab_finder_finds_an_import_and_where_it_stands(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("import bench\nimport benchmark\ndef f():\n    from bench.cli import x\n")
-    assert list(_lab_imports(sample)) == [("<module>", "bench"), ("f", "bench.cli")]
+    sample.write_text("import qerl_lab\nimport qerl_labs\ndef f():\n    from qerl_lab.cli import x\n")
+    assert list(_lab_imports(sample)) == [("<module>", "qerl_lab"), ("f", "qerl_lab.cli")]
 
 
 def test_the_product_never_imports_the_lab():
     edges = {(str(path.relative_to(PACKAGE)), function, module)
              for path in PACKAGE.rglob("*.py") for function, module in _lab_imports(path)}
-    assert edges == {LAB_HOOK}, "qerl_pipe must not import the lab (bench/): the lab imports the product"
+    assert edges == {LAB_HOOK}, "qerl_pipe must not import the lab (qerl_lab/): the lab imports the product"
 
 
 def test_the_generation_loop_never_reaches_into_the_engine_or_its_runner():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.shapes import QWEN25_SHAPES, SHAPES, shape_for_source
+from qerl_pipe.model.shapes import QWEN25_SHAPES, SHAPES, shape_for_source
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.jobs.step_plan import train_step_shape
@@ -46,19 +46,6 @@ def _recipe_plan(path: Path, budget_gb: float | None = None):
                              kv_cache=recipe.engine.kv_cache)
     gb = recipe.train.memory_budget_gb if budget_gb is None else budget_gb
     return plan_step(config, recipe.engine.base_format, shape, int(gb * GB))
-
-
-def test_the_ladder_recipes_are_valid_and_complete_for_the_bench():
-    from bench.train_step import read_recipe
-
-    assert [p.name for p in LADDER] == sorted(EXPECTED)
-    for path in LADDER:
-        recipe = load_recipe(path)  # every key valid
-        step = read_recipe(path)  # and the step the bench runs is the one the recipe describes
-        assert (step.shape, step.quant, step.budget_gb) == (shape_for_source(recipe.model.source),
-                                                             recipe.engine.base_format, recipe.train.memory_budget_gb)
-        assert step.settings.prompt_len + step.settings.response_len == recipe.engine.max_seq_len == 1280
-        assert step.settings.sequences == 64 and step.settings.lora_rank == 32
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

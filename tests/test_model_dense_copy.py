@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.random_model import init_random_model
+from qerl_pipe.model.random_init import init_random_model
 from qerl_pipe.model.dense_copy import dense_base_copy
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.lora import LoraSpec, apply_lora, lora_parameters

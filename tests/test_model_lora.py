@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.random_model import init_random_model
+from qerl_pipe.model.random_init import init_random_model
 from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from qerl_pipe.model.linear import QuantLinear

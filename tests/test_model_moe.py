@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from bench.random_model import init_random_model
+from qerl_pipe.model.random_init import init_random_model
 from qerl_pipe.engine import Engine, SamplingParams, plan_limits
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bench.random_model import init_random_model
+from qerl_pipe.model.random_init import init_random_model
 from qerl_pipe.errors import ModelSourceError
 from tests.conftest import randomize_weights
 from tests.compressed_tensors_writer import compressed_nvfp4_tensors, compressed_tensors_config

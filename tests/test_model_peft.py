@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from bench.random_model import init_random_model
+from qerl_pipe.model.random_init import init_random_model
 from qerl_pipe.errors import ArtifactError
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.peft import ADAPTER_CONFIG, lora_tensors, read_adapter, save_adapter

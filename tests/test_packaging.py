@@ -1,5 +1,5 @@
 """The package's dependencies install without warnings: every extra asked of a dependency is one it provides;
-its wheel holds the product (qerl_pipe) and the lab's modules (bench), not the lab's results or scripts."""
+its wheel holds the product (qerl_pipe) and the lab's modules (qerl_lab), not the lab's results or scripts."""
 
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def test_every_requested_extra_is_provided_as_spelled():
 
 
 def test_the_wheel_holds_the_product_and_the_labs_modules_only(tmp_path):
-    # Built from a copy of what the wheel is made of, bench/results/ and bench/scripts/ included, so
-    # that leaving them out is the package discovery's doing (pyproject's include list).
+    # Built from a copy of what the wheel is made of, the lab's results and scripts (bench/) included,
+    # so that leaving them out is the package discovery's doing (pyproject's include list).
     source = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for name in ("qerl_pipe", "bench"):
+    for name in ("qerl_pipe", "qerl_lab", "bench"):
         shutil.copytree(ROOT / name, source / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
@@ -45,10 +45,9 @@ def test_the_wheel_holds_the_product_and_the_labs_modules_only(tmp_path):
     wheel = zipfile.ZipFile(tmp_path / "dist" / done.stdout.split()[-1])
     names = wheel.namelist()
     info = next(n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info"))
-    assert {n.split("/")[0] for n in names} == {"qerl_pipe", "bench", info}
-    lab = {n for n in names if n.startswith("bench/")}
-    assert lab == {f"bench/{p.name}" for p in (ROOT / "bench").glob("*.py")}  # no results, scripts or .sh
-    assert {"bench/__init__.py", "bench/cli.py"} <= lab
-    assert not any(n.startswith("qerl_pipe/bench") for n in names)
+    assert {n.split("/")[0] for n in names} == {"qerl_pipe", "qerl_lab", info}
+    lab = {n for n in names if n.startswith("qerl_lab/")}
+    assert lab == {f"qerl_lab/{p.name}" for p in (ROOT / "qerl_lab").glob("*.py")}  # no results, scripts or .sh
+    assert {"qerl_lab/__init__.py", "qerl_lab/cli.py"} <= lab
     assert {"qerl_pipe/cli.py", "qerl_pipe/data/gsm8k/train.jsonl", "qerl_pipe/kernels/cuda/w4a16.cu"} <= set(names)
     assert "qerl-pipe = qerl_pipe.cli:main" in wheel.read(f"{info}/entry_points.txt").decode()

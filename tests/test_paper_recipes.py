@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.shapes import SHAPES, shape_for_source
+from qerl_pipe.model.shapes import SHAPES, shape_for_source
 from qerl_pipe.jobs.step_plan import train_step_shape
 from qerl_pipe.memory.plan import GB, plan_step
 from qerl_pipe.model.config import DecoderConfig
@@ -96,13 +96,3 @@ def test_make_optimizer_builds_bitsandbytes_adamw8bit():
     cfg = train_config(TrainSection())
     assert isinstance(make_optimizer(params, cfg), torch.optim.AdamW)
     assert isinstance(make_optimizer(params, replace(cfg, optimizer="adamw8bit")), bnb.optim.AdamW8bit)
-
-
-def test_the_train_step_bench_runs_a_recipe_with_its_fp8_kv_cache():
-    """`qerl-pipe bench train-step --recipe` reads engine.kv_cache and engine.activations, so the
-    paper recipes' steps run (and are planned) with them."""
-    from bench.train_step import read_recipe
-
-    step = read_recipe(PAPER / "bigmath-qwen2.5-32b-qerl-fp8kv.yaml")
-    assert (step.settings.kv_cache, step.settings.activations) == ("fp8", "bf16")
-    assert step.settings.shape(step.shape).kv_cache == "fp8" and step.budget_gb == 80

@@ -8,7 +8,6 @@ import pytest
 
 from conftest import train_tokenizer
 from qerl_pipe.errors import QerlError
-from bench.arms import kind_of
 from qerl_pipe.rl.task.tasks import DEFAULT_INSTRUCTIONS, Problem, TaskError, load_problems, render_prompt
 
 
@@ -77,7 +76,7 @@ def test_addition_splits_are_fixed_disjoint_and_cover_the_one_digit_sums():
     assert {q for q in questions} == {f"What is {a} + {b}?" for a in range(1, 10) for b in range(1, 10)}
     for p in train + test:
         a, b = (int(x) for x in p.question.removeprefix("What is ").removesuffix("?").split(" + "))
-        assert p.answer == str(a + b) and p.kind == "arithmetic" and kind_of(p.id) == "arithmetic"
+        assert p.answer == str(a + b) and p.kind == "arithmetic"
     assert test[0].id == "addition:test:0" and train[48].id == "addition:train:48"
     # The split ignores the seed (train.seed, eval.seed) and a limit keeps the first problems.
     assert load_problems("addition:test", seed=7) == test

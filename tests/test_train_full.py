@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.random_model import init_random_model
+from qerl_pipe.model.random_init import init_random_model
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.jobs.train_config import train_config
 from qerl_pipe.model.full import FullTraining, full_training_bytes, make_fully_trainable

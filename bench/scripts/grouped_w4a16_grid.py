@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.results import results_file
+from qerl_lab.results import results_file
 from qerl_pipe.formats.nvfp4 import quantize_nvfp4
 from qerl_pipe.kernels import cuda_ext, triton_moe
 from qerl_pipe.model.kernel_copies import stack_expert_buffers

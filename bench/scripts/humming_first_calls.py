@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench.results import results_file
+from qerl_lab.results import results_file
 from qerl_pipe.formats.nvfp4 import quantize_nvfp4
 from qerl_pipe.kernels.humming_backend import HummingNVFP4
 

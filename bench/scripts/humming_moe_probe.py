@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.results import results_file
+from qerl_lab.results import results_file
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.humming_experts import HummingExperts

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from qerl_pipe.artifacts import ArtifactStore
-from bench.results import results_file
-from bench.rollout import parse_label
+from qerl_lab.results import results_file
+from qerl_lab.rollout import parse_label
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.engine.limits import plan_limits
 from qerl_pipe.model.config import DecoderConfig

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from bench.kernel_kinds import profile_kinds
-from bench.random_model import init_random_model
-from bench.results import results_file, target
-from bench.shapes import QWEN25_SHAPES
-from bench.train_step import StepSettings, _prompts, _trainer, _warm_up, train_config
+from qerl_lab.kernel_kinds import profile_kinds
+from qerl_pipe.model.random_init import init_random_model
+from qerl_lab.results import results_file, target
+from qerl_pipe.model.shapes import QWEN25_SHAPES
+from qerl_lab.train_step import StepSettings, _prompts, _trainer, _warm_up, train_config
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.kernels import dispatch
 from qerl_pipe.memory.step import StepSize

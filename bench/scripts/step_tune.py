@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import LAYER_SHAPES
-from bench.kernels_cuda import candidates, layer_operands
+from qerl_lab.kernels import LAYER_SHAPES
+from qerl_lab.kernels_cuda import candidates, layer_operands
 from qerl_pipe.kernels import cuda_ext, decode_ops
 from qerl_pipe.kernels.tuning import rel_err, time_graph
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from bench.kernel_kinds import profile_kinds
-from bench.random_model import init_random_model
-from bench.results import results_file
-from bench.shapes import QWEN25_SHAPES
+from qerl_lab.kernel_kinds import profile_kinds
+from qerl_pipe.model.random_init import init_random_model
+from qerl_lab.results import results_file
+from qerl_pipe.model.shapes import QWEN25_SHAPES
 from qerl_pipe.model.lora import LoraSpec
 from qerl_pipe.rl.algo.logprobs import sequence_logprobs
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import LAYER_SHAPES
-from bench.kernels_cuda import layer_operands
-from bench.results import results_file, target
+from qerl_lab.kernels import LAYER_SHAPES
+from qerl_lab.kernels_cuda import layer_operands
+from qerl_lab.results import results_file, target
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.tuning import rel_err, time_graph
 

@@ -1,17 +1,8 @@
 """Build, load and call the CUDA W4A16 kernels (`kernels/cuda/`), as torch custom ops.
 
-The sources are compiled on first use with torch's extension toolchain (nvcc + ninja) for
-`sm_90a`, into a cache directory named by a hash of the sources, the generated layout header, the
-flags and the torch / CUDA versions, so a second process loads the built module in milliseconds.
-`available(device)` says whether they can run there: a Hopper GPU, nvcc present, the build
-succeeded, and `QERL_CUDA_KERNELS` is not `0`. When not, it logs one line saying why and the
-callers keep the Triton path.
-
-The ops are registered as `qerl::w4a16_gemm` and `qerl::w4a16_dequant` with fake (meta)
-implementations, so they trace under `torch.compile` and record into CUDA graphs. Split-K uses a
-per-device counter buffer that every launch leaves zeroed; launches that split K must therefore
-not run concurrently on two streams of one device (the engine and trainer use one stream).
-"""
+Built on first use for `sm_90a`, cached by a hash of its inputs; `available(device)` says
+whether they run there (if not, the callers keep Triton). Split-K launches must not run at once on
+two streams of one device. See docs/kernels.md, section "The CUDA W4A16 kernels"."""
 
 import hashlib
 import json
@@ -219,7 +210,7 @@ def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: 
 # (mt, warps, wk, depth) of the register-ring kernel, the most frequent winner per M in the H200 sweep.
 _VARIANT = {1: (2, 8, 8, 4), 2: (2, 8, 8, 4), 4: (4, 4, 4, 2), 8: (2, 4, 4, 2)}
 # Measured best configs per (M, N, K) on a 132-SM H200 (bench/results/kernels-cuda-h200.json,
-# written there by bench/kernels_cuda.py); used on GPUs with that many SMs. Rows of M <= 64 are always
+# written there by qerl_lab/kernels_cuda.py); used on GPUs with that many SMs. Rows of M <= 64 are always
 # there; rows of M = 128 and 256 only where the GEMM beat dequantize + cuBLAS, so a row there is
 # what sends those M to the GEMM (`gemm_wins`).
 # QERL_W4A16_TABLE names another file of the same form (e.g. one tuned on another GPU, or for a

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.layer_errors import compare_methods, print_comparison, read_layer_errors
-from bench.results import results_file, target
+from qerl_lab.layer_errors import compare_methods, print_comparison, read_layer_errors
+from qerl_lab.results import results_file, target
 from qerl_pipe.errors import QerlError
 
 # Qwen2.5-0.5B's layer shapes (with a 32k vocabulary, so no single tensor dominates a shard): big

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import LAYER_SHAPES
-from bench.results import nulls_for_non_finite, results_file, target
+from qerl_lab.kernels import LAYER_SHAPES
+from qerl_lab.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4

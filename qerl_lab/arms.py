@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.results import nulls_for_non_finite, results_file, target
+from qerl_lab.results import nulls_for_non_finite, results_file, target
 from qerl_pipe import compare
 from qerl_pipe.compare import SMOOTH, Arm
 from qerl_pipe.errors import QerlError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 
-from bench.decode_profile import PYTHON_TOP, _python_top
+from qerl_lab.decode_profile import PYTHON_TOP, _python_top
 
 
 def _busy(n: int) -> int:
@@ -30,5 +30,5 @@ def test_python_top_ranks_own_time_per_step() -> None:
     assert own == sorted(own, reverse=True)
     busy = next(r for r in rows if "(_busy)" in r["function"])
     assert busy["calls_per_step"] == 4.0  # 3 long calls and 1 short one per step
-    assert busy["function"].startswith("test_bench_decode_profile.py:")
+    assert busy["function"].startswith("test_lab_decode_profile.py:")
     assert busy["cumulative_ms_per_step"] >= busy["own_ms_per_step"] > 0

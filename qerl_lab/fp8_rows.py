@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from bench.kernels import LAYER_SHAPES
-from bench.results import nulls_for_non_finite, results_file, target
+from qerl_lab.kernels import LAYER_SHAPES
+from qerl_lab.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.engine.fp8 import gate_fp8, quantize_fused
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels import cuda_ext

@@ -1,6 +1,6 @@
 """Models with random weights in any base format: the speed and memory stand-ins for real ones.
 
-The benchmarks build Qwen2.5-shaped models (`bench.shapes`) this way, and the tests tiny ones:
+The benchmarks build Qwen2.5-shaped models (`model/shapes.py`) this way, and the tests tiny ones:
 what a kernel, a decode step or a training step costs depends on the shapes, not on the values.
 """
 

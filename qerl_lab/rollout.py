@@ -1,5 +1,5 @@
 """Rollout benchmark: HF transformers `generate` vs our engine in bf16 and NVFP4, at Qwen2.5 and
-Qwen3-30B-A3B shapes (`bench.shapes`).
+Qwen3-30B-A3B shapes (`qerl_pipe.model.shapes`).
 
 `qerl-pipe bench rollout --shapes qwen2.5-7b --out FILE.json`. Random weights of the exact shapes; prompts
 of `--prompt-len` random tokens, `--new-tokens` sampled tokens at temperature 1 with no stop
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from bench.random_model import init_random_model
-from bench.results import nulls_for_non_finite, results_file, target
-from bench.shapes import SHAPES
+from qerl_pipe.model.random_init import init_random_model
+from qerl_lab.results import nulls_for_non_finite, results_file, target
+from qerl_pipe.model.shapes import SHAPES
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.errors import QerlError
 from qerl_pipe.engine.limits import kv_bytes_per_token, plan_limits

@@ -2,7 +2,7 @@
 
 `qerl-pipe bench train-scaling --shape qwen2.5-7b --nproc 1,2 --out FILE.json` launches, for each
 process count, `python -m torch.distributed.run --standalone --nproc-per-node N -m
-bench.train_scaling --worker ...` (NVLink multicast off), where every rank builds a
+qerl_lab.train_scaling --worker ...` (NVLink multicast off), where every rank builds a
 random-init NVFP4 model of the shape with LoRA and runs `Trainer.step()` on its share of B
 prompts x G samples (rollouts to the full max_new_tokens: no stop token, so every step does the
 same work). Rank 0 times the steps after warm-up and writes one row; the driver collects the rows
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from bench.results import nulls_for_non_finite, results_file, target
-from bench.shapes import QWEN25_SHAPES
+from qerl_lab.results import nulls_for_non_finite, results_file, target
+from qerl_pipe.model.shapes import QWEN25_SHAPES
 from qerl_pipe.rl.loop.distributed import disable_nvls
 from qerl_pipe.strict_json import write_json
 
@@ -59,7 +59,7 @@ def measure(shape: str, device: str, prompts_per_step: int, group_size: int, pro
     """Run warm-up + timed RL steps on this rank's share; returns rank 0's row (others: {})."""
     from qerl_pipe.engine import Engine, plan_limits
     from qerl_pipe.model.config import DecoderConfig
-    from bench.random_model import init_random_model
+    from qerl_pipe.model.random_init import init_random_model
     from qerl_pipe.model.lora import LoraSpec
     from qerl_pipe.jobs.train_config import train_config
     from qerl_pipe.recipe import TrainSection
@@ -141,7 +141,7 @@ def run_train_scaling_bench(shape: str, nprocs: list[int], device: str = "cuda",
 
 
 def worker_main(argv: list[str] | None = None) -> None:
-    """The torchrun worker `run_train_scaling_bench` launches (`python -m bench.train_scaling
+    """The torchrun worker `run_train_scaling_bench` launches (`python -m qerl_lab.train_scaling
     --worker ...`): torchrun starts a module, so this is its entry; users run `qerl-pipe bench
     train-scaling`."""
     ap = argparse.ArgumentParser(description="(internal) one torchrun process: measure, rank 0 writes --out")

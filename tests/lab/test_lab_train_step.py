@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from bench import train_step
-from bench.random_model import init_random_model
-from bench.shapes import QWEN25_SHAPES, SHAPES, shape_for_source
+from qerl_lab import train_step
+from qerl_pipe.model.random_init import init_random_model
+from qerl_pipe.model.shapes import QWEN25_SHAPES, SHAPES, shape_for_source
 from qerl_pipe.memory.plan import plan_step
 from qerl_pipe.memory.step import StepSize, estimate_step_bytes
-from bench.train_step import StepSettings, run_train_step_bench, speedups, targets
+from qerl_lab.train_step import StepSettings, run_train_step_bench, speedups, targets
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import model_memory_bytes
 from qerl_pipe.recipe import load_recipe
@@ -183,7 +183,7 @@ def test_cli_subcommand():
 
 def test_repeated_values_run_once():
     # every shape runs with every base format: a repeated value would rerun whole configurations
-    from bench.cli import values
+    from qerl_lab.cli import values
 
     assert values(["qwen2.5-72b", "bf16,nvfp4", "nvfp4", "bf16 "]) == ["qwen2.5-72b", "bf16", "nvfp4"]
     assert values(["1, 8", "8 64"], int) == [1, 8, 64]

@@ -1,9 +1,6 @@
-"""Hugging Face configs with the exact shapes of the models the benchmarks stand in for: the
-dense Qwen2.5 family (3B, 7B, 14B, 32B, 72B) and the Qwen3-MoE Qwen3-30B-A3B.
-
-Random weights of these shapes measure speed and memory at scale without a model hub: what a
-kernel or a decode step costs depends on the shapes, not on the values. Figures from the
-published config.json files (Qwen2.5-*-Instruct, Qwen3-30B-A3B).
+"""Hugging Face configs with the exact shapes of the models the benchmarks stand in for: dense
+Qwen2.5 (3B-72B) and Qwen3-30B-A3B, figures from their published config.json files. Random
+weights of these shapes (`random_init`) measure speed and memory at scale without a model hub.
 """
 
 from __future__ import annotations

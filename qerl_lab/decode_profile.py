@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.random_model import init_random_model
-from bench.results import results_file, target
-from bench.shapes import SHAPES
+from qerl_pipe.model.random_init import init_random_model
+from qerl_lab.results import results_file, target
+from qerl_pipe.model.shapes import SHAPES
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph
@@ -53,7 +53,7 @@ def _python_top(stats: pstats.Stats, steps: int) -> list[dict[str, Any]]:
     rows = []
     for (file, line, name), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
         parts = Path(file).parts
-        where = next((str(Path(*parts[i:])) for i, part in enumerate(parts) if part in ("qerl_pipe", "torch", "bench")),
+        where = next((str(Path(*parts[i:])) for i, part in enumerate(parts) if part in ("qerl_pipe", "torch", "qerl_lab")),
                      Path(file).name)
         rows.append({"function": f"{where}:{line}({name})", "calls_per_step": round(calls / steps, 1),
                      "own_ms_per_step": round(own * 1e3 / steps, 3), "cumulative_ms_per_step": round(cumulative * 1e3 / steps, 3)})

@@ -35,14 +35,14 @@ def target(name: str, target: str, measured: float, unit: str, met: bool) -> dic
 
 def command_line() -> str:
     """How this process was started, without the machine's paths: `qerl-pipe ...` for the console
-    script, `python3 -m qerl_pipe ...` or `python3 -m bench....` for a module run with -m (sys.argv[0]
+    script, `python3 -m qerl_pipe ...` or `python3 -m qerl_lab....` for a module run with -m (sys.argv[0]
     is then its file)."""
     if not sys.argv:
         return ""
     first, rest = Path(sys.argv[0]), sys.argv[1:]
     if "qerl-pipe" in first.name:
         return " ".join(["qerl-pipe", *rest])
-    root = Path(__file__).resolve().parents[1]  # where the packages bench and qerl_pipe lie side by side
+    root = Path(__file__).resolve().parents[1]  # where the packages qerl_lab and qerl_pipe lie side by side
     try:
         module = ".".join(first.resolve().with_suffix("").relative_to(root).parts)
     except ValueError:

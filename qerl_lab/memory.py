@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from bench.random_model import init_random_model
-from bench.results import results_file, target
-from bench.shapes import QWEN25_SHAPES
+from qerl_pipe.model.random_init import init_random_model
+from qerl_lab.results import results_file, target
+from qerl_pipe.model.shapes import QWEN25_SHAPES
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import model_memory_bytes
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import LAYER_SHAPES
-from bench.results import nulls_for_non_finite, results_file, target
+from qerl_lab.kernels import LAYER_SHAPES
+from qerl_lab.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.kernels import dispatch, humming_backend
 from qerl_pipe.kernels.dispatch import BACKENDS, DETERMINISTIC_BACKENDS, ROWS_M, DispatchTable
 from qerl_pipe.kernels.dispatch_measure import REPS, Operands, inputs, measure_shape, operands, table_from_rows

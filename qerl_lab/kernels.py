@@ -22,7 +22,7 @@ import torch
 
 from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from bench.results import nulls_for_non_finite, results_file, target
+from qerl_lab.results import nulls_for_non_finite, results_file, target
 from qerl_pipe.kernels.base_formats import base_format
 from qerl_pipe.kernels.configs import KernelConfig, get_config, table_key, table_to_json
 from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.results import results_file, target
+from qerl_lab.results import results_file, target
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels.dequant_gemm import release_scratch
 from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
@@ -133,8 +133,8 @@ def _summary(r: dict) -> str:
 
 def run_nf4(shapes: list[str], ms: tuple[int, ...], out: Path | None, table_out: Path | None) -> dict:
     """Every layer of `shapes` at every M, the table the winners make, and the dispatch timed under it."""
-    from bench.kernels import LAYER_SHAPES
-    from bench.kernels_dispatch import PARTIAL, write_outputs
+    from qerl_lab.kernels import LAYER_SHAPES
+    from qerl_lab.kernels_dispatch import PARTIAL, write_outputs
 
     device = torch.device("cuda", torch.cuda.current_device())
     if not bnb_backend.available(device):

@@ -1,4 +1,4 @@
-"""One full RL step (rollouts + training) at Qwen2.5 and Qwen3-30B-A3B shapes (`bench.shapes`), with a
+"""One full RL step (rollouts + training) at Qwen2.5 and Qwen3-30B-A3B shapes (`qerl_pipe.model.shapes`), with a
 bf16, NF4 or NVFP4 base under LoRA.
 
 `qerl-pipe bench train-step --shape qwen2.5-7b --quant bf16,nvfp4 --out FILE.json`. Every (shape,
@@ -29,7 +29,7 @@ configuration runs. Each row is printed as one JSON line and the output file is 
 it, so a run cut short still leaves data.
 
 `--recipe FILE` (repeatable) runs a recipe's step instead of a shape: the shape its model.source
-names (`bench.shapes.shape_for_source`), its base format, prompts x samples, lengths, LoRA rank
+names (`qerl_pipe.model.shapes.shape_for_source`), its base format, prompts x samples, lengths, LoRA rank
 (and train.lora.experts), micro-batch and slot bounds and budget (read and validated as
 `qerl-pipe run` reads it, defaults included). The ladder (recipes/ladder/) is run this way; `--unconstrained` runs the same recipes without their
 budgets, for the time a step costs with the whole GPU, and `--append` adds rows to the `--out` file
@@ -53,10 +53,10 @@ from typing import Any
 
 import torch
 
-from bench.kernel_kinds import profile_kinds
-from bench.random_model import init_random_model
-from bench.results import nulls_for_non_finite, results_file, target
-from bench.shapes import SHAPES, shape_for_source
+from qerl_lab.kernel_kinds import profile_kinds
+from qerl_pipe.model.random_init import init_random_model
+from qerl_lab.results import nulls_for_non_finite, results_file, target
+from qerl_pipe.model.shapes import SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.engine.sampling import SamplingParams
 from qerl_pipe.memory.plan import GB, MemoryBudgetError, StepShape, enforce_budget, plan_step, release_budget
@@ -83,7 +83,7 @@ QUANTS = ("bf16", "nf4", "nvfp4")
 # Sequences per forward/backward: activations of 8 x 1280 tokens fit easily at 7B/14B and at
 # Qwen3-30B-A3B (hidden 2048); the larger hidden sizes and layer counts of 32B/72B want 4.
 DEFAULT_MICRO_BATCH = {"qwen2.5-7b": 8, "qwen2.5-14b": 8, "qwen2.5-32b": 4, "qwen2.5-72b": 4, "qwen3-30b-a3b": 8}
-SYNTHETIC_REWARD = "bench.train_step:synthetic_reward"
+SYNTHETIC_REWARD = "qerl_lab.train_step:synthetic_reward"
 # The ladder of issue 20 (shape, base, budget GB), and issue 35's Qwen3-30B-A3B rung: each rung's
 # step completes under its budget, except those in LADDER_REFUSED, which must be refused before any work.
 LADDER = (("qwen2.5-7b", "nvfp4", 16), ("qwen2.5-14b", "nvfp4", 24), ("qwen2.5-32b", "nvfp4", 40),
@@ -136,7 +136,7 @@ class StepSettings:
 
 @dataclass(frozen=True)
 class RecipeStep:
-    """One recipe as the bench runs it: random weights of its model's shape (`bench.shapes`)."""
+    """One recipe as the bench runs it: random weights of its model's shape (`qerl_pipe.model.shapes`)."""
 
     name: str  # the recipe file's name
     shape: str
@@ -147,7 +147,7 @@ class RecipeStep:
 
 def read_recipe(path: Path) -> RecipeStep:
     """The step a recipe describes, read and validated as `qerl-pipe run` reads it (the recipe's
-    defaults fill what it leaves out); its model.source must name a shape of `bench.shapes`."""
+    defaults fill what it leaves out); its model.source must name a shape of `qerl_pipe.model.shapes`."""
     recipe = load_recipe(path)  # a RecipeError names the file and the key
     shape = shape_for_source(recipe.model.source)
     if shape is None:

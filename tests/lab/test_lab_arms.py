@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from bench import arms
+from qerl_lab import arms
 from qerl_pipe import compare
 from qerl_pipe.compare import Arm
-from bench.arms import parse_greedy_line, parse_step_line
+from qerl_lab.arms import parse_greedy_line, parse_step_line
 from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.loop.metrics import greedy_line, step_line
 
@@ -117,15 +117,15 @@ def test_kept_greedy_answers_are_graded_again_by_todays_grader(tmp_path):
 
 
 @pytest.mark.parametrize("problem_id, kind", [
-    ("arithmetic:3:17", "arithmetic"), ("gsm8k:test:4", "gsm8k"), ("math500:test:0", "math"),
-    ("mine.jsonl:2", "jsonl")])
+    ("arithmetic:3:17", "arithmetic"), ("addition:test:0", "arithmetic"), ("gsm8k:test:4", "gsm8k"),
+    ("math500:test:0", "math"), ("mine.jsonl:2", "jsonl")])
 def test_a_problem_id_names_its_kind(problem_id, kind):
-    from bench.arms import kind_of
+    from qerl_lab.arms import kind_of
     assert kind_of(problem_id) == kind
 
 
 def test_seeds_give_each_figures_spread_and_how_often_a_claim_held(tmp_path):
-    from bench import seeds
+    from qerl_lab import seeds
 
     def arms_file(after: dict, met: bool) -> dict:
         return {"results": [{"arm": a, "greedy_accuracy_after": v} for a, v in after.items()],
@@ -146,7 +146,7 @@ def test_seeds_give_each_figures_spread_and_how_often_a_claim_held(tmp_path):
 
 
 def test_seeds_refuses_a_missing_arms_file(tmp_path):
-    from bench import seeds
+    from qerl_lab import seeds
 
     with pytest.raises(QerlError, match="no such arms file"):
         seeds.summarize_seeds([tmp_path / "nope.json"], tmp_path / "s.json")
@@ -199,7 +199,7 @@ def test_new_arm_names_go_through_arms_and_seeds(tmp_path):
     """Arms are named freely: a full fine-tuning arm and a calibrated one next to qerl, in the
     results (with the adapter each trained), the default claims and the seeds summary."""
     pytest.importorskip("matplotlib")
-    from bench import seeds
+    from qerl_lab import seeds
 
     files = []
     for seed, (full_after, calibrated_step) in enumerate([(0.845, 20), (0.90, 40)]):

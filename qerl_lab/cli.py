@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from bench.results import nulls_for_non_finite
+from qerl_lab.results import nulls_for_non_finite
 from qerl_pipe.errors import QerlError
 from qerl_pipe.strict_json import dumps
 
@@ -42,7 +42,7 @@ def emit(result: dict, out: Path | None) -> None:
 def bench_kernels(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
                   ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x).")] = ["1,8,16,64,256,1024,4096"]) -> None:
     """NVFP4 / NF4 W4A16 Triton kernels vs cuBLAS bf16 and dequantize-then-matmul (needs a CUDA GPU)."""
-    from bench.kernels import run_kernel_bench
+    from qerl_lab.kernels import run_kernel_bench
 
     emit(run_kernel_bench(values(shapes), tuple(values(ms, int)), out), out)
 
@@ -51,7 +51,7 @@ def bench_kernels(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-3
 def bench_kernels_cuda(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
                        ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x); the targets of M not run are left out.")] = ["1,8,16,32,64,128,256,1024,4096"]) -> None:
     """The CUDA W4A16 kernels (decode GEMM, dequantize + cuBLAS) vs cuBLAS bf16 (needs a Hopper GPU and nvcc)."""
-    from bench.kernels_cuda import ALL_MS, run
+    from qerl_lab.kernels_cuda import ALL_MS, run
     from qerl_pipe.kernels import cuda_ext
 
     unknown = sorted(set(values(ms, int)) - set(ALL_MS))
@@ -70,7 +70,7 @@ def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,
                            table_out: Annotated[Optional[Path], typer.Option(help="Write the measured dispatch table here (the form of kernels/cuda/dispatch-<gpu>.json).")] = None,
                            formats: Annotated[str, typer.Option(help="nvfp4 (ours, humming, dequantize + cuBLAS; Hopper and nvcc) or nf4 (our Triton NF4, bitsandbytes, dequantize + cuBLAS, forward and dX; the qlora extra).")] = "nvfp4") -> None:
     """Each backend and cuBLAS bf16 per layer and M, and the dispatch over them: NVFP4 rows (needs a Hopper GPU and nvcc) or NF4 rows (--formats nf4)."""
-    from bench.kernels_dispatch import run
+    from qerl_lab.kernels_dispatch import run
     from qerl_pipe.kernels import cuda_ext
     from qerl_pipe.kernels.dispatch import ROWS_M
 
@@ -83,7 +83,7 @@ def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,
     if fmt.dense:
         raise QerlError(f"--formats {formats}: a dense base has no 4-bit kernels to dispatch; choose nvfp4 or nf4")
     if not fmt.hopper_dispatch:  # NF4: its rows of the table, one format per run (one table file each)
-        from bench.nf4_dispatch import run_nf4
+        from qerl_lab.nf4_dispatch import run_nf4
 
         emit(run_nf4(values(shapes), tuple(values(ms, int)), out, table_out), out)
         return
@@ -96,7 +96,7 @@ def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,
 @bench_app.command("fp8-rows")
 def bench_fp8_rows(out: OutOpt = None) -> None:
     """FP8 rollout rows (fused activation quantization) vs cuBLAS bf16 and our W4A16 GEMM, per 7B layer and M (needs a Hopper GPU and nvcc)."""
-    from bench.fp8_rows import run
+    from qerl_lab.fp8_rows import run
 
     emit(run(out), out)
 
@@ -115,8 +115,8 @@ def bench_rollout(out: OutOpt = None,
                   kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too).")] = "deterministic",
                   kernel_copies: Annotated[bool, typer.Option(help="humming's copies of NVFP4 weights; --no-kernel-copies measures what a run whose memory plan leaves them out gets (a MoE's experts then decode from their 4-bit stacks).")] = True) -> None:
     """Rollout speed: HF generate vs our engine (random weights, needs a CUDA GPU)."""
-    from bench.rollout import run_rollout_bench
-    from bench.shapes import SHAPES
+    from qerl_lab.rollout import run_rollout_bench
+    from qerl_pipe.model.shapes import SHAPES
 
     unknown = [s for s in values(shapes) if s not in SHAPES]
     if unknown:
@@ -144,7 +144,7 @@ def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape
                      timed_steps: Annotated[int, typer.Option(help="Steps timed in a row (at least 1); a row's times are the median of those after the first (which is reported beside them).")] = 3,
                      out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
     """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format, or per recipe (--recipe); needs a CUDA GPU."""
-    from bench.train_step import GIB, StepSettings, run_train_step_bench
+    from qerl_lab.train_step import GIB, StepSettings, run_train_step_bench
 
     if kernels not in ("deterministic", "fast"):
         raise QerlError(f"--kernels {kernels!r}: choose deterministic or fast")
@@ -174,7 +174,7 @@ def bench_train_scaling(out: OutOpt = None,
                         lora_rank: Annotated[int, typer.Option(help="LoRA rank.")] = 32,
                         micro_batch_size: Annotated[int, typer.Option(help="Sequences per forward/backward.")] = 32) -> None:
     """RL steps/s on 1 vs N GPUs at the same global batch, through torchrun (target: 2 GPUs >= 1.8x)."""
-    from bench.train_scaling import run_train_scaling_bench
+    from qerl_lab.train_scaling import run_train_scaling_bench
 
     emit(run_train_scaling_bench(shape, values(nproc, int), device, prompts_per_step, group_size, prompt_len,
                                  new_tokens, steps, warmup, lora_rank, micro_batch_size), out)
@@ -183,7 +183,7 @@ def bench_train_scaling(out: OutOpt = None,
 @bench_app.command("memory")
 def bench_memory(out: OutOpt = None) -> None:
     """GPU memory of a Qwen2.5-32B-shaped model built directly in NVFP4 (target: under 20 GiB; needs a CUDA GPU)."""
-    from bench.memory import run_memory_bench
+    from qerl_lab.memory import run_memory_bench
 
     emit(run_memory_bench(), out)
 
@@ -196,8 +196,8 @@ def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: q
                          steps: Annotated[int, typer.Option(help="Decode steps profiled.")] = 8,
                          out: OutOpt = None) -> None:
     """Kernels per decode step and per layer, and GPU time per kernel kind (needs a CUDA GPU)."""
-    from bench.decode_profile import run
-    from bench.shapes import SHAPES
+    from qerl_lab.decode_profile import run
+    from qerl_pipe.model.shapes import SHAPES
 
     import torch
 
@@ -216,7 +216,7 @@ def bench_quantize(model: Annotated[str, typer.Option(help="Model source for the
                    shard_mb: Annotated[int, typer.Option(help="Shard size of the synthetic multi-shard model.")] = 64,
                    out: OutOpt = None) -> None:
     """Quantize-stage time, peak host memory (streaming) and quality; runs on CPU."""
-    from bench.quantize import run_quantize_bench
+    from qerl_lab.quantize import run_quantize_bench
 
     emit(run_quantize_bench(model, shard_mb), out)
 
@@ -226,7 +226,7 @@ def bench_quantize_methods(model: Annotated[str, typer.Option(help="Model source
                            methods: Annotated[list[str], typer.Option(help="quantize.method values.")] = ["rtn,mse,act-mse"],
                            out: OutOpt = None) -> None:
     """Perplexity over bf16 for each NVFP4 block-scale method (rtn, mse, act-mse); runs on CPU."""
-    from bench.quantize import run_quantize_methods_bench
+    from qerl_lab.quantize import run_quantize_methods_bench
 
     emit(run_quantize_methods_bench(model, values(methods)), out)
 
@@ -244,7 +244,7 @@ def bench_arms(arm: Annotated[list[str], typer.Option("--arm", help="NAME=RUN_DI
                note: Annotated[str, typer.Option(help="Stored in the results file (how the arms were run).")] = "",
                gpu: Annotated[Optional[str], typer.Option(help="The GPU the arms ran on, when summarised elsewhere.")] = None) -> None:
     """Training arms side by side (bf16 LoRA, QLoRA, NVFP4, NVFP4 + AQN, full fine-tuning, calibrated NVFP4, ...): plots and the QeRL paper's claims."""
-    from bench.arms import summarize_arms
+    from qerl_lab.arms import summarize_arms
 
     emit(summarize_arms(arm, out_dir, title, full, quantized, aqn_pairs, qlora_pairs, note, gpu, full_ft_pairs,
                         calibrated_pairs), None)
@@ -256,6 +256,6 @@ def bench_seeds(arms: Annotated[list[Path], typer.Argument(help="arms.json of ea
                 note: Annotated[str, typer.Option(help="Stored in the results file (what the seeds are).")] = "",
                 gpu: Annotated[Optional[str], typer.Option(help="The GPU the arms ran on, when summarised elsewhere.")] = None) -> None:
     """The arms of several seeds side by side: each arm's figures over the seeds, how often each claim held."""
-    from bench.seeds import summarize_seeds
+    from qerl_lab.seeds import summarize_seeds
 
     emit(summarize_seeds(arms, out, note, gpu), None)

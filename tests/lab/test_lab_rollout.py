@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.rollout import bench_engine, bench_hf, targets
+from qerl_lab.rollout import bench_engine, bench_hf, targets
 
 TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -44,7 +44,7 @@ TINY_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], h
 def test_moe_rows_on_cpu_bound_the_step_by_the_experts_it_reaches():
     """A tiny Qwen3-MoE through our engine and HF generate; the HBM bound of a step counts the
     experts `batch` tokens reach on average (1 - (1 - k/E)^batch of them), the rest in full."""
-    from bench.rollout import experts_read_share
+    from qerl_lab.rollout import experts_read_share
     from qerl_pipe.model.config import DecoderConfig
 
     rows: list[dict] = []
