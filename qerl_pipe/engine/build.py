@@ -1,15 +1,8 @@
 """Building an engine directory: what build-engine stores so that train and eval start in seconds.
-
-`plan_engine` decides, before any weight is read, the compute dtype, the KV-cache limits a KV budget
-gives, CUDA graphs and kernel tuning, so a bad setting fails before any work. The budget is the
-caller's: build-engine takes it from `engine.kv_budget_gib` or from the memory plan of train's step
-(`jobs.step_plan.engine_budget`), and caps the process while it builds. `write_engine` loads the
-base in the kernels' layout, tunes the 4-bit kernels for the model's layer shapes on CUDA (for
-NVFP4 on Hopper: measures the dispatch table over ours / humming / dequantize + cuBLAS), and
-writes the weights (`engine.weights`), the model's files and `engine.json` (with the memory plan it
-is given), which `engine.artifact.load_engine` reads. The stage (`stages/build_engine.py`) only
-chooses the base and keys the artifact.
-"""
+`plan_engine` decides the dtype, KV limits (from the caller's budget), CUDA graphs and tuning before
+any weight is read, so a bad setting fails before any work; `write_engine` loads the base in the
+kernels' layout, tunes or measures its kernels on CUDA and writes the weights and `engine.json`
+(read by `engine.artifact.load_engine`). See docs/engine.md, section "The engine artifact"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""The decode step on the first b cache slots: eager, or replayed from a CUDA graph captured per b.
-
-At batch 1-8 a 7B decode step is 2-4 ms of GPU work but hundreds of kernel launches; replaying a
-captured graph turns them into one launch. A graph records tensor addresses, so everything it
-reads is static: the token and position buffers (the engine writes into them in place), the
-KV cache, the model's parameters and buffers (AQN noise, base weights) and the engine's fused
-LoRA copy. Updating those in place (optimizer steps, `noise.copy_`, the engine's refresh of the
-LoRA copy) is seen by the next replay; rebinding them to new tensors is not, hence `reset()`
-(the engine also notices rebinding, see `model_fingerprint` and `FusedLora.addresses`).
-"""
+"""The decode step on the first b cache slots and L positions: eager, or replayed from a CUDA graph
+captured lazily per (b, L). A graph reads only static addresses (token/position buffers, KV cache,
+parameters and buffers, the fused LoRA copy): updates in place reach the next replay, rebinding
+needs `reset()` (`model_fingerprint` detects it). See docs/engine.md, sections "Scheduling"
+("CUDA graphs") and "LoRA, AQN noise and CUDA graphs"."""
 
 from __future__ import annotations
 

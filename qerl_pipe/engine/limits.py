@@ -1,9 +1,7 @@
 """EngineLimits: how many sequences the rollout engine runs at once, how long, and with which graphs.
-
-The KV cache is the engine's one big allocation ([layers, slots, kv_heads, max_seq_len, head_dim]
-for keys and again for values), so the limits are planned from a memory budget: the build-engine
-stage plans them once on the target GPU and stores them in the engine artifact.
-"""
+The KV cache is the engine's one big allocation, so `plan_limits` gives the largest batch whose
+cache fits a memory budget (build-engine plans it once on the target GPU and stores it in the
+artifact). See docs/engine.md, section "Memory"."""
 
 from __future__ import annotations
 

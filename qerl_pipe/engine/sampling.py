@@ -1,11 +1,8 @@
 """Sampling: parameters, counter-based Gumbel noise, and one batched sampling step.
-
-Tokens are drawn with the Gumbel-max trick: argmax(logits / T + g) with g = -log(-log(u)) and u
-uniform is an exact sample of softmax(logits / T). The uniforms are not drawn from a generator
-but computed as a hash of (seed, sequence id, step, vocab index), so a sequence's randomness is
-a pure function of those four numbers: it does not depend on which other sequences share the
-batch, which slot it sits in, or how many slots the engine has.
-"""
+Gumbel-max, argmax(logits / T + g), is an exact sample of softmax(logits / T); the uniforms are a hash
+of (seed, sequence id, step, vocab index), so a sequence's randomness never depends on its batch,
+its slot or the engine's slot count. See docs/engine.md, sections "Sampling and logprobs" and
+"Reproducibility"."""
 
 from __future__ import annotations
 

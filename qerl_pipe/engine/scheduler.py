@@ -1,15 +1,7 @@
 """The continuous-batching scheduler: which queued sequence decodes in which KV slot, and when.
-
-Pure host bookkeeping over sequence and slot numbers: it holds the queue and the slot table and
-never touches a tensor. The engine asks it what to do (`should_admit`, `admit`, `plan_step`,
-`release`) and applies each answer to its KV cache and per-slot buffers: prefill into the slots
-`admit` gave, copy the KV rows and slot state of the moves `plan_step` gave, reset the slots
-`release` freed. docs/engine.md ("Scheduling") has the policy in words.
-
-Determinism: the scheduler decides where and with whom a sequence decodes, never what it draws;
-a sequence's random stream is keyed by its id, and the engine's decode step gives each row the
-same numbers whatever the rows beside it, so the rollouts do not depend on these decisions.
-"""
+Pure host bookkeeping on sequence and slot numbers, never a tensor: the engine asks `should_admit`,
+`admit`, `plan_step` and `release`, and applies each answer to its KV cache and slot buffers. It
+decides where a sequence decodes, never what it draws. See docs/engine.md, section "Scheduling"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Engine weights: the model stored exactly as the kernels consume it, and loaded without work.
-
-A checkpoint keeps the standard NVFP4 bytes; the kernels read NVFP4 in the chunk layout of
-`kernels.tiled` (NF4 as bitsandbytes' bytes viewed as int32 words, `kernels.packing`), and NF4 / bf16 bases are made from the bf16 model. The engine stores the
-result of all that once: every fused QuantLinear's buffers under the module names of our
-`Decoder` (`layers.0.self_attn.qkv_proj.qweight`, ...), biases, norms, the embedding and an untied
-lm_head, in safetensors shards of ~`SHARD_BYTES`, plus the HF `config.json`. Loading builds a
-`Decoder` whose bases are on the meta device and installs each tensor on the target device:
-no repacking, no quantization, one copy of each weight.
-"""
+Every persistent tensor but LoRA and a tied head, under our `Decoder`'s module names, in safetensors
+shards of ~`SHARD_BYTES` plus the HF config.json; loading installs each tensor on the target device
+(bases start on meta): no repacking, no quantization, one copy of each weight. See docs/engine.md,
+section "The engine artifact"."""
 
 from __future__ import annotations
 

@@ -1,33 +1,8 @@
 """Plan one RL step to a memory budget: the settings whose estimated peak (`memory.step`) fits.
-
-What the recipe fixes (model, base format, LoRA rank, prompts x samples, prompt + completion
-length) sets most of the step's memory; three settings trade memory for speed and are the
-planner's to choose, each bounded above by the recipe:
-
-- the KV slots: sequences decoded at once (`engine.max_batch`); the step's sequences run in
-  `waves = ceil(sequences / slots)` when every response runs to the end, and with responses that
-  stop early every freed slot takes the next sequence, so each slot counts;
-- the training micro-batch (`train.micro_batch_size`): sequences per forward/backward;
-- the LM-head chunk: response tokens whose logits exist at once (`rl.algo.logprobs`; its default
-  is the bound).
-
-The candidates form one chain from the recipe's settings down to (1 slot, micro-batch 1, chunk
-128): first the chunk halves (the LM head is ~2% of a step's FLOPs, so its chunk costs little),
-then the micro-batch halves (a micro-batch of one sequence of ~1k tokens still gives the matmuls
-1k rows), and only then do the slots shrink, one at a time: each extra wave repeats the whole
-memory-bound decode (the 32B NVFP4 rollout took 100.6 s in four waves of 16 on the H200, the
-larger 72B's 114 s in one wave of 64). The plan is the first candidate whose estimate is under
-the budget. Every candidate is at most its predecessor in each setting, so a smaller budget never
-gives a larger setting; the price is that memory a slot reduction frees is not handed back to the
-micro-batch or the chunk (any rule with that guarantee and slots first must do the same).
-
-A budget that not even the last candidate meets raises `MemoryBudgetError`, which names the
-smallest budget that fits (that candidate's estimate, rounded up to 0.1 GB). Budgets are in GB,
-10^9 bytes, as GPU memory is sold.
-
-This module takes plain numbers (`StepShape`, a budget in bytes); what a recipe's sections ask of
-it is `jobs.step_plan`.
-"""
+Candidates run in one chain from the recipe's settings down to (1 slot, micro-batch 1, chunk 128):
+LM-head chunk, then micro-batch, then KV slots; the plan is the first under the budget, so a smaller
+budget never gives a larger setting; none raises `MemoryBudgetError`. Plain numbers (`StepShape`,
+bytes; GB = 10^9). See docs/engine.md, section "The step's memory plan" and docs/training.md."""
 
 from __future__ import annotations
 

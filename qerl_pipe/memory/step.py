@@ -1,20 +1,8 @@
 """What one RL step of a model asks of the GPU, estimated from the config before anything is allocated.
-
-The step model the planner (`memory.plan`) chooses settings with, and that `bench train-step`
-checks on the GPU: estimated before the build, it was 1-9% above every measured peak reserved
-(7B to 72B, bf16 and NVFP4 bases). Weights, LoRA state (or, for full fine-tuning, 16 bytes per
-weight: float32 master, gradient, AdamW moments) and the KV cache are exact counts; activations
-are a deliberate over-estimate of what gradient checkpointing keeps (every layer's input) plus
-one layer's recompute and one LM-head chunk, the peak of the backward.
-
-`dtype` is the model's compute dtype (activations, KV cache, embedding, LM head and a bf16
-base's linears); the GPU runs bf16, a small model on a CPU float32.
-
-Mixture-of-experts models (Qwen3-MoE): every expert is resident (weights, and LoRA when the recipe
-puts adapters on the experts), while activations grow with the routed rows: each token runs
-through k experts, so a sparse layer's MLP recompute holds k rows of the expert width per token
-(plus the gathered copies of its input and output).
-"""
+Weights, LoRA state (or full fine-tuning's 16 bytes per weight) and the KV cache are exact counts;
+activations deliberately over-count the checkpointed backward's peak; measured, the estimate was
+1-9% above every peak reserved (7B to 72B). MoE: every expert resident. See docs/engine.md,
+section "The step's memory plan" and docs/training.md."""
 
 from __future__ import annotations
 
