@@ -1,10 +1,6 @@
-"""NF4 weights to and from bitsandbytes' objects (`Params4bit`, `Linear4bit`), without requantizing.
-
-Our NF4 bytes are bitsandbytes' (`formats.nf4`): a weight hands its packed bytes and absmax to a
-`QuantState` as they are, so a QLoRA stack (PEFT over `Linear4bit`) runs on exactly the base we
-trained over, and a `Linear4bit` that bitsandbytes quantized itself (blocksize 64, nf4, no double
-quantization) comes back as an `NF4Weight` without a rounding. Needs the `qlora` extra
-(`pip install qerl-pipe[qlora]`); imported only by whoever calls these.
+"""NF4 weights to and from bitsandbytes' objects (`Params4bit`, `Linear4bit`), without requantizing:
+our NF4 bytes are bitsandbytes', handed to a `QuantState` as they are. Needs the `qlora` extra;
+imported only by whoever calls these. See docs/formats.md, section "NF4 (QLoRA baseline)".
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Read a (possibly NVFP4-quantized) Hugging Face checkpoint tensor by tensor.
-
-Shards are memory-mapped with `safetensors.safe_open` (never torch.load: no pickle, no copy of
-the whole file), so peak memory is one module's tensors. Quantized linears are recognised by
-their companion tensors: `<m>.weight_scale_2` (modelopt) or `<m>.weight_packed`
-(compressed-tensors); their parts may sit in different shards.
+"""Read a (possibly NVFP4-quantized) Hugging Face checkpoint tensor by tensor from memory-mapped
+safetensors shards (never torch.load), so peak memory is one module's tensors; write shards
+(`ShardWriter`). See docs/formats.md, section "Reading checkpoints".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""compressed-tensors `nvfp4-pack-quantized` layout (llm-compressor's NVFP4, used by QeRL's checkpoints).
-
-Per quantized linear `<m>`: `<m>.weight_packed` U8 [out, in/2] (same nibble order as modelopt),
-`<m>.weight_scale` F8_E4M3 [out, in/16], `<m>.weight_global_scale` F32 [1] and, for W4A4,
-`<m>.input_global_scale` F32 [1]. Its global scales are *reciprocals* of modelopt's:
-`weight_global_scale = 2688 / amax`, and it dequantizes as `code * weight_scale / weight_global_scale`.
-Reading converts to `NVFP4Weight` (global_scale = 1 / weight_global_scale); codes and block-scale
-bytes carry over unchanged, the fp32 reciprocal may differ from the exact quotient by one ulp.
-
-Only the reader is here; tests build such checkpoints with tests/compressed_tensors_writer.py.
+"""compressed-tensors `nvfp4-pack-quantized` layout (llm-compressor's NVFP4, used by QeRL's
+checkpoints), read into `NVFP4Weight`: codes and block scales carry over, the global scale is
+the reciprocal of its `weight_global_scale`. Only the reader is here.
+See docs/formats.md, section 'Layout 2: compressed-tensors `nvfp4-pack-quantized` (what we read)'.
 """
 
 from __future__ import annotations

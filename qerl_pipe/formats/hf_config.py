@@ -1,9 +1,7 @@
-"""A Hugging Face model's config.json, read and checked in one place.
-
-Every stage sizes the model from it, and several write a new one from it (quantize, export,
-build-engine): a file that is not JSON, not an object, or lacks a size key is one error naming
-the file here, instead of a KeyError deep in whichever reader met it first. No torch: the CLI's
-checks read it before any model work.
+"""A Hugging Face model's config.json, read and checked in one place: a file that is not JSON, not
+an object, or lacks a size key is one `ModelSourceError` naming the file. No torch: the CLI's
+checks read it before any model work. See docs/formats.md, section "Formats: NVFP4, NF4 and the
+checkpoint layouts" (the module table).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""NVIDIA Model Optimizer's "unified HF" NVFP4 checkpoint layout (what vLLM and TensorRT-LLM load).
-
-Per quantized linear `<m>`: `<m>.weight` U8 [out, in/2], `<m>.weight_scale` F8_E4M3 [out, in/16],
-`<m>.weight_scale_2` F32 0-dim and, for W4A4, `<m>.input_scale` F32 0-dim. The config blocks
-mirror modelopt's `get_quant_config` / `convert_hf_quant_config_format` key for key.
+"""NVIDIA Model Optimizer's "unified HF" NVFP4 checkpoint layout (what vLLM and TensorRT-LLM load):
+the tensors of a quantized linear and the config blocks, key for key as modelopt writes them.
+See docs/formats.md, section 'Layout 1: modelopt "unified HF" (what we write)'.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The NVFP4 checkpoint writer (modelopt's unified HF layout), used by `quantize` and by the
-merged-NVFP4 export.
-
-Two passes over a streamed model: `plan_checkpoint` reads every tensor once to check it (finite;
-a linear weight also K % 16 == 0) and to take the amax of each fused group (q/k/v, gate/up share
-one global scale), so nothing is written before the whole model is known to quantize; `write_shards` then
-quantizes and writes one output shard per input shard. `write_configs` adds config.json's
-quantization_config, hf_quant_config.json and the tokenizer files.
+merged-NVFP4 export. Nothing is written before the whole model is known to quantize
+(`plan_checkpoint` checks every tensor and takes each fused group's amax first).
+See docs/formats.md, section "Writing NVFP4 checkpoints".
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""Tensor and module names, in one place: Hugging Face's, our Decoder's fused projections, PEFT's.
-
-Three naming schemes meet wherever weights cross a boundary (loading a checkpoint, saving an
-adapter, merging, writing NVFP4):
-- Hugging Face: `model.layers.N.self_attn.q_proj.weight`, one module per projection.
-- Our Decoder: no `model.` level (`layers.N.self_attn...`), and projections that read the same input
-  fused into one linear (`qkv_proj` = q/k/v, `gate_up_proj` = gate/up), so decode runs one GEMM.
-- PEFT: `base_model.model.` before the HF name, `.lora_A.weight` / `.lora_B.weight` after it.
-- Mixture-of-experts layers (Qwen3-MoE): the router `mlp.gate` and one module per expert,
-  `mlp.experts.E.{gate,up,down}_proj`, as `save_pretrained` and modelopt write them; our Decoder
-  fuses each expert's gate/up into `mlp.experts.E.gate_up_proj`.
-The fused groups are also modelopt's: projections of one group must share one NVFP4 global scale
-(and input scale), or TensorRT-LLM rejects the checkpoint and vLLM silently takes the max.
-
-Pure string work, no torch: every layer (formats, model, engine) may import it.
+"""Tensor and module names, in one place: Hugging Face's, our Decoder's fused projections, PEFT's
+(and Qwen3-MoE's router and experts). Pure string work, no torch: every layer (formats, model,
+engine) may import it. See docs/formats.md, section "Tensor names".
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
-"""NF4 (4-bit NormalFloat, QLoRA: Dettmers et al. 2023, arXiv 2305.14314), the QLoRA baseline's base,
-stored byte for byte as bitsandbytes stores it (`bitsandbytes.functional.quantize_4bit`, quant_type
-"nf4", blocksize 64, no double quantization).
-
-Each block of 64 consecutive elements of the row-major `[N, K]` weight stores one fp32 absmax and
-16-level codes of `w * (1 / absmax)`. The levels are bitsandbytes' table (quantiles of N(0, 1)
-scaled to [-1, 1], with an exact 0). With K a multiple of 64 a block never crosses a row, so
-bitsandbytes' flat `absmax [N*K/64]` is our `[N, K/64]` and its flat packed bytes `[N*K/2, 1]`
-are our `[N, K/2]`: element 2j sits in the HIGH nibble of byte j (bitsandbytes' order; NVFP4's
-checkpoint bytes are the other way round).
-
-Rounding, as bitsandbytes computes it (its CPU path, `backends/default` `quantize_4bit`, on fp32
-input): `scaled = w * (1 / absmax)` in fp32 (a reciprocal, then a product: not `w / absmax`,
-which rounds differently), then the level nearest to `scaled` by fp32 distance, the lower level
-on a tie. That is a comparison with one fp32 threshold per level pair (`_THRESHOLDS`, derived
-below from that very distance rule). An all-zero block has absmax 0 and `0 * inf` is NaN there,
-which bitsandbytes maps to code 0 (level -1.0, so the block decodes to -0.0 x 0); we store the
-same byte. A 16-bit weight is quantized from its fp32 value, as bitsandbytes' CUDA kernel does
-(its CPU path on bf16 input would round `1 / absmax` and the product to bf16 instead).
-
-bitsandbytes' CUDA kernel (`dQuantizeNF4`, built with --use_fast_math) agrees with this except on
-six exact fp32 values of `scaled` (the midpoints where the distance rule and its `x > midpoint`
-tree break a tie differently) and where its approximate reciprocal differs from the IEEE one by an
-ulp: a handful of codes per million move to the neighbouring level (tests/test_bnb_gpu.py counts).
-
-No double quantization: QLoRA's second level quantizes the absmax values to 8 bits per 256 blocks
-(0.37 bits per parameter saved); the codes stay the same but every block's scale is rounded, so
-the weights differ from the plain format's. bitsandbytes' default (`compress_statistics=False` in
-`quantize_4bit`, `bnb_4bit_use_double_quant=False` in transformers) has none either.
+"""NF4 (4-bit NormalFloat, QLoRA: arXiv 2305.14314), the QLoRA baseline's base, stored byte for
+byte as bitsandbytes stores it (`quantize_4bit`, nf4, blocksize 64, no double quantization): one
+fp32 absmax per 64 elements of a row, element 2j in the HIGH nibble of byte j, its rounding.
+See docs/formats.md, section "NF4 (QLoRA baseline)".
 """
 
 from __future__ import annotations

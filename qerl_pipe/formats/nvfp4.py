@@ -1,11 +1,7 @@
 """NVFP4: 4-bit E2M1 elements, one E4M3 scale per 16 elements, one fp32 scale per tensor.
-
-`quantize_nvfp4` reproduces NVIDIA Model Optimizer's export math
-(`NVFP4QTensor.quantize(w, 16, None, weight_scale_2)`, modelopt >= 0.45) byte for byte: same
-float32 operations in the same order, so packed codes, scale bytes and global-scale bits match.
-Checkpoints we write therefore load in vLLM / TensorRT-LLM exactly like modelopt's own. The two
-places where we deliberately differ (modelopt would write NaN scales) are documented in
-docs/formats.md: an all-zero tensor, and a tensor too small for fp32 scales (we raise).
+`quantize_nvfp4` reproduces Model Optimizer's export math byte for byte (the same float32
+operations in the same order), except where modelopt would write a broken checkpoint.
+See docs/formats.md, sections "NVFP4" and "Verified against modelopt 0.47.0".
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""Per-layer quantization error: of the weight, and of the layer's output predicted from calibration.
-
-For a linear y = W x with quantized weight Q(W) and error ΔW = Q(W) − W:
-
-- weight error  ‖ΔW‖_F / ‖W‖_F;
-- output error  sqrt(E‖ΔW x‖² / E‖W x‖²), with E‖A x‖² = Σ_j E[x_j²] ‖A[:, j]‖², j the input channels
-  and E[x_j²] their mean square over the calibration text (`channel_mean_square`).
-
-The output formula keeps only the diagonal of the inputs' second-moment matrix: exact when input
-channels are uncorrelated, and exactly what `act-mse` minimises, so it needs no forward pass, only
-one column sum per chunk. Both are square roots of energy ratios, so they share a scale: with equal
-mean squares on every channel the two coincide.
-
-Sums accumulate chunk by chunk (the quantizer's row chunks), so no copy of a whole tensor is made.
+"""Per-layer quantization error: of the weight, and of the layer's output predicted from the
+calibration's channel mean squares (no forward pass), accumulated over the quantizer's row chunks
+without a copy of a whole tensor. See docs/formats.md, section "Per-layer error in the quality report".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """DecoderConfig: the few numbers our decoder needs, read from a Hugging Face config.json dict.
-
-The supported families share one block (attention + gated MLP, RMSNorm, RoPE); what sets each
-apart (model/families.py) is a field here. Anything that would silently compute something else
-(MoE other than Qwen3-MoE, other RoPE scalings or activations, Qwen's sliding windows) is refused
-here, before a single weight is read.
+What sets each family apart (model/families.py) is a field here; anything that would silently
+compute something else is refused here, before a single weight is read.
+See docs/model.md, section "Supported configs".
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The decoder of every supported family: training forward (autograd, LoRA), the KV cache and the prompt prefill for rollouts (the engine owns the decode step: engine/decode_step.py).
-
-Module names follow Hugging Face (`layers.N.self_attn`, `mlp`, `input_layernorm`, ...) with the
-fused projections named `qkv_proj` and `gate_up_proj`, so mapping to checkpoint and PEFT names is
-a string edit. What differs between families is read from `DecoderConfig` (model/families.py):
-sliding windows and score caps per layer, Gemma's sandwich norms, scaled embeddings and
-soft-capped logits, the MLP activation, per-layer RoPE, and Qwen3-MoE's sparse layers, whose MLP is
-a router and experts (model/moe.py) taking the same `project`.
+"""The decoder of every supported family: training forward (autograd, LoRA), the KV cache and the
+prompt prefill for rollouts (the decode step is the engine's: engine/decode_step.py). Module names
+are Hugging Face's, with q/k/v and gate/up fused (`qkv_proj`, `gate_up_proj`).
+See docs/model.md, sections "Fused layout" and "KV cache and decoding".
 """
 
 from __future__ import annotations
@@ -226,7 +222,7 @@ def soft_cap(x: Tensor, cap: float) -> Tensor:
 class Decoder(nn.Module):
     """Embedding, N decoder layers, final norm, LM head (tied to the embedding when the config says so).
 
-    Built by `load_model` (or `bench.random_model`): the constructor leaves every QuantLinear base on
+    Built by `load_model` (or `random_init.init_random_model`): the constructor leaves every QuantLinear base on
     the meta device and the other weights uninitialised.
     """
 

@@ -1,11 +1,7 @@
-"""CPU only: run a model's 4-bit bases from copies dequantized once.
-
-On CPU the 4-bit matmul is the plain-torch reference, which rebuilds every weight at every call;
-inside `dense_base_copy(model)` each 4-bit linear on the CPU holds its base dequantized once into
-`model.dtype` (`QuantLinear.dense_copy`, 4 bytes per weight in float32, so this is for small
-models), and the kernels' reference path multiplies by it instead, with the same numbers. The
-copy belongs to its linear: a new base drops it, and so does the linear's end. GPUs run the CUDA
-or Triton kernels and never make the copies.
+"""CPU only: run a model's 4-bit bases from copies dequantized once (`dense_base_copy`), with the
+same numbers as the reference path. Each copy belongs to its `QuantLinear`: a new base drops it,
+and so does the linear's end. GPUs never make the copies.
+See docs/model.md, section "The model (`qerl_pipe/model/`)" (the table of files).
 """
 
 from __future__ import annotations

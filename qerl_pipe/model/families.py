@@ -1,18 +1,7 @@
 """What sets each supported family apart, read from its config.json: the fields of `DecoderConfig`
-beyond the Llama block every family shares.
-
-- Gemma2 / Gemma3 (text): `(1 + w)` RMSNorm, a norm after attention and around the MLP
-  ("sandwich" norms), GELU-tanh MLP, embeddings scaled by sqrt(hidden), attention scaled by
-  `query_pre_attn_scalar`, local (sliding-window) and global layers; Gemma2 soft-caps the
-  attention logits and the final logits; Gemma3 has q/k norms and its own RoPE for local layers.
-- Phi3 (Phi-3, Phi-3.5, Phi-4-mini): q/k/v and gate/up stored fused in the checkpoint, LongRoPE,
-  partial rotary, and a sliding window over every layer when `sliding_window` is short enough.
-- Mistral: a sliding window over every layer when `sliding_window` is shorter than the context.
-- Qwen2 / Qwen3: a sliding window only with `use_sliding_window`, which is refused (its layer
-  pattern is not implemented here; no released Qwen2.5 / Qwen3 checkpoint turns it on).
-- Qwen3-MoE: Qwen3's attention; in the sparse layers (every `decoder_sparse_step`-th, minus
-  `mlp_only_layers`) a router and `num_experts` small SiLU MLPs instead of the dense MLP
-  (model/moe.py). Qwen3-MoE has no shared expert; other MoE families are refused.
+beyond the Llama block every family shares (Gemma2/3, Phi3, Mistral, Qwen3-MoE's sparse layers);
+Qwen's `use_sliding_window` is refused.
+See docs/model.md, sections "Supported configs" and "Mixture of experts (Qwen3-MoE)".
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Full fine-tuning: every weight of a 16-bit model trained, through float32 master copies.
-
-The model keeps its weights in its own dtype (bf16 on a GPU), because the rollout engine computes
-with exactly these tensors: one model, no second copy to sync. AdamW does not step them directly:
-at the learning rates full fine-tuning wants (1e-6 to 1e-5) an update is ~1e-6 per step, while
-bf16's spacing near a weight of 0.02 is ~1e-4, so nearly every update would round away. The
-optimizer therefore owns a float32 master of each weight; each weight's bf16 gradient is added
-into its master's float32 gradient as soon as backward produces it (and dropped, so only the
-float32 one stays alive), and after every optimizer step the masters are copied back into the
-model's tensors *in place*: their addresses never change, so captured CUDA graphs and every other
-view of the weights see the update. A float32 model needs no masters: its weights are stepped as
-they are.
+The model keeps its weights in its own dtype (the engine computes with them); after each optimizer
+step the masters are copied back *in place*, so addresses (and captured CUDA graphs) stay valid.
+See docs/training.md, section "Full fine-tuning (`adapter: full`)".
 """
 
 from __future__ import annotations

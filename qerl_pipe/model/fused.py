@@ -1,20 +1,7 @@
 """Elementwise glue (RMSNorm, RoPE, SiLU-gate) fused by torch.compile on CUDA: rollout and training.
-
-A decode step of a 7B model is ~70 kernels per layer in eager PyTorch, most of them tiny
-elementwise ops (an RMSNorm alone is nine: cast, square, mean, add, rsqrt, two multiplies, the
-noise add, the cast back). Measured on the H200 (bench/decode_profile.py, batch 8): ~1950
-kernels per forward pass, and at ~2 us each in a CUDA graph they cost more than the weights'
-memory traffic. torch.compile turns each such function into one or two generated kernels.
-
-The training forward uses the same functions with autograd: torch.compile (AOTAutograd) then
-generates a fused forward and a fused backward, where eager autograd ran every op's backward on
-its own [tokens, hidden] tensors; elementwise, reduction and copy kernels were 5.1 s of an 11.3 s
-7B training phase before (bench/results/profiles/train-step-profile-7b-h100.json). Dynamo guards
-on grad mode, so the no-grad (engine) and grad (training) versions are two compiled graphs of one
-function. CPU runs (tests, CI) never compile. `QERL_COMPILE=0` turns it off everywhere. A fused
-kernel may round once where eager rounds twice (RoPE's x*cos + rot*sin: at most one bf16 step
-apart, seen on CPU), so engine and training logprobs on a GPU may differ from a CPU run's by that
-much on top of the matmul kernels' own rounding.
+The CPU and `QERL_COMPILE=0` run the same functions eagerly; a fused kernel may round once where
+eager rounds twice, so GPU logprobs may differ from a CPU run's by about one bf16 step.
+See docs/model.md, section "Fused glue".
 """
 
 from __future__ import annotations

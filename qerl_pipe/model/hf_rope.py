@@ -1,9 +1,6 @@
-"""RoPE settings read from a Hugging Face config.json: the scalings our decoder computes, or a
-`ModelSourceError` for any other.
-
-Three spellings exist on disk: transformers >= 5 writes one dict `rope_parameters` (the theta
-inside; Gemma3 one such dict per layer type), older files a top-level `rope_theta` with an
-optional `rope_scaling` dict (Gemma3 adds `rope_local_base_freq` for its local layers).
+"""RoPE settings read from a Hugging Face config.json (`rope_parameters`, or `rope_theta` with an
+optional `rope_scaling`; Gemma3 per layer type): the scalings our decoder computes, or a
+`ModelSourceError` for any other. See docs/model.md, section "Supported configs".
 """
 
 from __future__ import annotations

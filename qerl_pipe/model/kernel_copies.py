@@ -1,19 +1,7 @@
-"""humming-kernels copies of a model's NVFP4 linears, for the rows the dispatch table gives humming.
-
-humming reads its own layout, so a linear it serves holds its base twice (ours for the rows our
-GEMM wins, humming's for the others): 0.5625 bytes per weight more. `attach_humming` makes the
-copies only for the layer shapes the active table (`kernels.dispatch`) sends to humming (the
-engine asks for them only where the memory plan left room); it compiles humming's kernels for them
-now, before any CUDA graph is captured. Without copies those rows run our kernels (the table's
-fallback rule), which the one log line says.
-
-A MoE's experts run as grouped GEMMs (`attach_grouped_experts`), two launches per layer and no
-host sync: each projection's expert bases restacked in place (no copy) for torch's grouped GEMM
-(`kernels.torch_grouped`: bf16 directly, NVFP4 dequantized per layer), in training and rollouts;
-and for NVFP4 rollouts, where the plan allows, a copy of the same kind as the linears': the
-experts in humming's layout for its W4A16 grouped GEMM (`kernels.humming_experts`). Not where the
-experts carry LoRA (the grouped GEMMs apply none): those keep the per-expert path, and so does
-every MoE on the CPU.
+"""Kernel copies and stacks of a model's weights, made (humming's compiled) before CUDA graph capture:
+humming's layout of the NVFP4 linears the dispatch table sends to it (`attach_humming`), the MoE
+experts' grouped stacks and copies (`attach_grouped_experts`; not for LoRA experts, nor on the CPU).
+See docs/model.md, sections "The model (`qerl_pipe/model/`)" and "Mixture of experts (Qwen3-MoE)".
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""QuantLinear: a frozen base weight (bf16, NVFP4 or NF4) plus unmerged LoRA, one per projection.
-
-One QuantLinear may hold several projections fused along the output dimension (q/k/v, gate/up):
-one base matmul reads the input once. LoRA stays per projection (its own A and B), so q, k and v
-are separate LoRA targets and the adapter exports to PEFT as is.
-
-4-bit bases are stored only in the kernels' layout (NVFP4: the chunk layout of `kernels.tiled`
-that the CUDA kernels read; NF4: bitsandbytes' bytes as int32 words, `kernels.packing`), converted once when the base
-is set: keeping the checkpoint bytes too would double the weight memory, and converting per call
-would cost a repack every forward. What each base format holds and which kernels serve it is its
-entry in `kernels.base_formats`.
+"""QuantLinear: a frozen base weight (bf16, NVFP4 or NF4) plus unmerged LoRA, one A/B per projection,
+several projections fused along the output dimension (q/k/v, gate/up). 4-bit bases are held only in
+the kernels' layout, converted once when the base is set; `kernels.base_formats` says what each
+format holds. See docs/model.md, sections "Fused layout" and "LoRA".
 """
 
 from __future__ import annotations

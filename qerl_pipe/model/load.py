@@ -1,8 +1,6 @@
-"""Build a Decoder from a Hugging Face directory (bf16 or NVFP4 checkpoint).
-
-Weights stream one tensor at a time (safetensors, never torch.load) and each linear is converted
-to the target base format as soon as its projections are all read, so peak memory is the final
-model plus one fused layer, never the bf16 model next to its quantized copy.
+"""Build a Decoder from a Hugging Face directory (bf16 or NVFP4 checkpoint), one tensor at a time
+(safetensors, never torch.load): each linear is converted as soon as its projections are all read,
+so peak memory is the model plus one fused layer. See docs/model.md, section "Loading".
 """
 
 from __future__ import annotations

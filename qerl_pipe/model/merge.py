@@ -1,10 +1,7 @@
-"""A checkpoint with a LoRA adapter merged in, as it streams: the tensors of a Hugging Face
-checkpoint (16-bit, or NVFP4 dequantized to the values our model computes with) one at a time,
-LoRA added in float32 and trained norms swapped in, so that memory holds one tensor, not a model.
-
-`write_merged` writes that stream as a dense Hugging Face model or through the NVFP4 checkpoint
-writer quantize uses (export's merged-bf16 and merged-nvfp4): output shards are written as they
-fill, so host memory stays near one output shard plus one fused group.
+"""A LoRA adapter merged into a Hugging Face checkpoint as it streams (LoRA added in float32,
+trained norms swapped in), written dense or through the NVFP4 writer (`write_merged`: export's
+merged-bf16 and merged-nvfp4); host memory stays near one output shard plus one fused group.
+See docs/export.md, sections "merged-bf16", "merged-nvfp4" and "Memory".
 """
 
 from __future__ import annotations

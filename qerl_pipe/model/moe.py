@@ -1,32 +1,7 @@
-"""Routed experts (Qwen3-MoE): the router, the experts and the one loop that runs them.
-
-A sparse layer's MLP is `SparseMoE`: a router (`gate`, a frozen 16-bit [experts, hidden] matrix, as
-modelopt and vLLM keep it) picks each token's top-k experts, and each expert is a small gated MLP
-whose two linears are ordinary `QuantLinear`s (gate/up fused, down), named as the checkpoint names
-them (`mlp.experts.E.gate_up_proj`). So everything the dense linears have, an expert has too: the
-NVFP4 / NF4 / bf16 bases and their kernels, the CPU dense copy, the engine's stored weights, LoRA
-per expert and its PEFT names, the merged exports.
-
-Routing, as transformers computes it: logits `x Wᵀ` in the model dtype, softmax in float32, top-k,
-renormalised to sum 1 when `norm_topk_prob`, cast back to the model dtype; each expert's output is
-scaled by its weight and the k of them summed. The router stays frozen (LoRA trains the linears
-only), so no load-balancing loss is added: the routing a run starts with is the routing it keeps.
-
-`run_experts` sorts the token-expert pairs by expert with torch ops (one host sync per layer, for
-the per-expert row counts the per-linear kernels need as shapes), runs each expert that got rows
-through the per-linear path (`project`: the module itself in training, the engine's fused LoRA
-in rollouts), the activation once over all of them, then weights and scatters the rows back.
-`run_grouped` does the same with one grouped GEMM per projection over the sorted rows and the
-experts' row offsets kept on the device (no host sync, fixed shapes: a CUDA graph replays it):
-what runs where the experts carry no LoRA, on a GPU (set by `model.kernel_copies`): torch's
-grouped GEMM over the experts' stacked bases in training (`SparseMoE.stacked`; NVFP4 stacks
-dequantized per layer) and rollouts (`SparseMoE.grouped`), or humming-kernels' W4A16 grouped GEMM
-for the rollouts of NVFP4 experts where its copies were made.
-
-Routing (`Routing`: the pairs sorted by expert, each row's token, the inverse, the offsets) is
-`sort_by_expert` in torch ops for training and the CPU; GPU inference routes in one Triton launch
-after the router's GEMM and combines in another (`kernels.triton_moe`): the torch ops are some
-fifteen small kernels per layer, a third of a batch-1 decode step.
+"""Routed experts (Qwen3-MoE): `Router`, `SparseMoE` (experts are ordinary `QuantLinear`s under
+the checkpoint's names), `run_experts` (the per-expert loop: the CPU, experts with LoRA) and
+`run_grouped` (one grouped GEMM per projection, offsets on the device, no host sync). The router
+is frozen: no load-balancing loss. See docs/model.md, section "Mixture of experts (Qwen3-MoE)".
 """
 
 from __future__ import annotations

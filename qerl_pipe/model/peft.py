@@ -1,14 +1,7 @@
-"""LoRA adapters in PEFT's format: adapter_model.safetensors + adapter_config.json.
-
-The one PEFT reader and writer: train writes with `save_adapter`, eval and export read with
-`read_adapter` (one set of rules: plain LoRA and rsLoRA; DoRA, per-module ranks, bias terms refused),
-eval loads the tensors into our model (`load_adapter_weights`), export takes them by Hugging Face
-name to merge (`lora_tensors`). It lives in `model/` because PEFT's names follow our module tree.
-
-`lora_state_dict` already names every tensor as PEFT saves it
-(`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, norms as
-`base_model.model.model.norm.weight`), so `peft.PeftModel.from_pretrained` loads the directory
-onto the Hugging Face model of the same base.
+"""LoRA adapters in PEFT's format (adapter_model.safetensors + adapter_config.json): the one reader
+and writer (`save_adapter`; `read_adapter`, one set of rules for eval and export), tensors named
+as PEFT saves them. See docs/model.md, section "The model (`qerl_pipe/model/`)" (the table of
+files), and docs/export.md, section "peft".
 """
 
 from __future__ import annotations

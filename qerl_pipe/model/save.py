@@ -1,11 +1,7 @@
-"""Our Decoder's weights as a Hugging Face model's: names, unfused projections, safetensors shards.
-
-The inverse of `model.load`'s assembly: `qkv_proj` / `gate_up_proj` are split back into
-`q_proj`, `k_proj`, `v_proj` / `gate_proj`, `up_proj` (weights and biases), every name gets HF's
-`model.` prefix, and a tied LM head is left out (HF ties it to `model.embed_tokens.weight`).
-It lives in model/ (not formats/) because it walks the Decoder's modules; the tensor files go
-through `formats.checkpoint.ShardWriter`. Used to save a fully fine-tuned model;
-`AutoModelForCausalLM.from_pretrained` reads the result.
+"""Our Decoder's weights as a Hugging Face model's (`save_hf_weights`): fused projections split
+back, HF's `model.` prefix, a tied LM head left out, safetensors shards through
+`formats.checkpoint.ShardWriter`; `AutoModelForCausalLM.from_pretrained` reads the result.
+See docs/model.md, section "The model (`qerl_pipe/model/`)" (the table of files).
 """
 
 from __future__ import annotations
