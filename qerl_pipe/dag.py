@@ -1,15 +1,7 @@
-"""The pipeline, declared once: every stage's name, version, artifact kind and inputs (each naming
-the stage whose artifact it is), and the registry of the functions that run the stages.
-
-Everything that chains stages reads this module: the runner (`runner`: a stage's inputs resolved
-by kind, `qerl-pipe run`), the CLI's stage commands (generated from `STAGES`), and the Makefile
-and Airflow command strings (`orchestration`). A stage module registers its entry point here with
-`@register(STAGE)` and imports no other stage module. `find_or_build` is the one policy by which
-every stage's artifact is found, reused or made.
-
-Nothing here imports torch or pydantic, so `orchestration` (and an Airflow scheduler) can read the
-DAG cheaply; the entry points are registered when `qerl_pipe.stages` is imported.
-"""
+"""The pipeline, declared once: every stage's name, version, artifact kind and inputs, the registry
+of their entry points (`@register`), and `find_or_build`, the one reuse policy. The runner, the CLI
+and `orchestration` all read it; no stage module imports another, and nothing here imports torch or
+pydantic. See docs/pipeline.md, section "Chaining the stages"."""
 
 from __future__ import annotations
 

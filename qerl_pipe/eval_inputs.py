@@ -1,12 +1,6 @@
-"""What `qerl-pipe eval` is pointed at, resolved before any engine is built or weight read.
-
---model may name an engine artifact, a quantize checkpoint, a model-directory artifact (an
-imported GGUF, a merged export), or a model source; --adapter a train run, any artifact or
-directory holding a PEFT adapter, or a store reference to one. Turning those words into
-artifacts is the DAG's and the store's knowledge, so it lives here rather than in the eval stage,
-which only keys and seals the evaluation. Nothing is built unless the call builds
-(`--build-missing`, `qerl-pipe run`): not an engine, and not the import of a GGUF source.
-"""
+"""What `qerl-pipe eval` is pointed at (--model, --adapter), resolved to artifacts before any engine
+is built or weight read. Nothing is built unless the call builds (`--build-missing`, `qerl-pipe run`):
+not an engine, and not the import of a GGUF source. See docs/eval.md, section "Inputs"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""`qerl-pipe train --nproc N`: start the same command on N processes through torchrun.
+"""`qerl-pipe train --nproc N`: the same command again on N processes through torchrun.
 
-The command runs again as `python -m torch.distributed.run --standalone --nproc-per-node N -m
-qerl_pipe train ...` (PyTorch's own launcher, with a free local rendezvous port), in this
-directory, with NVLink multicast switched off in the workers' environment (rl/loop/distributed.py says
-why). Rank 0 prints the artifact path, so the last line of stdout is what one process prints.
-"""
+PyTorch's launcher, `--standalone` on a free local port, with NVLink multicast off in the workers'
+environment; rank 0 alone prints the artifact path. See docs/training.md, section "Several GPUs"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The pipeline as a chain of stage commands, for schedulers that run shell commands.
-
-`qerl-pipe run` chains the stages in one process; `recipes/Makefile` and `recipes/airflow_dag.py`
-chain the stage *commands*, each handing the artifact path the previous one printed to the next.
-Which stage reads which artifact through which option comes from the one declared DAG
-(`qerl_pipe.dag`): the Airflow DAG is built from it when Airflow parses the file, and the Makefile
-is written by `makefile()` (`python -m qerl_pipe.orchestration > recipes/Makefile`; a test fails
-when the file differs from it by a byte), so neither can drift from what `qerl-pipe run` does.
-Nothing here imports Airflow or runs anything: it only builds command strings.
-"""
+"""The pipeline as a chain of stage commands, for schedulers: `recipes/Makefile` (written by
+`python -m qerl_pipe.orchestration`; a test fails on a byte of difference) and `recipes/airflow_dag.py`,
+both from the declared DAG, so neither can drift from `qerl-pipe run`. Imports no Airflow and runs
+nothing: it only builds command strings. See docs/pipeline.md, sections "Makefile" and "Airflow"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The pipeline's front door: a stage as its command runs it (`run_stage`), and `qerl-pipe run`
-(`run_recipe`), the one command that builds upstream artifacts without being asked to.
-
-`run` is not a stage: it checks the recipe as a whole (the stage settings a full fine-tuning run
-cannot have, and the declared check of every stage it will build) before the first stage starts,
-then makes each listed stage's artifact in DAG order, reusing what is up to date. Importing this
-module registers every stage's entry point.
-"""
+(`run_recipe`), which checks the whole recipe before its first stage, then makes each listed stage's
+artifact in DAG order, reusing what is up to date. Importing it registers every stage's entry point.
+See docs/pipeline.md, section "Chaining the stages"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Typed recipes: one YAML file, one section per stage, validated before any work starts.
 
-A recipe is the whole configuration of a pipeline run. Every stage command reads the section it
-needs; `--set section.key=value` overrides single values. Unknown keys and bad values are errors
-that name the key and the file, because a typo silently ignored costs a GPU-hour.
-"""
+`--set section.key=value` overrides single values; unknown keys and bad values are errors naming the
+key and the file (a typo silently ignored costs a GPU-hour). See docs/architecture.md, section
+"Where each kind of change goes" (a recipe key)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """`qerl-pipe keys [section]`: every recipe key with its type, default and meaning.
 
-Read from the recipe's pydantic models (`qerl_pipe/recipe.py`: each field's annotation, bounds,
-default and description), so the list is what `--set section.key=value` and a recipe file accept,
-and cannot drift from it.
-"""
+Read from the recipe's pydantic models (`recipe.py`), so the list is what `--set` and a recipe file
+accept and cannot drift from it. See docs/training.md, section "The recipe section"."""
 
 from __future__ import annotations
 

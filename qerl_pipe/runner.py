@@ -1,15 +1,7 @@
 """The runner: one call of a stage (`StageCall`), its inputs resolved by kind from the DAG, and the
-artifact a recipe describes for any stage (`recipe_artifact`), which `qerl-pipe run` and a stage's
-missing inputs both go through.
-
-A stage module never names another stage: it asks its call for its own input (`call.input("run")`)
-and the runner knows, from `dag.STAGES`, which stage makes it and which option takes it. An input
-passed on the command line is checked against that stage's kind when the call is made; one not
-passed is found in the store when the stage first asks for it (after the checks the stage can make
-cheaply) and built only with `build_missing`, so a stage command starts no upstream work unasked.
-Whatever builds runs the checks of every stage it will build first (`preflight`), so a bad value
-is refused before any of them spends minutes.
-"""
+artifact a recipe describes for any stage (`recipe_artifact`). A missing input is looked up when the
+stage asks for it and built only with `build_missing`, after `preflight` has run the checks of
+every stage it will build. See docs/pipeline.md, section "Chaining the stages"."""
 
 from __future__ import annotations
 

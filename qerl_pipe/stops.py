@@ -1,11 +1,8 @@
 """Stopping on SIGINT or SIGTERM: cleanly, and with one line that says how to resume.
 
-SIGTERM's default action ends a process on the spot, with no word and without the cleanup a
-KeyboardInterrupt runs (the temporary directory of an artifact being made). While a command runs,
-both signals raise `Stopped` instead, a KeyboardInterrupt, wherever the process is. A training
-loop asks for more (`stop_after_step`): the first signal lets the step in progress finish and be
-saved as a checkpoint, so that the same command resumes from it; a second one stops at once.
-"""
+While a command runs both raise `Stopped` (a KeyboardInterrupt); `stop_after_step` lets a training
+step finish and be saved first, a second signal stops at once. See docs/pipeline.md, section
+"The artifact store (`qerl_pipe/artifacts/`)", and docs/training.md, "Checkpoints and resume"."""
 
 from __future__ import annotations
 

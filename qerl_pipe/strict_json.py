@@ -1,11 +1,7 @@
 """Every JSON text qerl-pipe writes goes through here, so every one is strict JSON.
 
-Python's `json` writes NaN and the infinities as bare `NaN` / `Infinity`, which strict parsers
-(jq, JavaScript, Go, Rust's serde) reject: a manifest with one is unreadable to the tools a
-pipeline hands it to. Here a non-finite number is refused with the key that holds it, before the
-file is written. (The benchmarks, whose NaN means "not measured", write `null` instead:
-`bench.results.nulls_for_non_finite`.)
-"""
+A NaN or infinity (which Python's `json` writes bare) is refused with the key that holds it, before
+the file is written. See docs/architecture.md, section "Where each kind of change goes"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""The manifest: what an artifact is, where it came from, and the hash of every file in it.
+"""The manifest: what an artifact is, where it came from, and every file's sha256, size and mtime.
 
-`manifest.json` is written last, so its presence marks a complete artifact; the per-file sha256
-lets `verify` catch a truncated or edited file before anything reads it. Each file's size and
-mtime at sealing are recorded too, as git's index does: reusing an artifact re-hashes only the
-files whose size or mtime changed since (a 72B checkpoint is tens of GiB to re-read), while
-`qerl-pipe verify` and `--verify` hash every byte. The manifest is checked
-too: its id must follow from its stage, config and parents, and its `digest` (the sha256 of the
-rest of it) catches an edited summary, such as a changed accuracy.
-"""
+Written last, so its presence marks a complete artifact; its id must follow from its stage, config and
+parents, and its `digest` (the sha256 of the rest) catches an edited summary.
+See docs/pipeline.md, section "The artifact store (`qerl_pipe/artifacts/`)"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The artifact store: a directory of artifacts, each written atomically and named by its inputs.
 
-Writes go to a hidden sibling directory and are renamed into place once `manifest.json` is in,
-so a crash never leaves a half artifact under a real name. A per-id file lock makes concurrent
-runs of the same stage wait for each other; the second one then finds the first one's artifact
-and reuses it.
-"""
+Written in a hidden sibling and renamed into place once `manifest.json` is in (never a half artifact
+under a real name); a per-id file lock makes a concurrent run of the same stage wait, then reuse.
+See docs/pipeline.md, section "The artifact store (`qerl_pipe/artifacts/`)"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""A recipe's RL step planned to its memory budget: the bridge from the recipe's `train` and `engine`
-sections to the step planner (`memory.plan`), which takes plain numbers.
-
-- `train_step_shape`: what the train section asks of each rank's step;
-- `plan_train`: the step over a built engine, the plan train runs with;
-- `engine_budget`: the KV cache build-engine sizes (engine.kv_budget_gib, else train's planned step);
-- `plan_recipe_step`: `run`'s check before its first stage, from the model's config.json alone, so
-  a step that cannot fit is refused before a quantize or a download of the weights.
-"""
+"""A recipe's RL step planned to its memory budget: the recipe's `train` and `engine` sections turned
+into the plain numbers of the step planner (`memory.plan`), for train, build-engine's KV budget and
+`run`'s check before its first stage (from config.json alone, before any quantize or download).
+See docs/training.md, section "Memory budget: the step planner"."""
 
 from __future__ import annotations
 

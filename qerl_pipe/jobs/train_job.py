@@ -1,17 +1,7 @@
-"""One training run in a work directory: train (or resume from its last checkpoint), greedy
-evaluation before and after, the trained adapter (or for full fine-tuning the whole model), plots
-and the reports. The train stage keys the run, picks the work directory and seals it as the
-artifact; everything that happens inside the directory is here.
-
-The step's memory is planned here too (`plan_run`: `memory.plan` over the engine, to
-`train.memory_budget_gb`, the process capped to it on CUDA). The run uses the plan's KV slots, and
-its micro-batch and LM-head chunk through the `TrainConfig` the stage builds from it
-(`jobs.train_config`); the log and the report say what the plan changed and why.
-
-The directory: `adapter/` (PEFT; a full run has `model/` instead, a Hugging Face model directory
-of the trained weights), `metrics.jsonl`, `plots/`, `report.json` / `report.md`,
-`eval/before.jsonl` / `eval/after.jsonl` (greedy completions), `checkpoints/step-N/`.
-"""
+"""One training run in its work directory: train (or resume), greedy evaluation before and after, the
+adapter (or the full model), plots and reports; the step planned to `train.memory_budget_gb` here
+(`plan_run`). The train stage keys the run, picks the directory and seals it.
+See docs/training.md, sections "Checkpoints and resume" and "The artifact (`train-<id>/`, kind `run`)"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Reinforcement learning over the shared model, by concern:
-
-- `algo`: the method's math (group advantages, policy losses, AQN noise, response log-probabilities);
-- `task`: what is learned (problems, prompts, rewards, answer grading);
-- `loop`: running it (the trainer and its config, data order, checkpoints, metrics, data-parallel
-  ranks, accuracy through the engine).
-
-The jobs that train or evaluate a model in a work directory are `qerl_pipe.jobs`.
-"""
+"""Reinforcement learning over the shared model, by concern: `algo` (the method's math), `task` (what
+is learned: problems, prompts, rewards, grading), `loop` (the trainer, checkpoints, ranks, metrics).
+`algo` and `task` import neither each other nor `loop`; the jobs that run them are `qerl_pipe.jobs`.
+See docs/architecture.md, section "Where each kind of change goes"."""

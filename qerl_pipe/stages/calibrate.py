@@ -1,10 +1,8 @@
 """`qerl-pipe calibrate`: activation and weight statistics of the unquantized model.
 
-Calibration text runs through the bf16/fp32 model batch by batch; a pre-forward hook on every
-linear keeps the running max of |input| (what NVFP4's `input_scale` = amax / 2688 needs for W4A4
-deployment) and each input channel's mean square (what `quantize.method: act-mse` weighs the
-weight error by). Weight statistics (amax, rms, their ratio) show which layers have outliers.
-"""
+Per linear: the running max of |input| (NVFP4's `input_scale`), each input channel's mean square
+(what `act-mse` weighs by) and weight amax / rms. See docs/pipeline.md, section
+"What calibrate and quantize compute"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """`qerl-pipe eval`: accuracy of an engine's model, with or without a LoRA adapter, on a problem set.
 
-Reads an engine artifact (or builds the one the recipe describes for a quantize checkpoint or a
-model source), loads a PEFT LoRA adapter onto it (a train run's `adapter/`, or any directory with
-adapter_model.safetensors + adapter_config.json), samples k responses per problem (or one greedy
-response) through the same engine train uses, and grades each whole extracted answer against the
-gold answer (numerically or with math-verify). The artifact (kind `eval`): `report.json`,
-`report.md`, `samples.jsonl` (one line per sample). Its parents: the engine, and the adapter's
-artifact when it is one.
-
-What --model and --adapter name is resolved by `eval_inputs`; the generation, grading and
-report files are `jobs.eval_job`; this module keys the evaluation and seals it.
-
-Everything that can be wrong with the inputs (data file, adapter format, adapter shapes against
-the model's config.json, a --model that is no model) is checked before any engine is built or
-any weight is read.
-"""
+Inputs are resolved by `eval_inputs` and checked before any engine is built or weight read; the
+work is `jobs.eval_job`; this module keys the evaluation and seals it.
+See docs/eval.md, sections "Inputs" and "The artifact (`eval-<id>/`, kind `eval`)"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """`qerl-pipe import`: a GGUF model source as a bf16 safetensors directory in the store.
 
-Every later stage reads a Hugging Face directory, so a GGUF source (the offline default ships as
-one) is converted once. The stages that read the model make this artifact when they need it
-(`sources.resolve_model`); the command makes it alone. A source that is no GGUF file has nothing
-to import.
-"""
+Made on demand by the stages that read the model (`sources.resolve_model`); the command makes it
+alone. A source that is no GGUF file has nothing to import. See docs/pipeline.md, section
+"Chaining the stages"."""
 
 from __future__ import annotations
 

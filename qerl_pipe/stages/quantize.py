@@ -1,11 +1,8 @@
 """`qerl-pipe quantize`: an HF model to an NVFP4 checkpoint in modelopt's unified HF layout.
 
-The model is streamed shard by shard and tensor by tensor, so host memory stays near one shard
-plus one tensor. A first pass reads every tensor once to check it (finite, a norm's included; a
-linear weight also K % 16 == 0) and to take the amax of each fused group (q/k/v, gate/up share
-one global scale); only then does the second pass write anything. The artifact directory is
-itself a loadable model directory.
-"""
+Streamed shard by shard (host memory near one shard plus one tensor); every tensor is checked before
+anything is written; the artifact is itself a loadable model directory. See docs/pipeline.md,
+section "What calibrate and quantize compute"."""
 
 from __future__ import annotations
 

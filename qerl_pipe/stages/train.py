@@ -1,18 +1,8 @@
-"""`qerl-pipe train`: GRPO/DAPO of a LoRA adapter over an engine's frozen base (or, with
-`train.adapter: full`, of every weight of a bf16 base), with AQN.
-
-Reads an engine artifact (`--engine`, else the recipe's, found in the store) and trains in a work
-directory stable for the run's id, `<store>/.runs/train-<id>/`, so that a killed run started again
-with the same inputs resumes from its last checkpoint; when done, the directory becomes the
-artifact (hard links into the store's pending directory, sealed by its manifest). This module keys
-the run, plans its step to `train.memory_budget_gb` before any work (`jobs.train_job.plan_run`),
-builds the trainer's `TrainConfig` from the section and that plan (the stage boundary), and seals
-the result (plus `run.json`, which holds the plan); the run itself is `jobs.train_job`.
-
-Under torchrun (WORLD_SIZE > 1) every rank trains (rl/loop/distributed.py); rank 0 alone resolves
-the engine, holds the store's lock, evaluates and writes the artifact, and tells the other ranks
-the run directory and the result, so they all agree on one run.
-"""
+"""`qerl-pipe train`: GRPO/DAPO of a LoRA adapter (or, `train.adapter: full`, of every weight of a
+bf16 base) over an engine, with AQN. Keys the run, plans its step and builds its `TrainConfig` before
+any work, trains in `<store>/.runs/train-<id>/` (a killed run resumes there; the run is
+`jobs.train_job`) and seals it; under torchrun rank 0 alone resolves, evaluates and seals.
+See docs/training.md, sections "Checkpoints and resume" and "Several GPUs"."""
 
 from __future__ import annotations
 

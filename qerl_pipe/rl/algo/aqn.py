@@ -1,10 +1,7 @@
 """Adaptive Quantization Noise (QeRL, arXiv:2510.11696, §3.3): a scheduled Gaussian noise on the
-RMSNorm scales that feed quantized linears, drawn afresh for every rollout step.
-
-Training steps are split into K equal stages. Stage 0 is noise-free (quantization noise alone);
-stage k >= 1 has sigma_k from sigma_start (k = 1) to sigma_end (k = K - 1) along the schedule's
-curve. `exponential` is the paper's: sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 2)).
-"""
+RMSNorm scales that feed quantized linears, drawn afresh for every rollout step. Stage 0 of the K
+stages is noise-free; stages 1..K-1 go from sigma_start to sigma_end along the schedule's curve.
+See docs/training.md, section "One step" (2. AQN)."""
 
 from __future__ import annotations
 

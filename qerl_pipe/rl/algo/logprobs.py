@@ -1,14 +1,7 @@
-"""Per-token logprobs and entropies of responses under the training forward, LM head in chunks.
-
-The LM head is the largest activation of an RL step: [tokens, vocab] in float32 is 620 MB per
-1024 tokens at Qwen's 152k vocabulary. Only response tokens are scored, a chunk at a time, and
-the backward pass recomputes a chunk's softmax from its hidden states instead of keeping it, so
-at most one chunk of logits exists at any time, in forward and in backward.
-
-Definition (the engine's, docs/engine.md): logp[t] = log_softmax(head(h[t-1]).float() / T)[ids[t]],
-the logits computed in the model dtype (`Decoder.head`: the LM head, then Gemma2's soft cap), the
-softmax in float32, over the full vocabulary.
-"""
+"""Per-token logprobs and entropies of responses under the training forward, LM head in chunks:
+at most one chunk of logits exists at a time, in forward and in backward (which recomputes it).
+The definition is the engine's: logits in the model dtype, log_softmax in float32 over the full
+vocabulary. See docs/training.md, section "One step" (`sequence_logprobs`)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """Clipped policy-gradient losses: GRPO, DAPO and Dr. GRPO, with optional k3 KL and truncated IS.
 
-Per token: ratio = exp(logp - logp_old), loss = -min(ratio * A, clip(ratio, 1 - eps_low,
-1 + eps_high) * A) (+ kl_coef * k3). They differ in how token losses become one number:
-
-- `grpo` (DeepSeekMath): mean over each sequence's tokens, then mean over sequences;
-- `dapo` (arXiv:2503.14476): sum over all tokens / number of tokens (long answers weigh more);
-- `dr_grpo` (arXiv:2503.20783): sum over all tokens / (sequences * max_response_len), no length bias.
-
-A batch is often split into micro-batches (and ranks): `LossNorm` carries the whole batch's
-sequence and token counts, so the micro-batch losses add up to the full-batch loss exactly and
-gradient accumulation equals one big step.
-"""
+They differ in how token losses become one number; `LossNorm` carries the whole batch's sequence and
+token counts, so micro-batch (and rank) losses add up to the full-batch loss exactly.
+See docs/training.md, section "One step" (the loss, after the steps)."""
 
 from __future__ import annotations
 

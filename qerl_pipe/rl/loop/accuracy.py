@@ -1,9 +1,8 @@
 """Accuracy of the current policy (adapter as it is, no AQN noise) through the engine.
 
-`generate_and_grade` is shared by the train job (greedy before/after) and the eval job
-(greedy, or average pass@1 over k samples). Grading is `rewards.score`: the whole extracted answer
-against the whole gold answer, numerically or with math-verify.
-"""
+`generate_and_grade` is shared by the train job (greedy before/after) and the eval job (greedy, or
+average pass@1 over k samples); grading is `rewards.score`. See docs/eval.md, section
+"What is measured"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Training checkpoints: everything a resumed run needs to continue bit for bit.
-
-`checkpoints/step-000040/` holds the adapter (PEFT names, safetensors) or, under full fine-tuning,
-the float32 master weights (`full_weights.safetensors`, our parameter names), `trainer_state.pt`
-(optimizer, LR schedule, RNG states, the trainer's own state: step, data position, AQN) and a
-readable `trainer_state.json`. A checkpoint is written into a hidden sibling and renamed into
-place, so a kill at any moment leaves either the previous checkpoint or the new one, never half
-of one; older ones are removed after the rename.
-"""
+"""Training checkpoints: everything a resumed run needs to continue bit for bit (adapter or float32
+masters, optimizer, LR schedule, RNG states, the trainer's state). Written into a hidden sibling and
+renamed into place, so a kill leaves the previous checkpoint or the new one, never half of one.
+See docs/training.md, section "Checkpoints and resume"."""
 
 from __future__ import annotations
 

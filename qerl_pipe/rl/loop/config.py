@@ -1,10 +1,8 @@
 """TrainConfig: everything the trainer reads, fixed for the run.
 
-It is built at the stage boundary (`jobs.train_config.train_config`) from the recipe's train
-section and the step's memory plan, so the trainer sees one value per setting: `micro_batch` and
-`logprob_chunk` are what the plan chose under the budget, not the recipe's upper bounds, and the
-algorithm's own configs (losses, rewards, AQN) come ready-made.
-"""
+Built at the stage boundary (`jobs.train_config`) from the recipe's train section and the memory
+plan: `micro_batch` and `logprob_chunk` are the plan's choices, not the recipe's upper bounds.
+See docs/training.md, section "Memory budget: the step planner"."""
 
 from __future__ import annotations
 

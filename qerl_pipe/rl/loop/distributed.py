@@ -1,15 +1,8 @@
-"""Data-parallel training over several processes (torchrun), and the single-process no-op.
+"""Data-parallel training over several processes (torchrun), and the single-process no-op (`Dist()`).
 
-Every rank holds the whole quantized base and the LoRA. A step's B prompts are cut into N
-contiguous shares, one per rank; each prompt's G samples stay on the rank of the prompt, so a
-group never straddles ranks. What must be global is made global with a few small collectives:
-the rewards of each draw (advantages, dynamic sampling and metrics then see the whole batch, in
-the order one process would), the loss normaliser's counts, and the LoRA gradients (one flat
-all-reduce). `Dist()` (world size 1) turns all of them into plain local code.
-
-NVLink multicast (NVLS) stays off in every process the project starts: `NVLS_OFF` is set before
-the process group exists, so NCCL, PyTorch's symmetric memory and NVSHMEM never try it.
-"""
+Every rank holds the whole model; a prompt's G samples stay on its rank; rewards, loss counts and
+LoRA gradients are made global by a few collectives; NVLink multicast stays off (`NVLS_OFF`, set
+before the process group exists). See docs/training.md, section "Several GPUs"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""A step's rollouts cut over the data-parallel ranks: the bookkeeping that keeps every rank's view
-of a step the one a single process would have.
-
-Each rank samples its contiguous share of a draw's prompts (`Dist.share`); its `Draw` is what it
-tells the others about that share, and `Draw.gather` joins every rank's into the whole draw, in
-prompt order. `KeptGroups` holds the groups dynamic sampling keeps across draws in
-whole-batch order: every rank makes the same keep/stop decisions (from the whole draw's rewards),
-holds the groups of its own prompts and a gap for the others', and gets its groups' advantages
-computed over the whole batch. With one process all of it is the plain single-process path.
-"""
+"""A step's rollouts cut over the data-parallel ranks, so that every rank's view of a step is the one
+a single process would have: `Draw.gather` joins the ranks' shares of a draw in prompt order, and
+`KeptGroups` makes the same keep/stop decisions on every rank, advantages over the whole batch.
+See docs/training.md, section "Several GPUs"."""
 
 from __future__ import annotations
 

@@ -1,32 +1,8 @@
 """GRPO/DAPO of LoRA adapters (or of every weight: `adapter: full`) over one shared model, with AQN.
 
-One step (`Trainer.step`), from prompts to optimizer:
-
-1. B prompts from the seeded data order.
-2. AQN: a fresh N(0, sigma(step)^2) draw into the norms feeding q/k/v and gate/up.
-3. The engine samples G responses per prompt (same model object: LoRA as the last update left
-   it, the noise in its norm buffers); they are decoded and scored, and each group's rewards
-   become advantages (+ DAPO's soft overlong penalty). With dynamic sampling, groups whose rewards
-   are all equal are dropped and more prompts are drawn, up to `max_draws` rounds.
-4. The noise is cleared unless `aqn.apply_in_training`: training sees the clean weights.
-5. Old logprobs (only when mu > 1: otherwise the ratio is exactly 1) and base logprobs (k3 KL,
-   adapter disabled: no second model), then mu AdamW updates; each runs the whole batch in
-   micro-batches whose losses are normalised by whole-batch counts, so accumulating their
-   gradients equals one big batch.
-6. Clip gradients, step the warmup + cosine LR schedule, report the step's metrics.
-
-`fit` runs steps with checkpoints, resume and metrics around them.
-
-What the trainer reads is a `TrainConfig` (rl/loop/config.py), fixed for the run: the recipe's
-settings with the memory plan's micro-batch and LM-head chunk.
-
-Under torchrun (`Dist` with several ranks) each rank samples its contiguous share of every
-draw's prompts, numbering its sequences as one process would (so the samples are the same); the
-draw is gathered, so every rank keeps the same groups, computes the advantages over the whole
-batch and reports whole-batch metrics (rl/loop/shares.py); the loss normaliser counts every
-rank's tokens; the LoRA gradients are summed before clipping. Rank 0 alone writes metrics and
-checkpoints.
-"""
+`Trainer.step` goes from prompts to optimizer step; `fit` adds checkpoints, resume and metrics.
+Micro-batch gradients sum to the whole batch's; rank 0 alone writes metrics and checkpoints.
+See docs/training.md, sections "One step" and "Several GPUs"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Final answers: pulling one out of a completion, and grading it against the gold answer.
 
-Extraction: the last complete \\boxed{...} (balanced braces); else, for gsm8k / arithmetic / jsonl,
-the last number in the text; else None. Grading: where the gold states a number (42, -\\frac{1}{2},
-30^\\circ, 18 \\text{ dollars}), the answer must state the same number, compared exactly as
-rationals. An expression (27 + 82, 2^{10}, \\sqrt{144}) is wrong there, though math-verify would
-evaluate it: a policy learned to copy the question into the box. Other golds (\\sqrt{2}, tuples,
-intervals) go to math-verify (https://github.com/huggingface/Math-Verify) with the whole answer,
-which knows that (3, \\pi/2) = \\left( 3, \\frac{\\pi}{2} \\right), and so on.
-"""
+The last complete \\boxed{...}, else the last number; a gold that states a number needs that number
+(exact rationals, an expression is wrong), other golds go to math-verify with the whole answer.
+See docs/rewards.md, sections "Extracting the answer" and "Grading"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Rewards for completions: correctness, format, and user functions, summed with weights.
-
-    reward = accuracy_weight * [answer is right] + format_weight * [has a \\boxed{} answer]
-             + sum of custom rewards (weight 1 each)
-
-A custom reward is named "module:function" and called as f(completion: str, problem: Problem) -> float.
-Names are imported up front (load_custom_rewards), so a typo fails before the model loads; a custom
-reward that raises, or returns something that is not a finite number, stops scoring with a
-RewardError that names the reward, the problem and the start of the completion.
-"""
+"""Rewards for completions: correctness, format, and user functions ("module:function"), summed with
+weights. Custom names are imported up front, and a custom reward that raises or returns a
+non-finite number stops scoring with a RewardError. See docs/rewards.md, section "Rewards"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Problems to train and evaluate on, and the prompts the policy sees.
 
-A `Problem` is a question and its gold final answer. They come from the packaged GSM8K / MATH-500
-files, from generated additions (two-digit, seeded; or one-digit, split once into a training and a
-held-out set, which a 135M model learns to answer within minutes on a CPU), or from a user .jsonl
-file. Everything is checked while loading, so a bad spec fails before any model work.
-"""
+A `Problem` is a question and its gold final answer: packaged GSM8K / MATH-500, generated additions,
+or a user .jsonl file, all checked while loading. See docs/rewards.md, sections "Tasks" and "Prompts"."""
 
 from __future__ import annotations
 
