@@ -1,11 +1,8 @@
 """4-bit weight-only matmuls (NVFP4, NF4) for Hopper: CUDA and Triton on GPUs, plain torch elsewhere.
 
-- `nvfp4_linear(x, w)` = x @ W^T, `nvfp4_linear_dx(dy, w)` = dy @ W; same pair for NF4.
-  `w` is the checkpoint container or a kernel layout: `tile_nvfp4` (the CUDA kernels' chunk
-  layout, what models hold) or `prepare_*` (the Triton words, cached per weight).
-- Launch configs come from a table keyed by (op, format, M bucket[, N, K]); see `configs`.
-- docs/kernels.md has the design, the roofline and the measured H200 numbers.
-"""
+`nvfp4_linear(x, w)` = x @ W^T, `nvfp4_linear_dx(dy, w)` = dy @ W (`nf4_*` the same); `w` is the
+checkpoint container or a kernel layout (`tile_nvfp4`, `prepare_*`). See docs/kernels.md,
+section "Kernels: NVFP4 / NF4 weight-only matmul on Hopper" (the opening section)."""
 
 from qerl_pipe.kernels.configs import (
     ConfigTable,

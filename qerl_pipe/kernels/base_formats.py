@@ -1,19 +1,7 @@
-"""The base formats: one entry per format a frozen base can be held in, and everything the code
-decides by format, in one place.
-
-A base format ("bf16", "nvfp4", "nf4") is a number format (`qerl_pipe.formats`) held in a kernel
-layout (`kernels.tiled`, `kernels.packing`) and served by kernels (`kernels.linear`). Each
-`BaseFormat` entry says how a weight becomes that base (quantized from the bf16 model, or read
-from the quantize stage's NVFP4 checkpoint), which buffers a linear holds it in and how they make
-the kernels' container, which kernels serve it, and what it costs (bytes per weight). Code
-elsewhere asks the entry (`fmt.dense`, `fmt.kernels.forward`, `fmt.weight_bytes(...)`) instead of
-comparing the name: a new base format is one new entry here (plus its number format and kernels),
-and another kernel backend for a format is one new `Kernels` value in its entry.
-
-The names stay strings where people and files see them (recipe values, CLI choices, JSON of
-artifacts, a model's `base_format` attribute): `base_format(name)` turns one into its entry at that
-boundary and refuses an unknown one, naming the known ones.
-"""
+"""The base formats: one `BaseFormat` entry per format a frozen base can be held in ("bf16", "nvfp4",
+"nf4"), and everything the code decides by format. Code asks the entry, never compares the name:
+a new format is one new entry, a new backend one new `Kernels` value; `base_format(name)` turns a
+name into its entry and refuses an unknown one. See docs/kernels.md, section "Base formats"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
 """bitsandbytes' NF4 kernels as a backend for our NF4 bases: the QLoRA baseline as its users run it.
 
-Our NF4 bytes are bitsandbytes' (`formats.nf4`) and `PackedNF4.qweight` is a view of them, so its
-kernels read our buffers directly, with no copy. What runs is what `bnb.nn.Linear4bit` runs
-(`bitsandbytes.autograd._functions.matmul_4bit` and `MatMul4Bit`):
-- one row: `gemv_4bit`, its fused 4-bit GEMV;
-- more rows: `dequantize_4bit` into a bf16 weight, then cuBLAS (Linear4bit's `F.linear` on the
-  dequantized weight), a transient [N, K] tensor as large as our shared decode buffer;
-- dX: `dy @ dequantize_4bit(W)`, as `MatMul4Bit.backward` computes it.
-
-Which calls take this path is a row of the dispatch table (`kernels.dispatch.nf4_backend`).
-bitsandbytes is the optional extra `qlora` (pinned: its kernels are what the tables measured); when
-it does not import, or its CUDA library does not run here, or `QERL_BNB=0`, one log line says so
-and our Triton kernels serve every row.
-"""
+Its kernels read our buffers with no copy (`PackedNF4.qweight` is a view of bitsandbytes' bytes)
+and run what `bnb.nn.Linear4bit` runs; without bitsandbytes (or with `QERL_BNB=0`) our Triton
+kernels serve every row. See docs/kernels.md, section "NF4, the QLoRA baseline"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Kernel launch configurations: a plain table from shape key to config, JSON in and out.
 
-A key is `"{op}:{fmt}:m{bucket}"`, optionally specialised to one layer as
-`"{op}:{fmt}:m{bucket}:n{N}:k{K}"` (the specialised key wins). `op` is `fwd` (x @ W^T) or `dx`
-(dy @ W); `fmt` is `nvfp4` or `nf4`; the M bucket is the next power of two, capped at 1024 (past
-that the tiled GEMM's best shape no longer changes). build-engine tunes on its GPU
-(`kernels.tuning`, called from `engine.build`) and keeps the table in the engine's `engine.json`
-(`table_to_json`); `engine.artifact.load_engine` installs it process-wide with `table_from_json`
-+ `set_table`.
-"""
+A key is `"{op}:{fmt}:m{bucket}"`, or `"{op}:{fmt}:m{bucket}:n{N}:k{K}"` for one layer (that one
+wins); build-engine tunes the table and stores it in the engine. See docs/kernels.md, section
+"The Triton kernels"."""
 
 from __future__ import annotations
 

@@ -1,34 +1,7 @@
-"""The decode step's fused operations: residual add + RMSNorm, and decode attention.
-
-Each has a plain-torch reference (CPU, and the tests' oracle) and Triton kernels for CUDA
-(`triton_decode`, imported only there: Triton is a Linux-only dependency).
-
-**add_rms_norm(x, residual, weight, noise, eps, shrink=None, offset=0, quantize=False)** returns
-(normed, h, u, q), q the E4M3 rows of `normed` when `quantize` (FP8 rollouts), with
-h = residual + x rounded to x's dtype once (as a bf16 add is) and normed = h / rms(h) * (offset +
-weight + noise) (offset 1: Gemma's `(1 + w)` norms),
-computed in fp32 and rounded once: the numbers of `model.norm.rms_norm(residual + x, ...)`, up to
-the order of the mean's sum. `residual=None` normalises x alone (h is x). The decode step chains it
-between sublayers, so the residual stream needs no add kernel of its own. With `shrink` (the next
-projection's stacked LoRA A, [R, H]) the kernel also returns u = normed @ shrink^T, the adapter's
-first matmul, at decode batches (no launch of its own); u is None where it was not computed here
-(CPU, more rows, no shrink), and the caller multiplies (`FusedLora.project`).
-
-**lora_shrink(x, shrink)** is u = x @ shrink^T in one kernel at decode batches on CUDA (o_proj's
-input comes from attention, which no norm precedes), else None and the caller multiplies. Each
-row's u depends on that row alone. (down_proj's shrink stays a cuBLAS matmul: fused with SiLU * up
-in one Triton kernel it measured 13-72 us per call on the H200, against 1.6 + 5.9 us.)
-
-**decode_attention(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window=0, softcap=0)**
-takes the new token's q [B, Hq, D] and k, v [B, Hkv, D] (strided views of the q/k/v projection's
-output are fine), rotates the leading R dims of q and k (rotate-half RoPE, as Hugging Face Llama;
-cos/sin [B, R], R = D but for partial rotary), writes k and v at `positions` of each cache row
-and returns softmax(s)·V over cache positions 0..positions[b] as [B, Hq * D], the layout o_proj
-reads (an FP8 cache, with `k_scale` / `v_scale` [B, Hkv, L]: k and v stored as E4M3 codes with a
-scale per token and head, `fp8.row_codes`, and read back dequantized), with s = q·K^T·scale, soft-capped to softcap·tanh(s / softcap) when softcap > 0, and only
-the last `window` positions (the new one included) visible when window > 0 (sliding window). In
-the eager step this was RoPE twice, two scatters, a mask, SDPA and a transpose copy; on CUDA it is two kernels (split-KV, then a merge; see `triton_decode`).
-"""
+"""The decode step's fused operations: residual add + RMSNorm (with the next LoRA shrink), o_proj's
+LoRA shrink, and decode attention: Triton kernels on CUDA (`triton_decode`), plain-torch references
+elsewhere (the tests' oracle). A row's results depend on that row alone. Each op's contract is in
+docs/kernels.md, section "The decode step's kernels"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """Large-M path: decode the whole 4-bit weight once into a bf16 scratch buffer, then cuBLAS.
 
-Past M of about 128 the in-register kernels lose because every output row tile decodes the weight
-again (docs/kernels.md). One fully parallel decode pass is memory-bound (reads 0.5625 B/param,
-writes 2 B/param) and costs the same for any M, while cuBLAS runs the matmul at its usual rate;
-at M >= 1024 the decode is a small fraction of the matmul.
-
-The decoded values are exactly the reference's (`dequantize_*` to the activation dtype): NVFP4's
-code * block scale is exact in fp16 (triton_dequant.py), the fp32 product with the global scale is
-rounded once to bf16; NF4's level * absmax in fp32 is rounded once, as the reference does.
-
-One scratch buffer per (device, dtype), grown to the largest layer seen and then reused by every
-layer, forward and dX alike, so a training step does not churn the allocator with a 0.5 GB
-temporary per linear. Calls are stream-ordered on the current stream: the buffer is free again as
-soon as the matmul that reads it is queued. (Two streams running 4-bit linears at once would need
-a buffer each; nothing here does that.)
-"""
+The decoded values are exactly the reference's (`dequantize_*`); one scratch buffer per (device,
+dtype) serves every layer, forward and dX, stream-ordered (one stream at a time). See
+docs/kernels.md, section "Decoding 4-bit codes without a lookup table (Triton)"."""
 
 from __future__ import annotations
 

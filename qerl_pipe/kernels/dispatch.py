@@ -1,33 +1,8 @@
 """Which kernel runs a 4-bit linear of shape [N, K] at M rows: a table measured on each GPU.
 
-Backends:
-- `qerl`: our CUDA decode GEMM (`cuda_ext.gemm`, the LoRA expand and bias in its epilogue);
-- `humming`: humming-kernels with its batch-invariant schedule (deterministic);
-- `humming-ordered`: humming's stream-K tiles on a grid whose K slices sum in one order
-  (deterministic run to run; `kernels.humming_streamk`);
-- `humming-fast`: humming's default stream-K schedule (not deterministic run to run);
-- `dequant`: our dequantize pass into bf16, then cuBLAS.
-
-A table has one row per (M, N, K) for M in `ROWS_M` (the row serving m rows is the smallest at or
-above m, the last for more) and two columns: `deterministic` (the default: the same inputs give
-the same bits, so a resumed run repeats an unbroken one) picks among qerl / humming /
-humming-ordered / dequant, `fast` (`engine.deterministic: false`) among all five. build-engine measures it on its GPU
-(`kernels.dispatch_measure`) and stores it in the engine; `kernels/cuda/dispatch-<gpu>.json` are
-the shipped tables, used on those GPUs without a measured one. Shapes or GPUs without a
-row get the rule the CUDA kernels had before humming: ours up to 64 rows (and up to 256 where
-their own table says so), else dequantize + cuBLAS. A humming row whose weight has no humming copy
-(humming unavailable, or the memory plan left no room for the copy) falls back to that rule too.
-
-NF4 (the QLoRA baseline) has rows of its own in the same table, keyed `nf4:m..:n..:k..` (forward)
-and `nf4-dx:m..:n..:k..` (the backward's dX, M = rows of dY), choosing among
-- `triton`: our Triton NF4 kernels (their own tuned config per M bucket, `kernels.configs`);
-- `bnb`: bitsandbytes' kernels as `Linear4bit` runs them (`kernels.bnb_backend`);
-- `dequant`: our Triton decode pass into bf16, then cuBLAS.
-All three are deterministic, so both columns allow all three. Without a row: bitsandbytes up to
-`NF4_BNB_MAX_M` rows, Triton above (the issue's H200 measurement); without bitsandbytes, Triton.
-`bench kernels-dispatch --formats nf4` measures the rows; a shipped `dispatch-<gpu>*.json` with
-them (one file per format may share a GPU: their rows are merged) serves every NF4 engine there.
-"""
+A row per (M, N, K) names a backend in two columns, `deterministic` (the default: the same inputs
+give the same bits) and `fast`; NF4 has rows of its own; without a row, a fixed rule. See
+docs/kernels.md, sections "The dispatch" and "NF4, the QLoRA baseline"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
 """Measuring the dispatch table on this GPU: every backend, every layer shape, every row M.
 
-For one [N, K] shape: a random NVFP4 weight (randn x 0.02, quantized as `quantize` does) and as
-many copies of it in each layout as keep the 60 MB L2 cold (`tuning.weight_copies`); per M, each
-backend is checked against `x @ W^T` in fp32 (relative error under 1e-2, no NaN) and then timed as
-one CUDA graph cycling through the copies (median of REPS replays). The deterministic column's
-winner is the fastest of qerl / humming / humming-ordered / dequant, the fast column's of all
-five. Each row also says whether each humming schedule gave the same bits on `REPEATS` calls
-(run-to-run determinism) and whether the first row's result equals the same row computed alone
-(batch invariance). A humming schedule enters the deterministic column only where it repeated;
-the batch-invariant one (`humming`) also only where it was batch invariant; stream-K
-(`humming-fast`) never.
-
-`measure_table` is what build-engine runs on the model's shapes; `bench kernels-dispatch` runs it
-at the Qwen2.5 shapes with a cuBLAS bf16 column beside, for the ratios.
-"""
+Every backend is checked against fp32 before it is timed; a humming schedule enters the
+deterministic column only where it repeated bit for bit (`humming` also only if batch invariant).
+See docs/kernels.md, section "The dispatch" (its "How a row is measured")."""
 
 from __future__ import annotations
 

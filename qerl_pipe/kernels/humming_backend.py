@@ -1,23 +1,8 @@
 """humming-kernels (the vLLM project's JIT W4A16 GEMMs) as a backend for NVFP4 weights.
 
-humming reads modelopt's NVFP4 tensors as they are (E2M1 codes, E4M3 scales per 16, the fp32
-global scale), repacks them once into its own layout and compiles its kernels with NVRTC at first
-use (it needs the CUDA headers: `CUDA_HOME`, else `/usr/local/cuda`). On Hopper its kernels use
-wgmma, TMA and warp specialization: measured faster than ours from M = 64 rows on (docs/kernels.md),
-slower at M <= 16, so it serves the rows the dispatch table (`kernels.dispatch`) gives it.
-
-Three schedules, chosen per call by the dispatch backend's name:
-- `humming` (`use_batch_invariant`): a fixed K tile and no stream-K, so the same input gives
-  the same bits on every run and a row's result does not depend on the other rows;
-- `humming-ordered`: humming's own heuristic tiles and stream-K, with a grid that keeps the K
-  slices' sums in one order (`kernels.humming_streamk`): the same bits on every run (SM 9.x);
-- `humming-fast`: humming's default heuristics, stream-K across CTAs whose partial sums meet in an
-  order that varies run to run (measured: two eager calls differ by up to 4.7e-2 on a 7B layer).
-
-The repacked copy costs the same bytes as the NVFP4 weight again (it is a second layout, the
-CUDA kernels keep theirs), so the engine makes it only for the shapes the table sends to humming
-and where the memory plan has room (`model.kernel_copies.attach_humming`). `QERL_HUMMING=0` turns it off.
-"""
+Runs on a copy of the weight in humming's layout (made only for the shapes the dispatch table sends
+to humming, where memory allows), in the schedule the backend's name picks: `humming`,
+`humming-ordered` or `humming-fast`. See docs/kernels.md, section "The dispatch"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
 """humming-kernels' grouped GEMM over a MoE layer's experts (NVFP4): one launch per projection.
 
-A sparse layer's (token, choice) rows, sorted by expert, run through every expert's linear at once
-(humming's `grouped_contiguous` GEMM): the rows of expert e are rows offsets[e]:offsets[e + 1]
-of the input, and `offsets` ([E + 1], int64) stays on the device. So the layer needs no host sync
-and no per-expert launch, where the per-linear path (`model.moe.run_experts`) syncs once per layer
-for the row counts and launches two GEMMs per expert that got rows.
-
-The experts' weights are stacked into humming's layout once (the NVFP4 bytes of the layer's
-experts again, as for the dense linears' humming copies: `model.kernel_copies`). Inference only:
-no autograd (the training forward keeps the per-expert path), and no per-expert LoRA (a model
-whose experts carry adapters keeps the per-expert path too). The schedule follows the dispatch
-column: the batch-invariant one (no stream-K: the same bits every run) by default, humming's
-default heuristics with `engine.deterministic: false`.
-"""
+The row offsets stay on the device (no host sync); inference only, no per-expert LoRA; the schedule
+follows the dispatch column. See docs/kernels.md, section "MoE experts and routing"."""
 
 from __future__ import annotations
 

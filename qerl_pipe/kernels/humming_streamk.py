@@ -1,27 +1,8 @@
 """humming's stream-K schedule made run-to-run deterministic: the `humming-ordered` backend.
 
-humming's stream-K (its default, the `humming-fast` backend) cuts each output tile's K loop into
-slices run by different CTAs and sums them into the bf16 output. Its epilogue
-(`epilogue/pipeline.cuh`, `gmem_writer.cuh`, humming 0.1.19) has two ways to meet:
-- with the output stored by TMA, or a tile cut into more than 3 slices: slice 0 stores, the others
-  add with atomics in whatever order they finish (the measured run-to-run differences);
-- otherwise: a lock per tile admits the slices in slice order (0, 1, 2), each adding its fp32
-  partial to what the one before stored: the same order, so the same bits, on every run.
-
-So humming's own heuristic configs become deterministic by two changes: `use_tma_c: false`, and a
-grid (`num_sms`) small enough that no tile gets more than 3 slices. `max_slices` is the scheduler's
-arithmetic (`scheduler.cuh`: data-parallel whole tiles first, then the rest of the (tile, k-block)
-space cut into equal runs of `total` k-blocks, one per CTA group, `total` at least (K-1)/9 blocks
-and a multiple of the pipeline's stages); a run of `total` blocks can meet at most
-ceil((KB - 1) / total) + 1 tiles' worth of a KB-block tile, so `total >= (KB - 1) / 2` bounds every
-tile at 3 slices. Where no grid of the config's own shape meets that for an M interval, the
-interval runs without stream-K (one CTA per tile: deterministic too).
-
-Unlike the batch-invariant schedule (`humming`), a row's result may depend on the other rows (the
-M interval picks the config): the deterministic column promises repeat, not batch invariance, the
-same as our split-K GEMM and cuBLAS. The sums meet in bf16 (up to 3 roundings of the output).
-Only SM 9.x: the scheduler's wave merging differs on other GPUs, which keep the other schedules.
-"""
+No TMA store, and a grid small enough that no tile gets more than 3 K slices (summed in slice
+order): the same bits every run, not batch invariant; SM 9.x only. See docs/kernels.md, section
+"The dispatch" (its "The 3-slice bound of `humming-ordered`")."""
 
 from __future__ import annotations
 

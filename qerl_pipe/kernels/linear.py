@@ -1,22 +1,8 @@
 """Public 4-bit linear ops: CUDA or Triton kernels on a GPU, the plain-torch references elsewhere.
 
-An NVFP4 weight in the tiled layout (`TiledNVFP4`, what models hold) runs on Hopper the kernel
-the dispatch table (`kernels.dispatch`) measured fastest for its shape and row count: our CUDA
-decode GEMM, humming-kernels (on the weight's humming copy, where the engine made one), or one
-dequantize pass into bf16 and cuBLAS (the backward's dX always takes that path). On other GPUs it
-runs the Triton kernels on a repacked copy, made once per weight.
-
-An NF4 weight (`PackedNF4`, the QLoRA baseline) on a GPU runs the backend the dispatch table
-(`kernels.dispatch.nf4_backend`) gives its shape and row count, forward and dX alike:
-bitsandbytes' kernels (`kernels.bnb_backend`; by default up to 16 rows, where they are faster),
-our Triton kernels, or our Triton decode pass and cuBLAS.
-
-On the CPU the ops are the plain-torch references, `x @ dequantize(W)^T`, which rebuild the
-weight at every call (for SmolLM2-135M 0.7 s per forward pass against 0.07 s of matmuls at
-decode batch sizes). A weight container that carries a dense copy (`TiledNVFP4.dense`,
-`PackedNF4.dense`: made once per weight by `model.dense_copy` and owned by the linear that holds
-the weight) runs from it instead: the same numbers, forward and dX, bit for bit.
-"""
+NVFP4 runs what the dispatch table picks on Hopper, else Triton on a copy repacked once; NF4 what
+the table's NF4 rows pick; on the CPU a weight's dense copy gives the reference's numbers bit for
+bit. See docs/kernels.md, section "Kernels: NVFP4 / NF4 weight-only matmul on Hopper"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
-"""Kernel layout of 4-bit weights: a one-time repack of the standard checkpoint bytes.
+"""Kernel layout of 4-bit weights for Triton: a one-time repack of the standard checkpoint bytes.
 
-The checkpoint keeps the standard layout (uint8 `[N, K/2]`, element 2j in the low nibble). The
-kernels read int32 words of 8 codes instead and decode two codes per 32-bit operation: shifting a
-word left by 4*s puts one code in bits 12-15 and another in bits 28-31, i.e. at the top of each
-16-bit half, where a mask and one shift turn both into fp16 bit patterns at once. For that pair to
-be two *adjacent* elements (so one `join` restores the natural order, with no shuffle), each word
-stores its 8 elements e0..e7 in nibble slots ordered by `WORD_SLOTS`: slot 3-s holds e_{2s} and
-slot 7-s holds e_{2s+1}.
-
-Scales need no repack: E4M3 bytes are read as uint8 and decoded in the kernel. `prepare_*` run
-once per weight (the engine stage can store the result); `prepared_*` cache it per weight object
-so that calling a linear every forward never repacks.
-
-NF4 is not repacked at all: its kernel words are bitsandbytes' bytes (`formats.nf4`) read as
-int32, so the one buffer serves our Triton kernels (which decode through a lookup table and can
-take any nibble order: `triton_dequant`) and bitsandbytes' kernels (`kernels.bnb_backend`) alike,
-with no second copy of the weight.
-"""
+NVFP4 codes go into int32 words of 8 in `WORD_SLOTS` order (a shift puts two adjacent elements in
+place); NF4 is not repacked (its bytes read as words); `prepared_*` cache per weight. See
+docs/kernels.md, section "Decoding 4-bit codes without a lookup table (Triton)"."""
 
 from __future__ import annotations
 

@@ -1,44 +1,8 @@
 """The tile-major NVFP4 layout the CUDA W4A16 kernels read: one spec for repack, kernel and tests.
 
-The checkpoint keeps the standard bytes (uint8 `[N, K/2]` codes, E4M3 `[N, K/16]` scales); this
-module turns them into the layout of `kernels/cuda/w4a16.cu` and back. Everything the kernel
-assumes about the layout is defined here: the constants header it includes is rendered from this
-module (`constants_header`), and the CPU tests replay the kernel's loads and bit operations on
-what `tile_nvfp4` writes.
-
-**Chunks.** The weight is cut into chunks of 64 output rows x 32 input columns, stored
-chunk-major `[N/64, K/32]`, so a warp that walks K over one 64-row block reads one contiguous
-1152-byte stream: 1024 bytes of codes (`qweight`, 256 int32 words) and 128 bytes of block scales
-(`scales`). N is padded to 64 and K to 32 with zero codes.
-
-**Codes follow the tensor-core fragment.** The kernel multiplies with `mma.m16n8k16` (bf16, fp32
-accumulate) with the *weights as the A operand* (16 output rows) and the tokens as B (8 per MMA),
-so one decoded register is an A-fragment register with no shuffle. A 64-row block is 4 m16 tiles;
-lane `l` (g = l // 4, t = l % 4) holds rows `g` and `g + 8` of each tile. Within a chunk the MMA's
-k order is permuted (A and B alike, so the sum is unchanged): lane t takes the 8 consecutive
-columns `8t..8t+7`, the first 4 in MMA step 0, the last 4 in step 1; its activations are then one
-16-byte load. Word `(pair p, lane l, tile i, step j)` (tile T = 2p + i) holds the lane's 8 codes of
-tile T in step j, at word index `p*128 + l*4 + i*2 + j`: a lane's 4 words of a pair are one 16-byte
-load, and a warp that takes only 32 rows reads one 512-byte half.
-
-**Decoding a word takes 9 integer operations for 8 weights.** An A register is a bf16 pair; an
-E2M1 code becomes the bf16 `e2m1 * 2**-126` when its sign lands on bit 15 and its 3 magnitude bits
-on bits 6-8 (E2M1's subnormal 0.5 lands on a bf16 subnormal: exact). The bits of a word are
-placed so that register 0 is `q & MASK`, registers 1 and 2 are a rotation and a mask, and
-register 3 is two rotations and two masks (`DECODE`; no rotation set lets all four be one mask,
-the masks' positions cannot tile 32 bits). `SOURCE_BITS` is derived from `DECODE` by probing, so
-the packing cannot disagree with the decode.
-
-**Scales are re-encoded to decode in two operations.** A scale byte `u` decodes as the bf16 with
-bits `0x7000 | u << 4`, i.e. `2**(97 + u >> 3) * (1 + (u & 7) / 8)`; `u` encodes the E4M3 scale
-times 2**119 exactly (every E4M3 value, subnormals included, is a normal number there). The bf16
-product code x scale is `e2m1 * s * 2**-7`: at most 5 significant bits, so exact, and the kernel
-multiplies the fp32 accumulator by `global_scale * 2**7` before its one rounding to bf16. A zero
-scale zeroes its block's codes; a negative scale flips its block's code signs (the products are
-the same); NaN scales are refused. Lane (g, t) reads the 8 scale bytes at `(2g + t // 2) * 8`:
-for tile pair q, bytes `[s(2q, g), s(2q+1, g), s(2q, g+8), s(2q+1, g+8)]`, which one shift and one
-mask turn into the bf16 pairs `{s(2q, g), s(2q, g+8)}` and `{s(2q+1, g), s(2q+1, g+8)}`.
-"""
+Chunks of 64 rows x 32 columns, codes in `mma.m16n8k16` A-fragment order, scales re-encoded as bf16
+bits; the kernel's constants header is rendered from here and the packing derived from `DECODE`.
+See docs/kernels.md, section "The CUDA W4A16 kernels" (its "Layout")."""
 
 from __future__ import annotations
 

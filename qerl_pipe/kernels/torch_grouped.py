@@ -1,25 +1,8 @@
 """torch's grouped GEMM over a MoE layer's stacked experts: one launch per projection, no host sync.
 
-`torch._grouped_mm(rows [R, K], w [E, K, N], offs [E])` runs expert e on rows offs[e - 1]:offs[e]
-(CUTLASS on sm_90, no split-K: the same bits every run). It reads the experts as one [E, N, K]
-tensor, so a layer's expert weights are stacked once and each expert's own buffers become views
-of their slice (`model.kernel_copies.stack_expert_buffers`): no second copy.
-
-- A bf16 MoE runs its experts this way in training and rollouts alike: the bf16 baseline's MoE is
-  then served as a bf16 MoE is (one grouped GEMM over the routed rows, as vLLM's fused MoE does),
-  not by a per-expert loop, and the NVFP4 / bf16 ratios compare grouped with grouped.
-- An NVFP4 MoE's stack (our tiled layout, `kernels.tiled`, stacked along the 64-row blocks: the
-  layout of one [E * N, K] weight) is dequantized in one launch per projection into a transient
-  bf16 [E, N, K] (each expert's global scale left out, applied to its output rows after the GEMM:
-  one launch for all experts) and multiplied the same way. That is the training forward and dX
-  of frozen NVFP4 experts (large M: the dequantize is small beside the GEMM), and the rollout's
-  grouped path where humming's copies are not made (a tight memory budget); with them, humming's
-  W4A16 grouped GEMM serves the rollouts (`kernels.humming_experts`).
-
-The autograd function keeps no weight for backward: dX dequantizes again (as the dense
-linears' `_FrozenQuantMatmul` reads the 4-bit weights again), so a training forward stores only
-the rows, like the per-expert path.
-"""
+The experts' buffers are views of one stack (no second copy); an NVFP4 stack is dequantized in one
+launch (global scales applied after the GEMM), again for dX; the same bits every run. See
+docs/kernels.md, section "MoE experts and routing"."""
 
 from __future__ import annotations
 

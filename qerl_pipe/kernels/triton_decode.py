@@ -1,31 +1,8 @@
 """Triton kernels of the decode step (`decode_ops` has what they compute and the references).
 
-**Decode attention**, two kernels:
-1. `_partial`: grid (B, Hkv, S). Program (b, h, s) takes the G = Hq / Hkv query heads of kv head
-   h together (GQA without repeating the cache) and cache positions [s * SPLIT, (s + 1) * SPLIT)
-   below positions[b]: flash-decoding's split-KV (Dao et al., 2023), so a batch of one still has
-   B * Hkv * S programs to spread over the SMs. The split holding positions[b] also writes the new
-   k, v there and adds the new token's score from registers (no other program reads that position).
-2. `_merge`: grid (B * Hq). Sums the S partial (max, sum, acc) in split order.
-SPLIT is fixed and the merge runs in split order, so a sequence's output depends only on its own
-position and cache, never on the batch it runs in or the attention length (splits past the
-position add exact zeros): rollouts stay independent of batch placement.
-
-**Residual add + RMSNorm** (and the next projection's LoRA shrink, and with FP8 rollouts the
-row's E4M3 codes and scale): programs per row only (one for the norm, one per BLOCK_R columns of
-u), so a row's results never depend on its batch.
-
-**LoRA shrink** (`_lora_shrink`), for o_proj, whose input (attention's output) no norm computes:
-one program per 256 columns of all rows (A read once, across many SMs), the partial sums added in
-program order by the last program (an atomic ticket), so there is no second launch.
-
-**Programmatic dependent launch** (`triton_pdl`): every kernel here lets the next one launch as
-soon as it starts, and reads what an earlier kernel of the step wrote (activations, q/k/v, the
-partials) only after `wait_previous`. Before it, a kernel reads only what no kernel of the running
-step writes: norm weights and noise, LoRA A, positions and the KV cache below them (the step's
-first kernel is an ordinary launch, so earlier steps are complete). So the launch, the weight
-loads and the next GEMM's first weight chunks overlap the kernel before.
-"""
+A row's results depend on that row alone (fixed splits, merged in a fixed order); under PDL a
+kernel reads what the running step wrote only after `wait_previous`. See docs/kernels.md, section
+"The decode step's kernels"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """In-register decode of one [BLOCK_N, BLOCK_K] weight tile from the kernel layout (packing.py).
 
-NVFP4, exact and without a lookup table: after `word << 4*s`, the two codes of pair s sit at bits
-12-15 and 28-31. `(v & 0x70007000) >> 3` moves each code's 3 magnitude bits into an fp16's low two
-exponent bits and top mantissa bit, and `v & 0x80008000` keeps both signs, so each 16-bit half is
-the fp16 `e2m1(code) * 2**-14` (E2M1's zero exponent lands on fp16 subnormals, which hardware
-handles exactly). The E4M3 scale byte becomes an fp16 the same way. The product code*scale has at
-most 6 significant bits and lies in [2**-24, 0.17], so fp16 and then bf16 hold it exactly; the
-2**14 and the global scale go on the fp32 accumulator once per output tile.
-
-NF4 levels are arbitrary floats: a 16-entry fp32 table (one 64-byte line, L1-resident) times the
-fp32 absmax, rounded once to bf16 as the reference does. NF4 words are bitsandbytes' bytes read as
-little-endian int32 (packing.py): byte s of a word holds elements 2s (high nibble) and 2s+1.
-"""
+Exact: NVFP4 by bit operations into fp16 (no lookup table), NF4 by a 16-entry fp32 table times the
+absmax, rounded once as the reference does. See docs/kernels.md, section
+"Decoding 4-bit codes without a lookup table (Triton)"."""
 
 import triton
 import triton.language as tl

@@ -1,11 +1,7 @@
 """Triton W4A16 kernels: skinny GEMV (decode), tiled GEMM (small prefill), and dX = dY @ W.
 
-All three decode the 4-bit weight tile in registers (triton_dequant.py); no bf16 copy of W ever
-exists in memory. Configs of kind `dequant` (large M) go to dequant_gemm.py instead.
-Accumulation is fp32. Split-K (skinny and tiled) adds fp32 partial tiles with atomics into a
-zeroed workspace: it exists for decode, where N/BLOCK_N programs alone would leave most of the
-132 SMs idle on long-K layers.
-"""
+All decode W's tiles in registers (no bf16 copy of W) and accumulate in fp32; configs of kind
+`dequant` go to dequant_gemm.py. See docs/kernels.md, section "The Triton kernels"."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
 """A MoE layer's routing and combine in one Triton launch each (CUDA inference; `model.moe` has the
-torch reference).
-
-In torch, routing a decode step's tokens takes some fifteen launches per sparse layer (softmax,
-two top-k kernels, the renormalising sum and divide, a dtype copy, a radix argsort, three aranges,
-a binary search, gathers, a scatter): on Qwen3-30B-A3B at batch 1 about 40 us per layer, a third
-of the decode step, for a few hundred bytes of work. Here:
-
-1. `_route`, one program: top-k of each token's router logits (k rounds of a row max, ties to the
-   lower expert as `torch.topk`), the weights (a softmax over the k chosen logits when the config
-   renormalises: softmax-then-renormalise equals that, the full denominator cancels; else the
-   full softmax's k probabilities), then the (token, choice) pairs sorted by expert with one
-   in-register sort of keys `expert * P + pair` (unique keys: stable, each expert sees its tokens
-   in order, as the reference's stable argsort), each sorted row's source token, the inverse
-   permutation, the experts' row offsets [E + 1] (counts of pairs with a smaller expert), and the
-   experts that got rows, in order (what lets a grouped GEMM launch CTAs for those alone).
-   Only for up to `MAX_PAIRS` pairs (decode steps and short prefills): a single program sorts
-   them; longer prefills take the torch path, once per generate.
-2. `_combine`: grid (T, H / BLOCK_H). Token t's output is sum_j w[t, j] * out[inverse[t * k + j]],
-   accumulated in float32 in choice order and rounded once: the reference's gather + batched
-   matmul in one launch, deterministic (no atomics).
-
-The weights are rounded to the model dtype as the reference rounds them; the float32 values can
-differ from torch's in the last bit (another summation order), which moves a bf16 weight by one
-ulp at most, rarely. Expert choice and order are exact.
-"""
+torch reference). Expert choice and order equal the reference's, a weight at most one bf16 ulp off;
+`_route` takes up to `MAX_PAIRS` pairs. See docs/kernels.md, section "MoE experts and routing"."""
 
 from __future__ import annotations
 

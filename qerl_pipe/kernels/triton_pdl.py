@@ -1,17 +1,8 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels.
 
-With PDL (Hopper; CUDA's `griddepcontrol`), a kernel launched with the programmatic-serialization
-attribute may start once every program of the kernel before it has called
-`griddepcontrol.launch_dependents` (or exited), instead of after that kernel has finished. It must
-then execute `griddepcontrol.wait` before reading anything the kernel before wrote: the wait
-returns when that kernel has completed and its memory is visible. The decode step's CUDA GEMMs do
-this already (`kernels/cuda/w4a16.cu`); these helpers let the Triton kernels between them do the
-same, so the launch gaps of the step's ~12 kernels per layer overlap work.
-
-`PDL` is False under Triton's interpreter (the CPU tests) and on a Triton without the
-`launch_pdl` option; `pdl_options(device)` also leaves it off on GPUs before Hopper (sm_90), which
-have no `griddepcontrol`. The helpers then compile to nothing and kernels launch normally.
-"""
+`launch_dependents` lets the next kernel start; `wait_previous` must come before reading what an
+earlier kernel wrote. Off (the helpers compile to nothing) under the interpreter, on a Triton
+without `launch_pdl` and before sm_90. See docs/kernels.md, section "The decode step's kernels"."""
 
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
 """The engine's sampling step in two Triton kernels (CUDA; `engine.sampling.sample` is the reference).
 
-The plain-torch sampler draws the counter-based Gumbel noise with about twenty elementwise kernels
-over a [B, V] int64 tensor, then an argmax, a gather and a logsumexp: some 25 launches per decode
-step, each a few microseconds for almost no work. Here the same numbers take two launches:
-
-1. `_sample_partial`: grid (B, C). Program (b, c) reads columns [c * CHUNK, (c + 1) * CHUNK) of row
-   b's logits once and keeps, over them, the running max and sum of exp for the logsumexp and the
-   best `z + g` (greedy: the best z) with its first column.
-2. `_sample_merge`: grid (B). Combines row b's C partials in chunk order (ties go to the earlier
-   column, as `torch.argmax`), computes the chosen token's logprob, and updates the engine's
-   per-slot state in place: the token fed to the next step, position += live, step += 1, and one
-   float64 [2, B] record (tokens, logprobs) for the single device-to-host copy.
-
-The noise is bit-identical to `sampling.gumbel_noise`: the same 32-bit hash in uint32 arithmetic
-(wrapping multiplies equal the reference's masked int64 products), the same 24-bit uniform, and
-libdevice's `logf` (what torch's CUDA `log` calls) rather than the fast approximate log. The
-temperature is applied as torch applies `z / T` on CUDA: `z * (1 / T)`, the reciprocal rounded to
-float32 once on the host, the product rounded on its own (`mul_rn`, never fused into the noise
-add). So on CUDA the tokens equal the reference's; the logprob's logsumexp differs from torch's
-in the order of its sum (float32 rounding, ~1e-6). (On CPU torch divides exactly, which can
-differ in the last bit.)
-"""
+Noise and temperature are computed as the reference computes them on CUDA: the same tokens, the
+logprob off only by its sum order. See docs/kernels.md, section "The decode step's kernels", and
+docs/engine.md, section "Sampling and logprobs"."""
 
 from __future__ import annotations
 

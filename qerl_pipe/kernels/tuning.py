@@ -1,14 +1,8 @@
 """Kernel tuning: the fastest correct launch config per (layer shape, M bucket, op) on this GPU.
 
-Every candidate is first checked against `x @ dequantized W` in fp32 (relative error below
-`MAX_REL_ERR`, else it is dropped: a config can compile and still be wrong on some shape), then
-timed. Timing is a CUDA graph of R calls over R distinct weight copies (R chosen so the copies
-exceed 4x the 60 MB L2 of an H100/H200), median over replays, divided by R: no launch gaps and no
-warm L2, which is what a decode step over a whole model sees.
-
-Used by the build-engine stage (`tune_kernels`) and by the kernel benchmark. Needs only torch
-(Triton is imported when a GPU run starts), so the benchmark still runs without pydantic/typer.
-"""
+Every candidate is checked against fp32 before it is timed (L2-cold CUDA graphs); used by
+build-engine (`tune_kernels`) and `bench kernels`; needs only torch. See docs/kernels.md, section
+"Benchmark (Triton, `qerl-pipe bench kernels`)"."""
 
 from __future__ import annotations
 
