@@ -35,7 +35,8 @@ class SamplingParams:
     max_new_tokens: generated tokens per sequence at most (finish reason "length").
     stop_token_ids: a generated id in this set ends the sequence (finish reason "stop"; the stop
         token is kept). Pass the tokenizer's EOS here; empty = always run to max_new_tokens.
-    seed: with the sequence id and step, determines every random number (see the module doc).
+    seed: with the sequence id and step, determines every random number (docs/engine.md,
+        "Sampling and logprobs").
     """
 
     temperature: float = 1.0

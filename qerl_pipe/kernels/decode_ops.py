@@ -73,9 +73,10 @@ FUSED_SHRINK_MAX_ROWS = 16
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
                  shrink: Tensor | None = None, offset: float = 0.0,
                  quantize: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Fp8Rows | None]:
-    """See the module doc: the Triton kernel on CUDA, else the torch reference (which leaves u to
-    the caller, as the kernel does above FUSED_SHRINK_MAX_ROWS). `quantize`: also the normed rows'
-    E4M3 codes and scales (`kernels.fp8`), from the same rounded values; else None."""
+    """The Triton kernel on CUDA, else the torch reference (which leaves u to the caller, as the
+    kernel does above FUSED_SHRINK_MAX_ROWS). `quantize`: also the normed rows' E4M3 codes and
+    scales (`kernels.fp8`), from the same rounded values; else None. Contract:
+    docs/kernels.md, "The decode step's kernels"."""
     if x.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_add_rms_norm
 
@@ -86,8 +87,9 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tens
 
 
 def lora_shrink(x: Tensor, shrink: Tensor | None) -> Tensor | None:
-    """See the module doc: u = x @ shrink^T in one Triton kernel on CUDA at decode batches; None
-    elsewhere, or without a shrink (the caller then multiplies, as `FusedLora.project` does)."""
+    """u = x @ shrink^T in one Triton kernel on CUDA at decode batches; None elsewhere, or without
+    a shrink (the caller then multiplies, as `FusedLora.project` does). Contract:
+    docs/kernels.md, "The decode step's kernels"."""
     if shrink is None or not x.is_cuda or x.shape[0] > FUSED_SHRINK_MAX_ROWS:
         return None
     from qerl_pipe.kernels.triton_decode import launch_lora_shrink
@@ -98,7 +100,8 @@ def lora_shrink(x: Tensor, shrink: Tensor | None) -> Tensor | None:
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                      v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
                      softcap: float = 0.0, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
-    """See the module doc: the Triton kernels on CUDA where they apply, else the torch reference."""
+    """The Triton kernels on CUDA where they apply, else the torch reference. Contract:
+    docs/kernels.md, "The decode step's kernels"."""
     if q.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_decode_attention, supports
 

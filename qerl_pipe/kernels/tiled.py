@@ -86,7 +86,7 @@ TENSOR_FIELDS = ("qweight", "scales", "global_scale")
 
 @dataclass(frozen=True)
 class TiledNVFP4:
-    """An NVFP4 weight in the CUDA kernels' chunk layout (see the module docstring)."""
+    """An NVFP4 weight in the CUDA kernels' chunk layout (docs/kernels.md, "The CUDA W4A16 kernels")."""
 
     qweight: Tensor  # int32 [ceil(N/64), ceil(K/32), 256]
     scales: Tensor  # uint8 [ceil(N/64), ceil(K/32), 128], re-encoded block scales

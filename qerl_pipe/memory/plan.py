@@ -155,7 +155,7 @@ def _halvings(start: int, floor: int) -> list[int]:
 
 def candidates(shape: StepShape) -> list[tuple[int, int, int]]:
     """(kv_slots, micro_batch, logprob_chunk), from the recipe's settings down to the smallest
-    plan; each at most its predecessor in every setting (see the module's docstring)."""
+    plan; each at most its predecessor in every setting (docs/engine.md, "The step's memory plan")."""
     slots = min(shape.max_kv_slots, shape.sequences)
     micro = min(shape.max_micro_batch, shape.sequences)
     chunks = _halvings(shape.max_logprob_chunk, min(MIN_LOGPROB_CHUNK, shape.max_logprob_chunk))
