@@ -337,7 +337,7 @@ class _Lab(TyperGroup):
         if self.commands:
             return
         try:
-            from qerl_lab.cli import bench_app  # the one place the product reaches the lab (tests/test_layers.py)
+            from qerl_lab.cli import bench_app  # the one place the product reaches the lab (tests/pipeline/test_layers.py)
         except ModuleNotFoundError as exc:
             if exc.name != "qerl_lab":
                 raise

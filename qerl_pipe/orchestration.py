@@ -111,7 +111,7 @@ def airflow_command(stage: str, cli: Sequence[str] = ("qerl-pipe",)) -> str:
 MAKEFILE_HEAD = """\
 # The pipeline as make targets: {stages}.
 # Written by `python -m qerl_pipe.orchestration > recipes/Makefile` from qerl_pipe/dag.py; do not edit
-# (tests/test_dag.py fails when this file differs from what that command prints).
+# (tests/pipeline/test_dag.py fails when this file differs from what that command prints).
 #
 #   make -f recipes/Makefile RECIPE=my.yaml ARTIFACTS=artifacts   # every stage; again: nothing to do
 #   make -f recipes/Makefile train SET="train.steps=20 train.lr=1e-4"

@@ -11,7 +11,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
 if [[ "$part" == all || "$part" == tests ]]; then
-  python3 -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_decode_kernels_gpu.py tests/test_engine_gpu.py -s \
+  python3 -m pytest -q -m gpu tests/kernels/test_fp8_gpu.py tests/kernels/test_decode_kernels_gpu.py tests/engine/test_engine_gpu.py -s \
     -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -30
 fi
 if [[ "$part" == all || "$part" == rows ]]; then

@@ -143,7 +143,7 @@ def _dot_dtype() -> tl.dtype:
 
 def _ptx(cfg: KernelConfig) -> bool:
     # Inline PTX runs only in compiled code; the interpreter takes the pure-Triton decode, which
-    # computes the same values (tests/test_kernels_gpu.py checks the PTX path against it).
+    # computes the same values (tests/kernels/test_kernels_gpu.py checks the PTX path against it).
     return cfg.ptx_decode and not _INTERPRETED
 
 

@@ -1,5 +1,5 @@
 """The lab (the package `bench`, beside qerl_pipe): `qerl-pipe bench` reaches it only when a bench
-command is asked for, so the product's start-up imports none of it (tests/test_layers.py holds the
+command is asked for, so the product's start-up imports none of it (tests/pipeline/test_layers.py holds the
 source to that one hook)."""
 
 from __future__ import annotations

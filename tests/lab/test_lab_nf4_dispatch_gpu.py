@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.test_bnb_gpu import MAX_REL, SHAPES, _bnb, pytestmark, rule  # noqa: F401 (fixtures and marks, shared)
+from tests.kernels.test_bnb_gpu import MAX_REL, SHAPES, _bnb, pytestmark, rule  # noqa: F401 (fixtures and marks, shared)
 
 
 def test_the_bench_measures_nf4_rows_and_makes_a_table(rule) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from qerl_pipe.model.shapes import shape_for_source
 from qerl_pipe.recipe import load_recipe
-from tests.test_memory_plan import EXPECTED, LADDER
-from tests.test_paper_recipes import PAPER
+from tests.memory.test_memory_plan import EXPECTED, LADDER
+from tests.pipeline.test_paper_recipes import PAPER
 
 
 def test_the_ladder_recipes_are_valid_and_complete_for_the_bench():

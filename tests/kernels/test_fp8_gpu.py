@@ -1,0 +1,176 @@
+"""FP8 rollouts on a GPU with FP8 tensor cores (`pytest -m gpu tests/kernels/test_fp8_gpu.py -s`).
+
+The fused producers' E4M3 rows against `kernels.fp8.quantize_rows` on their own outputs, the FP8
+GEMM against its fp32 reference, and the engine with `activations="fp8"`: CUDA graphs against
+eager decoding, and greedy decoding against the bf16-activation engine on a stated share of tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import adapted_model
+from qerl_pipe.engine import Engine, SamplingParams, plan_limits
+from qerl_pipe.engine import fp8 as engine_fp8
+from qerl_pipe.kernels.fp8 import FP8_MAX, fp8_linear, fp8_linear_reference, quantize_rows, quantize_weight, runs_fp8
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not runs_fp8(torch.device("cuda")),
+                       reason="needs a CUDA GPU with FP8 tensor cores"),
+]
+
+PROMPTS = [[1, 45, 67, 89, 10], [1, 200, 13], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [1, 99, 98, 97, 250]]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=16, seed=7)
+
+
+def _codes_equal(a, b) -> bool:
+    return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+
+
+@pytest.mark.parametrize("hidden", [64, 3584, 5120])
+def test_norm_kernel_fp8_rows_are_quantize_rows_of_its_output(hidden):
+    from qerl_pipe.kernels.decode_ops import add_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    x, r = (torch.randn(12, hidden, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    weight = torch.rand(hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    noise = torch.randn(hidden, generator=gen, device="cuda") * 1e-3
+    x[5] = 0  # an idle slot's zero row: codes 0, no NaN
+    normed, h, _, q = add_rms_norm(x, None, weight, noise, 1e-6, quantize=True)
+    plain, _, _, none = add_rms_norm(x, None, weight, noise, 1e-6)
+    assert none is None and torch.equal(normed, plain), "the FP8 output must leave the bf16 one as it was"
+    want = quantize_rows(normed)
+    assert torch.equal(q.scale, want.scale) and _codes_equal(q.codes, want.codes)
+    assert float(q.codes[5].float().abs().max()) == 0 and bool(torch.isfinite(q.codes.float()).all())
+    _, _, _, q_res = add_rms_norm(x, r, weight, noise, 1e-6, quantize=True)
+    alone = add_rms_norm(x[3:4], r[3:4], weight, noise, 1e-6, quantize=True)[3]
+    assert _codes_equal(alone.codes, q_res.codes[3:4]) and torch.equal(alone.scale, q_res.scale[3:4]), \
+        "a row's codes must not depend on its batch"
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_gate_fp8_rows_match_quantize_rows(m):
+    from qerl_pipe.model.decoder import silu_gate
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    gate_up = torch.randn(m, 2 * 1024, generator=gen, device="cuda").to(torch.bfloat16)
+    h, q = engine_fp8.gate_fp8("silu", gate_up)
+    torch.testing.assert_close(h, silu_gate(gate_up), atol=0, rtol=2 ** -7)  # one bf16 step at most
+    want = quantize_rows(h)
+    torch.testing.assert_close(q.scale, want.scale, atol=0, rtol=1e-6)
+    same = float((q.codes.view(torch.uint8) == want.codes.view(torch.uint8)).float().mean())
+    assert same >= 0.999, f"only {same:.4f} of the gate's codes equal quantize_rows' of its output"
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4608, 3584), (64, 3584, 18944), (256, 512, 1024), (17, 256, 64)])
+def test_fp8_gemm_matches_its_reference(m, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    q, wq = quantize_rows(x), quantize_weight(w)
+    got = fp8_linear(q, wq)
+    ref = fp8_linear_reference(q, wq, torch.float32)
+    # The same dequantized operands: the GEMM differs by its fp32 sums' order and the bf16 output.
+    assert float((got.float() - ref).norm() / ref.norm()) < 4e-3
+    exact = x.float() @ w.float().T  # and the E4M3 rounding of both operands, stated
+    err = float((got.float() - exact).norm() / exact.norm())
+    print(f"FP8 GEMM [{m}, {k}] x [{n}, {k}]^T: {err:.4f} relative to the bf16 operands' fp32 product")
+    assert err < 0.06 and float(q.codes.float().abs().max()) == FP8_MAX
+
+
+def _model(path: Path, base: str):
+    return adapted_model(path, base, torch.bfloat16, "cuda", rank=8)
+
+
+@pytest.fixture
+def every_row_fp8(monkeypatch):
+    """Decode batches of a few rows run FP8 on an NVFP4 base too (by default from 17 rows)."""
+    monkeypatch.setattr(engine_fp8, "NVFP4_MIN_ROWS", 1)
+
+
+@pytest.mark.parametrize("base", ["bf16", "nvfp4"])
+def test_fp8_graph_replay_equals_eager(tiny_qwen2, base, every_row_fp8):
+    model = _model(tiny_qwen2, base)
+    limits = plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True)
+    graphed = Engine(model, limits, activations="fp8")
+    eager = Engine(model, limits, cuda_graphs=False, activations="fp8")
+    eager.runner.graphs.sizes = graphed.runner.graphs.sizes  # the same batch buckets: the same kernels
+    assert graphed.activations == eager.activations == "fp8" and graphed.uses_cuda_graphs
+    for params in (GREEDY, SAMPLED):
+        g, e = graphed.generate(PROMPTS, n=2, sampling=params), eager.generate(PROMPTS, n=2, sampling=params)
+        assert g.tokens == e.tokens
+        for a, b in zip(g.logprobs, e.logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("base", ["bf16", "nvfp4"])
+def test_fp8_greedy_agrees_with_bf16_activations(tiny_qwen2, base, every_row_fp8):
+    model = _model(tiny_qwen2, base)
+    limits = plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True)
+    ref = Engine(model, limits).generate(PROMPTS, n=1, sampling=GREEDY)
+    got = Engine(model, limits, activations="fp8").generate(PROMPTS, n=1, sampling=GREEDY)
+    # Position by position up to each sequence's first difference (after it the contexts differ).
+    agreed = total = 0
+    for a, b in zip(ref.tokens, got.tokens):
+        prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        agreed, total = agreed + prefix, total + len(a)
+    first = [abs(a[0] - b[0]) for a, b in zip(ref.logprobs, got.logprobs)]
+    print(f"{base}: greedy tokens equal before the first difference: {agreed}/{total}; first-token logprob "
+          f"difference max {max(first):.4f}")
+    assert agreed / total >= 0.5 and max(first) < 0.1
+
+
+@pytest.mark.parametrize(("d", "window", "softcap"), [(128, 0, 0.0), (64, 40, 0.0), (256, 0, 30.0)])
+def test_fp8_kv_attention_kernel_matches_its_reference(d, window, softcap):
+    from qerl_pipe.kernels.decode_ops import decode_attention_reference
+    from qerl_pipe.kernels.fp8 import row_codes
+    from qerl_pipe.kernels.triton_decode import launch_decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(d + window)
+    b, hq, hkv, length = 3, 8, 2, 300
+    q, k, v = (torch.randn(b, h, d, generator=gen, device="cuda").to(torch.bfloat16) for h in (hq, hkv, hkv))
+    angle = torch.rand(b, d // 2, generator=gen, device="cuda")
+    cos = torch.cat([angle.cos()] * 2, -1).to(torch.bfloat16)
+    sin = torch.cat([angle.sin()] * 2, -1).to(torch.bfloat16)
+    positions = torch.tensor([0, 130, 299], device="cuda")
+    k8, ks = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"))
+    v8, vs = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"))
+    caches = [(k8.clone(), v8.clone(), ks[..., 0].clone(), vs[..., 0].clone()) for _ in range(2)]
+    got = launch_decode_attention(q, k, v, cos, sin, caches[0][0], caches[0][1], positions, d ** -0.5, window,
+                                  softcap, caches[0][2], caches[0][3])
+    ref = decode_attention_reference(q, k, v, cos, sin, caches[1][0], caches[1][1], positions, d ** -0.5, window,
+                                     softcap, caches[1][2], caches[1][3])
+    # The same dequantized keys and values (rounded to bf16 for the kernel's dot products).
+    assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+    for mine, theirs in zip(caches[0], caches[1]):
+        if mine.dtype == torch.float32:
+            torch.testing.assert_close(mine, theirs, atol=0, rtol=1e-6)
+        else:
+            same = float((mine.view(torch.uint8) == theirs.view(torch.uint8)).float().mean())
+            assert same >= 0.9999, f"the kernel wrote {1 - same:.2e} of the codes differently"
+
+
+@pytest.mark.parametrize("base", ["bf16", "nvfp4"])
+def test_fp8_kv_cache_engine_graphs_and_greedy(tiny_qwen2, base):
+    model = _model(tiny_qwen2, base)
+    limits = plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True, kv_cache="fp8")
+    graphed = Engine(model, limits)
+    eager = Engine(model, limits, cuda_graphs=False)
+    eager.runner.graphs.sizes = graphed.runner.graphs.sizes
+    assert graphed.uses_cuda_graphs and graphed.runner.cache.k.dtype == torch.float8_e4m3fn
+    g, e = graphed.generate(PROMPTS, n=2, sampling=SAMPLED), eager.generate(PROMPTS, n=2, sampling=SAMPLED)
+    assert g.tokens == e.tokens
+    ref = Engine(model, plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True)).generate(
+        PROMPTS, n=1, sampling=GREEDY)
+    got = graphed.generate(PROMPTS, n=1, sampling=GREEDY)
+    agreed = total = 0
+    for a, b in zip(ref.tokens, got.tokens):
+        prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        agreed, total = agreed + prefix, total + len(a)
+    print(f"{base}, FP8 KV cache: greedy tokens equal before the first difference: {agreed}/{total}")
+    assert agreed / total >= 0.5
