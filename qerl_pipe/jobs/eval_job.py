@@ -16,7 +16,7 @@ import torch
 
 from qerl_pipe.artifacts import Artifact
 from qerl_pipe.engine import Engine, SamplingParams
-from qerl_pipe.engine.artifact import load_engine
+from qerl_pipe.jobs.engine_artifact import load_engine
 from qerl_pipe.hf import load_tokenizer
 from qerl_pipe.log import log
 from qerl_pipe.model.dense_copy import dense_base_copy

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from qerl_pipe.engine.artifact import read_engine_json
+from qerl_pipe.jobs.engine_artifact import read_engine_json
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.hf import compute_dtype, count_parameters, pick_device

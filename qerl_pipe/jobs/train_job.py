@@ -18,7 +18,7 @@ import torch
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.artifacts.store import link_tree
 from qerl_pipe.engine import Engine
-from qerl_pipe.engine.artifact import load_engine, read_engine_json
+from qerl_pipe.jobs.engine_artifact import load_engine, read_engine_json
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer, pick_device

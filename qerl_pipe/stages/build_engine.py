@@ -1,8 +1,8 @@
 """`qerl-pipe build-engine`: the model as the rollout engine and the trainer run it, done once per
 (model, GPU) and stored: the base in the kernels' layout, KV limits planned from the memory budget,
 kernels tuned on CUDA (the GPU's name is in the id). This module chooses the base (the quantize
-artifact for nvfp4, the original model for nf4 and bf16) and keys the artifact; `engine.build`
-builds it, `engine.artifact.load_engine` opens it (docs/engine.md)."""
+artifact for nvfp4, the original model for nf4 and bf16) and keys the artifact; `jobs.engine_build`
+builds it, `jobs.engine_artifact.load_engine` opens it (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.dag import BUILD_ENGINE, register
-from qerl_pipe.engine.artifact import device_kind
-from qerl_pipe.engine.build import EnginePlan, EngineSpec, plan_engine, write_engine
+from qerl_pipe.jobs.engine_artifact import device_kind
+from qerl_pipe.jobs.engine_build import EnginePlan, EngineSpec, plan_engine, write_engine
 from qerl_pipe.errors import ModelSourceError, QerlError
 from qerl_pipe.formats.checkpoint import detect_quant_format
 from qerl_pipe.formats.hf_config import read_model_config

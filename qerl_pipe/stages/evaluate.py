@@ -10,7 +10,7 @@ from typing import Any
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.dag import EVAL, TRAIN, register
-from qerl_pipe.engine.artifact import check_engine_for
+from qerl_pipe.jobs.engine_artifact import check_engine_for
 from qerl_pipe.eval_inputs import build_target_engine, open_adapter, resolve_model_target
 from qerl_pipe.hf import pick_device
 from qerl_pipe.jobs.eval_job import EngineInfo, run_eval_job

@@ -15,7 +15,7 @@ import torch
 
 from qerl_pipe.artifacts import Artifact, ArtifactStore, load_artifact
 from qerl_pipe.dag import TRAIN, register
-from qerl_pipe.engine.artifact import check_engine_for, read_engine_json
+from qerl_pipe.jobs.engine_artifact import check_engine_for, read_engine_json
 from qerl_pipe.hf import pick_device
 from qerl_pipe.jobs.train_config import fp8_rollout, train_config
 from qerl_pipe.jobs.train_job import (

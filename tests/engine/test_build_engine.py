@@ -15,7 +15,7 @@ from qerl_pipe.errors import ArtifactError
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, lora_parameters
-from qerl_pipe.engine.artifact import load_engine
+from qerl_pipe.jobs.engine_artifact import load_engine
 from tests.conftest import read_json
 from tests.stage_cli import cli, last_line, named
 
@@ -154,7 +154,7 @@ ROUND_TRIP = {
 
 @pytest.mark.parametrize(("arch", "fmt"), [("llama3_bias", "nvfp4"), ("qwen2_tied", "nf4"), ("qwen3", "bf16")])
 def test_engine_weights_round_trip_in_shards(tmp_path, monkeypatch, arch, fmt):
-    from qerl_pipe.engine import weights
+    from qerl_pipe.jobs import engine_weights as weights
 
     dims = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512)
@@ -172,7 +172,7 @@ def test_engine_weights_round_trip_in_shards(tmp_path, monkeypatch, arch, fmt):
 
 
 def test_a_mismatched_engine_is_refused(tmp_path):
-    from qerl_pipe.engine import weights
+    from qerl_pipe.jobs import engine_weights as weights
 
     dims = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
                 intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
@@ -186,7 +186,7 @@ def test_a_mismatched_engine_is_refused(tmp_path):
 def test_an_nf4_engine_of_the_old_byte_layout_is_refused(tmp_path):
     """NF4 engines before layout 2 held our own nibble order: read as bitsandbytes' bytes they would
     decode to other weights, so their index (without `base_layout_version`) is refused with the fix."""
-    from qerl_pipe.engine import weights
+    from qerl_pipe.jobs import engine_weights as weights
 
     dims = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
                 intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)

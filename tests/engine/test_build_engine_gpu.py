@@ -15,8 +15,8 @@ from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from qerl_pipe.kernels import configs, cuda_ext, nf4_linear, nvfp4_linear
 from qerl_pipe.kernels.tuning import tune_kernels
 from qerl_pipe.model.load import load_model
-from qerl_pipe.engine.artifact import load_engine
-from qerl_pipe.engine import build as engine_build
+from qerl_pipe.jobs.engine_artifact import load_engine
+from qerl_pipe.jobs import engine_build as engine_build
 from tests.conftest import read_json
 
 pytestmark = [

@@ -460,7 +460,7 @@ def test_pipeline_quantizes_trains_and_exports_a_peft_adapter(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from qerl_pipe.engine.artifact import load_engine
+    from qerl_pipe.jobs.engine_artifact import load_engine
     from qerl_pipe.model.peft import load_adapter_weights
 
     source = make_tiny_model(tmp_path / "moe", "qwen3_moe", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,

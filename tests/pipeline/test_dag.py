@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qerl_pipe import dag, orchestration
-from qerl_pipe.engine.artifact import KIND as ENGINE_KIND
+from qerl_pipe.jobs.engine_artifact import KIND as ENGINE_KIND
 from qerl_pipe.pipeline import run_stage
 from qerl_pipe.recipe import STAGE_ORDER
 from tests.stage_cli import cli

@@ -53,7 +53,7 @@ def random_adapter(pipeline, tmp_path_factory) -> Path:
     """A PEFT adapter for the tiny model with random, clearly non-zero A and B."""
     from qerl_pipe.model.peft import save_adapter
     from qerl_pipe.model.lora import LoraSpec, lora_parameters
-    from qerl_pipe.engine.artifact import load_engine
+    from qerl_pipe.jobs.engine_artifact import load_engine
 
     spec = LoraSpec(2, 4, ("q", "v", "down"))
     model, _ = load_engine(pipeline["engine"], "cpu", lora=spec)

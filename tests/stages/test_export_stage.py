@@ -28,7 +28,7 @@ from qerl_pipe.model.load import load_model
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.recipe import load_recipe
-from qerl_pipe.engine.artifact import load_engine
+from qerl_pipe.jobs.engine_artifact import load_engine
 from qerl_pipe.dag import BUILD_ENGINE, CALIBRATE, QUANTIZE
 from qerl_pipe.pipeline import run_stage
 from qerl_pipe.formats import checkpoint

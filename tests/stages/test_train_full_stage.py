@@ -33,7 +33,7 @@ def test_a_full_run_exports_the_trained_model_and_refuses_peft(tiny_llama, store
     from transformers import AutoModelForCausalLM
 
     from qerl_pipe.model.full import FullTraining
-    from qerl_pipe.engine.artifact import load_engine
+    from qerl_pipe.jobs.engine_artifact import load_engine
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model:\n  source: {tiny_llama}\n")

@@ -79,7 +79,7 @@ def test_adapter_loads_into_peft_and_reproduces_our_logits(tiny_llama, store_dir
 
     from qerl_pipe.model.peft import load_adapter_weights
     from qerl_pipe.model.lora import LoraSpec
-    from qerl_pipe.engine.artifact import load_engine
+    from qerl_pipe.jobs.engine_artifact import load_engine
 
     run = last_line(cli("train", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *ENGINE, *TRAIN,
                         "--set", "engine.base_format=bf16", "--set", "train.steps=2", "--set", "train.eval_limit=0",

@@ -2,7 +2,7 @@
 `plan_engine` decides the dtype, KV limits (from the caller's budget), CUDA graphs and tuning before
 any weight is read, so a bad setting fails before any work; `write_engine` loads the base in the
 kernels' layout, tunes or measures its kernels on CUDA and writes the weights and `engine.json`
-(read by `engine.artifact.load_engine`). See docs/engine.md, section "The engine artifact"."""
+(read by `jobs.engine_artifact.load_engine`). See docs/engine.md, section "The engine artifact"."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 import qerl_pipe
-from qerl_pipe.engine.artifact import ENGINE_FILE, ENGINE_FORMAT_VERSION, device_kind
+from qerl_pipe.jobs.engine_artifact import ENGINE_FILE, ENGINE_FORMAT_VERSION, device_kind
 from qerl_pipe.engine.fp8 import check_activations, check_kv_cache
 from qerl_pipe.engine.limits import EngineLimits, plan_limits
-from qerl_pipe.engine.weights import save_engine_model
+from qerl_pipe.jobs.engine_weights import save_engine_model
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.checkpoint import refuse_non_finite
 from qerl_pipe.formats.names import hf_name

@@ -13,7 +13,7 @@ import torch
 
 from qerl_pipe.artifacts import Artifact, load_artifact
 from qerl_pipe.engine.limits import EngineLimits
-from qerl_pipe.engine.weights import load_engine_model
+from qerl_pipe.jobs.engine_weights import load_engine_model
 from qerl_pipe.errors import ArtifactError, QerlError
 from qerl_pipe.kernels.configs import set_table, table_from_json
 from qerl_pipe.kernels import dispatch
