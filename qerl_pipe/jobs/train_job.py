@@ -224,106 +224,138 @@ def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
     return line, {"trained_parameters": params, "train_state_gib": round(extra / 2**30, 3)}
 
 
-def run_train_job(section: TrainSection, cfg: TrainConfig, engine_dir: Path, problems: list[Problem],
-                  eval_problems: list[Problem], device: torch.device, run_dir: Path, base_model: str,
-                  trust_remote_code: bool, dist: Dist, plan: MemoryPlan) -> dict[str, Any]:
-    """Train (or resume) in `run_dir`, evaluate, export; returns the manifest summary. `plan`
-    (`plan_run`) sets the KV slots; `cfg`, built from the section and the plan, is what the
-    trainer runs (the section gives the adapter's shape, the prompts and the report's words).
-
-    With several ranks all of them train; rank 0 alone evaluates and writes the files (the
-    others return {} once training is done).
-    """
-    started = time.perf_counter()
-    # As quantize does: the stages' reads before this (a standalone CPU train's engine lookup and
-    # plan) left freed memory in the heap, and the run peaked 55% over its plan line without this.
-    return_freed_tensors_to_os()
-    model, limits = load_engine(engine_dir, device)
-    limits = limits.with_batch(plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
-    spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms,
-                    section.lora.experts)
-    full = section.adapter == "full"
-    if not full:
-        apply_lora(model, spec, seed=section.seed)
-    tokenizer = load_tokenizer(engine_dir, trust_remote_code)
-    stops = stop_token_ids(tokenizer, engine_dir)
-    problems, prompts, _ = fit_prompts(tokenizer, problems, section.instruction, limits.max_seq_len,
-                                       section.max_new_tokens, "training", SECTION)
-    eval_problems, eval_prompts, _ = fit_prompts(tokenizer, eval_problems, section.instruction, limits.max_seq_len,
-                                                 section.max_new_tokens, "evaluation", SECTION)
-    activations = read_engine_json(engine_dir).get("activations", "bf16")
-    engine_runner = Engine(model, limits, kernel_copies=plan.kernel_copies, activations=activations)
-    # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
-    with dense_base_copy(model) if device.type == "cpu" else nullcontext() as dense_bytes:
-        if dense_bytes and dist.is_main:
-            log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
-        trainer = Trainer(model, engine_runner, tokenizer, problems, prompts, cfg, stops, dist=dist)
-        memory: dict[str, Any] = {}
-        if full and dist.is_main:
-            line, memory = _full_memory_line(model)
-            log(line)
-        before = after = None
-
-        def greedy(name: str) -> dict[str, Any]:
-            result = greedy_accuracy(engine_runner, tokenizer, eval_problems, eval_prompts, section.max_new_tokens,
-                                     stops)
-            return _write_greedy_accuracy(run_dir, name, result)
-
-        if eval_prompts and dist.is_main:
-            before_file = run_dir / EVAL_DIR / "before.json"
-            if before_file.is_file():  # a resumed run evaluated the fresh adapter already
-                before = json.loads(before_file.read_text())
-            else:
-                before = greedy("before")
-                log(greedy_line("before", before, section.eval_data))
-        records = fit(trainer, run_dir, section.checkpoint_every)
-        if not dist.is_main:
-            return {}
-        if eval_prompts:
-            after = greedy("after")
-            log(f"{greedy_line('after', after, section.eval_data)}; before {before['accuracy']:.3f}")
-    if full:
-        _save_full_model(model, engine_dir, run_dir / MODEL_DIR)
-    else:
-        save_adapter(model, spec, run_dir / ADAPTER_DIR, base_model)
-    write_plots(records, run_dir / PLOTS_DIR, section.max_new_tokens)
-    report = write_report(run_dir, section, records, before, after, time.perf_counter() - started, str(device), plan)
-    return {
-        "steps": len(records),
-        "accuracy_before": before["accuracy"] if before else None,
-        "accuracy_after": after["accuracy"] if after else None,
-        "reward_first_tenth": report["reward_first_tenth"],
-        "reward_last_tenth": report["reward_last_tenth"],
-        "device": str(device),
-        "adapter": section.adapter, **memory,
-        "memory_plan": plan.to_json(),
-        **({"processes": dist.world_size} if dist.enabled else {}),
-        "seconds_this_session": round(time.perf_counter() - started, 1),
-    }
-
-
 @dataclass(frozen=True)
 class RunInputs:
-    """What rank 0's build of a train run needs, settled before the store is asked."""
+    """Everything a train run needs, settled at the stage boundary before the store is asked: the
+    recipe (its train section gives the adapter's shape, the prompts and the report's words), the
+    trainer's config built from it and the memory plan, the engine, the problems."""
 
     store: ArtifactStore
     force: bool  # start the run over (`--force`)
     recipe: Recipe
     engine: Artifact
-    model_name: str  # the model as the recipe named it (adapter configs, reports)
+    model_name: str  # the model as the recipe named it (adapter configs, reports); "" off rank 0
     config: dict[str, Any]  # what names the run (written to run.json)
-    cfg: TrainConfig
-    plan: MemoryPlan
+    cfg: TrainConfig  # what the trainer runs
+    plan: MemoryPlan  # sets the KV slots (`plan_run`); cfg holds its micro-batch and chunk
     problems: list[Problem]
     eval_problems: list[Problem]
     device: torch.device
     dist: Dist
 
 
+@dataclass
+class TrainSession:
+    """What `setup_run` builds: the shared model with its adapter, the engine over it, the trainer."""
+
+    model: torch.nn.Module
+    spec: LoraSpec
+    tokenizer: Any
+    stops: tuple[int, ...]
+    engine: Engine
+    trainer: Trainer
+    eval_problems: list[Problem]
+    eval_prompts: list[list[int]]
+
+
+def setup_run(run: RunInputs) -> TrainSession:
+    """Load the engine artifact (its KV cache at the plan's slots), put the adapter on the model,
+    fit the prompts and build the trainer."""
+    section, engine_dir = run.recipe.train, run.engine.path
+    # As quantize does: the stages' reads before this (a standalone CPU train's engine lookup and
+    # plan) left freed memory in the heap, and the run peaked 55% over its plan line without this.
+    return_freed_tensors_to_os()
+    model, limits = load_engine(engine_dir, run.device)
+    limits = limits.with_batch(run.plan.kv_slots)  # the plan's KV cache: the engine's, or fewer slots
+    spec = LoraSpec(section.lora.rank, section.lora.alpha, tuple(section.lora.targets), section.lora.train_norms,
+                    section.lora.experts)
+    if section.adapter != "full":
+        apply_lora(model, spec, seed=section.seed)
+    tokenizer = load_tokenizer(engine_dir, run.recipe.model.trust_remote_code)
+    stops = stop_token_ids(tokenizer, engine_dir)
+    problems, prompts, _ = fit_prompts(tokenizer, run.problems, section.instruction, limits.max_seq_len,
+                                       section.max_new_tokens, "training", SECTION)
+    eval_problems, eval_prompts, _ = fit_prompts(tokenizer, run.eval_problems, section.instruction,
+                                                 limits.max_seq_len, section.max_new_tokens, "evaluation", SECTION)
+    activations = read_engine_json(engine_dir).get("activations", "bf16")
+    engine = Engine(model, limits, kernel_copies=run.plan.kernel_copies, activations=activations)
+    trainer = Trainer(model, engine, tokenizer, problems, prompts, run.cfg, stops, dist=run.dist)
+    return TrainSession(model, spec, tokenizer, stops, engine, trainer, eval_problems, eval_prompts)
+
+
+def train_run(session: TrainSession, run: RunInputs, run_dir: Path) -> tuple[list[dict[str, Any]], dict | None,
+                                                                             dict | None]:
+    """Greedy accuracy before (rank 0, once per run), the steps (every rank), accuracy after:
+    (the step records, before, after)."""
+    section, dist = run.recipe.train, run.dist
+    before = after = None
+
+    def greedy(name: str) -> dict[str, Any]:
+        result = greedy_accuracy(session.engine, session.tokenizer, session.eval_problems, session.eval_prompts,
+                                 section.max_new_tokens, session.stops)
+        return _write_greedy_accuracy(run_dir, name, result)
+
+    if session.eval_prompts and dist.is_main:
+        before_file = run_dir / EVAL_DIR / "before.json"
+        if before_file.is_file():  # a resumed run evaluated the fresh adapter already
+            before = json.loads(before_file.read_text())
+        else:
+            before = greedy("before")
+            log(greedy_line("before", before, section.eval_data))
+    records = fit(session.trainer, run_dir, section.checkpoint_every)
+    if session.eval_prompts and dist.is_main:
+        after = greedy("after")
+        log(f"{greedy_line('after', after, section.eval_data)}; before {before['accuracy']:.3f}")
+    return records, before, after
+
+
+def save_run(session: TrainSession, run: RunInputs, run_dir: Path, records: list[dict[str, Any]],
+             before: dict | None, after: dict | None, seconds: float, memory: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: the adapter (or the full model), plots and reports; returns the manifest summary."""
+    section, plan = run.recipe.train, run.plan
+    if section.adapter == "full":
+        _save_full_model(session.model, run.engine.path, run_dir / MODEL_DIR)
+    else:
+        save_adapter(session.model, session.spec, run_dir / ADAPTER_DIR, run.model_name)
+    write_plots(records, run_dir / PLOTS_DIR, section.max_new_tokens)
+    report = write_report(run_dir, section, records, before, after, seconds, str(run.device), plan)
+    return {
+        "steps": len(records),
+        "accuracy_before": before["accuracy"] if before else None,
+        "accuracy_after": after["accuracy"] if after else None,
+        "reward_first_tenth": report["reward_first_tenth"],
+        "reward_last_tenth": report["reward_last_tenth"],
+        "device": str(run.device),
+        "adapter": section.adapter, **memory,
+        "memory_plan": plan.to_json(),
+        **({"processes": run.dist.world_size} if run.dist.enabled else {}),
+        "seconds_this_session": round(seconds, 1),
+    }
+
+
+def run_train_job(run: RunInputs, run_dir: Path) -> dict[str, Any]:
+    """Train (or resume) in `run_dir`, evaluate, save: setup, train, save. With several ranks all
+    of them train; rank 0 alone evaluates and writes the files (the others return {})."""
+    started = time.perf_counter()
+    session = setup_run(run)
+    # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
+    with dense_base_copy(session.model) if run.device.type == "cpu" else nullcontext() as dense_bytes:
+        if dense_bytes and run.dist.is_main:
+            log(f"train: CPU run, 4-bit base dequantized once ({dense_bytes / 2**20:.1f} MiB) instead of per call")
+        memory: dict[str, Any] = {}
+        if run.recipe.train.adapter == "full" and run.dist.is_main:
+            line, memory = _full_memory_line(session.model)
+            log(line)
+        records, before, after = train_run(session, run, run_dir)
+    if not run.dist.is_main:
+        return {}
+    return save_run(session, run, run_dir, records, before, after, time.perf_counter() - started, memory)
+
+
 def train_in_work_dir(pending: PendingArtifact, run: RunInputs, built: list[Path]) -> None:
     """Train (or resume) in the run's work directory (`store.work_dir_for`), then link it into
     `pending`; appends the work directory to `built`."""
-    dist, section = run.dist, run.recipe.train
+    dist = run.dist
     run_dir = run.store.work_dir_for("train", pending.id)
     dist.broadcast((None, str(run_dir)))
     if run.force and run_dir.exists():
@@ -334,9 +366,7 @@ def train_in_work_dir(pending: PendingArtifact, run: RunInputs, built: list[Path
         record = {"id": pending.id, "engine": run.engine.id, **run.config, "memory_plan": run.plan.to_json()}
         write_json(run_dir / RUN_FILE, record)
         dist.barrier()  # the run directory is ready (and an old one cleared) before any rank reads it
-        summary = run_train_job(section, run.cfg, run.engine.path, run.problems, run.eval_problems, run.device,
-                                run_dir, run.model_name,
-                                run.recipe.model.trust_remote_code, dist, run.plan)
+        summary = run_train_job(run, run_dir)
         link_tree(run_dir, pending.dir)
     pending.summary.update(summary)
     built.append(run_dir)

@@ -23,12 +23,9 @@ from qerl_pipe.jobs.train_job import (
 )
 from qerl_pipe.lineage import engine_model_name
 from qerl_pipe.log import log
-from qerl_pipe.memory.plan import MemoryPlan
 from qerl_pipe.recipe import Recipe, TrainSection
-from qerl_pipe.rl.loop.config import TrainConfig
 from qerl_pipe.rl.loop.distributed import Dist, init_distributed
 from qerl_pipe.rl.task.rewards import custom_reward_digests
-from qerl_pipe.rl.task.tasks import Problem
 from qerl_pipe.runner import StageCall
 from qerl_pipe.sources import peek_model_config
 from qerl_pipe.userfiles import data_file_key, data_spec_key
@@ -97,10 +94,12 @@ def train_stage(call: StageCall) -> Artifact:
     plan = plan_run(section, engine.path, device, dist)  # over train.memory_budget_gb: refused now
     cfg = train_config(section, plan, fp8_rollout(read_engine_json(engine.path)))
     config = _run_config(section, device, custom_rewards, dist)
+    model_name = engine_model_name(engine, call.store) if dist.is_main else ""
+    run = RunInputs(call.store, call.force, recipe, engine, model_name, config, cfg, plan, problems, eval_problems,
+                    device, dist)
     if not dist.is_main:
-        return _follow_train(recipe, cfg, engine, problems, eval_problems, device, plan, dist)
+        return _follow_train(run)
     built: list[Path] = []
-    run = RunInputs(call.store, call.force, recipe, engine, engine_model_name(engine, call.store), config, cfg, plan, problems, eval_problems, device, dist)
     artifact = call.seal(config=config, parents=[engine.id], build=partial(train_in_work_dir, run=run, built=built))
     if not built:
         dist.broadcast((str(artifact.path), None))
@@ -111,17 +110,15 @@ def train_stage(call: StageCall) -> Artifact:
     return artifact
 
 
-def _follow_train(recipe: Recipe, cfg: TrainConfig, engine: Artifact, problems: list[Problem],
-                  eval_problems: list[Problem], device: torch.device, plan: MemoryPlan, dist: Dist) -> Artifact:
+def _follow_train(run: RunInputs) -> Artifact:
     """A rank other than 0: train in the run directory rank 0 chose, then return the artifact it sealed.
 
     Rank 0 raising (say, a locked or damaged store) ends the whole torchrun group, so the
     broadcasts here never wait for nothing.
     """
-    existing, run_dir = dist.broadcast(None)
+    existing, run_dir = run.dist.broadcast(None)
     if existing is not None:
         return load_artifact(Path(existing), verify=False)
-    dist.barrier()
-    run_train_job(recipe.train, cfg, engine.path, problems, eval_problems, device, Path(run_dir),
-                  "", recipe.model.trust_remote_code, dist, plan)
-    return load_artifact(Path(dist.broadcast(None)), verify=False)
+    run.dist.barrier()
+    run_train_job(run, Path(run_dir))
+    return load_artifact(Path(run.dist.broadcast(None)), verify=False)

@@ -7,7 +7,7 @@ import torch
 
 from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from qerl_pipe.kernels import KernelConfig
+from qerl_pipe.kernels.configs import KernelConfig
 
 pytestmark = [
     pytest.mark.gpu,

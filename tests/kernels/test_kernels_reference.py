@@ -9,20 +9,9 @@ import torch
 
 from qerl_pipe.formats.nf4 import dequantize_nf4, quantize_nf4
 from qerl_pipe.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from qerl_pipe.kernels import (
-    KernelConfig,
-    default_table,
-    get_config,
-    nf4_linear,
-    nf4_linear_dx,
-    nvfp4_linear,
-    nvfp4_linear_dx,
-    prepare_nf4,
-    prepare_nvfp4,
-    prepared_nvfp4,
-    set_table,
-)
-from qerl_pipe.kernels.configs import table_from_json, table_to_json
+from qerl_pipe.kernels import nf4_linear, nf4_linear_dx, nvfp4_linear, nvfp4_linear_dx
+from qerl_pipe.kernels.configs import KernelConfig, default_table, get_config, set_table, table_from_json, table_to_json
+from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4, prepared_nvfp4
 from qerl_pipe.kernels.packing import pack_words, unpack_words, unprepare_nf4, unprepare_nvfp4
 
 

@@ -19,8 +19,8 @@ LAYERS = {
 }
 # layer: (target, ceiling). Lower a ceiling when a change shrinks its layer; never raise one.
 BUDGETS = {
-    "product": (15_800, 17_783),
-    "kernels": (3_000, 3_821),
+    "product": (15_800, 17_775),
+    "kernels": (3_000, 3_786),
     "engine runtime": (1_300, 1_464),
     "pipeline + face": (2_300, 2_440),
 }
