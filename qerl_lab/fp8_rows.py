@@ -6,13 +6,12 @@ weight copies, one CUDA graph, median of replays; `kernels.tuning.time_graph`):
 - `bf16_us`: x @ W^T, cuBLAS bf16;
 - `qerl_us`: our W4A16 CUDA GEMM on the NVFP4 weight (M <= 256);
 - `fp8_us`: the FP8 GEMM (`kernels.fp8.fp8_linear`, torch's row-wise scaled matmul) on the FP8
-  copy the engine makes of the NVFP4 weight, activations already quantized (as the fused norm and
-  gate kernels hand them over);
-- `fp8_quant_us`: the same plus the one compiled quantization launch (o_proj's input, prefill).
-And the fused producers with and without their FP8 output: the add + RMSNorm kernel (hidden
-3584) and the SiLU gate (2 x 18944). The layer-weighted ratio counts a decoder layer as the
-engine runs it: q/k/v and gate/up on norm-fused activations, o on a quantization launch, down on
-the gate-fused ones, each fused producer's extra time included.
+  copy the engine makes of the NVFP4 weight, activations already quantized (as the fused norm
+  kernel hands them over);
+- `fp8_quant_us`: the same plus the one compiled quantization launch (o and down's inputs, prefill).
+And the fused add + RMSNorm kernel (hidden 3584) with and without its FP8 output. The
+layer-weighted ratio counts a decoder layer as the engine runs it: q/k/v and gate/up on
+norm-fused activations, o and down on a quantization launch, the norm's extra time included.
 """
 
 from __future__ import annotations
@@ -24,14 +23,13 @@ import torch
 
 from qerl_lab.kernels import LAYER_SHAPES
 from qerl_lab.results import nulls_for_non_finite, results_file, target
-from qerl_pipe.engine.fp8 import gate_fp8, quantize_fused
+from qerl_pipe.engine.fp8 import quantize_fused
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.decode_ops import add_rms_norm
 from qerl_pipe.kernels.dispatch_measure import REPS, inputs, operands
 from qerl_pipe.kernels.fp8 import Fp8Rows, fp8_linear, quantize_rows, quantize_weight, runs_fp8
 from qerl_pipe.kernels.tuning import rel_err, time_graph
-from qerl_pipe.model.decoder import silu_gate
 from qerl_pipe.strict_json import write_json
 
 MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -64,21 +62,18 @@ def _layer_rows(layer: str, n: int, k: int, device: torch.device) -> list[dict]:
 
 
 def _producer_rows(device: torch.device) -> list[dict]:
-    """The fused producers' time with and without their FP8 output, per M."""
-    hidden, inter = LAYER_SHAPES[MODEL]["o"][1], LAYER_SHAPES[MODEL]["down"][1]
+    """The fused norm's time with and without its FP8 output, per M."""
+    hidden = LAYER_SHAPES[MODEL]["o"][1]
     gen = torch.Generator(device=device).manual_seed(3)
     weight = torch.rand(hidden, generator=gen, device=device).to(torch.bfloat16)
     noise = torch.zeros(hidden, device=device)
     rows = []
     for m in MS:
         x, r = (torch.randn(m, hidden, generator=gen, device=device).to(torch.bfloat16) for _ in range(2))
-        gu = torch.randn(m, 2 * inter, generator=gen, device=device).to(torch.bfloat16)
         rows.append({
             "M": m,
             "norm_us": time_graph([lambda: add_rms_norm(x, r, weight, noise, 1e-6)], REPS) * 1e6,
             "norm_fp8_us": time_graph([lambda: add_rms_norm(x, r, weight, noise, 1e-6, quantize=True)], REPS) * 1e6,
-            "gate_us": time_graph([lambda: silu_gate(gu)], REPS) * 1e6,
-            "gate_fp8_us": time_graph([lambda: gate_fp8("silu", gu)], REPS) * 1e6,
         })
     return rows
 
@@ -89,8 +84,8 @@ def _weighted(layers: list[dict], producers: list[dict], m: int) -> dict[str, fl
     by = {r["layer"]: r for r in layers if r["M"] == m}
     p = next(r for r in producers if r["M"] == m)
     bf16 = sum(r["bf16_us"] for r in by.values())
-    fp8 = (by["qkv"]["fp8_us"] + by["gate_up"]["fp8_us"] + by["o"]["fp8_quant_us"] + by["down"]["fp8_us"]
-           + 2 * (p["norm_fp8_us"] - p["norm_us"]) + (p["gate_fp8_us"] - p["gate_us"]))
+    fp8 = (by["qkv"]["fp8_us"] + by["gate_up"]["fp8_us"] + by["o"]["fp8_quant_us"] + by["down"]["fp8_quant_us"]
+           + 2 * (p["norm_fp8_us"] - p["norm_us"]))
     out = {"M": m, "bf16_us": bf16, "fp8_us": fp8, "fp8_over_bf16": bf16 / fp8,
            "fp8_gemm_only_over_bf16": bf16 / sum(r["fp8_us"] for r in by.values())}
     if all("qerl_us" in r for r in by.values()):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qerl_pipe.engine.fp8 import gate_fp8
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention, lora_shrink
 from qerl_pipe.kernels.fp8 import Fp8Rows
@@ -28,12 +27,11 @@ def _norm(x: Tensor, residual: Tensor | None, norm: RMSNorm, lora: FusedLora,
     return add_rms_norm(x, residual, norm.weight, norm.noise, norm.eps, shrink, norm.offset, quantize)
 
 
-def _mlp(mlp: MLP, normed: Tensor, u: Tensor | None, q: Fp8Rows | None, lora: FusedLora, act: str) -> Tensor:
-    """gate/up, the gate, down; the gate also writes down's E4M3 rows where down runs FP8."""
+def _mlp(mlp: MLP, normed: Tensor, u: Tensor | None, q: Fp8Rows | None, lora: FusedLora) -> Tensor:
+    """gate/up, the gate, down (where down runs FP8, its input's E4M3 rows are made by
+    `FusedLora.project`: a compiled gate + quantization rounded the scale from the unrounded
+    fp32 gate, inductor fusing away the bf16 round trip, docs/kernels.md "FP8 rollouts")."""
     gate_up = lora.project(mlp.gate_up_proj, normed, u, q)
-    if lora.runs_fp8(mlp.down_proj, gate_up.shape[0]):
-        h, q_down = gate_fp8(act, gate_up)
-        return lora.project(mlp.down_proj, h, None, q_down)
     return lora.project(mlp.down_proj, mlp.gate(gate_up))
 
 
@@ -78,7 +76,7 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
             down = mlp(normed, lora.project)
         else:
             normed, residual, u, q8 = _norm(attended, residual, layer.mlp_norm, lora, mlp.gate_up_proj)
-            down = _mlp(mlp, normed, u, q8, lora, cfg.hidden_act)
+            down = _mlp(mlp, normed, u, q8, lora)
         if layer.sandwich:
             down = _output_norm(down, layer.post_feedforward_layernorm)
         if i + 1 < len(layers):

@@ -121,7 +121,7 @@ class Engine:
     ):
         if prefill_tokens < 1:
             raise PromptError(f"prefill_tokens must be >= 1; got {prefill_tokens}")
-        check_activations(activations, model.base_format, model.embed_tokens.weight.device)
+        check_activations(activations, model.base_format, model.embed_tokens.weight.device, model.dtype)
         check_kv_cache(limits.kv_cache, model.embed_tokens.weight.device)
         self.model, self.limits, self.prefill_tokens = model, limits, prefill_tokens
         self.device = model.embed_tokens.weight.device

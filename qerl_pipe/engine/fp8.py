@@ -1,15 +1,13 @@
 """FP8 rollouts (`engine.activations: fp8`): E4M3 copies of the dense linears' bases, made once when
 the engine starts (`Fp8Linears`), serve the rollout projections of at least `min_rows` rows with
-per-token E4M3 activations, which the norm kernel and the compiled gate write beside their bf16
-outputs; the adapter stays bf16 and training never sees FP8. `check_activations` and
+per-token E4M3 activations, which the norm kernel writes beside its bf16 output (elsewhere one
+compiled quantization); the adapter stays bf16 and training never sees FP8. `check_activations` and
 `check_kv_cache` refuse what cannot run here. docs/kernels.md#fp8-rollouts has the design."""
 
 from __future__ import annotations
 
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl_pipe.errors import QerlError
@@ -34,7 +32,7 @@ def min_rows(fmt: BaseFormat) -> int:
     return 1 if fmt.dense else NVFP4_MIN_ROWS
 
 
-def check_activations(activations: str, base_format: str, device: torch.device) -> None:
+def check_activations(activations: str, base_format: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, in one line that names the fix, what cannot run FP8 activations here."""
     if activations not in ACTIVATIONS:
         raise QerlError(f"engine.activations={activations!r}: choose one of {', '.join(ACTIVATIONS)}")
@@ -48,6 +46,9 @@ def check_activations(activations: str, base_format: str, device: torch.device) 
         name = torch.cuda.get_device_name(device)
         raise QerlError(f"engine.activations=fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper or "
                         f"newer); {name} has none; set engine.activations=bf16")
+    if device.type == "cuda" and dtype != torch.bfloat16:  # the FP8 GEMM writes bf16
+        raise QerlError(f"engine.activations=fp8 runs bfloat16 models on a GPU, not {str(dtype).removeprefix('torch.')}; "
+                        "set engine.dtype=bfloat16 or engine.activations=bf16")
 
 
 def check_kv_cache(kv_cache: str, device: torch.device) -> None:
@@ -59,13 +60,14 @@ def check_kv_cache(kv_cache: str, device: torch.device) -> None:
 
 
 def fp8_linears(model: nn.Module) -> list[QuantLinear]:
-    """The linears that get an FP8 copy: every decoder layer's attention and dense-MLP projections."""
+    """The linears that get an FP8 copy: every decoder layer's attention and dense-MLP projections
+    whose sizes the FP8 GEMM takes (multiples of 16; every real model's are)."""
     out = []
     for layer in model.layers:
         out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
         if not isinstance(layer.mlp, SparseMoE):
             out += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    return out
+    return [linear for linear in out if linear.in_features % 16 == 0 and linear.out_features % 16 == 0]
 
 
 def _dense_base(linear: QuantLinear) -> Tensor:
@@ -108,21 +110,3 @@ class Fp8Linears:
 def quantize_fused(x: Tensor) -> tuple[Tensor, Tensor]:
     """`kernels.fp8.row_codes`, one compiled kernel on CUDA."""
     return row_codes(x)
-
-
-# The gates' activations (`model.decoder.GATES`' functions, as config.json names them).
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
-
-
-@fused_on_cuda
-def _gate_and_codes(gate_up: Tensor, hidden_act: str) -> tuple[Tensor, Tensor, Tensor]:
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = _ACTIVATIONS[hidden_act](gate) * up
-    return (h, *row_codes(h))
-
-
-def gate_fp8(hidden_act: str, gate_up: Tensor) -> tuple[Tensor, Fp8Rows]:
-    """The MLP gate (`model.decoder.GATES`) and its E4M3 rows, in one compiled kernel on CUDA (one
-    compile per activation: the name is a constant to it)."""
-    h, codes, scale = _gate_and_codes(gate_up, hidden_act)
-    return h, Fp8Rows(codes, scale)

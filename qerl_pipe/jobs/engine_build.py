@@ -86,14 +86,14 @@ def plan_engine(section: EngineSpec, hf_config: dict[str, Any], device: torch.de
             f"({config.max_position_embeddings}); lower engine.max_seq_len"
         )
     cuda = device.type == "cuda"
-    check_activations(section.activations, section.base_format, device)
+    dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
+    check_activations(section.activations, section.base_format, device, dtype)
     check_kv_cache(section.kv_cache, device)
     four_bit = not base_format(section.base_format).dense
     graphs = _switch(section.cuda_graphs, cuda, cuda, "cuda_graphs", "needs a CUDA device")
     tunable = " or ".join(name for name in NAMES if not base_format(name).dense)
     tune = _switch(section.tune_kernels, cuda and four_bit, cuda and four_bit, "tune_kernels",
                    f"needs a CUDA device and a 4-bit base ({tunable})")
-    dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
     # Raises now when not even one sequence fits.
     limits = plan_limits(config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
                          kv_budget_bytes=kv_budget_bytes, dtype=dtype, cuda_graphs=graphs, kv_cache=section.kv_cache)

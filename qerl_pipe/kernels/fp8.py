@@ -47,7 +47,9 @@ def row_codes(x: Tensor) -> tuple[Tensor, Tensor]:
     448, codes = x / scale rounded to nearest. The fused kernels compute exactly this from the
     same rounded inputs. (Plain tensors: what a compiled function returns.)"""
     x32 = x.float()
-    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    # A multiply by 1/448, not a division: eager CUDA divides by a scalar that way, the CPU does not,
+    # and the fused kernels must match both bit for bit.
+    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
     return (x32 / scale).to(FP8), scale
 
 

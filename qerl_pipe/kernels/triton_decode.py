@@ -16,8 +16,10 @@ from torch import Tensor
 from qerl_pipe.kernels.fp8 import FP8, FP8_MAX as _FP8_MAX, MIN_AMAX as _MIN_AMAX, Fp8Rows
 from qerl_pipe.kernels.triton_pdl import launch_dependents, pdl_options, wait_previous
 
-FP8_MAX: tl.constexpr = tl.constexpr(_FP8_MAX)
 MIN_AMAX: tl.constexpr = tl.constexpr(_MIN_AMAX)
+# amax * (1 / 448) in float32, as `fp8.row_codes` computes the scale (eager CUDA divides by a
+# scalar as a multiply by its reciprocal, so every path multiplies: the same bits everywhere).
+INV_FP8_MAX: tl.constexpr = tl.constexpr(1.0 / _FP8_MAX)
 
 SPLIT = 128  # cache positions per program
 FULL_WINDOW = 1 << 30  # the window of a layer with full attention: wider than any cache
@@ -59,11 +61,13 @@ def _stored(x, scale_ptr, FP8_KV: tl.constexpr):
     written to `scale_ptr`, as `fp8.row_codes`) and as attention reads it back (dequantized)."""
     if FP8_KV:
         x32 = x.to(tl.float32)
-        row_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x32), 1), MIN_AMAX), FP8_MAX)
+        row_scale = tl.maximum(tl.max(tl.abs(x32), 1), MIN_AMAX) * INV_FP8_MAX
         codes = tl.math.div_rn(x32, row_scale[:, None]).to(tl.float8e4nv)
         tl.store(scale_ptr + tl.arange(0, 1), row_scale)
-        return codes, (codes.to(tl.float32) * row_scale[:, None]).to(x.dtype)
-    return x, x
+        stored, read = codes, (codes.to(tl.float32) * row_scale[:, None]).to(x.dtype)
+    else:  # Triton returns only from the function's own body: one return, after the branch
+        stored, read = x, x
+    return stored, read
 
 
 @triton.jit
@@ -72,7 +76,7 @@ def _load_kv(ptr, scale_ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr
     rows = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     if FP8_KV:
         scales = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
-        return (rows.to(tl.float32) * scales[:, None]).to(dtype)
+        rows = (rows.to(tl.float32) * scales[:, None]).to(dtype)
     return rows
 
 
@@ -240,7 +244,7 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, q_pt
         tl.store(out_ptr + row * so + offs, normed, mask=ok)
         if QUANT:  # the row's E4M3 codes and scale, from the rounded values (as `fp8.quantize_rows`)
             n32 = normed.to(tl.float32)
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(n32), 0), MIN_AMAX), FP8_MAX)  # IEEE, as torch divides
+            scale = tl.maximum(tl.max(tl.abs(n32), 0), MIN_AMAX) * INV_FP8_MAX
             tl.store(q_ptr + row * sq + offs, tl.math.div_rn(n32, scale).to(q_ptr.dtype.element_ty), mask=ok)
             tl.store(s_ptr + row, scale)
     else:

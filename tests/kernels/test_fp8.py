@@ -109,14 +109,32 @@ def test_no_room_for_copies_falls_back_to_bf16_activations(tiny_llama_fp8):
 
 def test_refusals_name_the_fix(monkeypatch):
     with pytest.raises(QerlError, match="engine.activations=fp8 takes an nvfp4 or bf16 base, not nf4"):
-        engine_fp8.check_activations("fp8", "nf4", torch.device("cpu"))
+        engine_fp8.check_activations("fp8", "nf4", torch.device("cpu"), torch.float32)
     with pytest.raises(QerlError, match="choose one of bf16, fp8"):
-        engine_fp8.check_activations("int8", "nvfp4", torch.device("cpu"))
+        engine_fp8.check_activations("int8", "nvfp4", torch.device("cpu"), torch.float32)
+    engine_fp8.check_activations("fp8", "nvfp4", torch.device("cpu"), torch.float32)  # the CPU reference: any dtype
     monkeypatch.setattr(engine_fp8, "runs_fp8", lambda device: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(QerlError, match="needs FP8 tensor cores .* A100 has none; set engine.activations=bf16"):
-        engine_fp8.check_activations("fp8", "nvfp4", torch.device("cuda"))
-    engine_fp8.check_activations("bf16", "nf4", torch.device("cuda"))  # bf16 runs anywhere
+        engine_fp8.check_activations("fp8", "nvfp4", torch.device("cuda"), torch.bfloat16)
+    engine_fp8.check_activations("bf16", "nf4", torch.device("cuda"), torch.float16)  # bf16 runs anywhere
+    monkeypatch.setattr(engine_fp8, "runs_fp8", lambda device: True)
+    with pytest.raises(QerlError, match="runs bfloat16 models on a GPU, not float16; set engine.dtype=bfloat16"):
+        engine_fp8.check_activations("fp8", "nvfp4", torch.device("cuda"), torch.float16)
+    engine_fp8.check_activations("fp8", "nvfp4", torch.device("cuda"), torch.bfloat16)
+
+
+def test_only_linears_the_fp8_gemm_takes_get_copies(tiny_llama_fp8):
+    """torch's FP8 GEMM needs K and N multiples of 16: a linear of other sizes keeps bf16 activations."""
+    model = _model(tiny_llama_fp8, "bf16")
+    layer = model.layers[0]
+    assert layer.mlp.down_proj in engine_fp8.fp8_linears(model)
+    odd = layer.mlp.down_proj
+    odd.in_features, saved = odd.in_features + 1, odd.in_features
+    try:
+        assert odd not in engine_fp8.fp8_linears(model) and layer.self_attn.qkv_proj in engine_fp8.fp8_linears(model)
+    finally:
+        odd.in_features = saved
 
 
 def test_recipe_key():

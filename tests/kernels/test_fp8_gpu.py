@@ -54,17 +54,19 @@ def test_norm_kernel_fp8_rows_are_quantize_rows_of_its_output(hidden):
 
 
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
-def test_gate_fp8_rows_match_quantize_rows(m):
+def test_compiled_quantization_matches_quantize_rows(m):
+    """down's and o's inputs: the compiled `quantize_fused` against eager `quantize_rows`. The scales
+    are equal bit for bit (both multiply by 1/448); a code may rarely differ, as inductor divides
+    with Triton's approximate division."""
     from qerl_pipe.model.decoder import silu_gate
 
     gen = torch.Generator(device="cuda").manual_seed(m)
-    gate_up = torch.randn(m, 2 * 1024, generator=gen, device="cuda").to(torch.bfloat16)
-    h, q = engine_fp8.gate_fp8("silu", gate_up)
-    torch.testing.assert_close(h, silu_gate(gate_up), atol=0, rtol=2 ** -7)  # one bf16 step at most
+    h = silu_gate(torch.randn(m, 2 * 1024, generator=gen, device="cuda").to(torch.bfloat16))
+    codes, scale = engine_fp8.quantize_fused(h)
     want = quantize_rows(h)
-    torch.testing.assert_close(q.scale, want.scale, atol=0, rtol=1e-6)
-    same = float((q.codes.view(torch.uint8) == want.codes.view(torch.uint8)).float().mean())
-    assert same >= 0.999, f"only {same:.4f} of the gate's codes equal quantize_rows' of its output"
+    assert torch.equal(scale, want.scale)
+    same = float((codes.view(torch.uint8) == want.codes.view(torch.uint8)).float().mean())
+    assert same >= 0.999, f"only {same:.4f} of the compiled codes equal quantize_rows'"
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 4608, 3584), (64, 3584, 18944), (256, 512, 1024), (17, 256, 64)])
