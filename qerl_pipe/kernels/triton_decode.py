@@ -71,13 +71,11 @@ def _stored(x, scale_ptr, FP8_KV: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(ptr, scale_ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr, FP8_KV: tl.constexpr):
-    """Cache rows [BLOCK, D] at positions offs_n, in the compute dtype (FP8_KV: codes x scale)."""
-    rows = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    if FP8_KV:
-        scales = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
-        rows = (rows.to(tl.float32) * scales[:, None]).to(dtype)
-    return rows
+def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr):
+    """Cache rows [BLOCK, D] at positions offs_n in the compute dtype (E4M3 codes convert exactly:
+    their scales are applied to the scores and the probabilities instead, one multiply per
+    position rather than per element)."""
+    return tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(dtype)
 
 
 @triton.jit
@@ -120,14 +118,19 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
-        keys = _load_kv(kc, ks, offs_n, offs_d, skc_t, n_ok, dtype, FP8_KV)
-        scores = _soft_cap(tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale, cap, CAPPED)
-        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dtype)
+        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
+        if FP8_KV:  # q . (codes x scale) = (q . codes) x scale
+            scores = scores * tl.load(ks + offs_n, mask=n_ok, other=0.0)[None, :]
+        scores = tl.where(n_ok[None, :], _soft_cap(scores, cap, CAPPED), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        vals = _load_kv(vc, vs, offs_n, offs_d, svc_t, n_ok, dtype, FP8_KV)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vals, input_precision=PRECISION)
+        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dtype)
+        weights = p
+        if FP8_KV:  # p @ (codes x scale) = (p x scale) @ codes
+            weights = p * tl.load(vs + offs_n, mask=n_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(weights.to(dtype), vals, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 

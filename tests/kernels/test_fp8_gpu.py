@@ -174,5 +174,11 @@ def test_fp8_kv_cache_engine_graphs_and_greedy(tiny_qwen2, base):
     for a, b in zip(ref.tokens, got.tokens):
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         agreed, total = agreed + prefix, total + len(a)
-    print(f"{base}, FP8 KV cache: greedy tokens equal before the first difference: {agreed}/{total}")
-    assert agreed / total >= 0.5
+    # The first token comes from the prefill (bf16 K and V); the second is the first decode step
+    # over the FP8 cache, from the same context wherever the first tokens agree.
+    second = [abs(a[1] - b[1]) for a, b, x, y in zip(ref.logprobs, got.logprobs, ref.tokens, got.tokens)
+              if x[0] == y[0] and x[1] == y[1]]
+    print(f"{base}, FP8 KV cache: greedy tokens equal before the first difference: {agreed}/{total} "
+          f"(a random tiny model's logits are near ties); first decode step's logprob difference max "
+          f"{max(second):.4f} over {len(second)} sequences")
+    assert len(second) >= len(PROMPTS) // 2 and max(second) < 0.1
