@@ -93,10 +93,10 @@ def test_nvfp4_decode_rows_below_the_crossover_keep_the_w4a16_kernel(tiny_llama_
         return real(self, linear, x, q)
 
     monkeypatch.setattr(engine_fp8.Fp8Linears, "base_forward", spy)
-    engine = Engine(model, plan_limits(model.config, max_seq_len=48, max_batch=4), activations="fp8")
-    engine.generate([[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]], n=2,
-                    sampling=SamplingParams(temperature=0, max_new_tokens=4))
-    # The 18-token prefill runs FP8; decode steps of 2 rows stay on the NVFP4 kernel.
+    engine = Engine(model, plan_limits(model.config, max_seq_len=96, max_batch=4), activations="fp8")
+    prompt = list(range(1, engine_fp8.NVFP4_MIN_ROWS + 2))
+    engine.generate([prompt], n=2, sampling=SamplingParams(temperature=0, max_new_tokens=4))
+    # The prefill runs FP8; decode steps of 2 rows stay on the NVFP4 kernel.
     assert served and min(served) >= engine_fp8.NVFP4_MIN_ROWS
 
 
