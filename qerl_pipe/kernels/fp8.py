@@ -43,12 +43,9 @@ def runs_fp8(device: torch.device) -> bool:
 
 
 def row_codes(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row E4M3 codes of x [..., K] (any float dtype) and their scale [..., 1]: scale = amax /
-    448, codes = x / scale rounded to nearest. The fused kernels compute exactly this from the
-    same rounded inputs. (Plain tensors: what a compiled function returns.)"""
+    """Per-row E4M3 codes of x [..., K] (any float dtype) and their scale [..., 1] = amax x (1 / 448)
+    (eager CUDA's division by a scalar), as plain tensors: what the fused kernels compute."""
     x32 = x.float()
-    # A multiply by 1/448, not a division: eager CUDA divides by a scalar that way, the CPU does not,
-    # and the fused kernels must match both bit for bit.
     scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
     return (x32 / scale).to(FP8), scale
 

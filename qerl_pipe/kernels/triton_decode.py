@@ -17,8 +17,6 @@ from qerl_pipe.kernels.fp8 import FP8, FP8_MAX as _FP8_MAX, MIN_AMAX as _MIN_AMA
 from qerl_pipe.kernels.triton_pdl import launch_dependents, pdl_options, wait_previous
 
 MIN_AMAX: tl.constexpr = tl.constexpr(_MIN_AMAX)
-# amax * (1 / 448) in float32, as `fp8.row_codes` computes the scale (eager CUDA divides by a
-# scalar as a multiply by its reciprocal, so every path multiplies: the same bits everywhere).
 INV_FP8_MAX: tl.constexpr = tl.constexpr(1.0 / _FP8_MAX)
 
 SPLIT = 128  # cache positions per program
@@ -57,24 +55,21 @@ def _soft_cap(scores, cap, CAPPED: tl.constexpr):
 
 @triton.jit
 def _stored(x, scale_ptr, FP8_KV: tl.constexpr):
-    """A new k or v row [1, D] as the cache stores it (FP8_KV: E4M3 codes of x / scale, the scale
-    written to `scale_ptr`, as `fp8.row_codes`) and as attention reads it back (dequantized)."""
+    """A new k or v row [1, D] as the cache stores it (FP8_KV: `fp8.row_codes`, the scale written to
+    `scale_ptr`) and as attention reads it back (dequantized)."""
+    stored, read = x, x  # Triton returns only from the function's own body: one return, at its end
     if FP8_KV:
         x32 = x.to(tl.float32)
         row_scale = tl.maximum(tl.max(tl.abs(x32), 1), MIN_AMAX) * INV_FP8_MAX
         codes = tl.math.div_rn(x32, row_scale[:, None]).to(tl.float8e4nv)
         tl.store(scale_ptr + tl.arange(0, 1), row_scale)
         stored, read = codes, (codes.to(tl.float32) * row_scale[:, None]).to(x.dtype)
-    else:  # Triton returns only from the function's own body: one return, after the branch
-        stored, read = x, x
     return stored, read
 
 
 @triton.jit
 def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr):
-    """Cache rows [BLOCK, D] at positions offs_n in the compute dtype (E4M3 codes convert exactly:
-    their scales are applied to the scores and the probabilities instead, one multiply per
-    position rather than per element)."""
+    """Cache rows [BLOCK, D] at offs_n in the compute dtype (E4M3 exactly: `_partial` scales them)."""
     return tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(dtype)
 
 
@@ -126,12 +121,11 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dtype)
-        weights = p
-        if FP8_KV:  # p @ (codes x scale) = (p x scale) @ codes
-            weights = p * tl.load(vs + offs_n, mask=n_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(weights.to(dtype), vals, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
+        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dtype)
+        if FP8_KV:  # p @ (codes x scale) = (p x scale) @ codes
+            p = p * tl.load(vs + offs_n, mask=n_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vals, input_precision=PRECISION)
         m_i = m_new
 
     if (pos >= lo) & (pos < lo + SPLIT_LEN):

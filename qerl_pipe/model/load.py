@@ -20,7 +20,7 @@ from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp
 from qerl_pipe.kernels.base_formats import FORMATS, BaseFormat, base_format as format_entry
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
-from qerl_pipe.model.linear import BaseWeight, QuantLinear
+from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 
 log = logging.getLogger(__name__)

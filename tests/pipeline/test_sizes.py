@@ -19,9 +19,9 @@ LAYERS = {
 }
 # layer: (target, ceiling). Lower a ceiling when a change shrinks its layer; never raise one.
 BUDGETS = {
-    "product": (15_800, 17_775),
+    "product": (15_800, 17_758),
     "kernels": (3_000, 3_786),
-    "engine runtime": (1_300, 1_464),
+    "engine runtime": (1_300, 1_447),
     "pipeline + face": (2_300, 2_440),
 }
 
