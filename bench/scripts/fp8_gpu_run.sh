@@ -3,8 +3,11 @@
 # W4A16, and the 7B rollouts side by side (FP8 activations, FP8 KV cache). Writes into OUT_DIR
 # (default: bench/results/fp8-run); each bench rewrites its file after every row, so a run cut
 # short still leaves what it measured. Run from the repository root on a GPU with FP8 tensor cores:
-#   bash bench/scripts/fp8_gpu_run.sh [OUT_DIR] [PART]    PART: tests, rows, act, kv or all (default)
+#   QERL_COMMIT=<commit> bash bench/scripts/fp8_gpu_run.sh [OUT_DIR] [PART]    PART: tests, rows, act, kv or all
+# QERL_COMMIT names the commit in each results file: a device's copy of the tree can carry a stale .git.
 set -uo pipefail
+: "${QERL_COMMIT:?set QERL_COMMIT to the commit being measured (git rev-parse --short HEAD, here)}"
+export QERL_COMMIT
 out="${1:-bench/results/fp8-run}"
 part="${2:-all}"
 mkdir -p "$out"
