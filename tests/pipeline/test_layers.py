@@ -155,6 +155,25 @@ def test_the_product_never_imports_the_lab():
     assert edges == {LAB_HOOK}, "qerl_pipe must not import the lab (qerl_lab/): the lab imports the product"
 
 
+def test_only_the_labs_own_tests_import_the_lab():
+    tests = PACKAGE.parent / "tests"
+    importers = sorted(str(path.relative_to(tests)) for path in tests.rglob("*.py")
+                       if path.parent.name != "lab" and any(_lab_imports(path)))
+    assert len(list((tests / "lab").glob("test_*.py"))) > 5 and importers == [], \
+        "product tests import no lab module: move the test to tests/lab/, or the helper it needs into qerl_pipe"
+
+
+def test_a_stage_entry_point_is_orchestration_of_at_most_40_lines():
+    entries = {}
+    for path in (PACKAGE / "stages").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(d, ast.Call) and getattr(d.func, "id", "") == "register" for d in node.decorator_list):
+                entries[f"{path.name}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert len(entries) == 7  # one per stage, the GGUF import included
+    assert {name: n for name, n in entries.items() if n > 40} == {}, "move the work into jobs/ or a library module"
+
+
 def test_the_generation_loop_never_reaches_into_the_engine_or_its_runner():
     """engine.py's loop asks `ModelRunner` (admit / prefill / step / move / release) and never
     reads or writes a private attribute of another object: no `x._name` but on `self`."""
