@@ -142,6 +142,8 @@ def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape
                      kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too; not the same bits run to run).")] = "deterministic",
                      profile_train: Annotated[bool, typer.Option(help="Run one more step with torch.profiler around its training phase; its kernel time by kind goes in the row.")] = False,
                      timed_steps: Annotated[int, typer.Option(help="Steps timed in a row (at least 1); a row's times are the median of those after the first (which is reported beside them).")] = 3,
+                     one_wave: Annotated[bool, typer.Option(help="Run one wave of the planned KV slots' prompts; the plan and the engine stay the full step's (the row says what was lowered).")] = False,
+                     stop_at: Annotated[Optional[int], typer.Option(help="Stop each response at this many tokens; the plan and the engine keep the full length.", show_default="the full length")] = None,
                      out: Annotated[Optional[Path], typer.Option(help="Rewritten after each configuration, and at the end.")] = None) -> None:
     """One full RL step (8 prompts x 8 samples, 256 + 1024 tokens, LoRA r32) per shape and base format, or per recipe (--recipe); needs a CUDA GPU."""
     from qerl_lab.train_step import GIB, StepSettings, run_train_step_bench
@@ -150,8 +152,11 @@ def bench_train_step(shape: Annotated[Optional[list[str]], typer.Option("--shape
         raise QerlError(f"--kernels {kernels!r}: choose deterministic or fast")
     if timed_steps < 1:
         raise QerlError(f"--timed-steps {timed_steps}: time at least one step (3 gives a steady state beside the first)")
+    if stop_at is not None and stop_at < 1:
+        raise QerlError(f"--stop-at {stop_at}: stop responses after at least one token")
     settings = StepSettings(micro_batch=micro_batch, kv_slots=kv_slots, response_len=response_len, adapter=adapter,
-                            kernels=kernels, profile_train=profile_train, timed_steps=timed_steps)
+                            kernels=kernels, profile_train=profile_train, timed_steps=timed_steps,
+                            one_wave=one_wave, stop_at=stop_at)
     limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
     recipes = [Path(p) for p in dict.fromkeys(p.strip() for item in recipe or [] for p in item.split(",")) if p]
     shapes = values(shape) if shape is not None else ([] if recipes else ["qwen2.5-7b"])

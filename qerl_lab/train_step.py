@@ -121,6 +121,11 @@ class StepSettings:
     # Steps timed one after another: the row's figures are the median of those after the first
     # (the steady state of a run); the first, which pays one-time costs, is reported beside them.
     timed_steps: int = 3
+    # Run less than the planned step (issue 49's proof that a recipe runs at its budget): one wave of
+    # the planned KV slots' prompts, responses stopped at `stop_at` tokens. The plan, the engine's
+    # KV cache and its sequence length stay the full step's; the row says what was lowered.
+    one_wave: bool = False
+    stop_at: int | None = None
 
     @property
     def sequences(self) -> int:
@@ -400,10 +405,14 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
                 "memory_limit_bytes": limit})
     if limit is not None and estimate["total"] > limit:
         return {**row, "fits": False, "status": "does-not-fit", "asked_bytes": estimate["total"]}
+    run = _lowered(s, size.kv_slots)
+    if run != s:
+        row["lowered"] = {"prompts_per_step": [s.prompts, run.prompts], "response_len": [s.response_len,
+                                                                                           run.response_len]}
     try:
         if budget is not None:
             row["memory_fraction"] = enforce_budget(budget, torch.device(device))
-        measured = measure_step(config, quant, s, size, device, plan.kernel_copies)
+        measured = measure_step(config, quant, run, size, device, plan.kernel_copies)
         return {**row, "fits": True, "status": "ok", **measured, **_against_estimate(measured, estimate["total"], budget)}
     except torch.cuda.OutOfMemoryError as e:
         failed = {**row, "fits": False, "status": "oom", "error": str(e).splitlines()[0][:500],
@@ -417,6 +426,14 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
     # Outside the except block: the traceback, and with it the model, is released by now.
     _free(device)
     return failed
+
+
+def _lowered(s: StepSettings, kv_slots: int) -> StepSettings:
+    """The step that runs within the plan of `s`: one wave of `kv_slots` sequences (`one_wave`) and
+    responses of at most `stop_at` tokens; `s` itself when neither is asked."""
+    prompts = min(s.prompts, max(1, kv_slots // s.group_size)) if s.one_wave else s.prompts
+    length = min(s.response_len, s.stop_at) if s.stop_at else s.response_len
+    return replace(s, prompts=prompts, response_len=length)
 
 
 def _against_estimate(measured: Mapping[str, Any], estimate: int, budget: int | None) -> dict[str, Any]:
@@ -603,6 +620,9 @@ def run_train_step_bench(shapes: Sequence[str], quants: Sequence[str], s: StepSe
         raise QerlError(f"--adapter {s.adapter} with --quant {','.join(quants)}: the adapter is lora or full, and "
                         "full fine-tuning trains a bf16 base only (pass --quant bf16)")
     steps = [read_recipe(Path(r)) for r in recipes]  # every recipe read before the first build
+    # What the command line says of how to run a step applies to the recipes' steps too.
+    steps = [replace(st, settings=replace(st.settings, one_wave=s.one_wave, stop_at=s.stop_at,
+                                          timed_steps=s.timed_steps)) for st in steps]
     for step in steps:
         if step.quant not in QUANTS or step.settings.adapter != "lora":
             raise QerlError(f"{step.name}: the bench runs LoRA over a {'/'.join(QUANTS)} base, not "

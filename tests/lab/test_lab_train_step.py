@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -64,8 +65,6 @@ def test_full_step_rows_on_cpu(tmp_path):
 
 
 def test_row_times_are_the_median_of_the_steps_after_the_first(tmp_path):
-    from dataclasses import replace
-
     out = tmp_path / "steps.json"
     result = run_train_step_bench(["tiny"], ["bf16"], replace(SMALL, timed_steps=4), device="cpu", out=out,
                                   shape_configs={"tiny": TINY}, emit=lambda line: None)
@@ -190,8 +189,6 @@ def test_repeated_values_run_once():
 
 
 def test_full_fine_tuning_is_estimated_and_measured_like_the_lora_arms(tmp_path):
-    from dataclasses import replace
-
     from qerl_pipe.memory.step import full_bytes, weight_elements
     from qerl_pipe.errors import QerlError
     from qerl_pipe.model.full import make_fully_trainable
@@ -248,6 +245,23 @@ def test_recipes_run_under_their_budget_or_are_refused(tmp_path):
     (entry, refused_entry) = again["ladder"]
     assert entry["recipe"] == fits.name and entry["unconstrained_step_s"] == again["results"][2]["step_s"]
     assert refused_entry["status"] == "refused" and refused_entry["needed_gb"] == no["needed_gb"]
+
+
+def test_one_wave_and_stop_at_run_less_within_the_full_plan(tmp_path):
+    """Issue 49's proof runs: the plan and the engine are the recipe's full step; one wave of the
+    planned KV slots runs, its responses stopped early, and the row says so."""
+    path = _tiny_recipe(tmp_path, 2)  # 2 prompts x G 2, 6 new tokens, max_batch 2 below
+    path.write_text(path.read_text().replace("  max_batch: 4\n", "  max_batch: 2\n"))
+    settings = replace(SMALL, one_wave=True, stop_at=3, timed_steps=1)
+    (row,) = run_train_step_bench([], [], settings, device="cpu", shape_configs={"qwen2.5-7b": TINY},
+                                  emit=lambda line: None, recipes=[path])["results"]
+    assert row["status"] == "ok" and row["kv_slots"] == 2 and row["memory_plan"]["step"]["sequences"] == 4
+    assert row["lowered"] == {"prompts_per_step": [2, 1], "response_len": [6, 3]}
+    assert row["rollout_tokens"] == 1 * 2 * 3 and len(row["timed_steps"]) == 1
+    (full,) = run_train_step_bench([], [], replace(SMALL, timed_steps=1), device="cpu",
+                                   shape_configs={"qwen2.5-7b": TINY}, emit=lambda line: None,
+                                   recipes=[path])["results"]
+    assert "lowered" not in full and full["estimate_bytes"] == row["estimate_bytes"]
 
 
 def test_append_keeps_the_settings_of_the_earlier_rows(tmp_path):
