@@ -8,7 +8,9 @@ weight copies, one CUDA graph, median of replays; `kernels.tuning.time_graph`):
 - `fp8_us`: the FP8 GEMM (`kernels.fp8.fp8_linear`, torch's row-wise scaled matmul) on the FP8
   copy the engine makes of the NVFP4 weight, activations already quantized (as the fused norm
   kernel hands them over);
-- `fp8_quant_us`: the same plus the one compiled quantization launch (o and down's inputs, prefill).
+- `fp8_quant_us`: the same plus the one compiled quantization launch (o and down's inputs, prefill);
+- `fp8_tensorwise_us`, `fp8_fast_accum_us`: torch's other FP8 GEMM paths (one scale per tensor;
+  row-wise with fast accumulation), timed only: whether the library has a faster kernel there.
 And the fused add + RMSNorm kernel (hidden 3584) with and without its FP8 output. The
 layer-weighted ratio counts a decoder layer as the engine runs it: q/k/v and gate/up on
 norm-fused activations, o and down on a quantization launch, the norm's extra time included.
@@ -53,6 +55,16 @@ def _layer_rows(layer: str, n: int, k: int, device: torch.device) -> list[dict]:
         row["fp8_us"] = time_graph([lambda w=w: fp8_linear(q, w) for w in copies], REPS) * 1e6
         row["fp8_quant_us"] = time_graph([lambda w=w: fp8_linear(Fp8Rows(*quantize_fused(x)), w) for w in copies],
                                          REPS) * 1e6
+        # The library's other FP8 paths at the same sizes (timing only; the engine runs neither): one
+        # scale per tensor (cuBLASLt's classic FP8 GEMM), and row-wise scales with fast accumulation.
+        one = torch.ones((), device=device)
+        row["fp8_tensorwise_us"] = time_graph([lambda w=w: torch._scaled_mm(q.codes, w.codes.t(), one, one,
+                                                                            out_dtype=torch.bfloat16)
+                                               for w in copies], REPS) * 1e6
+        row["fp8_fast_accum_us"] = time_graph([lambda w=w: torch._scaled_mm(q.codes, w.codes.t(), q.scale, w.scale,
+                                                                            out_dtype=torch.bfloat16,
+                                                                            use_fast_accum=True)
+                                               for w in copies], REPS) * 1e6
         row["fp8_rel_err"] = rel_err(fp8_linear(q, copies[0]), ref)
         row["bf16_rel_err"] = rel_err(x @ ops.bf16[0].T, ref)
         rows.append(row)
