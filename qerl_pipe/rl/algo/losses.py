@@ -64,6 +64,7 @@ def policy_loss(
     ref_logp: Tensor | None = None,
     rollout_logp: Tensor | None = None,
     norm: LossNorm | None = None,
+    mismatch: bool = True,
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss of one (micro-)batch and its metrics.
 
@@ -71,6 +72,8 @@ def policy_loss(
     that sampled, for mu > 1 updates; None = this very policy, ratio 1 with the right gradient).
     advantages: [B]. mask: [B, T], 1 on response tokens that count (0 on padding and masked
     overlong sequences). rollout_logp: the engine's logprobs, used only when cfg.tis_cap is set.
+    mismatch: also the rollout/trainer mismatch metrics (given rollout_logp); the trainer asks on
+    its first update only, the one it logs.
     """
     mask = mask.to(logp.dtype)
     norm = norm or LossNorm.of(mask)
@@ -99,7 +102,7 @@ def policy_loss(
             "ratio_mean": float((ratio * mask).sum() / n),
             "kl": float((kl * mask).sum() / n) if kl is not None else 0.0,
         }
-        if rollout_logp is not None:
+        if rollout_logp is not None and mismatch:
             metrics.update(mismatch_metrics(old, rollout_logp, mask, cfg.tis_cap))
     return loss, metrics
 
@@ -119,9 +122,9 @@ def mismatch_metrics(trainer_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
         return {"mismatch_k3": 0.0, "tis_ratio_mean": 1.0, "tis_ratio_max": 1.0, "tis_truncated": 0.0}
     trainer, rollout = trainer_logp.detach()[m].double(), rollout_logp[m].double()
     ratio = torch.exp(trainer - rollout)
-    return {"mismatch_k3": float(k3_kl(rollout, trainer).mean()), "tis_ratio_mean": float(ratio.mean()),
-            "tis_ratio_max": float(ratio.max()),
-            "tis_truncated": float((ratio > cap).double().mean()) if cap is not None else 0.0}
+    truncated = (ratio > cap).double().mean() if cap is not None else ratio.new_zeros(())  # one host sync below
+    stats = torch.stack([k3_kl(rollout, trainer).mean(), ratio.mean(), ratio.max(), truncated]).tolist()
+    return dict(zip(("mismatch_k3", "tis_ratio_mean", "tis_ratio_max", "tis_truncated"), stats))
 
 
 def _aggregate(per_token: Tensor, mask: Tensor, cfg: PolicyLossConfig, norm: LossNorm) -> Tensor:

@@ -292,7 +292,7 @@ class Trainer:
             for k, mb in enumerate(micro):
                 logp, entropy = self._logprobs(mb)
                 loss, m = policy_loss(logp, mb.advantages, mb.loss_mask, cfg.loss, old_logp=old[k],
-                                      ref_logp=ref[k], rollout_logp=mb.rollout_logp, norm=norm)
+                                      ref_logp=ref[k], rollout_logp=mb.rollout_logp, norm=norm, mismatch=update == 0)
                 loss.backward()
                 tokens = int(mb.loss_mask.sum())
                 totals["loss"] += float(loss.detach()) / cfg.mu
