@@ -18,7 +18,7 @@ import torch
 from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
 from qerl_pipe.artifacts.store import link_tree
 from qerl_pipe.engine import Engine
-from qerl_pipe.jobs.engine_artifact import load_engine, read_engine_json
+from qerl_pipe.jobs.engine_artifact import load_engine
 from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.modelopt_writer import write_dense_config
 from qerl_pipe.hf import load_tokenizer, pick_device
@@ -242,6 +242,7 @@ class RunInputs:
     eval_problems: list[Problem]
     device: torch.device
     dist: Dist
+    activations: str  # the engine's rollout activations (engine.json), "bf16" or "fp8"
 
 
 @dataclass
@@ -277,8 +278,7 @@ def setup_run(run: RunInputs) -> TrainSession:
                                        section.max_new_tokens, "training", SECTION)
     eval_problems, eval_prompts, _ = fit_prompts(tokenizer, run.eval_problems, section.instruction,
                                                  limits.max_seq_len, section.max_new_tokens, "evaluation", SECTION)
-    activations = read_engine_json(engine_dir).get("activations", "bf16")
-    engine = Engine(model, limits, kernel_copies=run.plan.kernel_copies, activations=activations)
+    engine = Engine(model, limits, kernel_copies=run.plan.kernel_copies, activations=run.activations)
     trainer = Trainer(model, engine, tokenizer, problems, prompts, run.cfg, stops, dist=run.dist)
     return TrainSession(model, spec, tokenizer, stops, engine, trainer, eval_problems, eval_prompts)
 
