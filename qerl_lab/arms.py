@@ -4,7 +4,7 @@ fine-tuning, calibrated NVFP4, ...): the lab's layer over the product's `qerl-pi
 
 What the lab adds: arms read from a run's log where only the log came back (its per-step lines
 and greedy accuracies; no entropy, settings or memory there), greedy answers a run kept graded
-again with today's grader (`read_greedy`), the steps to a reward level, and a results JSON
+again with today's grader (`regraded`), the steps to a reward level, and a results JSON
 (command, commit, gpu, per-arm summaries, a `targets` block holding the paper's claims).
 
     qerl-pipe bench arms --arm qerl=RUN_DIR --arm bf16=RUN.log ... --out-dir DIR
@@ -90,18 +90,15 @@ def read_arm(run_dir: Path, name: str = "") -> Arm:
         raise SystemExit(f"{run_dir} has no metrics.jsonl; pass a train run artifact, its .runs work directory "
                          "or its log")
     arm = compare.read_run(run_dir, name or run_dir.name)
-    arm.greedy = {when: result for when in ("before", "after") if (result := read_greedy(run_dir, when)) is not None}
+    arm.greedy = {when: regraded(run_dir, when, result) for when, result in arm.greedy.items()}
     return arm
 
 
-def read_greedy(run_dir: Path, name: str) -> dict[str, Any] | None:
-    """A run's greedy evaluation `name` ('before' / 'after'). Where the run kept its answers
-    (`eval/<name>.jsonl`), they are extracted and graded again by today's grader, so runs made under
-    an older one compare fairly; `graded_in_run` keeps the accuracy the run itself reported."""
-    summary = run_dir / "eval" / f"{name}.json"
-    if not summary.is_file():
-        return None
-    result = json.loads(summary.read_text())
+def regraded(run_dir: Path, name: str, result: dict[str, Any]) -> dict[str, Any]:
+    """A run's greedy evaluation `name` ('before' / 'after'; `result`, its summary as the run wrote
+    it). Where the run kept its answers (`eval/<name>.jsonl`), they are extracted and graded again by
+    today's grader, so runs made under an older one compare fairly; `graded_in_run` keeps the
+    accuracy the run itself reported."""
     answers = run_dir / "eval" / f"{name}.jsonl"
     rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()] if answers.is_file() else []
     if rows:  # graded as the eval stage grades: rewards.score, accuracy only

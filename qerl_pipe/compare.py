@@ -5,13 +5,13 @@ figure, and a figure of reward, accuracy, entropy and length against steps (docs
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qerl_pipe.errors import QerlError
-from qerl_pipe.userfiles import read_user_json
+from qerl_pipe.rl.loop.metrics import METRICS_FILE
+from qerl_pipe.userfiles import read_jsonl_objects, read_user_json
 
 # (metrics key, panel title) of the figure, each against steps.
 PANELS = (("reward_mean", "training reward"), ("accuracy", "training accuracy (sampled)"),
@@ -31,11 +31,11 @@ class Arm:
 
 
 def _read_records(run_dir: Path) -> list[dict[str, Any]]:
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
-        raise QerlError(f"{run_dir} has no metrics.jsonl; pass a train run (its artifact or its .runs/ directory) "
+        raise QerlError(f"{run_dir} has no {METRICS_FILE}; pass a train run (its artifact or its .runs/ directory) "
                         "or an eval artifact of a run's adapter")
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [row for _, row in read_jsonl_objects(metrics, "metrics file")]
 
 
 def read_run(run_dir: Path, name: str) -> Arm:
@@ -53,7 +53,7 @@ def read_arm(path: Path, name: str | None = None) -> Arm:
         raise QerlError(f"{path} is not a directory; pass a train run or an eval artifact")
     name = name or path.name
     report = path / "report.json"
-    if (path / "metrics.jsonl").is_file() or not report.is_file():
+    if (path / METRICS_FILE).is_file() or not report.is_file():
         return read_run(path, name)
     evaluated = read_user_json(report, "eval report")
     adapter = evaluated.get("adapter") or {}
