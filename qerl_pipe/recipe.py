@@ -448,13 +448,16 @@ def load_recipe(path: Path | None, overrides: list[str] = ()) -> Recipe:
         if not path.is_file():
             raise RecipeError(f"recipe file {path} does not exist; pass an existing YAML file to --recipe")
         text = read_user_text(path, "recipe file", RecipeError)
+        loader = yaml.SafeLoader(text)  # one parse: the node tree is checked, then built into data
         try:
-            root = yaml.compose(text, Loader=yaml.SafeLoader)
+            root = loader.get_single_node()
             if root is not None:
                 _refuse_duplicate_keys(root, path)
-            loaded = yaml.safe_load(text)
+            loaded = loader.construct_document(root) if root is not None else None
         except yaml.YAMLError as exc:
             raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+        finally:
+            loader.dispose()
         if loaded is not None and not isinstance(loaded, dict):
             raise RecipeError(f"{path}: a recipe is a mapping of sections (model:, calibrate:, ...), got {type(loaded).__name__}")
         data = loaded or {}
