@@ -65,8 +65,8 @@ def build_manifest(
     parents: list[str],
     root: Path,
     summary: dict[str, Any],
-    reports: frozenset[str] = frozenset(),
-    identities: list[str] | None = None,
+    reports: frozenset[str],
+    identities: list[str],
 ) -> dict[str, Any]:
     files = describe_files(root)
     manifest = {
@@ -77,7 +77,7 @@ def build_manifest(
         "config": config,
         "parents": parents,
         # What the id took of each parent (`Artifact.identity`): its content digest, or its id.
-        "parent_identities": parents if identities is None else identities,
+        "parent_identities": identities,
         "files": files,
         **({"reports": sorted(reports), "content": content_digest(files, reports)} if reports else {}),
         "package": {"name": "qerl-pipe", "version": qerl_pipe.__version__},
