@@ -175,14 +175,16 @@ class ArtifactStore:
     def _sweep_abandoned(self, own: str) -> None:
         """Remove the temporary directories of killed runs (possibly gigabytes each). A writer holds
         its artifact's lock for as long as its directory exists, so a directory whose lock is free is
-        abandoned; it is removed under that lock, so no new writer of it can start meanwhile."""
+        abandoned; it is removed under that lock, so no new writer of it can start meanwhile. The
+        caller holds `own`'s lock: its leftovers (a killed `--force` rebuild's too) go at once."""
         for path in self.root.glob(f"{_TMP_PREFIX}*"):
             owner = _tmp_owner(path)
-            if owner is None or owner == own:  # our own artifact's leftovers: removed by create
-                continue
-            with self._holding_if_free(owner) as free:
-                if free:
-                    shutil.rmtree(path, ignore_errors=True)
+            if owner == own:
+                shutil.rmtree(path, ignore_errors=True)
+            elif owner is not None:
+                with self._holding_if_free(owner) as free:
+                    if free:
+                        shutil.rmtree(path, ignore_errors=True)
 
     def resolve(self, ref: str, *, verify: bool = True) -> Artifact:
         """Find an artifact by path, by directory name, or by a unique prefix of its id or directory
@@ -289,12 +291,9 @@ class ArtifactStore:
                 if not force or not (final / MANIFEST_NAME).is_file():
                     raise
             # Under this artifact's lock no live process writes one: any temporary directory of it
-            # is what a killed run left (a `--force` rebuild killed midway, possibly gigabytes), so it
-            # goes, also when this run only reuses (`ls` promises it); so do other artifacts' whose
-            # lock is free.
+            # is what a killed run left, so it goes, also when this run only reuses (`ls` promises
+            # it); so do other artifacts' whose lock is free.
             self._sweep_abandoned(final.name)
-            for leftover in self.root.glob(f"{_TMP_PREFIX}{final.name}-*"):
-                shutil.rmtree(leftover, ignore_errors=True)
             if existing is not None and not force:
                 yield None, existing
                 return
