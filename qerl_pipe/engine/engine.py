@@ -121,10 +121,10 @@ class Engine:
     ):
         if prefill_tokens < 1:
             raise PromptError(f"prefill_tokens must be >= 1; got {prefill_tokens}")
-        check_activations(activations, model.base_format, model.embed_tokens.weight.device, model.dtype)
-        check_kv_cache(limits.kv_cache, model.embed_tokens.weight.device)
+        device = model.embed_tokens.weight.device
+        check_activations(activations, model.base_format, device, model.dtype)
+        check_kv_cache(limits.kv_cache, device)
         self.model, self.limits, self.prefill_tokens = model, limits, prefill_tokens
-        self.device = model.embed_tokens.weight.device
         want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
         # Before any graph is captured: the kernel copies of the base the memory plan has room
         # for: FP8 copies for FP8 activations (their rows are those humming would serve), else
@@ -145,7 +145,7 @@ class Engine:
         # A MoE layer's per-expert loop takes its row counts from the routing (a host sync and
         # data-dependent shapes), which a CUDA graph cannot replay: a MoE decodes in graphs only
         # where every sparse layer runs grouped (fixed shapes, no sync), else eagerly.
-        use_graphs = bool(want_graphs and self.device.type == "cuda" and limits.graph_batch_sizes
+        use_graphs = bool(want_graphs and device.type == "cuda" and limits.graph_batch_sizes
                           and all_experts_grouped(model))
         self.runner = ModelRunner(model, limits, FusedLora(model, model.dtype, fp8), use_graphs)
         self._fingerprint: tuple | None = None
