@@ -420,7 +420,7 @@ def _apply_override(data: dict[str, Any], path: list[str], value: Any, text: str
     node[path[-1]] = value
 
 
-def _refuse_duplicate_keys(node: yaml.Node, origin: Path, where: str = "") -> None:
+def _refuse_duplicate_keys(node: yaml.Node | None, origin: Path, where: str = "") -> None:
     """YAML lets a later key silently replace an earlier one (`lr: 1e-4 ... lr: 0.5` trains at
     0.5): refuse any repeated key, at any depth, with its path and both lines."""
     if isinstance(node, yaml.MappingNode):
@@ -450,14 +450,11 @@ def load_recipe(path: Path | None, overrides: list[str] = ()) -> Recipe:
         text = read_user_text(path, "recipe file", RecipeError)
         loader = yaml.SafeLoader(text)  # one parse: the node tree is checked, then built into data
         try:
-            root = loader.get_single_node()
-            if root is not None:
-                _refuse_duplicate_keys(root, path)
+            root = loader.get_single_node()  # None for an empty file
+            _refuse_duplicate_keys(root, path)
             loaded = loader.construct_document(root) if root is not None else None
         except yaml.YAMLError as exc:
             raise RecipeError(f"{path}: not valid YAML: {exc}") from None
-        finally:
-            loader.dispose()
         if loaded is not None and not isinstance(loaded, dict):
             raise RecipeError(f"{path}: a recipe is a mapping of sections (model:, calibrate:, ...), got {type(loaded).__name__}")
         data = loaded or {}

@@ -283,8 +283,7 @@ def setup_run(run: RunInputs) -> TrainSession:
     return TrainSession(model, spec, tokenizer, stops, engine, trainer, eval_problems, eval_prompts)
 
 
-def train_run(session: TrainSession, run: RunInputs, run_dir: Path) -> tuple[list[dict[str, Any]], dict | None,
-                                                                             dict | None]:
+def train_run(session: TrainSession, run: RunInputs, run_dir: Path) -> tuple[list[dict], dict | None, dict | None]:
     """Greedy accuracy before (rank 0, once per run), the steps (every rank), accuracy after:
     (the step records, before, after)."""
     section, dist = run.recipe.train, run.dist

@@ -92,8 +92,7 @@ def train_stage(call: StageCall) -> Artifact:
     engine = _engine(call, dist)
     check_engine_for(engine, "train", section.max_new_tokens, "--engine")
     plan = plan_run(section, engine.path, device, dist)  # over train.memory_budget_gb: refused now
-    spec = read_engine_json(engine.path)
-    cfg = train_config(section, plan, fp8_rollout(spec))
+    cfg = train_config(section, plan, fp8_rollout(spec := read_engine_json(engine.path)))
     config = _run_config(section, device, custom_rewards, dist)
     model_name = engine_model_name(engine, call.store) if dist.is_main else ""
     run = RunInputs(call.store, call.force, recipe, engine, model_name, config, cfg, plan, problems, eval_problems,

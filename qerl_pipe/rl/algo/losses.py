@@ -71,9 +71,8 @@ def policy_loss(
     logp/old_logp/ref_logp/rollout_logp: [B, T] logprobs of the response tokens (old = the policy
     that sampled, for mu > 1 updates; None = this very policy, ratio 1 with the right gradient).
     advantages: [B]. mask: [B, T], 1 on response tokens that count (0 on padding and masked
-    overlong sequences). rollout_logp: the engine's logprobs, used only when cfg.tis_cap is set.
-    mismatch: also the rollout/trainer mismatch metrics (given rollout_logp); the trainer asks on
-    its first update only, the one it logs.
+    overlong sequences). rollout_logp: the engine's logprobs, weighting by TIS when cfg.tis_cap is
+    set and measured against the trainer's (`mismatch_metrics`) when `mismatch`.
     """
     mask = mask.to(logp.dtype)
     norm = norm or LossNorm.of(mask)
@@ -122,8 +121,8 @@ def mismatch_metrics(trainer_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
         return {"mismatch_k3": 0.0, "tis_ratio_mean": 1.0, "tis_ratio_max": 1.0, "tis_truncated": 0.0}
     trainer, rollout = trainer_logp.detach()[m].double(), rollout_logp[m].double()
     ratio = torch.exp(trainer - rollout)
-    truncated = (ratio > cap).double().mean() if cap is not None else ratio.new_zeros(())  # one host sync below
-    stats = torch.stack([k3_kl(rollout, trainer).mean(), ratio.mean(), ratio.max(), truncated]).tolist()
+    truncated = (ratio > cap).double().mean() if cap is not None else ratio.new_zeros(())
+    stats = torch.stack([k3_kl(rollout, trainer).mean(), ratio.mean(), ratio.max(), truncated]).tolist()  # 1 sync
     return dict(zip(("mismatch_k3", "tis_ratio_mean", "tis_ratio_max", "tis_truncated"), stats))
 
 
