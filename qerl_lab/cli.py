@@ -101,6 +101,25 @@ def bench_fp8_rows(out: OutOpt = None) -> None:
     emit(run(out), out)
 
 
+@bench_app.command("attention")
+def bench_attention(out: OutOpt = None,
+                    shapes: Annotated[list[str], typer.Option("--shapes", help="Model shapes (comma-separated or repeated): their head counts and head size.")] = ["qwen2.5-7b,qwen2.5-32b"],
+                    batches: Annotated[list[str], typer.Option(help="Sequences decoded together.")] = ["1,64,256"],
+                    context: Annotated[int, typer.Option(help="Cache positions each sequence has already.")] = 3712) -> None:
+    """The decode attention kernel, bf16 vs FP8 KV cache, per split and block (needs a CUDA GPU)."""
+    import torch
+
+    from qerl_lab.attention import run
+    from qerl_pipe.model.shapes import SHAPES
+
+    chosen = values(shapes)
+    if not set(chosen) <= set(SHAPES):
+        raise QerlError(f"--shapes takes {', '.join(sorted(SHAPES))}; got {', '.join(chosen)}")
+    if not torch.cuda.is_available():
+        raise QerlError("bench attention times CUDA kernels and needs a CUDA GPU; none is visible here")
+    emit(run(chosen, values(batches, int), context), out)
+
+
 @bench_app.command("rollout")
 def bench_rollout(out: OutOpt = None,
                   shapes: Annotated[list[str], typer.Option("--shapes", help="Model shapes (comma-separated or repeated): qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b.")] = ["qwen2.5-7b"],
@@ -195,7 +214,7 @@ def bench_memory(out: OutOpt = None) -> None:
 
 @bench_app.command("decode-profile")
 def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b (its experts grouped, as the engine runs them).")] = "qwen2.5-7b",
-                         formats: Annotated[list[str], typer.Option("--formats", help="Base formats (comma-separated or repeated): bf16, nvfp4, nf4.")] = ["bf16,nvfp4"],
+                         formats: Annotated[list[str], typer.Option("--formats", help="Base formats (comma-separated or repeated): bf16, nvfp4, nf4, each with '+fp8' (FP8 activations) and '+fp8kv' (an FP8 KV cache) as in bench rollout.")] = ["bf16,nvfp4"],
                          batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 8,
                          context: Annotated[int, typer.Option(help="Cache positions each sequence has already.")] = 512,
                          steps: Annotated[int, typer.Option(help="Decode steps profiled.")] = 8,
@@ -208,9 +227,12 @@ def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: q
 
     from qerl_pipe.kernels.base_formats import NAMES
 
+    from qerl_lab.rollout import parse_label
+
     chosen = values(formats)
-    if shape not in SHAPES or not set(chosen) <= set(NAMES):
-        raise QerlError(f"--shape is one of {sorted(SHAPES)} and --formats of {', '.join(NAMES)}")
+    if shape not in SHAPES or not {parse_label(label)[0] for label in chosen} <= set(NAMES):
+        raise QerlError(f"--shape is one of {sorted(SHAPES)} and --formats of {', '.join(NAMES)}, each with "
+                        "+fp8 (FP8 activations) and +fp8kv (an FP8 KV cache) if wanted")
     if not torch.cuda.is_available():
         raise QerlError("bench decode-profile profiles CUDA kernels and needs a CUDA GPU; none is visible here")
     emit(run(shape, chosen, batch, context, steps), out)

@@ -2,7 +2,8 @@
 
 `qerl-pipe bench decode-profile --shape qwen2.5-7b --formats bf16,nvfp4 --batch 8 --out FILE.json`
 builds a random model of the shape with LoRA r32 on all seven projections (the adapter's fused
-inference copy, as the engine decodes), fills a KV cache to `--context` positions and runs the
+inference copy, as the engine decodes) and the engine's kernel copies (humming's, or the FP8 copies
+of a `+fp8` label; `+fp8kv`: an FP8 cache, as `bench rollout` labels them), fills a KV cache to `--context` positions and runs the
 engine's decode step eagerly under torch.profiler, so the profiler sees every kernel that a
 captured CUDA graph would replay. Per format: kernels per step, per layer ((step - 3) / layers:
 the embedding, the RoPE tables and the LM head are the step's own), GPU busy time per step, and the
@@ -41,7 +42,10 @@ from qerl_pipe.model.shapes import SHAPES
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph
-from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts
+from qerl_pipe.engine.fp8 import Fp8Linears
+from qerl_pipe.kernels.fp8 import FP8, FP8_MAX
+from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming
+from qerl_lab.rollout import parse_label
 from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
@@ -77,19 +81,35 @@ def _host_profile(step, steps: int) -> tuple[float, list[dict[str, Any]]]:
     return eager_ms, _python_top(pstats.Stats(profiler), steps)
 
 
-def profile_format(shape: str, base_format: str, batch: int, context: int, steps: int,
+def _fill(cache: Any, gen: torch.Generator) -> None:
+    """Random keys and values (E4M3 codes over the whole range, scales near 1 / 448, when FP8)."""
+    for stored in (cache.k, cache.v):
+        for layer in stored:  # one layer at a time: no fp32 copy of the whole cache
+            if layer.dtype == FP8:
+                layer.copy_((torch.randn(layer.shape, generator=gen, device=layer.device) * 64).clamp(-FP8_MAX, FP8_MAX))
+            else:
+                layer.normal_(generator=gen)
+    for scales in (cache.k_scale, cache.v_scale):
+        if scales is not None:
+            scales.uniform_(0.5 / FP8_MAX, 2 / FP8_MAX, generator=gen)
+
+
+def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
                    lora_rank: int = 32) -> dict[str, Any]:
-    """One format's decode step under the profiler (see the module doc)."""
+    """One format label's decode step under the profiler (see the module doc)."""
+    base_format, activations, kv_cache = parse_label(label)
     model = init_random_model(SHAPES[shape], base_format=base_format, device="cuda",
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
+    fp8 = Fp8Linears(model) if activations == "fp8" else None
+    if fp8 is None:
+        attach_humming(model)  # as the engine: humming's copies where the dispatch sends rows to them
     attach_grouped_experts(model)  # a MoE's experts as the engine runs them (no-op for a dense model)
-    cache = model.make_cache(batch, context + steps)
+    cache = model.make_cache(batch, context + steps, fp8=kv_cache == "fp8")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cache.k.normal_(generator=gen)
-    cache.v.normal_(generator=gen)
+    _fill(cache, gen)
     tokens = torch.randint(0, model.config.vocab_size, (batch,), generator=gen, device="cuda")
     positions = torch.full((batch,), context, device="cuda")
-    lora = FusedLora(model, model.dtype)
+    lora = FusedLora(model, model.dtype, fp8)
     lora.refresh()
     for _ in range(2):  # compile and autotune outside the profile
         decode_step(model, lora, tokens, positions, cache)
@@ -107,15 +127,13 @@ def profile_format(shape: str, base_format: str, batch: int, context: int, steps
     kinds = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count > 0]
     kernels = sum(e.count for e in kinds) / steps
     layers = model.config.num_layers
-    row = {"shape": shape, "format": base_format, "batch": batch, "context": context, "lora_rank": lora_rank,
+    row = {"shape": shape, "format": label, "batch": batch, "context": context, "lora_rank": lora_rank,
            "kernels_per_step": kernels, "kernels_per_layer": round((kernels - 3) / layers, 2),
            "gpu_busy_ms_per_step": round(sum(e.self_device_time_total for e in kinds) / steps / 1e3, 3),
            "graph_step_ms": graph_step_ms, "eager_step_ms": round(eager_ms, 3), "python_top": python_top,
            "kinds": [{"kernel": e.key[:120], "per_step": round(e.count / steps, 2),
                       "us_per_step": round(e.self_device_time_total / steps, 2)}
                      for e in sorted(kinds, key=lambda e: -e.self_device_time_total)]}
-    del model, cache
-    torch.cuda.empty_cache()
     return row
 
 
@@ -123,6 +141,7 @@ def run(shape: str, formats: Sequence[str], batch: int, context: int, steps: int
     rows = []
     for fmt in formats:
         rows.append(profile_format(shape, fmt, batch, context, steps))
+        torch.cuda.empty_cache()  # the model and cache went with profile_format's frame
         r = rows[-1]
         print(f"{shape} {fmt} batch {batch}: {r['kernels_per_step']:.0f} kernels per decode step "
               f"({r['kernels_per_layer']} per layer), GPU busy {r['gpu_busy_ms_per_step']} ms per step, "

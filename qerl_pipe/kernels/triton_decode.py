@@ -172,21 +172,24 @@ def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, USE_PDL: tl.const
 def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                             v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
                             softcap: float = 0.0, k_scale: Tensor | None = None,
-                            v_scale: Tensor | None = None) -> Tensor:
+                            v_scale: Tensor | None = None, split: int = SPLIT,
+                            block: int | None = None) -> Tensor:
     """The two Triton kernels (any device Triton runs on, the interpreter included); an FP8 cache
-    comes with its scales [B, Hkv, L] (contiguous in L)."""
+    comes with its scales [B, Hkv, L] (contiguous in L). `split`: cache positions per program, `block`:
+    per inner step (a power of two from 16 dividing split); `bench attention` measures both."""
     b, hq, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("decode_attention needs q, k, v, cos and sin contiguous in their last dimension")
-    splits = triton.cdiv(length, SPLIT)
+    splits = triton.cdiv(length, split)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     g = hq // hkv
     # fp32 k/v tiles of head_dim 256 (Gemma) at 64 positions need 276 KB of shared memory, above
     # Hopper's 227 KB: half the positions per inner step (SPLIT stays a multiple of it).
-    block = BLOCK_N // 2 if d * q.element_size() > 512 else BLOCK_N
+    if block is None:
+        block = BLOCK_N // 2 if d * q.element_size() > 512 else BLOCK_N
     fp8_kv = k_scale is not None
     if fp8_kv and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1):
         raise ValueError("an FP8 cache's scales must be contiguous in their position dimension")
@@ -198,7 +201,7 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=SPLIT, BLOCK=block,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=split, BLOCK=block,
         CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8_kv, num_warps=4,
         **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
