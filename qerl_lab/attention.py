@@ -84,7 +84,7 @@ def run(shapes: Sequence[str], batches: Sequence[int], context: int) -> dict[str
         for b in batches:
             for fp8 in (False, True):
                 rows += measure(shape, b, context, fp8, CONFIGS if fp8 else CONFIGS[:3])
-            base = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] == "bf16"
+            base = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] != "fp8"
                         and (r["split"], r["block"]) == CONFIGS[0])
             for r in rows:
                 if r["shape"] == shape and r["batch"] == b:
