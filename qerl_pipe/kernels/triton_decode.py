@@ -54,13 +54,19 @@ def _soft_cap(scores, cap, CAPPED: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_scale(amax):
+    """A row's E4M3 scale from its amax, as `fp8.row_codes` computes it (times 1 / 448, not divided)."""
+    return tl.maximum(amax, MIN_AMAX) * INV_FP8_MAX
+
+
+@triton.jit
 def _stored(x, scale_ptr, FP8_KV: tl.constexpr):
     """A new k or v row [1, D] as the cache stores it (FP8_KV: `fp8.row_codes`, the scale written to
     `scale_ptr`) and as attention reads it back (dequantized)."""
     stored, read = x, x  # Triton returns only from the function's own body: one return, at its end
     if FP8_KV:
         x32 = x.to(tl.float32)
-        row_scale = tl.maximum(tl.max(tl.abs(x32), 1), MIN_AMAX) * INV_FP8_MAX
+        row_scale = _e4m3_scale(tl.max(tl.abs(x32), 1))
         codes = tl.math.div_rn(x32, row_scale[:, None]).to(tl.float8e4nv)
         tl.store(scale_ptr + tl.arange(0, 1), row_scale)
         stored, read = codes, (codes.to(tl.float32) * row_scale[:, None]).to(x.dtype)
@@ -244,7 +250,7 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, q_pt
         tl.store(out_ptr + row * so + offs, normed, mask=ok)
         if QUANT:  # the row's E4M3 codes and scale, from the rounded values (as `fp8.quantize_rows`)
             n32 = normed.to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(n32), 0), MIN_AMAX) * INV_FP8_MAX
+            scale = _e4m3_scale(tl.max(tl.abs(n32), 0))
             tl.store(q_ptr + row * sq + offs, tl.math.div_rn(n32, scale).to(q_ptr.dtype.element_ty), mask=ok)
             tl.store(s_ptr + row, scale)
     else:
