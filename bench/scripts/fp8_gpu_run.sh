@@ -3,7 +3,7 @@
 # W4A16, and the 7B rollouts side by side (FP8 activations, FP8 KV cache). Writes into OUT_DIR
 # (default: bench/results/fp8-run); each bench rewrites its file after every row, so a run cut
 # short still leaves what it measured. Run from the repository root on a GPU with FP8 tensor cores:
-#   QERL_COMMIT=<commit> bash bench/scripts/fp8_gpu_run.sh [OUT_DIR] [PART]    PART: tests, rows, act, kv or all
+#   QERL_COMMIT=<commit> bash bench/scripts/fp8_gpu_run.sh [OUT_DIR] [PART]    PART: tests, rows, act, kv, kv32 or all
 # QERL_COMMIT names the commit in each results file: a device's copy of the tree can carry a stale .git.
 set -uo pipefail
 : "${QERL_COMMIT:?set QERL_COMMIT to the commit being measured (git rev-parse --short HEAD, here)}"
@@ -29,7 +29,14 @@ if [[ "$part" == all || "$part" == act ]]; then
 fi
 if [[ "$part" == all || "$part" == kv ]]; then
   # Issue 50's decode-step row: batch 256 at a ~3.8k-token mean context, bf16 against FP8 KV.
-  python3 -m qerl_pipe bench rollout --shapes qwen2.5-7b --formats nvfp4,nvfp4+fp8kv --batches 256 \
+  python3 -m qerl_pipe bench rollout --shapes qwen2.5-7b --formats nvfp4,nvfp4+fp8kv,nvfp4+fp8,nvfp4+fp8+fp8kv --batches 256 \
     --hf-batches '' --prompt-len 3584 --new-tokens 512 --out "$out/rollout-fp8-kv-7b.json" \
     2> "$out/rollout-fp8-kv-7b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-kv-7b.err"
+fi
+if [[ "$part" == all || "$part" == kv32 ]]; then
+  # Issue 50's 32B row: the slots the 80 GB plan gives each cache (16 bf16, 32 FP8) at the mean
+  # context of a BigMath wave (1,024 + 8,192 / 2 ~ 5.1k): a 512-token run from a 4,608-token prompt.
+  python3 -m qerl_pipe bench rollout --shapes qwen2.5-32b --formats nvfp4,nvfp4+fp8kv --batches 16,32 \
+    --hf-batches '' --prompt-len 4608 --new-tokens 512 --out "$out/rollout-fp8-kv-32b.json" \
+    2> "$out/rollout-fp8-kv-32b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-kv-32b.err"
 fi

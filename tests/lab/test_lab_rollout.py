@@ -87,3 +87,16 @@ def test_rollout_cli_knows_the_moe_shape():
     assert "qwen3-30b-a3b" in runner.invoke(app, ["bench", "rollout", "--help"]).output
     bad = runner.invoke(app, ["bench", "rollout", "--shapes", "qwen3-30b-a3b,qwen3-235b-a22b"])
     assert bad.exit_code == 1 and "unknown shapes ['qwen3-235b-a22b']" in bad.output
+
+
+def test_fp8_kv_plan_slot_target_pairs_the_two_batches():
+    """Issue 50: 32B tokens/s with FP8 KV at the plan's 32 slots over bf16 KV at its 16, only where both ran."""
+    row = dict(shape="qwen2.5-32b", impl="qerl-engine")
+    rows = [{**row, "format": "nvfp4", "batch": 16, "tokens_per_s": 100.0},
+            {**row, "format": "nvfp4", "batch": 32, "tokens_per_s": 150.0},
+            {**row, "format": "nvfp4+fp8kv", "batch": 32, "tokens_per_s": 180.0}]
+    got = [(t["name"], t["measured"], t["met"]) for t in targets(rows)]
+    assert got == [("qwen2.5-32b: nvfp4+fp8kv at its plan's 32 slots over nvfp4 at 16 (tokens/s)", 1.8, True)]
+    rows[2]["tokens_per_s"] = 160.0
+    assert [t["met"] for t in targets(rows)] == [False]
+    assert targets(rows[1:]) == []
