@@ -1,4 +1,4 @@
-"""The decode attention kernel alone, bf16 against FP8 KV cache, per split and inner block size.
+"""The decode attention kernel alone, bf16 against FP8 KV cache, per split, inner block and dot dtype.
 
 `qerl-pipe bench attention --shapes qwen2.5-7b,qwen2.5-32b --batches 1,64,256 --context 3712`
 times `kernels.triton_decode.launch_decode_attention` (its two kernels: the split partials and
@@ -23,8 +23,11 @@ from qerl_pipe.kernels.triton_decode import BLOCK_N, SPLIT, launch_decode_attent
 from qerl_pipe.kernels.tuning import time_graph, weight_copies
 from qerl_pipe.model.shapes import SHAPES
 
-# (split, block): the default first; an FP8 tile of 128 positions is the bytes of a bf16 one of 64.
-CONFIGS = ((SPLIT, BLOCK_N), (256, BLOCK_N), (512, BLOCK_N), (256, 128), (512, 128))
+# (split, block, fp16 dots): the default first; an FP8 tile of 128 positions is the bytes of a bf16
+# one of 64; fp16 dots apply to an FP8 cache only.
+BF16_CONFIGS = ((SPLIT, BLOCK_N, False), (256, BLOCK_N, False), (512, BLOCK_N, False))
+FP8_CONFIGS = ((SPLIT, BLOCK_N, False), (256, BLOCK_N, False), (SPLIT, BLOCK_N, True), (256, BLOCK_N, True),
+               (512, BLOCK_N, True), (256, 128, True), (512, 128, True))
 # The kernel-level aim behind issue 50's decode-step target (<= 0.85x the step at batch 256, 4k context).
 FP8_OVER_BF16_TARGET = 0.6
 
@@ -44,11 +47,11 @@ def _caches(layers: int, b: int, hkv: int, length: int, d: int, fp8: bool, gen: 
     return out
 
 
-def measure(shape: str, b: int, context: int, fp8: bool, configs: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+def measure(shape: str, b: int, context: int, fp8: bool, configs: Sequence[tuple[int, int, bool]]) -> list[dict[str, Any]]:
     cfg = SHAPES[shape]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim", cfg["hidden_size"] // hq)
-    widest = max(split for split, _ in configs)
+    widest = max(c[0] for c in configs)
     length = -(-(context + 1) // widest) * widest  # the cache every split divides
     per_layer = b * hkv * context * d * 2 * (1 if fp8 else 2) + (b * hkv * context * 8 if fp8 else 0)
     layers = weight_copies(per_layer)
@@ -61,17 +64,17 @@ def measure(shape: str, b: int, context: int, fp8: bool, configs: Sequence[tuple
     sin = torch.rand(b, d, device="cuda", generator=gen).bfloat16()
     positions = torch.full((b,), context, device="cuda")
     rows, reference = [], None
-    for split, block in configs:
-        def call(c: tuple, split: int = split, block: int = block) -> torch.Tensor:
+    for split, block, f16 in configs:
+        def call(c: tuple, split: int = split, block: int = block, f16: bool = f16) -> torch.Tensor:
             return launch_decode_attention(q, k, v, cos, sin, c[0], c[1], positions, d ** -0.5, k_scale=c[2],
-                                           v_scale=c[3], split=split, block=block)
+                                           v_scale=c[3], split=split, block=block, f16_dots=f16)
         out = call(caches[0]).float()
         reference = out if reference is None else reference
         seconds = time_graph([lambda c=c: call(c) for c in caches], reps=30)
         rows.append({"shape": shape, "batch": b, "context": context, "kv_cache": "fp8" if fp8 else "bf16",
-                     "split": split, "block": block, "us_per_layer": round(seconds * 1e6, 2),
+                     "split": split, "block": block, "f16_dots": f16, "us_per_layer": round(seconds * 1e6, 2),
                      "cache_gbps": round(per_layer / seconds / 1e9, 1),
-                     "max_diff_vs_default_split": float((out - reference).abs().max())})
+                     "max_diff_vs_default": float((out - reference).abs().max())})
     del caches
     torch.cuda.empty_cache()
     return rows
@@ -83,21 +86,22 @@ def run(shapes: Sequence[str], batches: Sequence[int], context: int) -> dict[str
     for shape in shapes:
         for b in batches:
             for fp8 in (False, True):
-                rows += measure(shape, b, context, fp8, CONFIGS if fp8 else CONFIGS[:3])
+                rows += measure(shape, b, context, fp8, FP8_CONFIGS if fp8 else BF16_CONFIGS)
             base = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] != "fp8"
-                        and (r["split"], r["block"]) == CONFIGS[0])
+                        and (r["split"], r["block"], r["f16_dots"]) == BF16_CONFIGS[0])
             for r in rows:
                 if r["shape"] == shape and r["batch"] == b:
                     r["over_bf16_default"] = round(r["us_per_layer"] / base["us_per_layer"], 3)
                     print(f"{shape} b{b} ctx {context} {r['kv_cache']:4} split {r['split']:3} block {r['block']:3}: "
                           f"{r['us_per_layer']:8.1f} us/layer, {r['cache_gbps']:6.0f} GB/s, "
-                          f"{r['over_bf16_default']:.3f}x, diff {r['max_diff_vs_default_split']:.2e}",
+                          f"{r['over_bf16_default']:.3f}x, diff {r['max_diff_vs_default']:.2e}",
                           file=sys.stderr, flush=True)
             best = min((r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] == "fp8"),
                        key=lambda r: r["us_per_layer"])
             default = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] == "fp8"
-                           and (r["split"], r["block"]) == CONFIGS[0])
-            for label, r in (("default split", default), (f"best (split {best['split']}, block {best['block']})", best)):
+                           and (r["split"], r["block"], r["f16_dots"]) == FP8_CONFIGS[0])
+            for label, r in (("default", default), (f"best (split {best['split']}, block {best['block']}, "
+                                                     f"fp16 dots {best['f16_dots']})", best)):
                 targets.append(target(f"{shape} batch {b}, context {context}: FP8-KV attention, {label}, over bf16",
                                       f"<= {FP8_OVER_BF16_TARGET}x", r["over_bf16_default"], "x",
                                       r["over_bf16_default"] <= FP8_OVER_BF16_TARGET))

@@ -85,7 +85,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
              sks_b, sks_h, svs_b, svs_h, Hq, S, scale, window, cap,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
              BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-             USE_PDL: tl.constexpr):
+             F16_DOTS: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
     dtype = q_ptr.dtype.element_ty  # the model dtype (an FP8 cache is read back into it)
@@ -99,6 +99,14 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     sn = tl.load(sin_ptr + b * s_cos + offs_d, mask=rotates, other=0.0).to(tl.float32)
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
     q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, ROT, ROT // 2).to(dtype)
+    # F16_DOTS (an FP8 cache): E4M3 codes convert to fp16 exactly in one instruction per pair, so
+    # the dots run in fp16, q divided by its row amax (within fp16's range whatever the model).
+    dot_t = tl.float16 if F16_DOTS else dtype
+    q_amax = tl.full((GP,), 1.0, tl.float32)
+    q_dot = q
+    if F16_DOTS:
+        q_amax = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), MIN_AMAX)
+        q_dot = (q.to(tl.float32) / q_amax[:, None]).to(tl.float16)
 
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
@@ -119,8 +127,10 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
-        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dtype)
-        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
+        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t)
+        scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
+        if F16_DOTS:
+            scores = scores * q_amax[:, None]
         if FP8_KV:  # q . (codes x scale) = (q . codes) x scale
             scores = scores * tl.load(ks + offs_n, mask=n_ok, other=0.0)[None, :]
         scores = tl.where(n_ok[None, :], _soft_cap(scores, cap, CAPPED), float("-inf"))
@@ -128,10 +138,15 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dtype)
-        if FP8_KV:  # p @ (codes x scale) = (p x scale) @ codes
-            p = p * tl.load(vs + offs_n, mask=n_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vals, input_precision=PRECISION)
+        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t)
+        v_max = 1.0
+        if FP8_KV:  # p @ (codes x scale) = (p x scale) @ codes; in fp16 over the block's largest scale
+            v_scale = tl.load(vs + offs_n, mask=n_ok, other=0.0)
+            if F16_DOTS:
+                v_max = tl.maximum(tl.max(v_scale, 0), MIN_AMAX)
+                v_scale = v_scale / v_max
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), vals, input_precision=PRECISION) * v_max
         m_i = m_new
 
     if (pos >= lo) & (pos < lo + SPLIT_LEN):
@@ -179,10 +194,11 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
                             v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
                             softcap: float = 0.0, k_scale: Tensor | None = None,
                             v_scale: Tensor | None = None, split: int = SPLIT,
-                            block: int | None = None) -> Tensor:
+                            block: int | None = None, f16_dots: bool = False) -> Tensor:
     """The two Triton kernels (any device Triton runs on, the interpreter included); an FP8 cache
     comes with its scales [B, Hkv, L] (contiguous in L). `split`: cache positions per program, `block`:
-    per inner step (a power of two from 16 dividing split); `bench attention` measures both."""
+    per inner step (a power of two from 16 dividing split); `f16_dots`: an FP8 cache's dot
+    products in fp16 (a bf16 model's q scaled into range); `bench attention` measures each."""
     b, hq, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
@@ -208,7 +224,8 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=split, BLOCK=block,
-        CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8_kv, num_warps=4,
+        CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8_kv,
+        F16_DOTS=bool(f16_dots and fp8_kv and q.dtype != torch.float32), num_warps=4,
         **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))

@@ -127,10 +127,11 @@ def test_fp8_greedy_agrees_with_bf16_activations(tiny_qwen2, base, every_row_fp8
     assert agreed / total >= 0.5 and max(first) < 0.1
 
 
-@pytest.mark.parametrize(("d", "window", "softcap", "split", "block"),
-                         [(128, 0, 0.0, 128, None), (64, 40, 0.0, 128, None), (256, 0, 30.0, 128, None),
-                          (128, 40, 0.0, 256, 128), (128, 0, 0.0, 512, 64)])
-def test_fp8_kv_attention_kernel_matches_its_reference(d, window, softcap, split, block):
+@pytest.mark.parametrize(("d", "window", "softcap", "split", "block", "f16"),
+                         [(128, 0, 0.0, 128, None, False), (64, 40, 0.0, 128, None, False),
+                          (256, 0, 30.0, 128, None, False), (128, 40, 0.0, 256, 128, True),
+                          (128, 0, 0.0, 512, 64, True), (256, 0, 30.0, 128, None, True), (64, 40, 0.0, 256, 64, True)])
+def test_fp8_kv_attention_kernel_matches_its_reference(d, window, softcap, split, block, f16):
     from qerl_pipe.kernels.decode_ops import decode_attention_reference
     from qerl_pipe.kernels.fp8 import row_codes
     from qerl_pipe.kernels.triton_decode import launch_decode_attention
@@ -146,7 +147,7 @@ def test_fp8_kv_attention_kernel_matches_its_reference(d, window, softcap, split
     v8, vs = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"))
     caches = [(k8.clone(), v8.clone(), ks[..., 0].clone(), vs[..., 0].clone()) for _ in range(2)]
     got = launch_decode_attention(q, k, v, cos, sin, caches[0][0], caches[0][1], positions, d ** -0.5, window,
-                                  softcap, caches[0][2], caches[0][3], split=split, block=block)
+                                  softcap, caches[0][2], caches[0][3], split=split, block=block, f16_dots=f16)
     ref = decode_attention_reference(q, k, v, cos, sin, caches[1][0], caches[1][1], positions, d ** -0.5, window,
                                      softcap, caches[1][2], caches[1][3])
     # The same dequantized keys and values (rounded to bf16 for the kernel's dot products).
