@@ -29,7 +29,7 @@ if [[ "$part" == all || "$part" == act ]]; then
 fi
 if [[ "$part" == all || "$part" == kv ]]; then
   # Issue 50's decode-step row: batch 256 at a ~3.8k-token mean context, bf16 against FP8 KV.
-  python3 -m qerl_pipe bench rollout --shapes qwen2.5-7b --formats nvfp4,nvfp4+fp8kv,nvfp4+fp8,nvfp4+fp8+fp8kv --batches 256 \
+  python3 -m qerl_pipe bench rollout --shapes qwen2.5-7b --formats nvfp4+fp8,nvfp4+fp8+fp8kv,nvfp4,nvfp4+fp8kv --batches 256 \
     --hf-batches '' --prompt-len 3584 --new-tokens 512 --out "$out/rollout-fp8-kv-7b.json" \
     2> "$out/rollout-fp8-kv-7b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-kv-7b.err"
 fi

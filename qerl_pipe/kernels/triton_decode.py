@@ -194,11 +194,12 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
                             v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
                             softcap: float = 0.0, k_scale: Tensor | None = None,
                             v_scale: Tensor | None = None, split: int = SPLIT,
-                            block: int | None = None, f16_dots: bool = False) -> Tensor:
+                            block: int | None = None, f16_dots: bool = True) -> Tensor:
     """The two Triton kernels (any device Triton runs on, the interpreter included); an FP8 cache
     comes with its scales [B, Hkv, L] (contiguous in L). `split`: cache positions per program, `block`:
     per inner step (a power of two from 16 dividing split); `f16_dots`: an FP8 cache's dot
-    products in fp16 (a bf16 model's q scaled into range); `bench attention` measures each."""
+    products in fp16 (q scaled into range; fewer conversions and more mantissa than bf16), else in
+    the model dtype; `bench attention` measures each."""
     b, hq, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
