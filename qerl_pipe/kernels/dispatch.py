@@ -17,10 +17,11 @@ DETERMINISTIC_BACKENDS = ("qerl", "humming", "humming-ordered", "dequant")
 BACKENDS = (*DETERMINISTIC_BACKENDS, "humming-fast")
 NF4_OPS = ("nf4", "nf4-dx")
 NF4_BACKENDS = ("triton", "bnb", "dequant")
-# Without a table row, bitsandbytes serves NF4 up to this many rows: measured on the H200 (7B
-# layers, L2-cold) its gemv at M = 1 and its dequantize + cuBLAS at M = 16 run 1.3-5x faster than
-# our Triton NF4 kernels, which win from M = 64 on.
-NF4_BNB_MAX_M = 16
+# Without a table row, bitsandbytes' gemv serves NF4 forwards up to this many rows and our decode
+# pass + cuBLAS (`dequant`) the rest, dX included: on the H200 (7B layers, L2-cold; docs/kernels.md,
+# "NF4") the decode pass beats bitsandbytes' dequantize + cuBLAS by 12-19% at 2-32 rows and every
+# dX, and is within 2.5% of the per-layer best from 64 rows; our Triton GEMM is 5-27x slower below 64.
+NF4_BNB_MAX_M = 1
 # Measured tables shipped with the package, one per GPU (`dispatch-<gpu>.json`).
 SHIPPED_DIR = Path(__file__).parent / "cuda"
 
@@ -156,7 +157,7 @@ def nf4_backend(op: str, m: int, n: int, k: int, device: torch.device, has_bnb: 
     table, deterministic = active(device)
     chosen = table.column(deterministic).get(nf4_row_key(op, m, n, k)) if table is not None else None
     if chosen is None:
-        chosen = "bnb" if m <= NF4_BNB_MAX_M else "triton"
+        chosen = "bnb" if op == "nf4" and m <= NF4_BNB_MAX_M else "dequant"
     return "triton" if chosen == "bnb" and not has_bnb else chosen
 
 

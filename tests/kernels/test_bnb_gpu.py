@@ -78,17 +78,17 @@ def test_bitsandbytes_forward_and_dx_match_the_reference(n, k, m) -> None:
 def test_nf4_linear_follows_the_rule_and_the_rows(rule, monkeypatch, m) -> None:
     n, k = SHAPES[0]
     w, dense = _weight(n, k, seed=5)
-    x = torch.randn(3, m, k, device="cuda").bfloat16()  # leading dims are flattened
+    x = torch.randn(1, m, k, device="cuda").bfloat16()  # leading dims are flattened
     calls: list[str] = []
     for name in ("matmul", "matmul_dx"):
         real = getattr(bnb_backend, name)
         monkeypatch.setattr(bnb_backend, name, lambda a, b, real=real, name=name: calls.append(name) or real(a, b))
     y = nf4_linear(x, w)
     dx = nf4_linear_dx(y, w)
-    assert y.shape == (3, m, n) and dx.shape == (3, m, k)
+    assert y.shape == (1, m, n) and dx.shape == (1, m, k)
     assert _rel(y, x.double() @ dense.T) < MAX_REL and _rel(dx, y.double() @ dense) < MAX_REL
-    rows = 3 * m
-    assert calls == (["matmul", "matmul_dx"] if rows <= dispatch.NF4_BNB_MAX_M else [])
+    rows = m  # the rule: bitsandbytes for a one-row forward only (its dX never wins)
+    assert calls == (["matmul"] if rows <= dispatch.NF4_BNB_MAX_M else [])
     calls.clear()
     table = {nf4_row_key("nf4", rows, n, k): "bnb", nf4_row_key("nf4-dx", rows, n, k): "dequant"}
     rule(DispatchTable("any", 1, deterministic=table, fast=dict(table)), True)
@@ -100,7 +100,9 @@ def test_nf4_linear_follows_the_rule_and_the_rows(rule, monkeypatch, m) -> None:
 def test_bitsandbytes_runs_inside_a_cuda_graph(rule) -> None:
     n, k = SHAPES[2]
     w, _ = _weight(n, k, seed=9)
-    for m in (1, 8):
+    for m in (1, 8):  # gemv_4bit, and (by a row: the rule sends 8 rows to our decode pass) dequantize_4bit
+        table = {nf4_row_key("nf4", m, n, k): "bnb"}
+        rule(DispatchTable("any", 1, deterministic=table, fast=dict(table)), True)
         x = torch.randn(m, k, device="cuda").bfloat16()
         eager = nf4_linear(x, w)
         side = torch.cuda.Stream()

@@ -1,6 +1,6 @@
 """NF4 rows of the kernel dispatch (kernels/dispatch.py) and the bitsandbytes backend's switches, on the CPU.
 
-Without a row bitsandbytes serves up to 16 rows and our Triton kernels the rest; a row overrides
+Without a row bitsandbytes serves a one-row forward and our decode pass + cuBLAS the rest; a row overrides
 that per op (forward, dX), M and layer shape; a bitsandbytes row without bitsandbytes falls back
 to Triton. GPU results: tests/kernels/test_bnb_gpu.py.
 """
@@ -26,13 +26,14 @@ def restore_dispatch():
     dispatch._ACTIVE.chosen = False
 
 
-def test_without_a_row_bitsandbytes_serves_up_to_16_rows(restore_dispatch) -> None:
+def test_without_a_row_bitsandbytes_serves_one_row_and_the_decode_pass_the_rest(restore_dispatch) -> None:
     restore_dispatch(None, True)
-    for op in ("nf4", "nf4-dx"):
-        assert [dispatch.nf4_backend(op, m, *SHAPE, CPU, True) for m in (1, 8, 16, 17, 64, 10240)] == \
-            ["bnb"] * 3 + ["triton"] * 3
-        assert {dispatch.nf4_backend(op, m, *SHAPE, CPU, False) for m in (1, 16, 64)} == {"triton"}
-    assert NF4_BNB_MAX_M == 16
+    ms = (1, 2, 16, 17, 64, 10240)
+    assert [dispatch.nf4_backend("nf4", m, *SHAPE, CPU, True) for m in ms] == ["bnb"] + ["dequant"] * 5
+    assert [dispatch.nf4_backend("nf4-dx", m, *SHAPE, CPU, True) for m in ms] == ["dequant"] * 6
+    # Without bitsandbytes our Triton GEMV takes the one-row forward (it beats the decode pass there).
+    assert [dispatch.nf4_backend("nf4", m, *SHAPE, CPU, False) for m in (1, 2, 64)] == ["triton", "dequant", "dequant"]
+    assert NF4_BNB_MAX_M == 1
 
 
 def test_a_row_chooses_per_op_m_and_shape(restore_dispatch) -> None:
@@ -43,7 +44,7 @@ def test_a_row_chooses_per_op_m_and_shape(restore_dispatch) -> None:
     assert dispatch.nf4_backend("nf4", 40, *SHAPE, CPU, False) == "triton"  # no bitsandbytes here
     assert dispatch.nf4_backend("nf4", 1, *SHAPE, CPU, True) == "dequant"
     assert dispatch.nf4_backend("nf4-dx", 9, *SHAPE, CPU, True) == "triton"
-    assert dispatch.nf4_backend("nf4-dx", 1, *SHAPE, CPU, True) == "bnb"  # no row: the rule
+    assert dispatch.nf4_backend("nf4-dx", 1, *SHAPE, CPU, True) == "dequant"  # no row: the rule
     assert dispatch.nf4_backend("nf4", 1, 256, 512, CPU, True) == "bnb"  # another shape: the rule
 
 
