@@ -157,7 +157,7 @@ def nf4_backend(op: str, m: int, n: int, k: int, device: torch.device, has_bnb: 
     table, deterministic = active(device)
     chosen = table.column(deterministic).get(nf4_row_key(op, m, n, k)) if table is not None else None
     if chosen is None:
-        chosen = "bnb" if op == "nf4" and m <= NF4_BNB_MAX_M else "dequant"
+        chosen = "bnb" if op != "nf4-dx" and m <= NF4_BNB_MAX_M else "dequant"
     return "triton" if chosen == "bnb" and not has_bnb else chosen
 
 
