@@ -57,12 +57,9 @@ def _bytes(w: PackedNF4) -> Tensor:
 
 
 def dequantize(w: PackedNF4, dtype: torch.dtype) -> Tensor:
-    """bitsandbytes' `dequantize_4bit` of `w`: a new `[N, K]` tensor in `dtype`.
-
-    Not its `.out` overload into a shared buffer: that one checks `out.shape == shape` with the
-    shape the dispatcher hands it as a list, which a `torch.Size` never equals (measured on the GPU
-    with torch 2.11: every call fails, bitsandbytes' own `functional.dequantize_4bit(out=...)` too).
-    The caching allocator (or a CUDA graph's pool) serves the buffer from the previous layer's."""
+    """bitsandbytes' `dequantize_4bit` of `w`: a new `[N, K]` tensor in `dtype`. Not its `.out`
+    overload: it compares `out.shape` with the dispatcher's list, which a `torch.Size` never equals
+    (every call fails on torch 2.11, docs/kernels.md); the allocator reuses the last layer's buffer."""
     return torch.ops.bitsandbytes.dequantize_4bit.default(_bytes(w), w.absmax.reshape(-1), NF4_BLOCK, "nf4",
                                                           [w.out_features, w.in_features], dtype)
 

@@ -14,13 +14,9 @@ KERNELS = ("skinny", "gemv", "tiled", "dequant")
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One launch. `skinny`: fp32-FMA GEMV over split-K slices, reduced once at the end; `gemv`:
-    the same GEMV reduced every K tile (fewer registers, wider K tiles); `tiled`: tl.dot GEMM;
-    `dequant`: decode W once into a bf16 scratch buffer ([block_n, block_k] tiles), then cuBLAS.
-
-    For `dx`, block_n is the contracted (N) tile and block_k the output-column (K) tile. `dequant`
-    ignores block_m and split_k (cuBLAS picks its own tiling).
-    """
+    """One launch. `skinny`: fp32-FMA GEMV over split-K slices, reduced once; `gemv`: reduced every
+    K tile; `tiled`: tl.dot GEMM; `dequant`: decode W into bf16 tiles, then cuBLAS (block_m and
+    split_k unused). For `dx`, block_n is the contracted (N) tile, block_k the output (K) tile."""
 
     kernel: str
     block_m: int

@@ -390,15 +390,10 @@ def grouped_config(max_rows: int) -> GemmConfig:
 def grouped_gemm(rows: Tensor, qweight: Tensor, scales: Tensor, global_scale: Tensor, offsets: Tensor,
                  out_features: int, in_features: int, max_rows: int, active: Tensor | None = None,
                  config: GemmConfig | None = None) -> Tensor:
-    """E weights' `rows @ W_e^T` in one launch, straight from their NVFP4 stack (no dequantize):
-    `qweight` [E, NB, KC, 256] and `scales` [E, NB, KC, 128] in the tiled layout, `global_scale`
-    [E] or [E, 1]; bf16 `rows` [R, K] sorted by weight, weight e's at offsets[e]:offsets[e + 1]
-    (int64 [E + 1], nondecreasing from 0 to R: the kernel trusts them, as it reads them on the
-    device; a row outside every range is not written); at most `max_rows` rows per weight;
-    `active` (int32 [E], the weights with rows first, then -1) limits the grid to min(E, R)
-    weights' CTAs. Deterministic (no split-K).
-    `config` (one of `grouped_configs()`) overrides `grouped_config`, for the probes that compare
-    them."""
+    """E weights' `rows @ W_e^T` in one launch from their tiled NVFP4 stack; bf16 `rows` [R, K]
+    sorted by weight, weight e's at offsets[e]:offsets[e + 1] (int64 [E + 1], trusted: read on the
+    device), at most `max_rows` per weight; `active` (int32 [E], weights with rows first, then -1)
+    bounds the grid. Deterministic (no split-K); `config` overrides `grouped_config` (probes)."""
     e = qweight.shape[0]
     config = grouped_config(max_rows) if config is None else config
     if config not in grouped_configs():

@@ -77,12 +77,9 @@ def _cuda_kernels(t: Tensor, w: NVFP4Any) -> bool:
 
 def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
                  lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """`x @ W^T (+ bias) (+ u @ B^T)`: `x [..., K]` (bf16) -> `[..., N]` in x's dtype.
-
-    `lora` = (u [rows of x, R], B [N, R]) is an adapter's expand (u = x @ A^T computed upstream).
-    The CUDA decode GEMM adds bias and expand in its epilogue (one rounding, one kernel); every
-    other path adds them after the base matmul. Inference only: no autograd through bias or lora.
-    """
+    """`x @ W^T (+ bias) (+ u @ B^T)`: `x [..., K]` (bf16) -> `[..., N]` in x's dtype; `lora` =
+    (u [rows, R], B [N, R]) is an adapter's expand (u = x @ A^T upstream). The CUDA decode GEMM adds
+    bias and expand in its epilogue, other paths after the matmul. Inference only (no autograd)."""
     if not x.is_cuda:
         dense = _dense_copy(w, x.dtype)
         out = x @ dense.T if dense is not None else reference.nvfp4_linear_ref(x, _checkpoint_form(w))

@@ -244,16 +244,9 @@ def _decode_scale_bytes(enc: Tensor) -> Tensor:
 
 def fragment_order(x: Tensor, rows: int) -> Tensor:
     """`x [M, K]` as the wgmma kernel reads it: `[rows, KC * 32]` (rows past M and columns past K
-    zero), each 32-column chunk's 16 column pairs reordered so that the 64 bytes of a chunk row are
-    wgmma's B operand in the k order of the A fragments.
-
-    Column pair `4t + u` of a chunk is what lane t's A registers multiply in slot u (u = 2j + hi:
-    k16 step j, register half hi), and wgmma reads B at byte `16u + 4t` of the chunk row (k =
-    2t + 8hi of step j); so pair `4t + u` moves to position `4u + t`, a 4 x 4 transpose of the
-    chunk's 4-byte pairs. A row of two chunks is then one 128-byte line that the kernel copies as
-    eight 16-byte pieces into the 128-byte swizzle, where the unpermuted x needed 32 scattered
-    4-byte copies.
-    """
+    zero), in each 32-column chunk pair `4t + u` moved to position `4u + t` (a 4 x 4 transpose of
+    4-byte pairs: lane t's A slot u meets wgmma's B byte 16u + 4t), so a row is one 128-byte line
+    for the swizzle. Why: docs/kernels.md, "fragment order"."""
     m, k = x.shape
     kc = -(-k // COLS)
     out = torch.zeros(rows, kc * COLS, dtype=x.dtype, device=x.device)

@@ -19,15 +19,10 @@ _PTX_SCALE_FACTOR: tl.constexpr = tl.constexpr(2.0**127)
 
 @triton.jit
 def _nvfp4_pairs_ptx(v, s2):
-    """Two E2M1 codes (bits 12-15 and 28-31 of v) times the bf16 pair s2 -> one bf16x2 word.
-
-    Each code's 3 magnitude bits go to a bf16's low exponent bits and top mantissa bit (bits
-    6-8), the sign to bit 15: the bf16 `e2m1(code) * 2**-126` (subnormal for E2M1's zero
-    exponent, which bf16 FMA handles exactly). One packed FMA by s2 = scale * 2**119 gives
-    code * scale * 2**-7 for both halves: at most 6 significant bits and within bf16's normal
-    range for every E4M3 scale, so exact. Replaces the fp16 multiply and the fp16->fp32->bf16
-    conversions of the pure-Triton decode (2 instructions per element).
-    """
+    """Two E2M1 codes (bits 12-15, 28-31 of v) x the bf16 pair s2 -> one bf16x2 word: magnitude bits
+    to bf16 bits 6-8 and sign to 15 make `e2m1(code) * 2**-126`, and one packed FMA by s2 = scale *
+    2**119 gives code * scale * 2**-7, exact for every E4M3 scale (at most 6 significant bits).
+    2 instructions per element where the pure-Triton decode converts fp16 -> fp32 -> bf16."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 t, u;
@@ -45,13 +40,9 @@ def _nvfp4_pairs_ptx(v, s2):
 def dequant_tile(q_ptr, s_ptr, lut_ptr, offs_n, k0, N, K,
                  FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PTX: tl.constexpr = False):
-    """Rows `offs_n`, columns k0..k0+BLOCK_K of W (no global scale): NVFP4 fp16 x 2**-14
-    (bf16 x 2**-7 with PTX), NF4 fp32.
-
-    Out-of-range rows and columns come back as 0. k0 is a multiple of BLOCK_K; K of 16 (NVFP4)
-    or 64 (NF4), so scale blocks are never cut by the K edge. PTX (compiled GPU code only: the
-    interpreter cannot run inline assembly) decodes NVFP4 with `_nvfp4_pairs_ptx`.
-    """
+    """Rows `offs_n`, columns k0..k0+BLOCK_K of W (no global scale; 0 out of range): NVFP4 fp16 x
+    2**-14 (bf16 x 2**-7 with PTX: compiled code only, `_nvfp4_pairs_ptx`), NF4 fp32. k0 is a
+    multiple of BLOCK_K and K of 16 (NVFP4) or 64 (NF4): the K edge never cuts a scale block."""
     WORDS: tl.constexpr = BLOCK_K // 8
     kw = K // 8
     offs_w = k0 // 8 + tl.arange(0, WORDS)

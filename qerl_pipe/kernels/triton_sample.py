@@ -118,13 +118,9 @@ def _reciprocal_f32(temperature: float) -> float:
 
 def launch_sample_step(logits: Tensor, keys: Tensor, steps: Tensor, positions: Tensor, live: Tensor,
                        next_tokens: Tensor, record: Tensor, temperature: float) -> None:
-    """Sample one token per row of logits [B, V] (temperature 0: greedy) and update the slots' state.
-
-    keys, steps, positions, live, next_tokens: int64 [B] (contiguous); record: float64 [2, B]
-    contiguous, receives (tokens, logprobs). Reads steps before incrementing it (the noise of
-    step s), so the row's next call draws step s + 1. No top-k / top-p: those go through the
-    reference sampler.
-    """
+    """Sample one token per row of logits [B, V] (temperature 0: greedy) and update the slots' state:
+    keys, steps, positions, live, next_tokens int64 [B]; record float64 [2, B] gets (tokens,
+    logprobs). Step s's noise, then steps += 1. No top-k / top-p (the reference sampler has them)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1 or record.shape != (2, rows) or not record.is_contiguous():
         raise ValueError(f"logits must be contiguous in the vocabulary and record [2, {rows}] contiguous; got "

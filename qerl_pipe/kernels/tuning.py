@@ -213,13 +213,9 @@ def _tune_table(shapes: list[tuple[int, int]], ms: list[int], fmt: str, device: 
 
 def tune_kernels(shapes: list[tuple[int, int]], ms: list[int], fmt: str,
                  device: torch.device | str, dx_ms: list[int] | None = None) -> ConfigTable:
-    """Per-layer configs for `fmt` ('nvfp4' or 'nf4') on this CUDA GPU.
-
-    `shapes` are the model's distinct fused-linear (N, K); for each shape and each M bucket of
-    `ms` (timed at the largest given M in the bucket), the forward op gets the fastest correct
-    candidate, and so does dX at the buckets of `dx_ms` (default: `ms`); keys
-    `{op}:{fmt}:m{bucket}:n{N}:k{K}` (install with `set_table`). Untuned buckets keep the defaults.
-    """
+    """Per-layer configs for `fmt` ('nvfp4' or 'nf4') on this CUDA GPU: for each fused-linear (N, K)
+    in `shapes` and M bucket of `ms` (timed at its largest M), the fastest correct forward candidate,
+    and dX's at `dx_ms` (default `ms`); keys `{op}:{fmt}:m{bucket}:n{N}:k{K}` (`set_table`)."""
     device = torch.device(device)
     if device.type != "cuda":
         raise QerlError(f"kernel tuning times Triton kernels on a CUDA GPU; device {device} is not one")
