@@ -35,12 +35,9 @@ class PromptError(QerlError):
 
 @dataclass
 class Rollouts:
-    """P*n sequences in order: prompt 0 samples 0..n-1, prompt 1 samples 0..n-1, ...
-
-    `tokens` are the generated ids only (a stop token that ended a sequence included),
-    `logprobs[i][t]` = log_softmax(logits / T)[tokens[i][t]] (T = 1 when greedy), before any
-    top-k/top-p truncation. `finish_reasons`: "stop" or "length".
-    """
+    """P*n sequences in order: prompt 0 samples 0..n-1, prompt 1 samples 0..n-1, ... `tokens`: the
+    generated ids (an ending stop token included); `logprobs[i][t]` = log_softmax(logits / T)
+    [tokens[i][t]] (T = 1 when greedy), before top-k/top-p; `finish_reasons`: "stop" or "length"."""
 
     prompt_index: list[int]
     sample_index: list[int]
@@ -91,23 +88,10 @@ def _env_graphs_enabled() -> bool:
 
 class Engine:
     """Generates rollouts from a Decoder: `Engine(model, limits).generate(prompts, n, sampling)`.
-
-    Allocates the KV cache (limits.max_batch slots x limits.max_seq_len, model dtype and device)
-    once. CUDA graphs are used on CUDA when `limits.graph_batch_sizes` is non-empty, unless
-    `cuda_graphs=False` or the environment sets QERL_ENGINE_CUDA_GRAPHS=0 (a MoE model: only where every
-    sparse layer runs grouped, `all_experts_grouped`). `prefill_tokens`
-    bounds the padded tokens of one prefill batch (its activation memory).
-
-    The model runs as it is: unmerged LoRA (through the engine's fused copy, `FusedLora`,
-    refreshed from the parameters at every `generate` and used by prefill and decode steps alike)
-    and the AQN noise in its RMSNorm buffers. Update noise in place (`noise.copy_`); graphs are recaptured
-    automatically when a parameter or buffer has been rebound or a LoRA switch changed, and
-    `reset_graphs()` forces it.
-
-    `activations="fp8"`: the rollout's dense linears take per-token FP8 activations on FP8 copies
-    of their bases (`engine.fp8`), made here when `kernel_copies` (the memory plan's room for
-    copies) allows; `self.activations` says what runs.
-    """
+    Allocates the KV cache once; runs the model as it is (unmerged LoRA, AQN noise in its norms:
+    update in place; a rebound tensor is seen and the graphs recaptured). `activations="fp8"`: FP8
+    copies of the dense bases where `kernel_copies` allows (`self.activations` says what runs).
+    CUDA graphs, `prefill_tokens` and the rest: docs/engine.md."""
 
     def __init__(
         self,
@@ -174,12 +158,9 @@ class Engine:
         self._fingerprint = None
 
     def capture_graphs(self) -> int:
-        """Capture every (batch size, attention length) graph now instead of lazily during
-        generation (e.g. before timing a run); returns how many exist. No-op without graphs.
-
-        Safe between generate calls: all slots are idle, so the warm-up steps only write unused
-        position 0 of each row.
-        """
+        """Capture every (batch size, attention length) graph now instead of lazily (e.g. before
+        timing a run); returns how many exist. No-op without graphs. Safe between generate calls:
+        the slots are idle, so the warm-up steps write only unused position 0 of each row."""
         if not self.uses_cuda_graphs:
             return 0
         self.runner.lora.refresh()
@@ -194,11 +175,8 @@ class Engine:
         first_sequence_id: int = 0,
     ) -> Rollouts:
         """n samples of each prompt (token ids), in order prompt 0 samples 0..n-1, prompt 1, ...
-
-        Sample s of prompt p draws its random numbers as sequence `first_sequence_id + p * n + s`:
-        a data-parallel rank that generates prompts k.. of a larger batch passes k * n, and its
-        samples are the ones a single process generating the whole batch would draw.
-        """
+        Sample s of prompt p draws as sequence `first_sequence_id + p * n + s`: a data-parallel
+        rank generating prompts k.. passes k * n and draws what one process would."""
         if not isinstance(sampling, SamplingParams):
             raise PromptError(f"sampling must be a SamplingParams; got {type(sampling).__name__}")
         prompt_lists = self._check_inputs(prompts, n, sampling)
@@ -380,12 +358,9 @@ class _Generation:
         self.out.compactions += 1
 
     def _record(self, rows: list[tuple[int, int]], tokens: list[int], logprobs: list[float]) -> None:
-        """Append each row's token to its sequence, then the stop checks.
-
-        `rows`: (row of `tokens`, sequence index) of every sequence that drew a token. A sequence
-        that finished at an earlier step drew one more in the step launched before that was known:
-        it is dropped.
-        """
+        """Append each row's token to its sequence, then the stop checks. `rows`: (row of `tokens`,
+        sequence index) of every sequence that drew a token; one that finished a step earlier drew
+        one more in the step launched before that was known: it is dropped."""
         finished: list[int] = []
         limit = self.params.max_new_tokens
         for r, i in rows:

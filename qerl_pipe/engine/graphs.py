@@ -28,12 +28,9 @@ class _Graph:
 
 
 def length_buckets(max_len: int, smallest: int = 256) -> tuple[int, ...]:
-    """Attention lengths the decode step runs at: powers of two from `smallest`, then max_len.
-
-    A step attends over the first L positions of each row, L the smallest bucket holding every
-    active sequence, so its KV reads follow the sequences' lengths (within 2x) rather than
-    max_seq_len, with few enough distinct shapes to capture each as a graph.
-    """
+    """Attention lengths the decode step runs at: powers of two from `smallest`, then max_len. A
+    step attends over the smallest bucket holding every active sequence: KV reads follow the
+    lengths (within 2x), with few enough shapes to capture each as a graph."""
     out, length = [], smallest
     while length < max_len:
         out.append(length)
@@ -155,14 +152,10 @@ class DecodeRunner:
 
 
 def model_fingerprint(model: nn.Module) -> tuple:
-    """What a captured graph baked in besides tensor contents: the address of every parameter and
-    buffer, the Python-level LoRA switches and scalings, the humming copy a linear has and the
-    grouped experts a MoE layer runs. Equal fingerprints mean the graphs are still valid; a
-    changed one (a tensor rebound, `lora_disabled`, a new adapter, another engine's experts)
-    means recapture. About a microsecond per tensor: once per `generate`, not per step. The experts
-    of a layer that runs them grouped are left out (`moe.inference_modules`): the graph reads
-    the grouped copies, which `id(m.grouped)` stands for.
-    """
+    """What a captured graph baked in besides tensor contents: every parameter and buffer address,
+    the LoRA switches and scalings, a linear's humming copy, a MoE layer's grouped experts (which
+    stand for the experts they copy). Changed: recapture. About a microsecond per tensor, once per
+    `generate` (docs/engine.md, "LoRA, AQN noise and CUDA graphs")."""
     modules = list(inference_modules(model))
     tensors = tuple(t.data_ptr() for m in modules for t in (*m._parameters.values(), *m._buffers.values())
                     if t is not None)

@@ -27,17 +27,10 @@ class SamplingParamsError(QerlError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the engine picks each token.
-
-    temperature: 0 = greedy (argmax); otherwise logits are divided by it before sampling.
-    top_p / top_k: nucleus / top-k truncation (1.0 / 0 = off; applied after the temperature,
-        top-k first). They change which tokens can be drawn, never the reported logprobs.
-    max_new_tokens: generated tokens per sequence at most (finish reason "length").
-    stop_token_ids: a generated id in this set ends the sequence (finish reason "stop"; the stop
-        token is kept). Pass the tokenizer's EOS here; empty = always run to max_new_tokens.
-    seed: with the sequence id and step, determines every random number (docs/engine.md,
-        "Sampling and logprobs").
-    """
+    """How the engine picks each token: temperature (0 = greedy), top_p / top_k (1.0 / 0 = off;
+    after the temperature, top-k first; never change the reported logprobs), max_new_tokens
+    (finish "length"), stop_token_ids (finish "stop", the token kept; pass the EOS), seed (with the
+    sequence id and step, every random number). docs/engine.md, "Sampling and logprobs"."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -118,12 +111,9 @@ def sequence_key(seed: int, sequence_id: int) -> int:
 
 
 def gumbel_noise(keys: Tensor, steps: Tensor, vocab: Tensor) -> Tensor:
-    """Gumbel(0, 1) noise [B, V] float32 for sequence keys [B] at their steps [B].
-
-    `vocab` is a preallocated int64 arange(V) on the device. The uniform of (key, step, v) is
-    hash32(hash32(key ^ step) ^ v) / 2**32, kept to 24 bits so that float32 holds it exactly and
-    it lies strictly inside (0, 1): the noise is finite, at most ~17.
-    """
+    """Gumbel(0, 1) noise [B, V] float32 for sequence keys [B] at their steps [B]; `vocab`: int64
+    arange(V) on the device. The uniform of (key, step, v) is hash32(hash32(key ^ step) ^ v) kept to
+    24 bits, strictly inside (0, 1) and exact in float32: the noise is finite, at most ~17."""
     row = hash32((keys ^ steps) & _M32)  # [B]
     bits = _hash32_(row[:, None] ^ vocab[None, :])  # [B, V] int64
     u = (bits >> 8).to(torch.float32).add_(0.5).mul_(2.0**-24)

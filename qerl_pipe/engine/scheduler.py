@@ -20,12 +20,9 @@ Group = list[tuple[int, int]]
 
 
 class Scheduler:
-    """The queue and slot table of one generate call.
-
-    `prompts[i]` is the prompt index of sequence i; the sequences queue in index order, which
-    must be prompt-major (all samples of a prompt next to each other), as `Engine.generate`
-    numbers them. `slots` is the KV cache's slot count.
-    """
+    """The queue and slot table of one generate call: `prompts[i]`, the prompt index of sequence
+    i, prompt-major (all samples of a prompt together, as `Engine.generate` numbers them);
+    `slots`, the KV cache's slot count."""
 
     def __init__(self, prompts: Sequence[int], slots: int, refill_fraction: float = REFILL_FRACTION):
         if slots < 1:
@@ -80,15 +77,10 @@ class Scheduler:
         return groups
 
     def plan_step(self, batch_size_for: Callable[[int], int], bucketed: bool) -> tuple[int, list[tuple[int, int]]]:
-        """The rows the next decode step runs on, and the moves (source slot, destination slot)
-        to make first, already in the slot table: the engine copies each source's KV rows and
-        slot state to its destination before the step.
-
-        `batch_size_for(slots)` gives the rows a step covering slots 0..slots-1 runs on (a CUDA
-        graph size when `bucketed`). The active sequences above a smaller size that holds them
-        all move into the lowest free slots below it: whenever a smaller size would do when
-        `bucketed`, else (eager, one row per slot) when at most half of the rows are live.
-        """
+        """The rows the next decode step runs on, and the (source, destination) slot moves to copy
+        first (already in the slot table). `batch_size_for(slots)`: the rows a step over slots
+        0..slots-1 runs on. Sequences above a smaller size holding them all move to the lowest free
+        slots: whenever one would do when `bucketed` (graphs), else when at most half are live."""
         if not self.active:
             raise ValueError("no active sequence to step")
         high = max(self.active) + 1

@@ -19,9 +19,9 @@ LAYERS = {
 }
 # layer: (target, ceiling). Lower a ceiling when a change shrinks its layer; never raise one.
 BUDGETS = {
-    "product": (15_800, 17_747),
+    "product": (15_800, 17_697),
     "kernels": (3_000, 3_775),
-    "engine runtime": (1_300, 1_447),
+    "engine runtime": (1_300, 1_397),
     "pipeline + face": (2_300, 2_440),
 }
 
