@@ -58,15 +58,10 @@ class Stage:
 
 @dataclass(frozen=True)
 class Input:
-    """One artifact a stage reads: the stage that makes it, and the CLI option that takes it.
-
-    `optional`: a stage command does not look it up when it is not passed (quantize's calibration,
-    eval's adapter). `used` says whether `qerl-pipe run` hands it over for a recipe, and whether a
-    stage command needs it (None: always). `made_by`, when given, names the stage whose artifact
-    `run` hands over for a recipe instead of `stage` (which is what a chain of stage commands
-    passes). `loose`: the stage itself resolves what was passed, which may be more than an artifact
-    of `stage` (eval's --model also takes a quantize checkpoint or a model source, --adapter any
-    PEFT directory)."""
+    """One artifact a stage reads: the stage that makes it and the CLI option that takes it.
+    `optional`: not looked up unless passed; `used`: whether `run` hands it over for a recipe and a
+    stage command needs it (None: always); `made_by`: the stage whose artifact `run` hands over
+    instead of `stage`'s; `loose`: the stage resolves more than an artifact (eval's --model, --adapter)."""
 
     stage: Stage
     option: str

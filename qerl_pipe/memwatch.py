@@ -17,16 +17,10 @@ _MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 def return_freed_tensors_to_os() -> None:
-    """Serve allocations of 1 MiB and more with mmap, so freeing a tensor gives its memory back.
-
-    glibc raises its mmap threshold after the first large free, after which tensor-sized blocks
-    come from the heap and its high-water mark stays: streaming a model shard by shard then still
-    grew RSS to the size of the whole model (measured: 110 MB for a 97 MB model in 6 MB shards,
-    33 MB with a fixed threshold). Setting the threshold explicitly turns that adjustment off.
-    The heap that earlier work left free (an earlier stage of `run`) is handed back too: reused,
-    it would serve this stage's allocations without growing RSS, and a stage measured with
-    `PeakRSS` after it reported "+0 MB".
-    """
+    """Serve allocations of 1 MiB and more with mmap, so freeing a tensor gives its memory back: glibc
+    raises its threshold after the first large free, and streamed shards grew RSS to the whole model
+    (110 MB for 97 MB in 6 MB shards; 33 MB with a fixed threshold). The heap earlier work left free
+    is handed back too, or a stage's `PeakRSS` read "+0 MB" by reusing it."""
     gc.collect()  # a model freed in a reference cycle still holds its tensors until collected
     try:
         import ctypes
@@ -39,12 +33,8 @@ def return_freed_tensors_to_os() -> None:
 
 
 def current_rss_bytes() -> int:
-    """Resident memory the process owns (anonymous RSS: resident minus file-backed pages).
-
-    Shards are read through mmap, so their pages also show up in plain RSS while mapped; they are
-    page cache that the kernel can drop under pressure, not memory the stage holds, so they are
-    left out of the figure.
-    """
+    """Resident memory the process owns (anonymous RSS: resident minus file-backed pages): shards are
+    read through mmap, and their pages are page cache the kernel can drop, not the stage's memory."""
     try:
         with open("/proc/self/statm") as fh:
             fields = fh.read().split()

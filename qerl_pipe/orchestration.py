@@ -72,12 +72,9 @@ def stage_words(stage: str, artifact_of: Callable[[str], str], *, cli: Sequence[
 
 
 def last_line_only(command: str) -> str:
-    """`command` wrapped so that its output ends with the artifact path alone.
-
-    Airflow's BashOperator pushes the last line of the output, and it merges stderr into it: the
-    path is captured from stdout and printed after the command has exited, so a log line written
-    at exit can never take its place. The command's failure still fails the whole line.
-    """
+    """`command` wrapped so that its output ends with the artifact path alone: Airflow's BashOperator
+    pushes the last line and merges stderr into it, so the path is captured from stdout and printed
+    after the command exits (no exit-time log line can take its place); a failure still fails."""
     return f'out=$({command}) && printf "%s\\n" "$out" | tail -n 1'
 
 
@@ -91,12 +88,9 @@ def xcom_artifact(task_id: str) -> Raw:
 
 
 def airflow_command(stage: str, cli: Sequence[str] = ("qerl-pipe",)) -> str:
-    """The templated bash command of `stage`'s task: DAG params `recipe`, `artifacts`, `model`
-    (empty: the recipe's) and `set` (a list of section.key=value), upstream paths from XCom.
-
-    The optional params are Jinja loops and conditions, so a trigger's params can add or drop
-    them without a new DAG; this is `stage_words` with the params as they are at run time, quoted.
-    """
+    """The templated bash command of `stage`'s task: DAG params `recipe`, `artifacts`, `model` (empty:
+    the recipe's), `set` (section.key=value list), upstream paths from XCom; `stage_words` with the
+    params quoted at run time (Jinja loops and conditions: a trigger adds or drops them)."""
     words = [*cli, stage, *option_words(stage, recipe=Raw("{{ params.recipe | shquote }}"),
                                         artifacts=Raw("{{ params.artifacts | shquote }}"))]
     if stage in TAKES_MODEL_SOURCE:

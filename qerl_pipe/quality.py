@@ -63,12 +63,10 @@ def _reports(q: QualitySection, n_params: int) -> bool:
 
 
 def quality_key(q: QualitySection, n_params: int) -> dict[str, Any] | str | None:
-    """What of `quantize.quality` the quantize id holds. The report is part of the artifact (its
-    manifest's summary), so a setting that changes it changes the id: "off" when no report is made
-    where the defaults make one, else the settings that shape it (a data file by its resolved path
-    and sha256). None where the result is the defaults' own (artifacts made before these settings
-    were keyed keep their ids): `perplexity` auto and always agree on a model they both measure,
-    and no setting matters when no report is made."""
+    """What of `quantize.quality` the quantize id holds (the report is in the manifest, so what
+    changes it changes the id): "off" where the defaults would report, else the settings that shape
+    it (a data file by path and sha256); None for the defaults' own result, so older artifacts
+    keep their ids (`perplexity` auto and always agree where both measure)."""
     default = QualitySection()
     if not _reports(q, n_params):
         return "off" if _reports(default, n_params) else None

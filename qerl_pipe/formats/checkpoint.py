@@ -212,12 +212,9 @@ def _nvfp4_parts(module: str, parts: dict[str, Tensor]) -> tuple[NVFP4Weight, Te
 def iter_quantized_checkpoint(
     model_dir: Path,
 ) -> Iterator[tuple[str, NVFP4Weight | Tensor, Tensor | None]]:
-    """Yield (name, weight, input_scale) for every tensor group of a checkpoint, one at a time.
-
-    Quantized linears yield (module name, NVFP4Weight, input_scale or None); every other tensor
-    yields (full parameter name, tensor, None). config.json, when present, is checked first so an
-    unsupported quantization fails with a clear message.
-    """
+    """Yield (name, weight, input_scale) for every tensor group of a checkpoint, one at a time:
+    quantized linears as (module name, NVFP4Weight, input_scale or None), other tensors as (full
+    name, tensor, None). config.json is checked first: an unsupported quantization fails clearly."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if config_path.exists():
@@ -267,12 +264,10 @@ def shard_names(count: int) -> list[str]:
 
 
 class ShardWriter:
-    """A Hugging Face checkpoint's safetensors shards, written as they fill (up to SHARD_BYTES), so
-    host memory holds one shard, then the index. Used by quantize and export alike.
-
-    With `shards` (quantize: one output shard per input shard, closed by `close_shard`) each file
-    gets its final name at once; otherwise the count is known only at the end, so shards are
-    written as hidden parts and renamed by `finish`."""
+    """A Hugging Face checkpoint's safetensors shards, written as they fill (up to SHARD_BYTES: host
+    memory holds one), then the index; quantize and export. With `shards` (one output shard per
+    input shard, `close_shard`) files get their final names at once, else hidden parts that
+    `finish` renames once the count is known."""
 
     def __init__(self, out: Path, max_bytes: float | None = None, shards: int | None = None) -> None:
         self.out, self.max_bytes = out, max_bytes or SHARD_BYTES

@@ -130,15 +130,10 @@ def quantize_nvfp4(
     weight: Tensor, global_scale: Tensor | None = None, *, name: str = "tensor", method: str = "rtn",
     channel_weight: Tensor | None = None,
 ) -> NVFP4Weight:
-    """Quantize a `[N, K]` weight (bf16/fp16/fp32, any device) to NVFP4.
-
-    `method="rtn"` is modelopt's max calibration + round to nearest, byte-exact with modelopt;
-    `"mse"` then searches each block's E4M3 scale (`mse_block_scales`), and `"act-mse"` does so
-    weighting input channel k's error by `channel_weight[k]` (its mean squared activation, from
-    calibration): the same global scale and file layout either way. `global_scale` (fp32 0-dim)
-    is the scale shared by a fused group (see `shared_global_scale`); without it the tensor's
-    own `amax / 2688` is used. `name` goes into error messages.
-    """
+    """Quantize a `[N, K]` weight (bf16/fp16/fp32, any device) to NVFP4. `method`: "rtn" (modelopt's
+    max calibration + round to nearest, byte-exact), "mse" (each block's E4M3 scale searched) or
+    "act-mse" (weighted by `channel_weight`, calibration's mean squared activations). `global_scale`:
+    a fused group's (`shared_global_scale`), else `amax / 2688` (docs/formats.md)."""
     if method not in METHODS:
         raise ValueError(f"unknown NVFP4 method {method!r}; expected one of {METHODS}")
     if (method == "act-mse") != (channel_weight is not None):
@@ -232,13 +227,9 @@ def quantize_nvfp4_in_row_chunks(
     method: str = "rtn",
     channel_weight: Tensor | None = None,
 ) -> NVFP4Weight:
-    """`quantize_nvfp4` a bounded block of rows at a time: the same bytes, bounded temporaries.
-
-    `quantize_nvfp4` holds several fp32 copies of its input; for a 32B gate_up (283M elements)
-    that is ~5 GB of temporaries. Rows are independent once the global scale is fixed, so this
-    takes the scale from the whole tensor first (unless given) and then works in chunks of about
-    `chunk_elements`. `on_chunk(rows, quantized_rows)` sees each chunk (e.g. to measure error).
-    """
+    """`quantize_nvfp4` about `chunk_elements` at a time: the same bytes, bounded temporaries (a 32B
+    gate_up whole takes ~5 GB of fp32 copies). Rows are independent once the global scale (of the
+    whole tensor, unless given) is fixed; `on_chunk(rows, quantized_rows)` sees each chunk."""
     _check_shape(weight, name)
     if global_scale is None:
         # max |w| as max(max w, -min w): the same value (NaN included) without a |w| copy of the

@@ -60,13 +60,9 @@ def read_engine_json(path: Path) -> dict[str, Any]:
 def load_engine(artifact_dir: Path | str, device: torch.device | str | None = None,
                 lora: LoraSpec | None = None) -> tuple[Decoder, EngineLimits]:
     """The engine's model on `device` (default: the device type it was built for) and its limits.
-
-    Installs the engine's tuned kernel table process-wide (`kernels.configs.set_table`), or the
-    default table when it has none, so a previous engine's entries never apply to this model; and
-    its NVFP4 dispatch table and schedule column (`kernels.dispatch.configure`), or the table
-    shipped for this GPU.
-    Does not re-hash the files (`ArtifactStore.resolve` does, for a reference given by a user).
-    """
+    Installs its tuned kernel table (or the default: never a previous engine's) and its dispatch
+    table and schedule column (or the one shipped for this GPU) process-wide. Does not re-hash the
+    files (`ArtifactStore.resolve` does, for a user's reference)."""
     path = Path(artifact_dir)
     artifact = load_artifact(path, verify=False)
     if artifact.kind != KIND:

@@ -169,13 +169,10 @@ def candidates(shape: StepShape) -> list[tuple[int, int, int]]:
 def plan_step(config: DecoderConfig, base_format: str, shape: StepShape, budget_bytes: int | None, *,
               dtype: torch.dtype = torch.bfloat16, budget_source: str = BUDGET_KEY,
               what: str = "the RL step", kernel_copies: int = 0) -> MemoryPlan:
-    """The largest settings (first of `candidates`) whose estimated peak is at most `budget_bytes`
-    (None: the recipe's settings, whatever they need). Raises MemoryBudgetError, naming the
-    smallest budget that fits, when none is; `budget_source` names the knob in that message.
-
-    `kernel_copies` (bytes, `step.kernel_copy_bytes`) asks for humming copies of the base: a
-    speed option, so they go before any step setting shrinks: the recipe's settings with them,
-    else the same without them, else the smaller settings without them."""
+    """The largest settings (first of `candidates`) whose estimated peak fits `budget_bytes` (None:
+    the recipe's, whatever they need), else MemoryBudgetError naming the smallest budget that fits
+    (and `budget_source`, the knob). `kernel_copies` (bytes) are a speed option and go first: the
+    recipe's settings with them, then without, then smaller settings without."""
     fmt = format_entry(base_format)  # raises on an unknown one
     dtype_name = str(dtype).removeprefix("torch.")
     estimate: dict[str, int] = {}

@@ -26,13 +26,10 @@ class AttentionSpec:
 
 
 def visible(positions: Tensor, keep: Tensor | None, window: int | None) -> Tensor:
-    """[B, 1, T, T] booleans, True where query t may attend to key s: s is not after t, is a real
-    token (`keep` [B, T], None: all are), and within `window` positions of t (`positions` [B, T]).
-
-    The window counts positions, not columns, so a left-padded row sees the same tokens as it
-    would alone (and as the engine, which never stores pads in front). The diagonal stays open so
-    that pad rows attend to something: no NaN, and their outputs are ignored anyway.
-    """
+    """[B, 1, T, T] booleans, True where query t may attend to key s: s not after t, a real token
+    (`keep` [B, T], None: all), within `window` positions of t (`positions` [B, T]: a left-padded
+    row sees what it would alone, as in the engine). The diagonal stays open: pad rows attend to
+    something (no NaN; their outputs are ignored)."""
     t = positions.shape[-1]
     device = positions.device
     mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()[None]
@@ -72,13 +69,10 @@ def _attend_capped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, spec: Attentio
 
 def attend_prefill(q: Tensor, k: Tensor, v: Tensor, cache: tuple[Tensor, Tensor, Tensor | None, Tensor | None],
                    slots: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
-    """Write the prompt's k/v at positions 0..T-1 of `slots` in the layer's cache (keys, values and,
-    for an FP8 cache, their scales: `KVCache.layer`), then attend causally within the prompt (on the
-    prompt's own k/v, as vLLM's prefill does: the cache's rounding reaches the decode steps).
-
-    Right padding is harmless: a real token never attends to a later pad, and a pad's cache entry
-    lies beyond the slot's length, where decode masks it out and later overwrites it.
-    """
+    """Write the prompt's k/v (and an FP8 cache's scales) at positions 0..T-1 of `slots`, then attend
+    causally on the prompt's own k/v, as vLLM's prefill does (the cache's rounding reaches the decode
+    steps only). Right padding is harmless: no real token attends to a later pad, and a pad's entry
+    lies past the slot's length, masked and later overwritten."""
     t = q.shape[2]
     k_cache, v_cache, k_scale, v_scale = cache
     for x, codes, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):

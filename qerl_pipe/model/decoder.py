@@ -39,13 +39,9 @@ def call_module(linear: QuantLinear, x: Tensor) -> Tensor:
 
 class KVCache:
     """Preallocated keys/values [layers, batch, kv_heads, max_len, head_dim] in the model dtype, or
-    with `fp8` as E4M3 codes with one fp32 scale per token and head ([layers, batch, kv_heads,
-    max_len] each for keys and values: `k_scale`, `v_scale`; None otherwise), written as
-    `kernels.fp8.row_codes` of each head's vector.
-
-    A row ("slot") holds one sequence; its length is tracked by the caller (the engine), which
-    passes the write position of each slot to the engine's `decode_step`.
-    """
+    with `fp8` E4M3 codes (`kernels.fp8.row_codes` of each head's vector) and fp32 scales `k_scale`,
+    `v_scale` [layers, batch, kv_heads, max_len]. A row ("slot") holds one sequence; the engine
+    tracks its length and passes each slot's write position to `decode_step`."""
 
     def __init__(
         self,
@@ -93,13 +89,10 @@ class KVCache:
                 t[:, dst, :, :length] = t[:, src, :, :length]
 
     def first_slots(self, batch_size: int, length: int | None = None) -> "KVCache":
-        """A cache over slots 0..batch_size-1 and positions 0..length-1 sharing this one's storage.
-
-        The engine decodes on the smallest prefix holding its active slots, and attends only over
-        the positions its sequences have reached (decode_step stops at each position anyway, so the
-        result is the same but the step reads less of the cache). Positions passed to
-        decode_step must then be below `length`.
-        """
+        """A cache over slots 0..batch_size-1 and positions 0..length-1 sharing this one's storage:
+        the engine decodes on the smallest prefix holding its active slots and reads only the
+        positions reached (the same result, less read). Positions passed to decode_step must then
+        be below `length`."""
         length = self.max_len if length is None else length
         if not 1 <= batch_size <= self.batch_size or not 1 <= length <= self.max_len:
             raise ValueError(
@@ -322,11 +315,8 @@ class Decoder(nn.Module):
         self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None
     ) -> Tensor:
         """Final hidden states [B, T, hidden] of a whole batch, with autograd (training, scoring).
-
-        `attention_mask` [B, T] (1 = token, 0 = padding) may pad on either side; without
-        `positions`, a token's position is the count of real tokens before it, so a left-padded
-        prompt gets the positions it would have alone. A sliding window counts positions.
-        """
+        `attention_mask` [B, T] may pad on either side; without `positions`, a token's position is
+        the count of real tokens before it (a left-padded prompt gets its positions alone)."""
         b, t = input_ids.shape
         keep = None
         if attention_mask is not None:

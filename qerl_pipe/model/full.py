@@ -21,12 +21,9 @@ def full_training_bytes(numel: int, dtype: torch.dtype) -> int:
 
 
 def make_fully_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Turn every weight of a bf16-base model into a trainable parameter; returns them by name.
-
-    The linears' dense base (and bias) are buffers while frozen; they become parameters on the
-    same storage, under the same state-dict names. Embedding, norms and an untied LM head are
-    parameters already; a tied LM head is the embedding's own tensor (listed once).
-    """
+    """Turn every weight of a bf16-base model into a trainable parameter; returns them by name. The
+    linears' frozen buffers become parameters on the same storage and state-dict names; a tied LM
+    head is the embedding's tensor (listed once)."""
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear):
             continue
@@ -46,12 +43,9 @@ def make_fully_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 class FullTraining:
-    """The trainable weights of a fully fine-tuned model and the float32 masters AdamW steps.
-
-    `masters` are what the optimizer gets (a float32 weight is its own master). Call `push()`
-    after every optimizer step. A newer FullTraining of the same model (a second Trainer over it)
-    takes the gradients over: the older one's masters stop receiving them.
-    """
+    """The trainable weights of a fully fine-tuned model and the float32 `masters` AdamW steps (a
+    float32 weight is its own); `push()` after every optimizer step. A newer FullTraining of the
+    same model takes the gradients over from the older one."""
 
     def __init__(self, model: nn.Module):
         named = make_fully_trainable(model)

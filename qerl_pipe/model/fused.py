@@ -25,12 +25,9 @@ def compile_enabled() -> bool:
 
 
 def fused_on_cuda(fn: F) -> F:
-    """`fn` itself, or its torch.compile'd twin when called on CUDA tensors.
-
-    If Dynamo gives up on it (e.g. its recompile limit, hit when one process runs many models of
-    different dtypes, as a test session does), the function stays eager from then on, with a
-    warning: slower, never wrong.
-    """
+    """`fn` itself, or its torch.compile'd twin when called on CUDA tensors. If Dynamo gives up on
+    it (e.g. its recompile limit, in a test session of many dtypes), it stays eager from then on,
+    with a warning: slower, never wrong."""
     state: dict[str, Callable[..., torch.Tensor] | None] = {}
 
     @functools.wraps(fn)

@@ -25,12 +25,9 @@ KernelWeight = Union[TiledNVFP4, PackedNF4]
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
-    """y = x @ W^T for a frozen quantized W; backward returns dX = dY @ W and nothing for W.
-
-    Only the reference to the packed weight is kept for backward (it lives in the module anyway):
-    no activation and no dequantized weight is saved, so the training forward costs no more memory
-    than the bf16 one and dX reads 4-bit weights again.
-    """
+    """y = x @ W^T for a frozen quantized W; backward returns dX = dY @ W and nothing for W. Only
+    the packed weight's reference is kept (no activation, no dequantized weight): the training
+    forward costs no more memory than bf16's, and dX reads the 4-bit weights again."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: KernelWeight, matmul: Callable, matmul_dx: Callable) -> Tensor:
@@ -120,12 +117,9 @@ class QuantLinear(nn.Module):
     def add_lora(
         self, names: Sequence[str], rank: int, alpha: float, generator: torch.Generator | None = None
     ) -> None:
-        """Add fresh float32 LoRA A/B for each of `names` (a subset of this layer's projections).
-
-        A is kaiming-uniform and B zero, as PEFT initialises them, so a new adapter changes nothing.
-        The parameters stay float32 (the optimizer's precision, as PEFT's default autocast does);
-        the forward casts them to the activation dtype.
-        """
+        """Add fresh float32 LoRA A/B for each of `names` (some of this layer's projections): A
+        kaiming-uniform, B zero, as PEFT does (a new adapter changes nothing); float32 as PEFT's
+        default autocast keeps them, cast to the activation dtype in the forward."""
         device = self.base_device()
         for name in names:
             if name not in self.names:
@@ -172,12 +166,9 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _add_lora(self, x: Tensor, y: Tensor) -> Tensor:
-        """y + scaling * (x @ A^T) @ B^T for every adapted projection, in two matmuls: all A's
-        stacked (x is read once), then B block-diagonal [out_features, R * adapted], so the
-        expand of every projection lands in its own output columns in one `addmm` with y as the
-        addend and the scaling as its alpha. Per projection (a matmul, a scaling, an add, then a
-        cat of the fused output) each of those passes read and wrote a [tokens, N] tensor, forward
-        and backward: elementwise and copy kernels were 5.1 s of a 7B training phase of 11.3 s
+        """y + scaling * (x @ A^T) @ B^T for every adapted projection in two matmuls: A's stacked (x
+        read once), then B block-diagonal in one `addmm` (y the addend, scaling its alpha). Per
+        projection, elementwise and copy kernels took 5.1 s of a 7B training phase of 11.3 s
         (bench/results/profiles/train-step-profile-7b-h100.json)."""
         names = [n for n in self.names if n in self.lora_A]
         a = torch.cat([self.lora_A[n] for n in names]).to(x.dtype)

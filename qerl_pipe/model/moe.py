@@ -126,13 +126,9 @@ def _combine(out: Tensor, routing: Routing) -> Tensor:
 
 def run_experts(x: Tensor, routing: Routing, experts: nn.ModuleList, gate: Gate,
                 project: Project = call_module) -> Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t of x [T, hidden].
-
-    The (token, choice) pairs, sorted by expert, are gathered into one [T*k, hidden] block, and
-    each expert runs on its contiguous slice. Autograd flows through the gathers, the slices and
-    the sum, so the training forward, dX through the frozen bases and LoRA gradients per expert
-    come for free.
-    """
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t of x [T, hidden]: the (token,
+    choice) pairs sorted by expert into one [T*k, hidden] block, each expert on its slice. Autograd
+    flows through gathers, slices and sum (dX through the bases, LoRA gradients per expert)."""
     # The one host sync: per-linear kernels take their row count as a shape.
     bounds = routing.offsets.tolist()
     rows = x[routing.source]

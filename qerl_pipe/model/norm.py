@@ -21,13 +21,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor, eps: fl
 
 
 class RMSNorm(nn.Module):
-    """y = (offset + weight + noise) * x / rms(x); `offset` is 0, or 1 for Gemma's `(1 + w)` norms.
-
-    `noise` is the AQN perturbation (zero unless a schedule sets it): scaling the norm weight by
-    (1 + z/w) row-wise is the same as multiplying the inputs of the linears this norm feeds. It is
-    a non-persistent float32 buffer: checkpoints never carry it, and AQN's sigma (down to 1e-4)
-    would be rounded away if it were added to a bf16 weight of ~1 (bf16 spacing there is 2^-7).
-    """
+    """y = (offset + weight + noise) * x / rms(x); `offset` 0, or 1 for Gemma's `(1 + w)`. `noise` is
+    AQN's (zero unless scheduled; the same as scaling the inputs of the linears this norm feeds): a
+    non-persistent float32 buffer, since checkpoints never carry it and a bf16 weight of ~1 would
+    round AQN's sigma (down to 1e-4) away (spacing 2^-7)."""
 
     def __init__(
         self, dim: int, eps: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",

@@ -52,18 +52,10 @@ def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
     long_inv_freq: torch.Tensor | None = None, switch: int = 0, scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [*positions.shape, rotary_dim] in `dtype`.
-
-    Computed from the positions on every call (no max-length table): a few flops per token, and
-    the decode step keeps static shapes whatever the positions are.
-
-    LongRoPE (`long_inv_freq`): a position from `switch` (original_max_position_embeddings) on
-    rotates with the long factors, one below it with the short ones. transformers picks one set
-    for a whole forward by its largest position; per position is what a KV cache can keep (a key
-    is rotated once, when written), so the training forward and the engine agree with each other,
-    and with transformers wherever a sequence stays on one side of the switch. `scaling` (the
-    attention factor) multiplies cos and sin in float32, as transformers does.
-    """
+    """cos, sin [*positions.shape, rotary_dim] in `dtype`, from the positions on every call (static
+    shapes for the decode step). LongRoPE (`long_inv_freq`): long factors from position `switch` on,
+    per position (a cached key is rotated once), where transformers picks one set per forward;
+    `scaling` multiplies cos and sin in float32. docs/model.md."""
     freqs = positions[..., None].float()
     if long_inv_freq is None:
         freqs = freqs * inv_freq

@@ -20,14 +20,10 @@ def _logits(h: Tensor, weight: Tensor, cap: float | None) -> Tensor:
 
 
 class _ChunkLogprob(torch.autograd.Function):
-    """(h [N, H], W [V, H], targets [N]) -> (logp [N], entropy [N]) in float32.
-
-    Saves only `h`; backward recomputes the softmax p and returns dh = (g (onehot - p) / T) W,
-    and dW = (g (onehot - p) / T)^T h when W trains (full fine-tuning; LoRA keeps it frozen).
-    With a soft cap (Gemma2), the logits are cap * tanh(raw / cap) and the gradient reaching the
-    raw logits is scaled by its derivative, 1 - tanh(raw / cap)^2.
-    The entropy is a metric: it carries no gradient.
-    """
+    """(h [N, H], W [V, H], targets [N]) -> (logp [N], entropy [N]) in float32. Saves only `h`;
+    backward recomputes p: dh = (g (onehot - p) / T) W, and dW = (...)^T h when W trains (full
+    fine-tuning). A soft cap (Gemma2) scales the raw logits' gradient by 1 - tanh(raw / cap)^2.
+    The entropy is a metric: no gradient."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, cap: float | None = None):
@@ -66,12 +62,8 @@ def sequence_logprobs(
     chunk: int = DEFAULT_CHUNK,
 ) -> tuple[Tensor, Tensor]:
     """logp [B, T] and entropy [B, T] (float32) of each token in `response_mask`, zero elsewhere.
-
-    `input_ids` [B, T] are prompt + response (either padding side, `attention_mask` 1 on real
-    tokens); `response_mask` [B, T] is 1 on the response tokens to score (never on position 0,
-    which has no predecessor). Gradients flow through `logp` to whatever trains: LoRA (and
-    norms), or every weight, the LM head included, under full fine-tuning.
-    """
+    `input_ids` [B, T]: prompt + response, padded on either side; `response_mask`: 1 on the tokens
+    to score (never position 0). Gradients flow through `logp` to whatever trains."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for logprobs; got {temperature}")
     hidden = model(input_ids, attention_mask=attention_mask)

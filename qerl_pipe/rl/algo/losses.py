@@ -66,14 +66,10 @@ def policy_loss(
     norm: LossNorm | None = None,
     mismatch: bool = True,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Loss of one (micro-)batch and its metrics.
-
-    logp/old_logp/ref_logp/rollout_logp: [B, T] logprobs of the response tokens (old = the policy
-    that sampled, for mu > 1 updates; None = this very policy, ratio 1 with the right gradient).
-    advantages: [B]. mask: [B, T], 1 on response tokens that count (0 on padding and masked
-    overlong sequences). rollout_logp: the engine's logprobs, weighting by TIS when cfg.tis_cap is
-    set and measured against the trainer's (`mismatch_metrics`) when `mismatch`.
-    """
+    """Loss of one (micro-)batch and its metrics. logp/old_logp/ref_logp/rollout_logp: [B, T] (old:
+    the sampling policy for mu > 1, None = this one, ratio 1); advantages [B]; mask [B, T] (0 on
+    padding and masked overlong sequences); rollout_logp: the engine's, for TIS (cfg.tis_cap) and
+    `mismatch_metrics` when `mismatch`. docs/training.md."""
     mask = mask.to(logp.dtype)
     norm = norm or LossNorm.of(mask)
     old = logp.detach() if old_logp is None else old_logp

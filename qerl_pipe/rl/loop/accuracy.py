@@ -45,12 +45,9 @@ def generate_and_grade(engine: Engine, tokenizer, problems: Sequence[Problem], p
 
 
 def pass_rates(correct: Sequence[bool], n: int) -> dict[str, float]:
-    """pass@1 averaged over the n samples of each problem, its standard error, and pass@n.
-
-    pass@1 = mean over problems of c_i / n (the unbiased pass@1 estimate from n samples, Chen et
-    al. 2021); pass@n = share of problems with at least one correct sample. The standard error is
-    over problems, which is what limits how far two evaluations can be told apart.
-    """
+    """pass@1 = mean over problems of c_i / n (unbiased from n samples, Chen et al. 2021), its
+    standard error over problems (what limits telling two evaluations apart), and pass@n = share of
+    problems with a correct sample."""
     if n < 1 or len(correct) % n:
         raise ValueError(f"{len(correct)} samples are not a whole number of problems of {n} samples")
     per_problem = [sum(correct[i:i + n]) / n for i in range(0, len(correct), n)]

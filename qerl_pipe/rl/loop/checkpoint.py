@@ -47,12 +47,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, trainer_state: dict[str, Any],
                     rank_rng_states: list[dict[str, Any]] | None = None, full: FullTraining | None = None) -> Path:
-    """Write checkpoint `step` (steps done) atomically; returns its directory.
-
-    `rank_rng_states`: every data-parallel rank's RNG states, in rank order (their CUDA
-    generators differ); each rank restores its own. Without it, this process's states.
-    `full`: a fully fine-tuned model's masters, saved instead of the adapter.
-    """
+    """Write checkpoint `step` (steps done) atomically; returns its directory. `rank_rng_states`:
+    every data-parallel rank's RNG states in rank order (else this process's); `full`: a fully
+    fine-tuned model's masters, saved instead of the adapter."""
     from qerl_pipe.formats.checkpoint import save_safetensors
 
     root = run_dir / CHECKPOINTS
@@ -101,11 +98,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                     rank: int = 0, full: FullTraining | None = None) -> dict[str, Any]:
     """Restore the adapter (or `full`'s masters), optimizer, scheduler and RNG states from `path`;
-    returns the trainer state.
-
-    `rank`: the data-parallel rank restoring it; it gets its own RNG states when the checkpoint
-    has them (a run with as many ranks), else rank 0's.
-    """
+    returns the trainer state. `rank` gets its own RNG states where the checkpoint has them, else
+    rank 0's."""
     try:
         if full is not None:
             from safetensors.torch import load_file

@@ -109,14 +109,10 @@ class Dist:
         return t.tolist()
 
     def sum_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """All-reduce (sum) the gradients of `params` in one flat float32 bucket.
-
-        Each rank's loss is already divided by the global normaliser, so the sum over ranks is
-        the whole batch's gradient: no division after. A rank with no rows has no gradients; it
-        adds zeros. A gradient stays None only where it is None on every rank (as AdamW would
-        then skip the parameter in one process too). Every rank ends with the same gradients,
-        hence takes the same optimizer step.
-        """
+        """All-reduce (sum) the gradients of `params` in one flat float32 bucket: losses are already
+        over the global normaliser, so the sum is the batch's gradient. A rank without rows adds
+        zeros; a gradient stays None only where every rank's is (AdamW skips it, as in one
+        process). Every rank ends with the same gradients and optimizer step."""
         if not self.enabled:
             return
         present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
@@ -164,14 +160,10 @@ def init_distributed(device_choice: str) -> tuple[Dist, str]:
 
 @contextmanager
 def group_lifetime() -> Iterator[None]:
-    """Around a process's distributed work: on the way out, destroy the group it joined, if any.
-
-    gloo's threads must be joined before the interpreter exits, or the C++ runtime aborts the
-    process (SIGABRT) after a run that succeeded. When the work succeeded every rank gets here:
-    wait for all, then destroy. After an error a peer may never come: gloo's group is destroyed
-    at once (that never waits on peers); an NCCL group is left to the exiting process, since
-    destroying it could wait for collectives the peers will not finish.
-    """
+    """Around a process's distributed work: on the way out, destroy the group it joined (gloo's
+    threads must be joined before exit, or SIGABRT after a good run). After success every rank gets
+    here: wait, destroy. After an error gloo's group goes at once; an NCCL group is left to the
+    exiting process (destroying it could wait on collectives peers never finish)."""
     try:
         yield
     except BaseException:

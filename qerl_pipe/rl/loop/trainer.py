@@ -180,12 +180,9 @@ class Trainer:
         }
 
     def _rollouts(self, step: int) -> tuple[list[Group], dict[str, Any]]:
-        """Sample, score and keep groups (dynamic sampling: only groups with a reward spread).
-
-        Returns this rank's kept groups, with advantages over the whole batch, and the metrics.
-        The keep/stop decisions use the whole draw's rewards, so every rank makes the same ones and
-        the kept groups are those one process would keep, in its order.
-        """
+        """Sample, score and keep groups (dynamic sampling: only groups with a reward spread); returns
+        this rank's kept groups (advantages over the whole batch) and the metrics. Keep/stop use the
+        whole draw's rewards: every rank decides alike, as one process would."""
         cfg, g = self.cfg, self.cfg.group_size
         kept: KeptGroups[Group] = KeptGroups(self.share, g, cfg.prompts_per_step)
         draws: list[Draw] = []
@@ -366,14 +363,10 @@ def _non_finite(rows: Sequence[Sequence[float]]) -> int:
 
 
 def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str, Any]]:
-    """Run the remaining steps of `trainer` in `run_dir`, resuming from its latest checkpoint.
-
-    Checkpoints every `checkpoint_every` steps (0 = only at the end) and after the last step.
-    Returns every step's metrics (those of earlier sessions included; other ranks than 0, which
-    write nothing, return this session's). Every rank resumes from the checkpoint rank 0 found.
-    SIGINT or SIGTERM stops it after the step in progress, checkpointed (`stops.stop_after_step`):
-    a scheduler's stop costs no finished step.
-    """
+    """Run the remaining steps of `trainer` in `run_dir`, resuming from rank 0's latest checkpoint;
+    checkpoints every `checkpoint_every` steps (0: at the end) and after the last. Returns every
+    step's metrics (ranks > 0: this session's). SIGINT / SIGTERM stop after the step in progress,
+    checkpointed: a scheduler's stop costs no finished step."""
     total, dist = trainer.cfg.steps, trainer.dist
     checkpoint = dist.broadcast(latest_checkpoint(run_dir) if dist.is_main else None)
     if checkpoint is not None:

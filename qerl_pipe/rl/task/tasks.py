@@ -54,15 +54,10 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 def load_problems(spec: str, *, limit: int | None = None, seed: int = 0,
                   question_field: str | None = None, answer_field: str | None = None) -> list[Problem]:
-    """Problems from a spec: 'gsm8k:train', 'gsm8k:test', 'math500:test', 'arithmetic[:N]',
-    'addition:train', 'addition:test', or a .jsonl path.
-
-    `limit` keeps the first N problems in file order (for arithmetic it is how many are generated).
-    `seed` only drives the arithmetic generator (the addition split is fixed); shuffling is the caller's business.
-    `question_field` / `answer_field` rename the fields read (defaults: the packaged files' own names,
-    'question' / 'answer' for a user file). A GSM8K-style answer ('... #### 42') keeps the text after
-    the last '####', with thousands commas removed when it is a number.
-    """
+    """Problems from a spec: 'gsm8k:train|test', 'math500:test', 'arithmetic[:N]', 'addition:train|test'
+    or a .jsonl path; `limit`: the first N (arithmetic: how many to generate); `seed`: arithmetic's
+    generator only; `question_field` / `answer_field` rename the fields read. A GSM8K-style answer
+    keeps the text after the last '####' (thousands commas dropped from a number). docs/rewards.md."""
     if limit is not None and limit < 1:
         raise TaskError(f"problem limit {limit}: must be at least 1 (or unset for all)")
     if spec == "arithmetic" or spec.startswith("arithmetic:"):
@@ -141,15 +136,10 @@ def addition(spec: str) -> list[Problem]:
 
 
 def render_prompt(tokenizer, problem: Problem, instruction: str | None = None) -> list[int]:
-    """Token ids of the prompt for one problem, ending where the model's answer starts.
-
-    The user turn is the question, a newline, and the instruction (DEFAULT_INSTRUCTIONS[kind] when
-    None; an empty instruction leaves the question alone). With a chat template (instruct models) the
-    turn goes through it with add_generation_prompt=True, so the ids end at the assistant header.
-    Without one (base models, and the tiny test tokenizer in tests/conftest.py, which has no
-    template) the prompt is the plain text f"{question}\\n{instruction}\\n", tokenized with the
-    tokenizer's special tokens (a BOS where it adds one).
-    """
+    """Token ids of the prompt for one problem, ending where the answer starts: the question, a
+    newline and the instruction (DEFAULT_INSTRUCTIONS[kind] when None; "" adds none), through the
+    chat template with add_generation_prompt=True where there is one, else the plain text
+    f"{question}\\n{instruction}\\n" with the tokenizer's special tokens (base models)."""
     if instruction is None:
         instruction = DEFAULT_INSTRUCTIONS.get(problem.kind, _BOXED)
     content = f"{problem.question}\n{instruction}" if instruction else problem.question
