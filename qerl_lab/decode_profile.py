@@ -45,7 +45,7 @@ from qerl_pipe.kernels.tuning import time_graph
 from qerl_pipe.engine.fp8 import Fp8Linears
 from qerl_pipe.kernels.fp8 import FP8, FP8_MAX
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming
-from qerl_lab.rollout import parse_label
+from qerl_lab.rollout import KV_TARGETS, PLAN_SLOT_TARGETS, parse_label
 from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
@@ -137,9 +137,9 @@ def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
     return row
 
 
-def run(shape: str, formats: Sequence[str], batch: int, context: int, steps: int) -> dict[str, Any]:
+def run(shape: str, formats: Sequence[str], batches: Sequence[int], context: int, steps: int) -> dict[str, Any]:
     rows = []
-    for fmt in formats:
+    for batch, fmt in ((b, f) for b in batches for f in formats):
         rows.append(profile_format(shape, fmt, batch, context, steps))
         torch.cuda.empty_cache()  # the model and cache went with profile_format's frame
         r = rows[-1]
@@ -154,4 +154,28 @@ def run(shape: str, formats: Sequence[str], batch: int, context: int, steps: int
     targets = [target(f"{r['shape']} {r['format']} batch {r['batch']}: kernels per layer in the decode step",
                       f"<= {KERNELS_PER_LAYER_TARGET}", r["kernels_per_layer"], "kernels",
                       r["kernels_per_layer"] <= KERNELS_PER_LAYER_TARGET) for r in rows]
-    return results_file(rows, targets, torch=torch.__version__)
+    return results_file(rows, targets + kv_targets(rows), torch=torch.__version__)
+
+
+def kv_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 50's rows from graph-replayed decode steps (no prefill): the FP8 cache's step over the
+    bf16 cache's at one batch, and tokens per step-second at the plan's slots of each cache (a
+    wave's decode, its prefill left out: labelled as such)."""
+    def row(label: str, batch: int) -> dict[str, Any] | None:
+        return next((r for r in rows if r["format"] == label and r["batch"] == batch and r["graph_step_ms"]), None)
+
+    out = []
+    for (shape, batch, label, base_label), most in KV_TARGETS.items():
+        mine, base = row(label, batch), row(base_label, batch)
+        if rows[0]["shape"] == shape and mine and base:
+            ratio = mine["graph_step_ms"] / base["graph_step_ms"]
+            out.append(target(f"{shape} batch {batch}, context {mine['context']}: {label} decode step over {base_label}'s"
+                              " (graph replay)", f"<= {most}x", round(ratio, 3), "x", ratio <= most))
+    for (shape, label, batch, base_label, base_batch), least in PLAN_SLOT_TARGETS.items():
+        mine, base = row(label, batch), row(base_label, base_batch)
+        if rows[0]["shape"] == shape and mine and base:
+            ratio = (batch / mine["graph_step_ms"]) / (base_batch / base["graph_step_ms"])
+            out.append(target(f"{shape}, context {mine['context']}: {label} at its plan's {batch} slots over {base_label} at "
+                              f"{base_batch}, decode tokens/s (graph-replayed steps, prefill left out)",
+                              f">= {least}x", round(ratio, 3), "x", ratio >= least))
+    return out

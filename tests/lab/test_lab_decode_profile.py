@@ -32,3 +32,17 @@ def test_python_top_ranks_own_time_per_step() -> None:
     assert busy["calls_per_step"] == 4.0  # 3 long calls and 1 short one per step
     assert busy["function"].startswith("test_lab_decode_profile.py:")
     assert busy["cumulative_ms_per_step"] >= busy["own_ms_per_step"] > 0
+
+
+def test_kv_targets_compare_graph_steps_at_one_batch_and_tokens_per_second_at_the_plans_slots():
+    from qerl_lab.decode_profile import kv_targets
+
+    def row(shape, label, batch, ms):
+        return {"shape": shape, "format": label, "batch": batch, "context": 4096, "graph_step_ms": ms}
+
+    seven = kv_targets([row("qwen2.5-7b", "nvfp4", 256, 30.0), row("qwen2.5-7b", "nvfp4+fp8kv", 256, 27.0),
+                        row("qwen2.5-7b", "nvfp4+fp8kv", 64, 1.0)])
+    assert [(t["measured"], t["met"]) for t in seven] == [(0.9, False)]
+    big = kv_targets([row("qwen2.5-32b", "nvfp4", 16, 60.0), row("qwen2.5-32b", "nvfp4+fp8kv", 32, 66.0)])
+    assert [(t["measured"], t["met"]) for t in big] == [(round(32 / 66 / (16 / 60), 3), True)]
+    assert kv_targets([row("qwen2.5-32b", "nvfp4", 16, 60.0)]) == []
