@@ -214,7 +214,7 @@ def bench_memory(out: OutOpt = None) -> None:
 
 @bench_app.command("decode-profile")
 def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b (its experts grouped, as the engine runs them).")] = "qwen2.5-7b",
-                         formats: Annotated[list[str], typer.Option("--formats", help="Base formats (comma-separated or repeated): bf16, nvfp4, nf4, each with '+fp8' (FP8 activations) and '+fp8kv' (an FP8 KV cache) as in bench rollout.")] = ["bf16,nvfp4"],
+                         formats: Annotated[list[str], typer.Option("--formats", help="Base formats (comma-separated or repeated): bf16, nvfp4, nf4, each with '+fp8' (FP8 activations) and '+fp8kv' (an FP8 KV cache) as in bench rollout; 'LABEL@B' runs at batch B only.")] = ["bf16,nvfp4"],
                          batches: Annotated[list[str], typer.Option("--batch", help="Sequences decoded together (comma-separated or repeated: each batch with every format).")] = ["8"],
                          context: Annotated[int, typer.Option(help="Cache positions each sequence has already.")] = 512,
                          steps: Annotated[int, typer.Option(help="Decode steps profiled.")] = 8,
@@ -230,7 +230,7 @@ def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: q
     from qerl_lab.rollout import parse_label
 
     chosen = values(formats)
-    if shape not in SHAPES or not {parse_label(label)[0] for label in chosen} <= set(NAMES):
+    if shape not in SHAPES or not {parse_label(label.split("@")[0])[0] for label in chosen} <= set(NAMES):
         raise QerlError(f"--shape is one of {sorted(SHAPES)} and --formats of {', '.join(NAMES)}, each with "
                         "+fp8 (FP8 activations) and +fp8kv (an FP8 KV cache) if wanted")
     if not torch.cuda.is_available():

@@ -139,7 +139,9 @@ def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
 
 def run(shape: str, formats: Sequence[str], batches: Sequence[int], context: int, steps: int) -> dict[str, Any]:
     rows = []
-    for batch, fmt in ((b, f) for b in batches for f in formats):
+    # A format `label@B` runs at batch B alone (each cache at its plan's slots); others at every batch.
+    runs = [(int(f.split("@")[1]), f.split("@")[0]) if "@" in f else (b, f) for b in batches for f in formats]
+    for batch, fmt in dict.fromkeys(runs):
         rows.append(profile_format(shape, fmt, batch, context, steps))
         torch.cuda.empty_cache()  # the model and cache went with profile_format's frame
         r = rows[-1]
