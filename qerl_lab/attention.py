@@ -1,11 +1,11 @@
-"""The decode attention kernel alone, bf16 against FP8 KV cache, per split, inner block and dot dtype.
+"""The decode attention kernel alone, bf16 against coded (FP8, INT8) KV caches, per split, inner block and dot dtype.
 
 `qerl-pipe bench attention --shapes qwen2.5-7b,qwen2.5-32b --batches 1,64,256 --context 3712`
 times `kernels.triton_decode.launch_decode_attention` (its two kernels: the split partials and
 their merge) over one layer's cache of the shape, as a CUDA graph over enough layers' caches that
 L2 never holds one warm, median of 30 replays. Each row gives the time per layer, the cache bytes
-it reads (codes, and the FP8 scales) over that time, and its time over the bf16 cache's at the
-default split: an FP8 cache reads half the bytes, so a kernel bound by HBM takes ~0.5x. Every
+it reads (codes, and their scales) over that time, and its time over the bf16 cache's at the
+default split: a coded cache reads half the bytes, so a kernel bound by HBM takes ~0.5x. Every
 configuration's output is checked against the default one's on the same cache.
 """
 
@@ -18,45 +18,49 @@ from typing import Any
 import torch
 
 from qerl_lab.results import results_file, target
-from qerl_pipe.kernels.fp8 import FP8
+from qerl_pipe.kernels.fp8 import CODE_MAX, KV_CODES
 from qerl_pipe.kernels.triton_decode import BLOCK_N, SPLIT, launch_decode_attention
 from qerl_pipe.kernels.tuning import time_graph, weight_copies
 from qerl_pipe.model.shapes import SHAPES
 
-# (split, block, fp16 dots): the default first; an FP8 tile of 128 positions is the bytes of a bf16
-# one of 64; fp16 dots apply to an FP8 cache only.
-BF16_CONFIGS = ((SPLIT, BLOCK_N, False), (256, BLOCK_N, False), (512, BLOCK_N, False))
-FP8_CONFIGS = ((SPLIT, BLOCK_N, False), (256, BLOCK_N, False), (SPLIT, BLOCK_N, True), (256, BLOCK_N, True),
-               (512, BLOCK_N, True), (256, 128, True), (512, 128, True))
+# (split, block, fp16 dots) per cache format, the kernel's default first; a coded tile of 128
+# positions is the bytes of a bf16 one of 64; fp16 dots apply to a coded cache only.
+CONFIGS = {"bf16": ((SPLIT, BLOCK_N, False), (256, BLOCK_N, False), (512, BLOCK_N, False)),
+           "fp8": ((SPLIT, BLOCK_N, True), (SPLIT, BLOCK_N, False), (256, BLOCK_N, False), (256, BLOCK_N, True),
+                   (512, BLOCK_N, True), (256, 128, True), (512, 128, True)),
+           "int8": ((SPLIT, BLOCK_N, True), (256, BLOCK_N, True), (512, 128, True))}
 # The kernel-level aim behind issue 50's decode-step target (<= 0.85x the step at batch 256, 4k context).
 FP8_OVER_BF16_TARGET = 0.6
 
 
-def _caches(layers: int, b: int, hkv: int, length: int, d: int, fp8: bool, gen: torch.Generator) -> list[tuple]:
+def _caches(layers: int, b: int, hkv: int, length: int, d: int, kv: str, gen: torch.Generator) -> list[tuple]:
     out = []
     for _ in range(layers):
         k = torch.randn(b, hkv, length, d, device="cuda", generator=gen)
         v = torch.randn(b, hkv, length, d, device="cuda", generator=gen)
-        if fp8:
+        if kv != "bf16":
+            codes, top = KV_CODES[kv], CODE_MAX[KV_CODES[kv]]
             ks = torch.rand(b, hkv, length, device="cuda", generator=gen) * 0.01 + 0.001
             vs = torch.rand(b, hkv, length, device="cuda", generator=gen) * 0.01 + 0.001
-            out.append(((k * 64).clamp(-448, 448).to(FP8), (v * 64).clamp(-448, 448).to(FP8), ks, vs))
+            out.append(((k * top / 7).round().clamp(-top, top).to(codes), (v * top / 7).round().clamp(-top, top).to(codes),
+                        ks, vs))
         else:
             out.append((k.bfloat16(), v.bfloat16(), None, None))
         del k, v
     return out
 
 
-def measure(shape: str, b: int, context: int, fp8: bool, configs: Sequence[tuple[int, int, bool]]) -> list[dict[str, Any]]:
+def measure(shape: str, b: int, context: int, kv: str, configs: Sequence[tuple[int, int, bool]]) -> list[dict[str, Any]]:
     cfg = SHAPES[shape]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim", cfg["hidden_size"] // hq)
     widest = max(c[0] for c in configs)
     length = -(-(context + 1) // widest) * widest  # the cache every split divides
-    per_layer = b * hkv * context * d * 2 * (1 if fp8 else 2) + (b * hkv * context * 8 if fp8 else 0)
+    coded = kv != "bf16"
+    per_layer = b * hkv * context * d * 2 * (1 if coded else 2) + (b * hkv * context * 8 if coded else 0)
     layers = weight_copies(per_layer)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    caches = _caches(layers, b, hkv, length, d, fp8, gen)
+    caches = _caches(layers, b, hkv, length, d, kv, gen)
     q = torch.randn(b, hq, d, device="cuda", generator=gen).bfloat16()
     k = torch.randn(b, hkv, d, device="cuda", generator=gen).bfloat16()
     v = torch.randn(b, hkv, d, device="cuda", generator=gen).bfloat16()
@@ -71,7 +75,7 @@ def measure(shape: str, b: int, context: int, fp8: bool, configs: Sequence[tuple
         out = call(caches[0]).float()
         reference = out if reference is None else reference
         seconds = time_graph([lambda c=c: call(c) for c in caches], reps=30)
-        rows.append({"shape": shape, "batch": b, "context": context, "kv_cache": "fp8" if fp8 else "bf16",
+        rows.append({"shape": shape, "batch": b, "context": context, "kv_cache": kv,
                      "split": split, "block": block, "f16_dots": f16, "us_per_layer": round(seconds * 1e6, 2),
                      "cache_gbps": round(per_layer / seconds / 1e9, 1),
                      "max_diff_vs_default": float((out - reference).abs().max())})
@@ -85,10 +89,10 @@ def run(shapes: Sequence[str], batches: Sequence[int], context: int) -> dict[str
     targets = []
     for shape in shapes:
         for b in batches:
-            for fp8 in (False, True):
-                rows += measure(shape, b, context, fp8, FP8_CONFIGS if fp8 else BF16_CONFIGS)
-            base = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] != "fp8"
-                        and (r["split"], r["block"], r["f16_dots"]) == BF16_CONFIGS[0])
+            for kv, configs in CONFIGS.items():
+                rows += measure(shape, b, context, kv, configs)
+            base = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] == "bf16"
+                        and (r["split"], r["block"], r["f16_dots"]) == CONFIGS["bf16"][0])
             for r in rows:
                 if r["shape"] == shape and r["batch"] == b:
                     r["over_bf16_default"] = round(r["us_per_layer"] / base["us_per_layer"], 3)
@@ -96,14 +100,14 @@ def run(shapes: Sequence[str], batches: Sequence[int], context: int) -> dict[str
                           f"{r['us_per_layer']:8.1f} us/layer, {r['cache_gbps']:6.0f} GB/s, "
                           f"{r['over_bf16_default']:.3f}x, diff {r['max_diff_vs_default']:.2e}",
                           file=sys.stderr, flush=True)
-            best = min((r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] == "fp8"),
-                       key=lambda r: r["us_per_layer"])
-            default = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] == "fp8"
-                           and (r["split"], r["block"], r["f16_dots"]) == FP8_CONFIGS[0])
-            for label, r in (("default", default), (f"best (split {best['split']}, block {best['block']}, "
-                                                     f"fp16 dots {best['f16_dots']})", best)):
-                targets.append(target(f"{shape} batch {b}, context {context}: FP8-KV attention, {label}, over bf16",
-                                      f"<= {FP8_OVER_BF16_TARGET}x", r["over_bf16_default"], "x",
-                                      r["over_bf16_default"] <= FP8_OVER_BF16_TARGET))
+            for kv in ("fp8", "int8"):
+                mine = [r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] == kv]
+                best = min(mine, key=lambda r: r["us_per_layer"])
+                default = next(r for r in mine if (r["split"], r["block"], r["f16_dots"]) == CONFIGS[kv][0])
+                for label, r in (("default", default), (f"best (split {best['split']}, block {best['block']}, "
+                                                         f"fp16 dots {best['f16_dots']})", best)):
+                    targets.append(target(f"{shape} batch {b}, context {context}: {kv} KV attention, {label}, over bf16",
+                                          f"<= {FP8_OVER_BF16_TARGET}x", r["over_bf16_default"], "x",
+                                          r["over_bf16_default"] <= FP8_OVER_BF16_TARGET))
     return results_file(rows, targets, torch=torch.__version__,
                         protocol="one layer's attention (partials + merge) per call, CUDA graph over L2-cold caches, median of 30 replays")

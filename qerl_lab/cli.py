@@ -129,7 +129,7 @@ def bench_rollout(out: OutOpt = None,
                   new_tokens: Annotated[int, typer.Option(help="Generated tokens per sequence (no early stop).")] = 512,
                   hf_new_tokens: Annotated[int, typer.Option(help="Tokens per sequence for HF generate (slow).")] = 64,
                   lora_rank: Annotated[int, typer.Option(help="LoRA rank attached to our model.")] = 32,
-                  formats: Annotated[list[str], typer.Option(help="Base formats of our engine: bf16, nvfp4, nf4; '+fp8' after one (nvfp4+fp8) runs FP8 activations (engine.activations=fp8), '+fp8kv' an FP8 KV cache (engine.kv_cache=fp8).")] = ["bf16,nvfp4"],
+                  formats: Annotated[list[str], typer.Option(help="Base formats of our engine: bf16, nvfp4, nf4; '+fp8' after one (nvfp4+fp8) runs FP8 activations (engine.activations=fp8), '+fp8kv' / '+int8kv' an E4M3 / INT8 KV cache (engine.kv_cache=fp8 / int8).")] = ["bf16,nvfp4"],
                   hbm_tbps: Annotated[float, typer.Option(help="HBM bandwidth (TB/s) of the lower bound.")] = 4.2,
                   kernels: Annotated[str, typer.Option(help="NVFP4 kernel dispatch: deterministic, or fast (humming's stream-K rows too).")] = "deterministic",
                   kernel_copies: Annotated[bool, typer.Option(help="humming's copies of NVFP4 weights; --no-kernel-copies measures what a run whose memory plan leaves them out gets (a MoE's experts then decode from their 4-bit stacks).")] = True) -> None:
@@ -214,7 +214,7 @@ def bench_memory(out: OutOpt = None) -> None:
 
 @bench_app.command("decode-profile")
 def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: qwen2.5-7b, -14b, -32b, -72b, qwen3-30b-a3b (its experts grouped, as the engine runs them).")] = "qwen2.5-7b",
-                         formats: Annotated[list[str], typer.Option("--formats", help="Base formats (comma-separated or repeated): bf16, nvfp4, nf4, each with '+fp8' (FP8 activations) and '+fp8kv' (an FP8 KV cache) as in bench rollout; 'LABEL@B' runs at batch B only.")] = ["bf16,nvfp4"],
+                         formats: Annotated[list[str], typer.Option("--formats", help="Base formats (comma-separated or repeated): bf16, nvfp4, nf4, each with '+fp8' (FP8 activations) and '+fp8kv' / '+int8kv' (a coded KV cache) as in bench rollout; 'LABEL@B' runs at batch B only.")] = ["bf16,nvfp4"],
                          batches: Annotated[list[str], typer.Option("--batch", help="Sequences decoded together (comma-separated or repeated: each batch with every format).")] = ["8"],
                          context: Annotated[int, typer.Option(help="Cache positions each sequence has already.")] = 512,
                          steps: Annotated[int, typer.Option(help="Decode steps profiled.")] = 8,
@@ -232,7 +232,7 @@ def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: q
     chosen = values(formats)
     if shape not in SHAPES or not {parse_label(label.split("@")[0])[0] for label in chosen} <= set(NAMES):
         raise QerlError(f"--shape is one of {sorted(SHAPES)} and --formats of {', '.join(NAMES)}, each with "
-                        "+fp8 (FP8 activations) and +fp8kv (an FP8 KV cache) if wanted")
+                        "+fp8 (FP8 activations) and +fp8kv or +int8kv (a coded KV cache) if wanted")
     if not torch.cuda.is_available():
         raise QerlError("bench decode-profile profiles CUDA kernels and needs a CUDA GPU; none is visible here")
     emit(run(shape, chosen, values(batches, int), context, steps), out)

@@ -3,7 +3,7 @@
 `qerl-pipe bench decode-profile --shape qwen2.5-7b --formats bf16,nvfp4 --batch 8 --out FILE.json`
 builds a random model of the shape with LoRA r32 on all seven projections (the adapter's fused
 inference copy, as the engine decodes) and the engine's kernel copies (humming's, or the FP8 copies
-of a `+fp8` label; `+fp8kv`: an FP8 cache, as `bench rollout` labels them), fills a KV cache to `--context` positions and runs the
+of a `+fp8` label; `+fp8kv` / `+int8kv`: a coded cache, as `bench rollout` labels them), fills a KV cache to `--context` positions and runs the
 engine's decode step eagerly under torch.profiler, so the profiler sees every kernel that a
 captured CUDA graph would replay. Per format: kernels per step, per layer ((step - 3) / layers:
 the embedding, the RoPE tables and the LM head are the step's own), GPU busy time per step, and the
@@ -43,7 +43,7 @@ from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph
 from qerl_pipe.engine.fp8 import Fp8Linears
-from qerl_pipe.kernels.fp8 import FP8, FP8_MAX
+from qerl_pipe.kernels.fp8 import CODE_MAX
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming
 from qerl_lab.rollout import KV_TARGETS, PLAN_SLOT_TARGETS, parse_label
 from qerl_pipe.model.lora import LoraSpec
@@ -82,16 +82,17 @@ def _host_profile(step, steps: int) -> tuple[float, list[dict[str, Any]]]:
 
 
 def _fill(cache: Any, gen: torch.Generator) -> None:
-    """Random keys and values (E4M3 codes over the whole range, scales near 1 / 448, when FP8)."""
+    """Random keys and values (codes over the whole range, scales near 1 / CODE_MAX, when coded)."""
+    top = CODE_MAX.get(cache.k.dtype, 1.0)
     for stored in (cache.k, cache.v):
         for layer in stored:  # one layer at a time: no fp32 copy of the whole cache
-            if layer.dtype == FP8:
-                layer.copy_((torch.randn(layer.shape, generator=gen, device=layer.device) * 64).clamp(-FP8_MAX, FP8_MAX))
+            if layer.dtype in CODE_MAX:
+                layer.copy_((torch.randn(layer.shape, generator=gen, device=layer.device) * top / 7).round().clamp(-top, top))
             else:
                 layer.normal_(generator=gen)
     for scales in (cache.k_scale, cache.v_scale):
         if scales is not None:
-            scales.uniform_(0.5 / FP8_MAX, 2 / FP8_MAX, generator=gen)
+            scales.uniform_(0.5 / top, 2 / top, generator=gen)
 
 
 def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
@@ -104,7 +105,7 @@ def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
     if fp8 is None:
         attach_humming(model)  # as the engine: humming's copies where the dispatch sends rows to them
     attach_grouped_experts(model)  # a MoE's experts as the engine runs them (no-op for a dense model)
-    cache = model.make_cache(batch, context + steps, fp8=kv_cache == "fp8")
+    cache = model.make_cache(batch, context + steps, kv_format=kv_cache)
     gen = torch.Generator(device="cuda").manual_seed(0)
     _fill(cache, gen)
     tokens = torch.randint(0, model.config.vocab_size, (batch,), generator=gen, device="cuda")

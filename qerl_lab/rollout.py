@@ -196,13 +196,13 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
 
 
 def parse_label(label: str) -> tuple[str, str, str]:
-    """(base format, engine.activations, engine.kv_cache) of a format label: `BASE[+fp8][+fp8kv]`,
-    "+fp8" for FP8 activations, "+fp8kv" for an FP8 KV cache."""
+    """(base format, engine.activations, engine.kv_cache) of a format label: `BASE[+fp8][+fp8kv|+int8kv]`,
+    "+fp8" for FP8 activations, "+fp8kv" / "+int8kv" for an E4M3 / INT8 KV cache."""
     base_format, *options = label.split("+")
-    unknown = set(options) - {"fp8", "fp8kv"}
-    if unknown:
-        raise QerlError(f"format {label!r}: unknown option(s) {sorted(unknown)}; write BASE[+fp8][+fp8kv]")
-    return base_format, "fp8" if "fp8" in options else "bf16", "fp8" if "fp8kv" in options else "bf16"
+    caches = [o.removesuffix("kv") for o in options if o in ("fp8kv", "int8kv")]
+    if set(options) - {"fp8", "fp8kv", "int8kv"} or len(caches) > 1:
+        raise QerlError(f"format {label!r}: unknown or repeated options; write BASE[+fp8][+fp8kv|+int8kv]")
+    return base_format, "fp8" if "fp8" in options else "bf16", caches[0] if caches else "bf16"
 
 
 def _fmt(r: dict) -> str:
@@ -226,10 +226,10 @@ FP8_TARGETS = {("qwen2.5-7b", 64, "nvfp4+fp8", "bf16"): ">= 1.3", ("qwen2.5-7b",
 # Issue 50's FP8 KV cache: the decode step's time with the FP8 cache over the same base's with
 # bf16 (run with --prompt-len ~3.5-4k for its 4,096-token context).
 KV_TARGETS = {("qwen2.5-7b", 256, "nvfp4+fp8kv", "nvfp4"): 0.85, ("qwen2.5-7b", 256, "bf16+fp8kv", "bf16"): 0.85,
-              ("qwen2.5-7b", 256, "nvfp4+fp8+fp8kv", "nvfp4+fp8"): 0.85}
+              ("qwen2.5-7b", 256, "nvfp4+fp8+fp8kv", "nvfp4+fp8"): 0.85, ("qwen2.5-7b", 256, "nvfp4+int8kv", "nvfp4"): 0.85}
 # Issue 50's 32B row: tokens/s at the slots the 80 GB plan gives each cache (BigMath paper setting:
 # 16 with bf16 KV, 32 with FP8), run as one wave at the wave's mean context (--prompt-len ~4.6k).
-PLAN_SLOT_TARGETS = {("qwen2.5-32b", "nvfp4+fp8kv", 32, "nvfp4", 16): 1.7}
+PLAN_SLOT_TARGETS = {("qwen2.5-32b", "nvfp4+fp8kv", 32, "nvfp4", 16): 1.7, ("qwen2.5-32b", "nvfp4+int8kv", 32, "nvfp4", 16): 1.7}
 SPEEDUP_TARGETS = {("qwen2.5-7b", 1): 1.9, ("qwen2.5-7b", 8): 1.8, ("qwen2.5-7b", 64): 1.25,
                    ("qwen2.5-7b", 256): 0.95, ("qwen2.5-32b", 8): 2.5, ("qwen2.5-32b", 64): 1.8,
                    ("qwen3-30b-a3b", 1): 1.5, ("qwen3-30b-a3b", 8): 1.4, ("qwen3-30b-a3b", 64): 1.1}

@@ -16,8 +16,8 @@ No adapter, no AQN noise: the base model as both paths run it.
 
 python3 bench/scripts/rollout_kl.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out FILE.json
 [--prompts 16 --n 4 --new-tokens 128 --bases bf16,nvfp4,nvfp4+fp8,bf16+fp8,nvfp4+fp8kv --device cuda]
-('+fp8': the engine runs FP8 activations, engine.activations=fp8; '+fp8kv': an FP8 KV cache,
-engine.kv_cache=fp8; the trainer's forward stays bf16.)
+('+fp8': the engine runs FP8 activations, engine.activations=fp8; '+fp8kv' / '+int8kv': an E4M3 / INT8 KV cache,
+engine.kv_cache=fp8 / int8; the trainer's forward stays bf16.)
 """
 import argparse
 import json
@@ -101,7 +101,7 @@ with tempfile.TemporaryDirectory() as tmp:
     rows = [measure(resolved.dir, prompts, tokenizer.eos_token_id, base, device) for base in args.bases.split(",")]
 # Issues 47 and 50: an FP8 path's k3 KL within a factor of the same rollout without it (FP8
 # activations: 3x the W4A16 base's; an FP8 KV cache: 2x the bf16 cache's).
-FACTORS = {"+fp8kv": 2.0, "+fp8": 3.0}
+FACTORS = {"+fp8kv": 2.0, "+int8kv": 2.0, "+fp8": 3.0}
 by_label = {row["base"]: row for row in rows}
 targets = []
 for row in rows:

@@ -13,8 +13,9 @@ import torch
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.config import DecoderConfig
 
-# The KV cache's formats (engine.kv_cache): the model dtype, or E4M3 with a scale per token and head.
-KV_FORMATS = ("bf16", "fp8")
+# The KV cache's formats (engine.kv_cache): the model dtype, or E4M3 / INT8 codes with a scale per
+# token and head (`kernels.fp8.KV_CODES`).
+KV_FORMATS = ("bf16", "fp8", "int8")
 
 # Batch sizes the decode step is captured for as CUDA graphs (each a fixed shape); a batch runs
 # on the smallest captured size that holds it. Powers of two keep the padding waste under 2x.
@@ -31,7 +32,7 @@ class EngineLimits:
     max_seq_len: int  # prompt + generated tokens per slot
     kv_cache_bytes: int  # keys + values for max_batch x max_seq_len
     graph_batch_sizes: tuple[int, ...] = field(default=())  # empty: no CUDA graphs (CPU)
-    kv_cache: str = "bf16"  # the cache's format: the model dtype, or "fp8" (E4M3 + a scale per token and head)
+    kv_cache: str = "bf16"  # the cache's format: the model dtype, or "fp8" / "int8" (codes + a scale per token and head)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_seq_len < 2:
@@ -72,8 +73,8 @@ class EngineLimits:
 
 def kv_bytes_per_token(config: DecoderConfig, dtype: torch.dtype = torch.bfloat16, kv_cache: str = "bf16") -> int:
     """Bytes of keys plus values one token occupies across all layers: in the model dtype, or
-    (kv_cache "fp8") one byte per element and an fp32 scale per head."""
-    per_head = config.head_dim + 4 if kv_cache == "fp8" else config.head_dim * torch.empty((), dtype=dtype).element_size()
+    (kv_cache "fp8" or "int8") one byte per element and an fp32 scale per head."""
+    per_head = config.head_dim + 4 if kv_cache != "bf16" else config.head_dim * torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * config.num_kv_heads * per_head
 
 

@@ -43,7 +43,7 @@ class ModelRunner:
     def __init__(self, model: Decoder, limits: EngineLimits, lora: FusedLora, use_graphs: bool):
         self.model, self.lora = model, lora
         self.device = model.embed_tokens.weight.device
-        self.cache = model.make_cache(limits.max_batch, limits.max_seq_len, fp8=limits.kv_cache == "fp8")
+        self.cache = model.make_cache(limits.max_batch, limits.max_seq_len, kv_format=limits.kv_cache)
         slots = limits.max_batch
 
         def buffer() -> Tensor:

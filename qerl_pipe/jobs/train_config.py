@@ -31,8 +31,8 @@ def tis_cap(section: TrainSection, fp8_rollout: bool = False) -> float | None:
 
 
 def fp8_rollout(engine: dict) -> bool:
-    """Whether an engine (its engine.json) rolls out in FP8: activations or KV cache."""
-    return engine.get("activations") == "fp8" or engine["limits"].get("kv_cache") == "fp8"
+    """Whether an engine (its engine.json) rolls out in FP8 activations or a coded (fp8, int8) KV cache."""
+    return engine.get("activations") == "fp8" or engine["limits"].get("kv_cache", "bf16") != "bf16"
 
 
 def train_config(section: TrainSection, plan: MemoryPlan | None = None, fp8: bool = False) -> TrainConfig:

@@ -34,7 +34,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin
                                v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
                                softcap: float = 0.0, k_scale: Tensor | None = None,
                                v_scale: Tensor | None = None) -> Tensor:
-    """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32. An FP8
+    """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32. A coded
     cache (`k_scale`, `v_scale` given) stores the new k and v as `row_codes` of each head and
     attends over the dequantized cache, the new token included."""
     b, hq, d = q.shape
@@ -48,7 +48,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin
     else:
         token = positions.view(b, 1, 1).expand(b, hkv, 1)
         for x, codes, scales in ((k, k_cache, k_scale), (v.to(q.dtype), v_cache, v_scale)):
-            q8, s8 = row_codes(x)
+            q8, s8 = row_codes(x, codes.dtype)
             codes.view(torch.uint8).scatter_(2, index, q8[:, :, None].view(torch.uint8))  # no fp8 scatter on CPU
             scales.scatter_(2, token, s8)
         keys, vals = k_cache.float() * k_scale[..., None], v_cache.float() * v_scale[..., None]

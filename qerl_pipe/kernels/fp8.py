@@ -12,6 +12,9 @@ from torch import Tensor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
+# The KV cache's code formats (engine.kv_cache) by dtype, and each one's largest code.
+KV_CODES = {"fp8": FP8, "int8": torch.int8}
+CODE_MAX = {FP8: FP8_MAX, torch.int8: 127.0}
 # A zero row (an idle engine slot) gets this amax: its codes are all 0, and no division by zero.
 MIN_AMAX = 1e-12
 
@@ -42,11 +45,14 @@ def runs_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def row_codes(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row E4M3 codes of x [..., K] (any float dtype) and their scale [..., 1] = amax x (1 / 448)
-    (eager CUDA's division by a scalar), as plain tensors: what the fused kernels compute."""
+def row_codes(x: Tensor, codes: torch.dtype = FP8) -> tuple[Tensor, Tensor]:
+    """Per-row codes of x [..., K] (any float dtype) and their scale [..., 1] = amax x (1 / CODE_MAX),
+    as plain tensors: what the fused kernels compute. E4M3, or int8 (a KV cache's `int8`: x / scale
+    rounded half up, within +-127)."""
     x32 = x.float()
-    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
+    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / CODE_MAX[codes])
+    if codes == torch.int8:
+        return torch.floor(x32 / scale + 0.5).clamp(-127, 127).to(torch.int8), scale
     return (x32 / scale).to(FP8), scale
 
 

@@ -18,6 +18,7 @@ from qerl_pipe.kernels.triton_pdl import launch_dependents, pdl_options, wait_pr
 
 MIN_AMAX: tl.constexpr = tl.constexpr(_MIN_AMAX)
 INV_FP8_MAX: tl.constexpr = tl.constexpr(1.0 / _FP8_MAX)
+INV_INT8_MAX: tl.constexpr = tl.constexpr(1.0 / 127.0)
 
 SPLIT = 128  # cache positions per program
 FULL_WINDOW = 1 << 30  # the window of a layer with full attention: wider than any cache
@@ -27,7 +28,7 @@ BLOCK_N = 64  # positions per inner step (a tl.dot tile)
 def supports(q: Tensor, k_cache: Tensor) -> bool:
     """Head sizes the attention kernels take: a power of two from 16 (a tl.dot side) to 256."""
     d = q.shape[-1]
-    return 16 <= d <= 256 and d & (d - 1) == 0 and k_cache.stride(-1) == 1 and k_cache.dtype in (q.dtype, FP8)
+    return 16 <= d <= 256 and d & (d - 1) == 0 and k_cache.stride(-1) == 1 and k_cache.dtype in (q.dtype, FP8, torch.int8)
 
 
 @triton.jit
@@ -54,20 +55,24 @@ def _soft_cap(scores, cap, CAPPED: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_scale(amax):
-    """A row's E4M3 scale from its amax, as `fp8.row_codes` computes it (times 1 / 448, not divided)."""
-    return tl.maximum(amax, MIN_AMAX) * INV_FP8_MAX
+def _code_scale(amax, INV_MAX: tl.constexpr):
+    """A row's code scale from its amax, as `fp8.row_codes` computes it (times 1 / CODE_MAX)."""
+    return tl.maximum(amax, MIN_AMAX) * INV_MAX
 
 
 @triton.jit
-def _stored(x, scale_ptr, FP8_KV: tl.constexpr):
-    """A new k or v row [1, D] as the cache stores it (FP8_KV: `fp8.row_codes`, the scale written to
-    `scale_ptr`) and as attention reads it back (dequantized)."""
+def _stored(x, scale_ptr, CODED: tl.constexpr, INT8: tl.constexpr):
+    """A new k or v row [1, D] as the cache stores it (CODED: `fp8.row_codes`, E4M3 or INT8, the
+    scale written to `scale_ptr`) and as attention reads it back (dequantized)."""
     stored, read = x, x  # Triton returns only from the function's own body: one return, at its end
-    if FP8_KV:
+    if CODED:
         x32 = x.to(tl.float32)
-        row_scale = _e4m3_scale(tl.max(tl.abs(x32), 1))
-        codes = tl.math.div_rn(x32, row_scale[:, None]).to(tl.float8e4nv)
+        row_scale = _code_scale(tl.max(tl.abs(x32), 1), INV_INT8_MAX if INT8 else INV_FP8_MAX)
+        v = tl.math.div_rn(x32, row_scale[:, None])
+        if INT8:
+            codes = tl.minimum(tl.maximum(tl.floor(v + 0.5), -127.0), 127.0).to(tl.int8)
+        else:
+            codes = v.to(tl.float8e4nv)
         tl.store(scale_ptr + tl.arange(0, 1), row_scale)
         stored, read = codes, (codes.to(tl.float32) * row_scale[:, None]).to(x.dtype)
     return stored, read
@@ -75,7 +80,7 @@ def _stored(x, scale_ptr, FP8_KV: tl.constexpr):
 
 @triton.jit
 def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr):
-    """Cache rows [BLOCK, D] at offs_n in the compute dtype (E4M3 exactly: `_partial` scales them)."""
+    """Cache rows [BLOCK, D] at offs_n in the compute dtype (codes exactly: `_partial` scales them)."""
     return tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(dtype)
 
 
@@ -84,11 +89,11 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
              sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, s_cos, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
              sks_b, sks_h, svs_b, svs_h, Hq, S, scale, window, cap,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
-             BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-             F16_DOTS: tl.constexpr, USE_PDL: tl.constexpr):
+             BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr,
+             INT8: tl.constexpr, F16_DOTS: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
-    dtype = q_ptr.dtype.element_ty  # the model dtype (an FP8 cache is read back into it)
+    dtype = q_ptr.dtype.element_ty  # the model dtype (a coded cache is read back into it)
     pos = tl.load(pos_ptr + b).to(tl.int32)
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, GP)
@@ -99,8 +104,8 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     sn = tl.load(sin_ptr + b * s_cos + offs_d, mask=rotates, other=0.0).to(tl.float32)
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
     q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, ROT, ROT // 2).to(dtype)
-    # F16_DOTS (an FP8 cache): E4M3 codes convert to fp16 exactly in one instruction per pair, so
-    # the dots run in fp16, q divided by its row amax (within fp16's range whatever the model).
+    # F16_DOTS (a coded cache): E4M3 and INT8 codes convert to fp16 exactly, so the dots run in
+    # fp16, q divided by its row amax (within fp16's range whatever the model).
     dot_t = tl.float16 if F16_DOTS else dtype
     q_amax = tl.full((GP,), 1.0, tl.float32)
     q_dot = q
@@ -122,7 +127,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     hi_w = tl.where(lo_w < hi, hi, lo)
     kc = kc_ptr + b * skc_b + h * skc_h
     vc = vc_ptr + b * svc_b + h * svc_h
-    ks = ks_ptr + b * sks_b + h * sks_h  # scales: one per position (FP8_KV only)
+    ks = ks_ptr + b * sks_b + h * sks_h  # scales: one per position (CODED only)
     vs = vs_ptr + b * svs_b + h * svs_h
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
@@ -131,7 +136,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
         if F16_DOTS:
             scores = scores * q_amax[:, None]
-        if FP8_KV:  # q . (codes x scale) = (q . codes) x scale
+        if CODED:  # q . (codes x scale) = (q . codes) x scale
             scores = scores * tl.load(ks + offs_n, mask=n_ok, other=0.0)[None, :]
         scores = tl.where(n_ok[None, :], _soft_cap(scores, cap, CAPPED), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -140,7 +145,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         l_i = l_i * alpha + tl.sum(p, 1)
         vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t)
         v_max = 1.0
-        if FP8_KV:  # p @ (codes x scale) = (p x scale) @ codes; in fp16 over the block's largest scale
+        if CODED:  # p @ (codes x scale) = (p x scale) @ codes; in fp16 over the block's largest scale
             v_scale = tl.load(vs + offs_n, mask=n_ok, other=0.0)
             if F16_DOTS:
                 v_max = tl.maximum(tl.max(v_scale, 0), MIN_AMAX)
@@ -154,8 +159,8 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         one = tl.arange(0, 1)
         k_new = _rope_rows(k_ptr + b * sk_b, h + one, sk_h, one < 1, c, sn, offs_d, ROT, ROT // 2).to(dtype)
         v_new = tl.load(v_ptr + b * sv_b + h * sv_h + offs_d[None, :] + one[:, None] * 0).to(dtype)
-        k_code, k_new = _stored(k_new, ks + pos, FP8_KV)  # later steps read what the cache holds
-        v_code, v_new = _stored(v_new, vs + pos, FP8_KV)
+        k_code, k_new = _stored(k_new, ks + pos, CODED, INT8)  # later steps read what the cache holds
+        v_code, v_new = _stored(v_new, vs + pos, CODED, INT8)
         tl.store(kc + pos * skc_t + offs_d[None, :] + one[:, None] * 0, k_code.to(kc_ptr.dtype.element_ty))
         tl.store(vc + pos * svc_t + offs_d[None, :] + one[:, None] * 0, v_code.to(vc_ptr.dtype.element_ty))
         score = _soft_cap(tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale, cap, CAPPED)
@@ -195,9 +200,9 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
                             softcap: float = 0.0, k_scale: Tensor | None = None,
                             v_scale: Tensor | None = None, split: int = SPLIT,
                             block: int | None = None, f16_dots: bool = True) -> Tensor:
-    """The two Triton kernels (any device Triton runs on, the interpreter included); an FP8 cache
-    comes with its scales [B, Hkv, L] (contiguous in L). `split`: cache positions per program, `block`:
-    per inner step (a power of two from 16 dividing split); `f16_dots`: an FP8 cache's dot
+    """The two Triton kernels (any device Triton runs on, the interpreter included); a coded cache
+    (E4M3 or INT8) comes with its scales [B, Hkv, L] (contiguous in L). `split`: cache positions per program, `block`:
+    per inner step (a power of two from 16 dividing split); `f16_dots`: a coded cache's dot
     products in fp16 (q scaled into range; fewer conversions and more mantissa than bf16), else in
     the model dtype; `bench attention` measures each."""
     b, hq, d = q.shape
@@ -213,10 +218,10 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
     # Hopper's 227 KB: half the positions per inner step (SPLIT stays a multiple of it).
     if block is None:
         block = BLOCK_N // 2 if d * q.element_size() > 512 else BLOCK_N
-    fp8_kv = k_scale is not None
-    if fp8_kv and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1):
-        raise ValueError("an FP8 cache's scales must be contiguous in their position dimension")
-    ks, vs = (k_scale, v_scale) if fp8_kv else (m, m)  # unread without FP8
+    coded = k_scale is not None
+    if coded and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1):
+        raise ValueError("a coded cache's scales must be contiguous in their position dimension")
+    ks, vs = (k_scale, v_scale) if coded else (m, m)  # unread in the model dtype
     _partial[(b, hkv, splits)](
         q, k, v, cos, sin, k_cache, v_cache, ks, vs, positions, m, l_sum, acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
@@ -225,8 +230,8 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=split, BLOCK=block,
-        CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_KV=fp8_kv,
-        F16_DOTS=bool(f16_dots and fp8_kv and q.dtype != torch.float32), num_warps=4,
+        CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CODED=coded,
+        INT8=k_cache.dtype == torch.int8, F16_DOTS=bool(f16_dots and coded and q.dtype != torch.float32), num_warps=4,
         **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
@@ -268,7 +273,7 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, q_pt
         tl.store(out_ptr + row * so + offs, normed, mask=ok)
         if QUANT:  # the row's E4M3 codes and scale, from the rounded values (as `fp8.quantize_rows`)
             n32 = normed.to(tl.float32)
-            scale = _e4m3_scale(tl.max(tl.abs(n32), 0))
+            scale = _code_scale(tl.max(tl.abs(n32), 0), INV_FP8_MAX)
             tl.store(q_ptr + row * sq + offs, tl.math.div_rn(n32, scale).to(q_ptr.dtype.element_ty), mask=ok)
             tl.store(s_ptr + row, scale)
     else:

@@ -52,7 +52,7 @@ class StepShape:
     adapter: str = "lora"  # or "full" (every weight trains; a bf16 base only)
     dense_base: bool = False  # a CPU run: a 4-bit base is also held dequantized (memory.step.dense_base_bytes)
     lora_experts: bool = False  # MoE: LoRA on the routed experts too
-    kv_cache: str = "bf16"  # the KV cache's format (engine.kv_cache): "fp8" holds about half the bytes
+    kv_cache: str = "bf16"  # the KV cache's format (engine.kv_cache): "fp8" or "int8" holds about half the bytes
 
     def __post_init__(self) -> None:
         for key in ("sequences", "prompts", "seq_len", "max_kv_slots", "max_micro_batch", "max_logprob_chunk"):

@@ -79,7 +79,7 @@ def attend_prefill(q: Tensor, k: Tensor, v: Tensor, cache: tuple[Tensor, Tensor,
         if scales is None:
             codes[slots, :, :t] = x
         else:
-            q8, s8 = row_codes(x)
+            q8, s8 = row_codes(x, codes.dtype)
             codes.view(torch.uint8)[slots, :, :t] = q8.view(torch.uint8)  # as bytes: no fp8 indexing on CPU
             scales[slots, :, :t] = s8[..., 0]
     return attend(q, k, v, mask, spec)

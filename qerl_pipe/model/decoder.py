@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from qerl_pipe.kernels.fp8 import FP8
+from qerl_pipe.kernels.fp8 import FP8, KV_CODES
 from qerl_pipe.model.attention import AttentionSpec, attend, attend_prefill, visible
 from qerl_pipe.model.config import DecoderConfig, RopeConfig
 from qerl_pipe.model.fused import fused_on_cuda
@@ -39,9 +39,9 @@ def call_module(linear: QuantLinear, x: Tensor) -> Tensor:
 
 class KVCache:
     """Preallocated keys/values [layers, batch, kv_heads, max_len, head_dim] in the model dtype, or
-    with `fp8` E4M3 codes (`kernels.fp8.row_codes` of each head's vector) and fp32 scales `k_scale`,
-    `v_scale` [layers, batch, kv_heads, max_len]. A row ("slot") holds one sequence; the engine
-    tracks its length and passes each slot's write position to `decode_step`."""
+    for `kv_format` "fp8" / "int8" codes (`kernels.fp8.row_codes` of each head's vector) and fp32
+    scales `k_scale`, `v_scale` [layers, batch, kv_heads, max_len]. A row ("slot") holds one
+    sequence; the engine tracks its length and passes each slot's write position to `decode_step`."""
 
     def __init__(
         self,
@@ -50,17 +50,18 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.bfloat16,
         device: Device = "cpu",
-        fp8: bool = False,
+        kv_format: str = "bf16",
     ):
         shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
-        stored = FP8 if fp8 else dtype
+        coded = kv_format != "bf16"
+        stored = KV_CODES[kv_format] if coded else dtype
         self.k = torch.zeros(shape, dtype=stored, device=device)
         self.v = torch.zeros(shape, dtype=stored, device=device)
-        self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
-        self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if fp8 else None
+        self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if coded else None
+        self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if coded else None
 
     def layer(self, i: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-        """Layer i's keys, values and their scales (None without FP8)."""
+        """Layer i's keys, values and their scales (None for a cache in the model dtype)."""
         if self.k_scale is None:
             return self.k[i], self.v[i], None, None
         return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
@@ -335,9 +336,9 @@ class Decoder(nn.Module):
         """[B, T, vocab] logits in the model dtype (for long batches, apply `head` in chunks)."""
         return self.head(self.forward(input_ids, positions, attention_mask))
 
-    def make_cache(self, batch_size: int, max_len: int, fp8: bool = False) -> KVCache:
-        """An empty KV cache in this model's dtype (`fp8`: E4M3 with scales) and on its device."""
-        return KVCache(self.config, batch_size, max_len, self.dtype, self.embed_tokens.weight.device, fp8)
+    def make_cache(self, batch_size: int, max_len: int, kv_format: str = "bf16") -> KVCache:
+        """An empty KV cache on this model's device, in its dtype or as `kv_format` codes with scales."""
+        return KVCache(self.config, batch_size, max_len, self.dtype, self.embed_tokens.weight.device, kv_format)
 
     @torch.inference_mode()
     def prefill(

@@ -152,6 +152,7 @@ def test_tis_cap_defaults_to_2_with_fp8_rollouts_unless_the_recipe_sets_it():
     bf16 = {"activations": "bf16", "limits": {"kv_cache": "bf16"}}
     assert not fp8_rollout(bf16) and not fp8_rollout({"limits": {}})  # an engine made before the settings
     assert fp8_rollout({**bf16, "activations": "fp8"}) and fp8_rollout({**bf16, "limits": {"kv_cache": "fp8"}})
+    assert fp8_rollout({**bf16, "limits": {"kv_cache": "int8"}})
     assert train_config(TrainSection(tis_cap=1.5)).loss.tis_cap == 1.5
 
 
@@ -181,12 +182,13 @@ def test_mismatch_metrics_are_logged_with_and_without_the_cap():
         assert m["tis_truncated"] == pytest.approx(1 / 3 if cap else 0.0)
 
 
-def test_fp8_kv_cache_holds_codes_and_scales_and_moves_them_together():
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_coded_kv_cache_holds_codes_and_scales_and_moves_them_together(kv):
     c = DecoderConfig.from_hf({**SHAPES["qwen2.5-7b"], "num_hidden_layers": 2})
     from qerl_pipe.model.decoder import KVCache
 
-    cache = KVCache(c, 3, 16, torch.float32, "cpu", fp8=True)
-    assert cache.k.dtype == fp8.FP8 and cache.k_scale.shape == cache.k.shape[:-1]
+    cache = KVCache(c, 3, 16, torch.float32, "cpu", kv)
+    assert cache.k.dtype == fp8.KV_CODES[kv] and cache.k_scale.shape == cache.k.shape[:-1]
     gen = torch.Generator().manual_seed(0)
     cache.k.view(torch.uint8).copy_(torch.randint(0, 120, cache.k.shape, generator=gen, dtype=torch.uint8))
     cache.k_scale.uniform_(0.1, 1.0, generator=gen)
@@ -198,7 +200,8 @@ def test_fp8_kv_cache_holds_codes_and_scales_and_moves_them_together():
     assert KVCache(c, 1, 4, torch.float32, "cpu").layer(0)[2] is None  # bf16: no scales
 
 
-def test_fp8_kv_decode_attention_reads_back_what_it_wrote():
+@pytest.mark.parametrize(("codes", "most"), [(fp8.FP8, 0.05), (torch.int8, 0.02)])
+def test_coded_kv_decode_attention_reads_back_what_it_wrote(codes, most):
     from qerl_pipe.kernels.decode_ops import decode_attention_reference
 
     gen = torch.Generator().manual_seed(3)
@@ -208,26 +211,27 @@ def test_fp8_kv_decode_attention_reads_back_what_it_wrote():
     positions = torch.tensor([5, 17])
     k16, v16 = (torch.randn(b, hkv, length, d, generator=gen) for _ in range(2))
     ref = decode_attention_reference(q, k, v, cos, sin, k16.clone(), v16.clone(), positions, d ** -0.5)
-    k8, ks = fp8.row_codes(k16)
-    v8, vs = fp8.row_codes(v16)
+    k8, ks = fp8.row_codes(k16, codes)
+    v8, vs = fp8.row_codes(v16, codes)
     k_cache, v_cache, k_scale, v_scale = k8.clone(), v8.clone(), ks[..., 0].clone(), vs[..., 0].clone()
     got = decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, positions, d ** -0.5, 0, 0.0,
                                      k_scale, v_scale)
-    want_codes, want_scale = fp8.row_codes(k)
+    want_codes, want_scale = fp8.row_codes(k, codes)
     assert torch.equal(k_cache[0, :, 5].view(torch.uint8), want_codes[0].view(torch.uint8))
     assert torch.equal(k_scale[1, :, 17], want_scale[1, :, 0])
     err = float((got - ref).norm() / ref.norm())
-    assert 0 < err < 0.05, err  # E4M3 keys and values: a few percent at most
+    assert 0 < err < most, err  # E4M3 keys and values: a few percent at most; INT8's finer steps: less
 
 
-def test_engine_with_an_fp8_kv_cache(tiny_llama_fp8):
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_engine_with_a_coded_kv_cache(tiny_llama_fp8, kv):
     model = _model(tiny_llama_fp8, "nvfp4")
     params = SamplingParams(temperature=0, max_new_tokens=8)
     prompts = [[1, 5, 6, 7], [1, 9, 10]]
     ref = Engine(model, plan_limits(model.config, max_seq_len=48, max_batch=4)).generate(prompts, 2, params)
-    limits = plan_limits(model.config, max_seq_len=48, max_batch=4, kv_cache="fp8")
+    limits = plan_limits(model.config, max_seq_len=48, max_batch=4, kv_cache=kv)
     engine = Engine(model, limits)
-    assert engine.runner.cache.k.dtype == fp8.FP8
+    assert engine.runner.cache.k.dtype == fp8.KV_CODES[kv]
     got = engine.generate(prompts, 2, params)
     # The first token comes from the prefill, which attends over the prompt's own k/v: the same.
     assert [t[0] for t in got.tokens] == [t[0] for t in ref.tokens]
@@ -243,15 +247,17 @@ def test_an_fp8_kv_cache_doubles_the_slots_of_the_32b_paper_setting():
 
     c = DecoderConfig.from_hf(SHAPES["qwen2.5-32b"])
     assert kv_bytes_per_token(c, torch.bfloat16, "fp8") / kv_bytes_per_token(c, torch.bfloat16) == (128 + 4) / 256
+    assert kv_bytes_per_token(c, torch.bfloat16, "int8") == kv_bytes_per_token(c, torch.bfloat16, "fp8")
     train = TrainSection(prompts_per_step=128, group_size=16, max_new_tokens=8192)
     slots = {kv: plan_step(c, "nvfp4", train_step_shape(train, 1024 + 8192, 2048, kv_cache=kv), int(80 * GB)).kv_slots
-             for kv in ("bf16", "fp8")}
-    assert slots == {"bf16": 16, "fp8": 32}
+             for kv in ("bf16", "fp8", "int8")}
+    assert slots == {"bf16": 16, "fp8": 32, "int8": 32}
 
 
 def test_kv_cache_key_and_refusal(monkeypatch):
     assert EngineSection().kv_cache == "bf16" and EngineSection(kv_cache="fp8").kv_cache == "fp8"
     monkeypatch.setattr(engine_fp8, "runs_fp8", lambda device: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    engine_fp8.check_kv_cache("int8", torch.device("cuda"))  # INT8 codes run wherever Triton does
     with pytest.raises(QerlError, match="engine.kv_cache=fp8 needs FP8 support .* A100 has none"):
         engine_fp8.check_kv_cache("fp8", torch.device("cuda"))

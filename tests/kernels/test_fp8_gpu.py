@@ -127,11 +127,12 @@ def test_fp8_greedy_agrees_with_bf16_activations(tiny_qwen2, base, every_row_fp8
     assert agreed / total >= 0.5 and max(first) < 0.1
 
 
+@pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize(("d", "window", "softcap", "split", "block", "f16"),
                          [(128, 0, 0.0, 128, None, False), (64, 40, 0.0, 128, None, False),
                           (256, 0, 30.0, 128, None, False), (128, 40, 0.0, 256, 128, True),
                           (128, 0, 0.0, 512, 64, True), (256, 0, 30.0, 128, None, True), (64, 40, 0.0, 256, 64, True)])
-def test_fp8_kv_attention_kernel_matches_its_reference(d, window, softcap, split, block, f16):
+def test_coded_kv_attention_kernel_matches_its_reference(d, window, softcap, split, block, f16, codes):
     from qerl_pipe.kernels.decode_ops import decode_attention_reference
     from qerl_pipe.kernels.fp8 import row_codes
     from qerl_pipe.kernels.triton_decode import launch_decode_attention
@@ -143,8 +144,8 @@ def test_fp8_kv_attention_kernel_matches_its_reference(d, window, softcap, split
     cos = torch.cat([angle.cos()] * 2, -1).to(torch.bfloat16)
     sin = torch.cat([angle.sin()] * 2, -1).to(torch.bfloat16)
     positions = torch.tensor([0, 130, 299], device="cuda")
-    k8, ks = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"))
-    v8, vs = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"))
+    k8, ks = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"), codes)
+    v8, vs = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"), codes)
     caches = [(k8.clone(), v8.clone(), ks[..., 0].clone(), vs[..., 0].clone()) for _ in range(2)]
     got = launch_decode_attention(q, k, v, cos, sin, caches[0][0], caches[0][1], positions, d ** -0.5, window,
                                   softcap, caches[0][2], caches[0][3], split=split, block=block, f16_dots=f16)
@@ -160,14 +161,14 @@ def test_fp8_kv_attention_kernel_matches_its_reference(d, window, softcap, split
             assert same >= 0.9999, f"the kernel wrote {1 - same:.2e} of the codes differently"
 
 
-@pytest.mark.parametrize("base", ["bf16", "nvfp4"])
-def test_fp8_kv_cache_engine_graphs_and_greedy(tiny_qwen2, base):
+@pytest.mark.parametrize(("base", "kv"), [("bf16", "fp8"), ("nvfp4", "fp8"), ("nvfp4", "int8")])
+def test_coded_kv_cache_engine_graphs_and_greedy(tiny_qwen2, base, kv):
     model = _model(tiny_qwen2, base)
-    limits = plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True, kv_cache="fp8")
+    limits = plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True, kv_cache=kv)
     graphed = Engine(model, limits)
     eager = Engine(model, limits, cuda_graphs=False)
     eager.runner.graphs.sizes = graphed.runner.graphs.sizes
-    assert graphed.uses_cuda_graphs and graphed.runner.cache.k.dtype == torch.float8_e4m3fn
+    assert graphed.uses_cuda_graphs and graphed.runner.cache.k.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv]
     g, e = graphed.generate(PROMPTS, n=2, sampling=SAMPLED), eager.generate(PROMPTS, n=2, sampling=SAMPLED)
     assert g.tokens == e.tokens
     ref = Engine(model, plan_limits(model.config, max_seq_len=64, max_batch=8, cuda_graphs=True)).generate(
@@ -178,10 +179,10 @@ def test_fp8_kv_cache_engine_graphs_and_greedy(tiny_qwen2, base):
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         agreed, total = agreed + prefix, total + len(a)
     # The first token comes from the prefill (bf16 K and V); the second is the first decode step
-    # over the FP8 cache, from the same context wherever the first tokens agree.
+    # over the coded cache, from the same context wherever the first tokens agree.
     second = [abs(a[1] - b[1]) for a, b, x, y in zip(ref.logprobs, got.logprobs, ref.tokens, got.tokens)
               if x[0] == y[0] and x[1] == y[1]]
-    print(f"{base}, FP8 KV cache: greedy tokens equal before the first difference: {agreed}/{total} "
+    print(f"{base}, {kv} KV cache: greedy tokens equal before the first difference: {agreed}/{total} "
           f"(a random tiny model's logits are near ties); first decode step's logprob difference max "
           f"{max(second):.4f} over {len(second)} sequences")
     assert len(second) >= len(PROMPTS) // 2 and max(second) < 0.1
