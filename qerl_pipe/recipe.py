@@ -120,11 +120,9 @@ class EngineSection(_Section):
         "bf16, and train.tis_cap defaults to 2 to correct the mismatch. nvfp4 and bf16 bases.",
     )
     kv_cache: Literal["bf16", "fp8", "int8"] = Field(
-        "bf16", description="The rollout's KV cache: bf16 (the model dtype), fp8 (E4M3; GPUs with FP8 support: "
-        "Ada, Hopper and newer) or int8 (symmetric, any GPU), each with an fp32 scale per token and head written "
-        "as the keys and values are made. fp8 and int8 take about half the bytes, so a memory budget gives about "
-        "twice the KV slots; int8's rounding is finer (measured: a third of fp8's rollout/trainer KL, docs/engine.md). "
-        "train.tis_cap defaults to 2 with either. The training forward never reads the cache.",
+        "bf16", description="The rollout's KV cache: bf16, fp8 (E4M3; Ada, Hopper and newer) or int8 (any GPU), "
+        "the last two with an fp32 scale per token and head: about half the bytes, twice the KV slots at one "
+        "budget; int8 rounds finer (docs/engine.md). train.tis_cap defaults to 2 with either.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the engine runs (and is tuned).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -260,8 +258,7 @@ class TrainSection(_Section):
     tis_cap: float | None = Field(
         None, ge=1, description="Truncated importance sampling of the rollout/trainer mismatch (token-level, "
         "weight min(trainer / rollout probability, cap)); null = off. Unset, it is 2 when the engine's rollouts "
-        "run FP8 activations or a coded KV cache (engine.activations=fp8, engine.kv_cache=fp8 or int8), as verl "
-        "and TRL correct FP8 rollouts.",
+        "run FP8 activations or a coded KV cache (engine.activations=fp8, kv_cache=fp8 or int8), as verl does.",
     )
     rewards: RewardsSection = Field(default_factory=RewardsSection)
     checkpoint_every: int = Field(10, ge=0, description="Checkpoint every N steps (and at the end); 0 = end only.")

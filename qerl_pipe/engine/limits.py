@@ -13,8 +13,7 @@ import torch
 from qerl_pipe.errors import QerlError
 from qerl_pipe.model.config import DecoderConfig
 
-# The KV cache's formats (engine.kv_cache): the model dtype, or E4M3 / INT8 codes with a scale per
-# token and head (`kernels.fp8.KV_CODES`).
+# engine.kv_cache: the model dtype, or codes (`kernels.fp8.KV_CODES`) with a scale per token and head.
 KV_FORMATS = ("bf16", "fp8", "int8")
 
 # Batch sizes the decode step is captured for as CUDA graphs (each a fixed shape); a batch runs

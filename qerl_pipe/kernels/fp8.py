@@ -1,7 +1,6 @@
-"""FP8 (E4M3) linears: y = (x8 * sx) @ (w8 * sw)^T with a scale per token (x) and per output channel
-(w), each amax / 448. torch's row-wise scaled matmul runs it on GPUs with FP8 tensor cores
-(`fp8_linear`); elsewhere the plain-torch reference, also the tests' oracle. `row_codes` is the
-quantization every fused kernel reproduces exactly. docs/kernels.md#fp8-rollouts."""
+"""FP8 (E4M3) linears y = (x8 * sx) @ (w8 * sw)^T, scales per token and per output channel (amax / 448):
+torch's row-wise scaled matmul on FP8 tensor cores, else the reference (the tests' oracle). `row_codes`
+is what every fused kernel reproduces exactly (the KV cache's too). docs/kernels.md#fp8-rollouts."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ def runs_fp8(device: torch.device) -> bool:
 
 
 def row_codes(x: Tensor, codes: torch.dtype = FP8) -> tuple[Tensor, Tensor]:
-    """Per-row codes of x [..., K] (any float dtype) and their scale [..., 1] = amax x (1 / CODE_MAX),
-    as plain tensors: what the fused kernels compute. E4M3, or int8 (a KV cache's `int8`: x / scale
-    rounded half up, within +-127)."""
+    """Per-row E4M3 or INT8 codes of x [..., K] and their scale [..., 1] = amax x (1 / CODE_MAX); INT8
+    rounds x / scale half up, within +-127."""
     x32 = x.float()
     scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / CODE_MAX[codes])
     if codes == torch.int8:

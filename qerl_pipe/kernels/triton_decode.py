@@ -45,8 +45,7 @@ def _rope_rows(ptr, rows, row_stride, row_mask, c, s, offs_d, ROT: tl.constexpr,
 
 @triton.jit
 def _soft_cap(scores, cap, CAPPED: tl.constexpr):
-    """cap * tanh(scores / cap) (Gemma2), from exp so that the interpreter runs it too; exact
-    enough in fp32 (saturates to +-cap, never inf / inf)."""
+    """cap * tanh(scores / cap) (Gemma2) from exp, for the interpreter too (saturates, never inf / inf)."""
     if CAPPED:
         e = tl.exp(-2.0 * tl.abs(scores / cap))
         t = (1.0 - e) / (1.0 + e)
@@ -55,8 +54,7 @@ def _soft_cap(scores, cap, CAPPED: tl.constexpr):
 
 
 @triton.jit
-def _code_scale(amax, INV_MAX: tl.constexpr):
-    """A row's code scale from its amax, as `fp8.row_codes` computes it (times 1 / CODE_MAX)."""
+def _code_scale(amax, INV_MAX: tl.constexpr):  # as `fp8.row_codes`: times 1 / CODE_MAX, not divided
     return tl.maximum(amax, MIN_AMAX) * INV_MAX
 
 
@@ -104,8 +102,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     sn = tl.load(sin_ptr + b * s_cos + offs_d, mask=rotates, other=0.0).to(tl.float32)
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
     q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, ROT, ROT // 2).to(dtype)
-    # F16_DOTS (a coded cache): E4M3 and INT8 codes convert to fp16 exactly, so the dots run in
-    # fp16, q divided by its row amax (within fp16's range whatever the model).
+    # F16_DOTS (a coded cache): codes convert to fp16 exactly; q over its row amax fits fp16's range.
     dot_t = tl.float16 if F16_DOTS else dtype
     q_amax = tl.full((GP,), 1.0, tl.float32)
     q_dot = q
@@ -196,15 +193,13 @@ def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, USE_PDL: tl.const
 
 
 def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                            v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
-                            softcap: float = 0.0, k_scale: Tensor | None = None,
-                            v_scale: Tensor | None = None, split: int = SPLIT,
+                            v_cache: Tensor, positions: Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                            k_scale: Tensor | None = None, v_scale: Tensor | None = None, split: int = SPLIT,
                             block: int | None = None, f16_dots: bool = True) -> Tensor:
-    """The two Triton kernels (any device Triton runs on, the interpreter included); a coded cache
-    (E4M3 or INT8) comes with its scales [B, Hkv, L] (contiguous in L). `split`: cache positions per program, `block`:
-    per inner step (a power of two from 16 dividing split); `f16_dots`: a coded cache's dot
-    products in fp16 (q scaled into range; fewer conversions and more mantissa than bf16), else in
-    the model dtype; `bench attention` measures each."""
+    """The two Triton kernels (any device Triton runs on, the interpreter too); a coded cache (E4M3,
+    INT8) comes with its scales [B, Hkv, L] (contiguous in L). `split`: positions per program;
+    `block`: per inner step (a power of two from 16 dividing split); `f16_dots`: a coded cache's dots
+    in fp16 (q scaled into range), else in the model dtype; `bench attention` measures each."""
     b, hq, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:

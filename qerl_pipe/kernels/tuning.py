@@ -66,11 +66,8 @@ def fwd_candidates(m: int) -> list[KernelConfig]:
 
 
 def dx_candidates(m: int) -> list[KernelConfig]:
-    """dX (dy @ W) configs worth timing at M = m.
-
-    dX matters in training (M = tokens, large); smaller M gets one sensible tile, with and
-    without the PTX decode.
-    """
+    """dX (dy @ W) configs worth timing at M = m: training's large M gets several, a smaller M one
+    sensible tile, with and without the PTX decode."""
     if m >= 1024:
         return DX_CANDIDATES
     if m >= 128:
@@ -118,11 +115,8 @@ def rel_err(out: Tensor, ref: Tensor) -> float:
 
 def tune_one(run: Run, ref: Tensor, cands: list[KernelConfig], copies: int,
              timer: Timer = time_graph) -> TuneResult:
-    """Best (config, seconds, rel err) of `cands`, plus a log of every try.
-
-    Each candidate is checked before it is timed; one that fails to compile or gives a wrong
-    result is logged and skipped. The config is None when none survived.
-    """
+    """Best (config, seconds, rel err) of `cands` and a log of every try: each is checked before it
+    is timed, one that fails to compile or is wrong logged and skipped (None when none survived)."""
     best: tuple[KernelConfig | None, float, float] = (None, math.inf, math.inf)
     log = []
     for cfg in cands:
@@ -143,11 +137,8 @@ def tune_one(run: Run, ref: Tensor, cands: list[KernelConfig], copies: int,
 
 def _random_weight(n: int, k: int, fmt: str, device: torch.device,
                    gen: torch.Generator) -> tuple[list[PackedNVFP4 | PackedNF4], Tensor]:
-    """Kernel-layout copies of one random [n, k] weight, and its dequantized fp32 form.
-
-    Timing needs only the shape (the kernels do the same work for any values), so the model's
-    own weights are not needed and tuning can run before or without them.
-    """
+    """Kernel-layout copies of one random [n, k] weight and its dequantized fp32 form: timing needs
+    only the shape, so tuning runs before or without the model's weights."""
     spec = base_format(fmt)
     w = torch.randn(n, k, device=device, generator=gen) * 0.02
     q = spec.quantize(w, f"tune {n}x{k}", torch.float32)

@@ -19,10 +19,10 @@ LAYERS = {
 }
 # layer: (target, ceiling). Lower a ceiling when a change shrinks its layer; never raise one.
 BUDGETS = {
-    "product": (15_800, 17_563),
-    "kernels": (3_000, 3_775),
+    "product": (15_800, 17_553),
+    "kernels": (3_000, 3_770),
     "engine runtime": (1_300, 1_397),
-    "pipeline + face": (2_300, 2_427),
+    "pipeline + face": (2_300, 2_426),
 }
 
 
