@@ -38,7 +38,7 @@ def _caches(layers: int, b: int, hkv: int, length: int, d: int, kv: str, gen: to
     for _ in range(layers):
         k = torch.randn(b, hkv, length, d, device="cuda", generator=gen)
         v = torch.randn(b, hkv, length, d, device="cuda", generator=gen)
-        if kv != "bf16":
+        if kv in KV_CODES:
             codes, top = KV_CODES[kv], CODE_MAX[KV_CODES[kv]]
             ks = torch.rand(b, hkv, length, device="cuda", generator=gen) * 0.01 + 0.001
             vs = torch.rand(b, hkv, length, device="cuda", generator=gen) * 0.01 + 0.001
@@ -56,7 +56,7 @@ def measure(shape: str, b: int, context: int, kv: str, configs: Sequence[tuple[i
     d = cfg.get("head_dim", cfg["hidden_size"] // hq)
     widest = max(c[0] for c in configs)
     length = -(-(context + 1) // widest) * widest  # the cache every split divides
-    coded = kv != "bf16"
+    coded = kv in KV_CODES
     per_layer = b * hkv * context * d * 2 * (1 if coded else 2) + (b * hkv * context * 8 if coded else 0)
     layers = weight_copies(per_layer)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -91,7 +91,7 @@ def run(shapes: Sequence[str], batches: Sequence[int], context: int) -> dict[str
         for b in batches:
             for kv, configs in CONFIGS.items():
                 rows += measure(shape, b, context, kv, configs)
-            base = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] == "bf16"
+            base = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] not in KV_CODES
                         and (r["split"], r["block"], r["f16_dots"]) == CONFIGS["bf16"][0])
             for r in rows:
                 if r["shape"] == shape and r["batch"] == b:

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from qerl_pipe.errors import QerlError
+from qerl_pipe.kernels.fp8 import KV_CODES
 from qerl_pipe.model.config import DecoderConfig
 
-# engine.kv_cache: the model dtype, or codes (`kernels.fp8.KV_CODES`) with a scale per token and head.
-KV_FORMATS = ("bf16", "fp8", "int8")
+KV_FORMATS = ("bf16", *KV_CODES)  # engine.kv_cache: the model dtype, or codes with a scale per token and head
 
 # Batch sizes the decode step is captured for as CUDA graphs (each a fixed shape); a batch runs
 # on the smallest captured size that holds it. Powers of two keep the padding waste under 2x.
@@ -73,7 +73,7 @@ class EngineLimits:
 def kv_bytes_per_token(config: DecoderConfig, dtype: torch.dtype = torch.bfloat16, kv_cache: str = "bf16") -> int:
     """Bytes of keys plus values one token occupies across all layers: in the model dtype, or
     (kv_cache "fp8" or "int8") one byte per element and an fp32 scale per head."""
-    per_head = config.head_dim + 4 if kv_cache != "bf16" else config.head_dim * torch.empty((), dtype=dtype).element_size()
+    per_head = config.head_dim + 4 if kv_cache in KV_CODES else config.head_dim * torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * config.num_kv_heads * per_head
 
 

@@ -4,6 +4,7 @@ for the run's log and report (`plan_changes`)."""
 
 from __future__ import annotations
 
+from qerl_pipe.kernels.fp8 import KV_CODES
 from qerl_pipe.memory.plan import GB, MemoryPlan
 from qerl_pipe.recipe import TrainSection
 from qerl_pipe.rl.algo.aqn import AqnSchedule
@@ -17,9 +18,7 @@ SETTING_NAMES = {"kv_slots": "KV slots (engine.max_batch)", "micro_batch": "trai
                  "logprob_chunk": "LM-head chunk"}
 
 
-# train.tis_cap where the recipe leaves it unset and the rollout runs FP8 activations: the
-# token-level cap verl, TRL and NeMo-RL ship for FP8 rollouts over a bf16 trainer.
-FP8_TIS_CAP = 2.0
+FP8_TIS_CAP = 2.0  # train.tis_cap unset under FP8 / coded-KV rollouts: the cap verl, TRL and NeMo-RL ship
 
 
 def tis_cap(section: TrainSection, fp8_rollout: bool = False) -> float | None:
@@ -32,7 +31,7 @@ def tis_cap(section: TrainSection, fp8_rollout: bool = False) -> float | None:
 
 def fp8_rollout(engine: dict) -> bool:
     """Whether an engine (its engine.json) rolls out in FP8 activations or a coded (fp8, int8) KV cache."""
-    return engine.get("activations") == "fp8" or engine["limits"].get("kv_cache", "bf16") != "bf16"
+    return engine.get("activations") == "fp8" or engine["limits"].get("kv_cache") in KV_CODES
 
 
 def train_config(section: TrainSection, plan: MemoryPlan | None = None, fp8: bool = False) -> TrainConfig:

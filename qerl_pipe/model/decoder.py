@@ -53,7 +53,7 @@ class KVCache:
         kv_format: str = "bf16",
     ):
         shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
-        coded = kv_format != "bf16"
+        coded = kv_format in KV_CODES
         stored = KV_CODES[kv_format] if coded else dtype
         self.k = torch.zeros(shape, dtype=stored, device=device)
         self.v = torch.zeros(shape, dtype=stored, device=device)

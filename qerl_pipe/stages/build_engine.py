@@ -106,7 +106,7 @@ def _engine_key(recipe: Recipe, base: _Base, fmt: BaseFormat, device: torch.devi
     """What names the engine: its base, section, GPU and, where a budget sized it, that step."""
     config = {"base": base.identity, "engine": recipe.engine.model_dump(), "device": device_kind(device)}
     for key in ("activations", "kv_cache"):
-        if config["engine"][key] == "bf16":
+        if config["engine"][key] == EngineSection.model_fields[key].default:
             del config["engine"][key]  # the default: engines made before the setting keep their ids
     if fmt.layout_version > 1:
         # A base whose stored bytes changed gets new ids, so the store rebuilds rather than
@@ -117,7 +117,7 @@ def _engine_key(recipe: Recipe, base: _Base, fmt: BaseFormat, device: torch.devi
         # without a budget keep their ids).
         config["memory_budget_gb"] = recipe.train.memory_budget_gb
         step = asdict(budget.plan.shape)
-        if step["kv_cache"] == "bf16":
+        if step["kv_cache"] == EngineSection.model_fields["kv_cache"].default:
             del step["kv_cache"]  # likewise
         config["train_step"] = step
     return config

@@ -19,7 +19,7 @@ LAYERS = {
 }
 # layer: (target, ceiling). Lower a ceiling when a change shrinks its layer; never raise one.
 BUDGETS = {
-    "product": (15_800, 17_553),
+    "product": (15_800, 17_552),
     "kernels": (3_000, 3_770),
     "engine runtime": (1_300, 1_397),
     "pipeline + face": (2_300, 2_426),
