@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 47 and 50 on one GPU call: the FP8 GPU tests, the FP8 rows against cuBLAS bf16 and our
-# W4A16, and the 7B rollouts side by side (FP8 activations, FP8 KV cache). Writes into OUT_DIR
-# (default: bench/results/fp8-run); each bench rewrites its file after every row, so a run cut
+# W4A16, the 7B rollouts side by side (FP8 activations) and the coded KV caches. Writes into OUT_DIR
+# (default: bench/results/fp8-run); the rollout and rows benches rewrite their files after every row, so a run cut
 # short still leaves what it measured. Run from the repository root on a GPU with FP8 tensor cores:
 #   QERL_COMMIT=<commit> bash bench/scripts/fp8_gpu_run.sh [OUT_DIR] [PART]    PART: tests, rows, act, kv, kv32 or all
 # QERL_COMMIT names the commit in each results file: a device's copy of the tree can carry a stale .git.
@@ -28,15 +28,19 @@ if [[ "$part" == all || "$part" == act ]]; then
     2> "$out/rollout-fp8-7b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-7b.err"
 fi
 if [[ "$part" == all || "$part" == kv ]]; then
-  # Issue 50's decode-step row: batch 256 at a ~3.8k-token mean context, bf16 against FP8 KV.
-  python3 -m qerl_pipe bench rollout --shapes qwen2.5-7b --formats nvfp4+fp8,nvfp4+fp8+fp8kv,nvfp4,nvfp4+fp8kv --batches 256 \
-    --hf-batches '' --prompt-len 3584 --new-tokens 512 --out "$out/rollout-fp8-kv-7b.json" \
-    2> "$out/rollout-fp8-kv-7b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-kv-7b.err"
+  # Issue 50's decode-step row: batch 256 at a 4,096-token context, bf16 against the coded caches
+  # (graph-replayed steps over filled caches: no prefill), and the kernel alone per configuration.
+  python3 -m qerl_pipe bench decode-profile --shape qwen2.5-7b --formats nvfp4,nvfp4+fp8kv,nvfp4+int8kv --batch 256 \
+    --context 4096 --steps 3 --out "$out/decode-kv-7b.json" 2> "$out/decode-kv-7b.err" > /dev/null
+  grep -E "graph replay" "$out/decode-kv-7b.err" || tail -3 "$out/decode-kv-7b.err"
+  python3 -m qerl_pipe bench attention --shapes qwen2.5-7b,qwen2.5-32b --batches 64,256 --context 3712 \
+    --out "$out/attention.json" > /dev/null 2> "$out/attention.err"
+  grep -v Warn "$out/attention.err" | tail -40
 fi
 if [[ "$part" == all || "$part" == kv32 ]]; then
-  # Issue 50's 32B row: the slots the 80 GB plan gives each cache (16 bf16, 32 FP8) at the mean
-  # context of a BigMath wave (1,024 + 8,192 / 2 ~ 5.1k): a 512-token run from a 4,608-token prompt.
-  python3 -m qerl_pipe bench rollout --shapes qwen2.5-32b --formats nvfp4,nvfp4+fp8kv --batches 16,32 \
-    --hf-batches '' --prompt-len 4608 --new-tokens 512 --out "$out/rollout-fp8-kv-32b.json" \
-    2> "$out/rollout-fp8-kv-32b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-kv-32b.err"
+  # Issue 50's 32B row: the slots the 80 GB plan gives each cache (16 bf16, 32 coded) at the mean
+  # context of a BigMath wave (1,024 + 8,192 / 2 ~ 5.1k), decode tokens/s from graph-replayed steps.
+  python3 -m qerl_pipe bench decode-profile --shape qwen2.5-32b --formats nvfp4@16,nvfp4+fp8kv@32,nvfp4+int8kv@32 \
+    --batch 16 --context 5120 --steps 3 --out "$out/decode-kv-32b.json" 2> "$out/decode-kv-32b.err" > /dev/null
+  grep -E "graph replay" "$out/decode-kv-32b.err" || tail -3 "$out/decode-kv-32b.err"
 fi
