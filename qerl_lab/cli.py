@@ -235,7 +235,7 @@ def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: q
                         "+fp8 (FP8 activations) and +fp8kv or +int8kv (a coded KV cache) if wanted")
     if not torch.cuda.is_available():
         raise QerlError("bench decode-profile profiles CUDA kernels and needs a CUDA GPU; none is visible here")
-    emit(run(shape, chosen, values(batches, int), context, steps), out)
+    emit(run(shape, chosen, values(batches, int), context, steps, partial=out), out)
 
 
 @bench_app.command("quantize")

@@ -37,7 +37,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from qerl_pipe.model.random_init import init_random_model
-from qerl_lab.results import results_file, target
+from qerl_lab.results import nulls_for_non_finite, results_file, target
+from qerl_pipe.strict_json import write_json
 from qerl_pipe.model.shapes import SHAPES
 from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
@@ -138,13 +139,19 @@ def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
     return row
 
 
-def run(shape: str, formats: Sequence[str], batches: Sequence[int], context: int, steps: int) -> dict[str, Any]:
+def run(shape: str, formats: Sequence[str], batches: Sequence[int], context: int, steps: int,
+        partial: Path | None = None) -> dict[str, Any]:
+    """Every (batch, format) row, then the targets; `partial` is rewritten after each row, so a run
+    cut short keeps the rows it measured."""
     rows = []
     # A format `label@B` runs at batch B alone (each cache at its plan's slots); others at every batch.
     runs = [(int(f.split("@")[1]), f.split("@")[0]) if "@" in f else (b, f) for b in batches for f in formats]
     for batch, fmt in dict.fromkeys(runs):
         rows.append(profile_format(shape, fmt, batch, context, steps))
         torch.cuda.empty_cache()  # the model and cache went with profile_format's frame
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            write_json(partial, nulls_for_non_finite(_result(rows)), indent=1)
         r = rows[-1]
         print(f"{shape} {fmt} batch {batch}: {r['kernels_per_step']:.0f} kernels per decode step "
               f"({r['kernels_per_layer']} per layer), GPU busy {r['gpu_busy_ms_per_step']} ms per step, "
@@ -154,6 +161,10 @@ def run(shape: str, formats: Sequence[str], batches: Sequence[int], context: int
         for fn in r["python_top"][:12]:
             print(f"  {fn['own_ms_per_step']:9.3f} ms own  x{fn['calls_per_step']:<7} {fn['function'][:90]}",
                   file=sys.stderr, flush=True)
+    return _result(rows)
+
+
+def _result(rows: list[dict[str, Any]]) -> dict[str, Any]:
     targets = [target(f"{r['shape']} {r['format']} batch {r['batch']}: kernels per layer in the decode step",
                       f"<= {KERNELS_PER_LAYER_TARGET}", r["kernels_per_layer"], "kernels",
                       r["kernels_per_layer"] <= KERNELS_PER_LAYER_TARGET) for r in rows]

@@ -46,3 +46,23 @@ def test_kv_targets_compare_graph_steps_at_one_batch_and_tokens_per_second_at_th
     big = kv_targets([row("qwen2.5-32b", "nvfp4", 16, 60.0), row("qwen2.5-32b", "nvfp4+fp8kv", 32, 66.0)])
     assert [(t["measured"], t["met"]) for t in big] == [(round(32 / 66 / (16 / 60), 3), True)]
     assert kv_targets([row("qwen2.5-32b", "nvfp4", 16, 60.0)]) == []
+
+
+def test_a_run_rewrites_its_partial_file_after_every_row(tmp_path, monkeypatch):
+    import json
+
+    import qerl_lab.decode_profile as profile
+
+    def fake(shape, label, batch, context, steps):
+        return {"shape": shape, "format": label, "batch": batch, "context": context, "graph_step_ms": 2.0,
+                "kernels_per_step": 40, "kernels_per_layer": 9, "gpu_busy_ms_per_step": 1.0, "eager_step_ms": 3.0,
+                "kinds": [], "python_top": []}
+
+    seen = []
+    monkeypatch.setattr(profile, "profile_format", lambda *a: seen.append(
+        len(json.loads((tmp_path / "p.json").read_text())["results"]) if (tmp_path / "p.json").exists() else 0) or fake(*a))
+    monkeypatch.setattr(profile.torch.cuda, "empty_cache", lambda: None)
+    out = profile.run("qwen2.5-7b", ["nvfp4", "nvfp4+int8kv@64"], [8, 16], 512, 2, partial=tmp_path / "p.json")
+    assert seen == [0, 1, 2]  # nvfp4 at 8, nvfp4+int8kv at 64 (once), nvfp4 at 16; each saw the rows before it
+    assert [(r["format"], r["batch"]) for r in out["results"]] == [("nvfp4", 8), ("nvfp4+int8kv", 64), ("nvfp4", 16)]
+    assert len(json.loads((tmp_path / "p.json").read_text())["results"]) == 3
