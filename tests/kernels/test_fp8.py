@@ -144,6 +144,25 @@ def test_recipe_key():
         EngineSection(activations="fp16")
 
 
+def test_an_engine_id_names_a_rollout_setting_only_when_it_is_not_the_default():
+    """Engines built before activations / kv_cache existed keep their ids; fp8 and int8 get their own."""
+    from qerl_pipe.jobs.step_plan import EngineBudget
+    from qerl_pipe.kernels.base_formats import FORMATS
+    from qerl_pipe.recipe import Recipe
+    from qerl_pipe.stages.build_engine import _Base, _engine_key
+
+    base = _Base(Path("."), {}, {"model": "m"}, [])
+
+    def key(**engine):
+        recipe = Recipe.model_validate({"engine": engine})
+        return _engine_key(recipe, base, FORMATS["nvfp4"], torch.device("cpu"), EngineBudget(1, None, None))
+
+    assert "kv_cache" not in key()["engine"] and "activations" not in key()["engine"]
+    assert key(kv_cache="int8")["engine"]["kv_cache"] == "int8"
+    assert key(kv_cache="fp8")["engine"]["kv_cache"] == "fp8" and key(activations="fp8")["engine"]["activations"] == "fp8"
+    assert key(kv_cache="int8") != key(kv_cache="fp8")
+
+
 def test_tis_cap_defaults_to_2_with_fp8_rollouts_unless_the_recipe_sets_it():
     assert train_config(TrainSection()).loss.tis_cap is None
     assert train_config(TrainSection(), fp8=True).loss.tis_cap == FP8_TIS_CAP == 2.0
