@@ -33,20 +33,22 @@ CONFIGS = {"bf16": ((SPLIT, BLOCK_N, False), (256, BLOCK_N, False), (512, BLOCK_
 FP8_OVER_BF16_TARGET = 0.6
 
 
+def random_codes(shape: Sequence[int], codes: torch.dtype, gen: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """Random E4M3 or INT8 codes over most of their range (a normal at CODE_MAX / 7, clamped)."""
+    top = CODE_MAX[codes]
+    return (torch.randn(shape, generator=gen, device=device) * top / 7).round().clamp(-top, top).to(codes)
+
+
 def _caches(layers: int, b: int, hkv: int, length: int, d: int, kv: str, gen: torch.Generator) -> list[tuple]:
     out = []
     for _ in range(layers):
-        k = torch.randn(b, hkv, length, d, device="cuda", generator=gen)
-        v = torch.randn(b, hkv, length, d, device="cuda", generator=gen)
         if kv in KV_CODES:
-            codes, top = KV_CODES[kv], CODE_MAX[KV_CODES[kv]]
-            ks = torch.rand(b, hkv, length, device="cuda", generator=gen) * 0.01 + 0.001
-            vs = torch.rand(b, hkv, length, device="cuda", generator=gen) * 0.01 + 0.001
-            out.append(((k * top / 7).round().clamp(-top, top).to(codes), (v * top / 7).round().clamp(-top, top).to(codes),
-                        ks, vs))
+            k, v = (random_codes((b, hkv, length, d), KV_CODES[kv], gen, "cuda") for _ in range(2))
+            ks, vs = (torch.rand(b, hkv, length, device="cuda", generator=gen) * 0.01 + 0.001 for _ in range(2))
+            out.append((k, v, ks, vs))
         else:
-            out.append((k.bfloat16(), v.bfloat16(), None, None))
-        del k, v
+            out.append(tuple(torch.randn(b, hkv, length, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+                       + (None, None))
     return out
 
 

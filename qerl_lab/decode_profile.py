@@ -46,7 +46,8 @@ from qerl_pipe.kernels.tuning import time_graph
 from qerl_pipe.engine.fp8 import Fp8Linears
 from qerl_pipe.kernels.fp8 import CODE_MAX
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming
-from qerl_lab.rollout import KV_TARGETS, PLAN_SLOT_TARGETS, parse_label
+from qerl_lab.attention import random_codes
+from qerl_lab.rollout import kv_targets as kv_rows_targets, parse_label
 from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
@@ -88,7 +89,7 @@ def _fill(cache: Any, gen: torch.Generator) -> None:
     for stored in (cache.k, cache.v):
         for layer in stored:  # one layer at a time: no fp32 copy of the whole cache
             if layer.dtype in CODE_MAX:
-                layer.copy_((torch.randn(layer.shape, generator=gen, device=layer.device) * top / 7).round().clamp(-top, top))
+                layer.copy_(random_codes(layer.shape, layer.dtype, gen, layer.device))
             else:
                 layer.normal_(generator=gen)
     for scales in (cache.k_scale, cache.v_scale):
@@ -172,24 +173,11 @@ def _result(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def kv_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 50's rows from graph-replayed decode steps (no prefill): the FP8 cache's step over the
-    bf16 cache's at one batch, and tokens per step-second at the plan's slots of each cache (a
-    wave's decode, its prefill left out: labelled as such)."""
-    def row(label: str, batch: int) -> dict[str, Any] | None:
-        return next((r for r in rows if r["format"] == label and r["batch"] == batch and r["graph_step_ms"]), None)
-
-    out = []
-    for (shape, batch, label, base_label), most in KV_TARGETS.items():
-        mine, base = row(label, batch), row(base_label, batch)
-        if rows[0]["shape"] == shape and mine and base:
-            ratio = mine["graph_step_ms"] / base["graph_step_ms"]
-            out.append(target(f"{shape} batch {batch}, context {mine['context']}: {label} decode step over {base_label}'s"
-                              " (graph replay)", f"<= {most}x", round(ratio, 3), "x", ratio <= most))
-    for (shape, label, batch, base_label, base_batch), least in PLAN_SLOT_TARGETS.items():
-        mine, base = row(label, batch), row(base_label, base_batch)
-        if rows[0]["shape"] == shape and mine and base:
-            ratio = (batch / mine["graph_step_ms"]) / (base_batch / base["graph_step_ms"])
-            out.append(target(f"{shape}, context {mine['context']}: {label} at its plan's {batch} slots over {base_label} at "
-                              f"{base_batch}, decode tokens/s (graph-replayed steps, prefill left out)",
-                              f">= {least}x", round(ratio, 3), "x", ratio >= least))
-    return out
+    """Issue 50's targets from graph-replayed decode steps (no prefill): decode tokens/s at each
+    cache's plan slots leave the wave's prefill out, and the names say so."""
+    return kv_rows_targets(lambda shape, label, batch: next((r for r in rows if (r["shape"], r["format"], r["batch"]) == (
+                               shape, label, batch) and r["graph_step_ms"]), None),
+                           lambda r: r["graph_step_ms"], lambda r: r["batch"] / r["graph_step_ms"],
+                           lambda r: f"context {r['context']}",
+                           (" (graph replay)", f", context {rows[0]['context']}",
+                            ", decode tokens/s (graph-replayed steps, prefill left out)"))
