@@ -59,15 +59,15 @@ def _code_scale(amax, INV_MAX: tl.constexpr):  # as `fp8.row_codes`: times 1 / C
 
 
 @triton.jit
-def _stored(x, scale_ptr, CODED: tl.constexpr, INT8: tl.constexpr):
+def _stored(x, scale_ptr, CODED: tl.constexpr, CODE_T: tl.constexpr):
     """A new k or v row [1, D] as the cache stores it (CODED: `fp8.row_codes`, E4M3 or INT8, the
     scale written to `scale_ptr`) and as attention reads it back (dequantized)."""
     stored, read = x, x  # Triton returns only from the function's own body: one return, at its end
     if CODED:
         x32 = x.to(tl.float32)
-        row_scale = _code_scale(tl.max(tl.abs(x32), 1), INV_INT8_MAX if INT8 else INV_FP8_MAX)
+        row_scale = _code_scale(tl.max(tl.abs(x32), 1), INV_INT8_MAX if CODE_T == tl.int8 else INV_FP8_MAX)
         v = tl.math.div_rn(x32, row_scale[:, None])
-        if INT8:
+        if CODE_T == tl.int8:
             codes = tl.minimum(tl.maximum(tl.floor(v + 0.5), -127.0), 127.0).to(tl.int8)
         else:
             codes = v.to(tl.float8e4nv)
@@ -88,7 +88,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
              sks_b, sks_h, svs_b, svs_h, Hq, S, scale, window, cap,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
              BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr,
-             INT8: tl.constexpr, F16_DOTS: tl.constexpr, USE_PDL: tl.constexpr):
+             F16_DOTS: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
     dtype = q_ptr.dtype.element_ty  # the model dtype (a coded cache is read back into it)
@@ -156,8 +156,8 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         one = tl.arange(0, 1)
         k_new = _rope_rows(k_ptr + b * sk_b, h + one, sk_h, one < 1, c, sn, offs_d, ROT, ROT // 2).to(dtype)
         v_new = tl.load(v_ptr + b * sv_b + h * sv_h + offs_d[None, :] + one[:, None] * 0).to(dtype)
-        k_code, k_new = _stored(k_new, ks + pos, CODED, INT8)  # later steps read what the cache holds
-        v_code, v_new = _stored(v_new, vs + pos, CODED, INT8)
+        k_code, k_new = _stored(k_new, ks + pos, CODED, kc_ptr.dtype.element_ty)  # as later steps read it
+        v_code, v_new = _stored(v_new, vs + pos, CODED, vc_ptr.dtype.element_ty)
         tl.store(kc + pos * skc_t + offs_d[None, :] + one[:, None] * 0, k_code.to(kc_ptr.dtype.element_ty))
         tl.store(vc + pos * svc_t + offs_d[None, :] + one[:, None] * 0, v_code.to(vc_ptr.dtype.element_ty))
         score = _soft_cap(tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale, cap, CAPPED)
@@ -226,7 +226,7 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=split, BLOCK=block,
         CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CODED=coded,
-        INT8=k_cache.dtype == torch.int8, F16_DOTS=bool(f16_dots and coded and q.dtype != torch.float32), num_warps=4,
+        F16_DOTS=bool(f16_dots and coded and q.dtype != torch.float32), num_warps=4,
         **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
