@@ -13,22 +13,34 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
 from qerl_lab.results import results_file, target
 from qerl_pipe.kernels.fp8 import CODE_MAX, KV_CODES
-from qerl_pipe.kernels.triton_decode import BLOCK_N, SPLIT, launch_decode_attention
+from qerl_pipe.kernels.triton_decode import Tiles, default_tiles, launch_decode_attention
 from qerl_pipe.kernels.tuning import time_graph, weight_copies
 from qerl_pipe.model.shapes import SHAPES
 
-# (split, block, fp16 dots) per cache format, the kernel's default first; a coded tile of 128
-# positions is the bytes of a bf16 one of 64; fp16 dots apply to a coded cache only.
-CONFIGS = {"bf16": ((SPLIT, BLOCK_N, False), (256, BLOCK_N, False), (512, BLOCK_N, False)),
-           "fp8": ((SPLIT, BLOCK_N, True), (SPLIT, BLOCK_N, False), (256, BLOCK_N, False), (256, BLOCK_N, True),
-                   (512, BLOCK_N, True), (256, 128, True), (512, 128, True)),
-           "int8": ((SPLIT, BLOCK_N, True), (256, BLOCK_N, True), (512, 128, True))}
+# Tiles per cache format after the default one (`default_tiles`, measured first); `--sweep` adds
+# warps, pipeline stages, swapped dots and INT8 codes by exponent bits (a coded tile of 128
+# positions is the bytes of a bf16 one of 64).
+_WIDE = Tiles(split=512, block=128)
+CONFIGS = {"bf16": (Tiles(split=512),),
+           "fp8": (_WIDE, Tiles(split=512, f16_dots=False)),
+           "int8": (_WIDE, replace(_WIDE, magic=True))}
+SWEEP = {"bf16": (Tiles(split=512), Tiles(split=1024), Tiles(split=512, warps=8), Tiles(split=512, block=128, warps=8),
+                  Tiles(split=512, stages=2), Tiles(split=512, stages=4), Tiles(split=512, swap=True),
+                  Tiles(split=512, block=128, swap=True)),
+         "fp8": (_WIDE, Tiles(split=512, f16_dots=False), Tiles(split=1024, block=128), replace(_WIDE, warps=8),
+                 Tiles(split=512, block=256, warps=8), replace(_WIDE, stages=2), replace(_WIDE, stages=4),
+                 replace(_WIDE, swap=True), replace(_WIDE, swap=True, warps=8), Tiles(split=512, swap=True)),
+         "int8": (_WIDE, replace(_WIDE, magic=True), Tiles(split=1024, block=128, magic=True),
+                  replace(_WIDE, warps=8, magic=True), replace(_WIDE, stages=2, magic=True),
+                  replace(_WIDE, stages=4, magic=True), replace(_WIDE, swap=True), replace(_WIDE, swap=True, magic=True),
+                  replace(_WIDE, swap=True, warps=8, magic=True))}
 # The kernel-level aim behind issue 50's decode-step target (<= 0.85x the step at batch 256, 4k context).
 FP8_OVER_BF16_TARGET = 0.6
 
@@ -52,11 +64,11 @@ def _caches(layers: int, b: int, hkv: int, length: int, d: int, kv: str, gen: to
     return out
 
 
-def measure(shape: str, b: int, context: int, kv: str, configs: Sequence[tuple[int, int, bool]]) -> list[dict[str, Any]]:
+def measure(shape: str, b: int, context: int, kv: str, configs: Sequence[Tiles]) -> list[dict[str, Any]]:
     cfg = SHAPES[shape]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim", cfg["hidden_size"] // hq)
-    widest = max(c[0] for c in configs)
+    widest = max(c.split for c in configs)
     length = -(-(context + 1) // widest) * widest  # the cache every split divides
     coded = kv in KV_CODES
     per_layer = b * hkv * context * d * 2 * (1 if coded else 2) + (b * hkv * context * 8 if coded else 0)
@@ -70,15 +82,15 @@ def measure(shape: str, b: int, context: int, kv: str, configs: Sequence[tuple[i
     sin = torch.rand(b, d, device="cuda", generator=gen).bfloat16()
     positions = torch.full((b,), context, device="cuda")
     rows, reference = [], None
-    for split, block, f16 in configs:
-        def call(c: tuple, split: int = split, block: int = block, f16: bool = f16) -> torch.Tensor:
+    for tiles in configs:
+        def call(c: tuple, tiles: Tiles = tiles) -> torch.Tensor:
             return launch_decode_attention(q, k, v, cos, sin, c[0], c[1], positions, d ** -0.5, k_scale=c[2],
-                                           v_scale=c[3], split=split, block=block, f16_dots=f16)
+                                           v_scale=c[3], tiles=tiles)
         out = call(caches[0]).float()
         reference = out if reference is None else reference
         seconds = time_graph([lambda c=c: call(c) for c in caches], reps=30)
         rows.append({"shape": shape, "batch": b, "context": context, "kv_cache": kv,
-                     "split": split, "block": block, "f16_dots": f16, "us_per_layer": round(seconds * 1e6, 2),
+                     **asdict(tiles), "us_per_layer": round(seconds * 1e6, 2),
                      "cache_gbps": round(per_layer / seconds / 1e9, 1),
                      "max_diff_vs_default": float((out - reference).abs().max())})
     del caches
@@ -86,30 +98,36 @@ def measure(shape: str, b: int, context: int, kv: str, configs: Sequence[tuple[i
     return rows
 
 
-def run(shapes: Sequence[str], batches: Sequence[int], context: int) -> dict[str, Any]:
+def _describe(r: dict[str, Any]) -> str:
+    flags = [name for name in ("swap", "magic") if r[name]] + ([] if r["f16_dots"] or r["kv_cache"] not in KV_CODES
+                                                                else ["bf16 dots"])
+    return f"split {r['split']} block {r['block']} w{r['warps']} s{r['stages']}" + "".join(f" {f}" for f in flags)
+
+
+def run(shapes: Sequence[str], batches: Sequence[int], context: int, sweep: bool = False) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     targets = []
     for shape in shapes:
+        cfg = SHAPES[shape]
+        d = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         for b in batches:
-            for kv, configs in CONFIGS.items():
-                rows += measure(shape, b, context, kv, configs)
-            base = next(r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] not in KV_CODES
-                        and (r["split"], r["block"], r["f16_dots"]) == CONFIGS["bf16"][0])
-            for r in rows:
-                if r["shape"] == shape and r["batch"] == b:
-                    r["over_bf16_default"] = round(r["us_per_layer"] / base["us_per_layer"], 3)
-                    print(f"{shape} b{b} ctx {context} {r['kv_cache']:4} split {r['split']:3} block {r['block']:3}: "
-                          f"{r['us_per_layer']:8.1f} us/layer, {r['cache_gbps']:6.0f} GB/s, "
-                          f"{r['over_bf16_default']:.3f}x, diff {r['max_diff_vs_default']:.2e}",
-                          file=sys.stderr, flush=True)
-            for kv in ("fp8", "int8"):
-                mine = [r for r in rows if r["shape"] == shape and r["batch"] == b and r["kv_cache"] == kv]
-                best = min(mine, key=lambda r: r["us_per_layer"])
-                default = next(r for r in mine if (r["split"], r["block"], r["f16_dots"]) == CONFIGS[kv][0])
-                for label, r in (("default", default), (f"best (split {best['split']}, block {best['block']}, "
-                                                         f"fp16 dots {best['f16_dots']})", best)):
-                    targets.append(target(f"{shape} batch {b}, context {context}: {kv} KV attention, {label}, over bf16",
-                                          f"<= {FP8_OVER_BF16_TARGET}x", r["over_bf16_default"], "x",
-                                          r["over_bf16_default"] <= FP8_OVER_BF16_TARGET))
+            mine: dict[str, list[dict[str, Any]]] = {}
+            for kv, configs in (SWEEP if sweep else CONFIGS).items():
+                default = default_tiles(d, 2, kv in KV_CODES)
+                mine[kv] = measure(shape, b, context, kv, (default, *(c for c in configs if c != default)))
+                mine[kv][0]["default"] = True
+            base = mine["bf16"][0]
+            for r in (r for kv_rows in mine.values() for r in kv_rows):
+                r["over_bf16_default"] = round(r["us_per_layer"] / base["us_per_layer"], 3)
+                print(f"{shape} b{b} ctx {context} {r['kv_cache']:4} {_describe(r):38}: {r['us_per_layer']:8.1f} us/layer, "
+                      f"{r['cache_gbps']:6.0f} GB/s, {r['over_bf16_default']:.3f}x, diff {r['max_diff_vs_default']:.2e}",
+                      file=sys.stderr, flush=True)
+                rows.append(r)
+            for kv in KV_CODES:
+                best = min(mine[kv], key=lambda r: r["us_per_layer"])
+                for label, r in (("default", mine[kv][0]), (f"best ({_describe(best)})", best)):
+                    targets.append(target(f"{shape} batch {b}, context {context}: {kv} KV attention, {label}, "
+                                          "over bf16's default", f"<= {FP8_OVER_BF16_TARGET}x", r["over_bf16_default"],
+                                          "x", r["over_bf16_default"] <= FP8_OVER_BF16_TARGET))
     return results_file(rows, targets, torch=torch.__version__,
                         protocol="one layer's attention (partials + merge) per call, CUDA graph over L2-cold caches, median of 30 replays")

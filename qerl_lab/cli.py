@@ -105,8 +105,9 @@ def bench_fp8_rows(out: OutOpt = None) -> None:
 def bench_attention(out: OutOpt = None,
                     shapes: Annotated[list[str], typer.Option("--shapes", help="Model shapes (comma-separated or repeated): their head counts and head size.")] = ["qwen2.5-7b,qwen2.5-32b"],
                     batches: Annotated[list[str], typer.Option(help="Sequences decoded together.")] = ["1,64,256"],
-                    context: Annotated[int, typer.Option(help="Cache positions each sequence has already.")] = 3712) -> None:
-    """The decode attention kernel, bf16 vs FP8 KV cache, per split and block (needs a CUDA GPU)."""
+                    context: Annotated[int, typer.Option(help="Cache positions each sequence has already.")] = 3712,
+                    sweep: Annotated[bool, typer.Option(help="Also warps, pipeline stages, swapped dots, INT8 by exponent bits.")] = False) -> None:
+    """The decode attention kernel, bf16 vs coded KV caches, per tiling (needs a CUDA GPU)."""
     import torch
 
     from qerl_lab.attention import run
@@ -117,7 +118,7 @@ def bench_attention(out: OutOpt = None,
         raise QerlError(f"--shapes takes {', '.join(sorted(SHAPES))}; got {', '.join(chosen)}")
     if not torch.cuda.is_available():
         raise QerlError("bench attention times CUDA kernels and needs a CUDA GPU; none is visible here")
-    emit(run(chosen, values(batches, int), context), out)
+    emit(run(chosen, values(batches, int), context, sweep), out)
 
 
 @bench_app.command("rollout")

@@ -7,6 +7,7 @@ kernel reads what the running step wrote only after `wait_previous`. See docs/ke
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,9 +21,30 @@ MIN_AMAX: tl.constexpr = tl.constexpr(_MIN_AMAX)
 INV_FP8_MAX: tl.constexpr = tl.constexpr(1.0 / _FP8_MAX)
 INV_INT8_MAX: tl.constexpr = tl.constexpr(1.0 / 127.0)
 
-SPLIT = 128  # cache positions per program
 FULL_WINDOW = 1 << 30  # the window of a layer with full attention: wider than any cache
-BLOCK_N = 64  # positions per inner step (a tl.dot tile)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How `_partial` walks a cache: `split` positions per program (one per format, never per
+    batch: a row's result depends on that row alone), `block` per inner step (a power of two from
+    16 dividing split), Triton's warps and pipeline stages, `swap` (the dots as K.q^T and V^T.p^T:
+    the cache tile is the 128-row side), `f16_dots` (a coded cache's dots in fp16, q scaled into
+    range, else in the model dtype), `magic` (INT8 codes to fp16 by exponent bits, not cvt)."""
+    split: int = 128
+    block: int = 64
+    warps: int = 4
+    stages: int = 3
+    swap: bool = False
+    f16_dots: bool = True
+    magic: bool = False
+
+
+def default_tiles(head_dim: int, elem_size: int, coded: bool) -> Tiles:
+    """The tiles the engine runs (docs/kernels.md gives the measurements behind them)."""
+    # fp32 k/v tiles of head_dim 256 at 64 positions need 276 KB of shared memory, above
+    # Hopper's 227 KB: half the positions per inner step.
+    return Tiles(block=32 if head_dim * elem_size > 512 else 64)
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
@@ -77,9 +99,15 @@ def _stored(x, scale_ptr, CODED: tl.constexpr, CODE_T: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr):
+def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr, MAGIC: tl.constexpr):
     """Cache rows [BLOCK, D] at offs_n in the compute dtype (codes exactly: `_partial` scales them)."""
-    return tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(dtype)
+    raw = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    out = raw.to(dtype)
+    if MAGIC and ptr.dtype.element_ty == tl.int8 and dtype == tl.float16:
+        # fp16 bits 0x6400 | (x + 128) are 1152 + x exactly (ulp 1 in [1024, 2048)): no cvt per code.
+        bits = (raw.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
+        out = bits.to(tl.float16, bitcast=True) - 1152.0
+    return out
 
 
 @triton.jit
@@ -88,7 +116,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
              sks_b, sks_h, svs_b, svs_h, Hq, S, scale, window, cap,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
              BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr,
-             F16_DOTS: tl.constexpr, USE_PDL: tl.constexpr):
+             F16_DOTS: tl.constexpr, SWAP: tl.constexpr, MAGIC: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
     dtype = q_ptr.dtype.element_ty  # the model dtype (a coded cache is read back into it)
@@ -129,8 +157,11 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
-        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t)
-        scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
+        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t, MAGIC)
+        if SWAP:
+            scores = tl.trans(tl.dot(keys, tl.trans(q_dot), input_precision=PRECISION)) * scale
+        else:
+            scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
         if F16_DOTS:
             scores = scores * q_amax[:, None]
         if CODED:  # q . (codes x scale) = (q . codes) x scale
@@ -140,7 +171,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t)
+        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t, MAGIC)
         v_max = 1.0
         if CODED:  # p @ (codes x scale) = (p x scale) @ codes; in fp16 over the block's largest scale
             v_scale = tl.load(vs + offs_n, mask=n_ok, other=0.0)
@@ -148,7 +179,11 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
                 v_max = tl.maximum(tl.max(v_scale, 0), MIN_AMAX)
                 v_scale = v_scale / v_max
             p = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), vals, input_precision=PRECISION) * v_max
+        if SWAP:
+            pv = tl.trans(tl.dot(tl.trans(vals), tl.trans(p.to(dot_t)), input_precision=PRECISION))
+        else:
+            pv = tl.dot(p.to(dot_t), vals, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv * v_max
         m_i = m_new
 
     if (pos >= lo) & (pos < lo + SPLIT_LEN):
@@ -194,26 +229,22 @@ def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, USE_PDL: tl.const
 
 def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                             v_cache: Tensor, positions: Tensor, scale: float, window: int = 0, softcap: float = 0.0,
-                            k_scale: Tensor | None = None, v_scale: Tensor | None = None, split: int = SPLIT,
-                            block: int | None = None, f16_dots: bool = True) -> Tensor:
+                            k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                            tiles: Tiles | None = None) -> Tensor:
     """The two Triton kernels (any device Triton runs on, the interpreter too); a coded cache (E4M3,
-    INT8) comes with its scales [B, Hkv, L] (contiguous in L). `split`: positions per program;
-    `block`: per inner step (a power of two from 16 dividing split); `f16_dots`: a coded cache's dots
-    in fp16 (q scaled into range), else in the model dtype; `bench attention` measures each."""
+    INT8) comes with its scales [B, Hkv, L] (contiguous in L). `tiles`: `default_tiles` unless
+    given (`bench attention` measures others)."""
     b, hq, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("decode_attention needs q, k, v, cos and sin contiguous in their last dimension")
-    splits = triton.cdiv(length, split)
+    coded = k_scale is not None
+    tiles = tiles or default_tiles(d, q.element_size(), coded)
+    splits = triton.cdiv(length, tiles.split)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     g = hq // hkv
-    # fp32 k/v tiles of head_dim 256 (Gemma) at 64 positions need 276 KB of shared memory, above
-    # Hopper's 227 KB: half the positions per inner step (SPLIT stays a multiple of it).
-    if block is None:
-        block = BLOCK_N // 2 if d * q.element_size() > 512 else BLOCK_N
-    coded = k_scale is not None
     if coded and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1):
         raise ValueError("a coded cache's scales must be contiguous in their position dimension")
     ks, vs = (k_scale, v_scale) if coded else (m, m)  # unread in the model dtype
@@ -224,10 +255,10 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=split, BLOCK=block,
-        CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CODED=coded,
-        F16_DOTS=bool(f16_dots and coded and q.dtype != torch.float32), num_warps=4,
-        **pdl_options(q.device))
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=tiles.split,
+        BLOCK=tiles.block, CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CODED=coded, F16_DOTS=bool(tiles.f16_dots and coded and q.dtype != torch.float32), SWAP=tiles.swap,
+        MAGIC=tiles.magic, num_warps=tiles.warps, num_stages=tiles.stages, **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
     return out

@@ -128,14 +128,15 @@ def test_fp8_greedy_agrees_with_bf16_activations(tiny_qwen2, base, every_row_fp8
 
 
 @pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.int8])
-@pytest.mark.parametrize(("d", "window", "softcap", "split", "block", "f16"),
-                         [(128, 0, 0.0, 128, None, False), (64, 40, 0.0, 128, None, False),
-                          (256, 0, 30.0, 128, None, False), (128, 40, 0.0, 256, 128, True),
-                          (128, 0, 0.0, 512, 64, True), (256, 0, 30.0, 128, None, True), (64, 40, 0.0, 256, 64, True)])
-def test_coded_kv_attention_kernel_matches_its_reference(d, window, softcap, split, block, f16, codes):
+@pytest.mark.parametrize(("d", "window", "softcap", "tiles"),
+                         [(128, 0, 0.0, None), (64, 40, 0.0, None), (256, 0, 30.0, None),
+                          (128, 40, 0.0, dict(split=256, block=128, f16_dots=False)),
+                          (128, 0, 0.0, dict(split=512, swap=True, magic=True)), (256, 0, 30.0, dict(swap=True)),
+                          (64, 40, 0.0, dict(split=256, block=32, warps=8, stages=2, magic=True))])
+def test_coded_kv_attention_kernel_matches_its_reference(d, window, softcap, tiles, codes):
     from qerl_pipe.kernels.decode_ops import decode_attention_reference
     from qerl_pipe.kernels.fp8 import row_codes
-    from qerl_pipe.kernels.triton_decode import launch_decode_attention
+    from qerl_pipe.kernels.triton_decode import Tiles, launch_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(d + window)
     b, hq, hkv, length = 3, 8, 2, 300
@@ -148,7 +149,7 @@ def test_coded_kv_attention_kernel_matches_its_reference(d, window, softcap, spl
     v8, vs = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"), codes)
     caches = [(k8.clone(), v8.clone(), ks[..., 0].clone(), vs[..., 0].clone()) for _ in range(2)]
     got = launch_decode_attention(q, k, v, cos, sin, caches[0][0], caches[0][1], positions, d ** -0.5, window,
-                                  softcap, caches[0][2], caches[0][3], split=split, block=block, f16_dots=f16)
+                                  softcap, caches[0][2], caches[0][3], tiles=tiles and Tiles(**tiles))
     ref = decode_attention_reference(q, k, v, cos, sin, caches[1][0], caches[1][1], positions, d ** -0.5, window,
                                      softcap, caches[1][2], caches[1][3])
     # The same dequantized keys and values (rounded to bf16 for the kernel's dot products).
