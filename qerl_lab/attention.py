@@ -25,22 +25,19 @@ from qerl_pipe.kernels.tuning import time_graph, weight_copies
 from qerl_pipe.model.shapes import SHAPES
 
 # Tiles per cache format after the default one (`default_tiles`, measured first); `--sweep` adds
-# warps, pipeline stages, swapped dots and INT8 codes by exponent bits (a coded tile of 128
-# positions is the bytes of a bf16 one of 64).
+# splits, warps, pipeline stages and the byte-wise code reads (pairs off).
 _WIDE = Tiles(split=512, block=128)
-CONFIGS = {"bf16": (Tiles(split=512),),
-           "fp8": (_WIDE, Tiles(split=512, f16_dots=False)),
-           "int8": (_WIDE, replace(_WIDE, magic=True))}
-SWEEP = {"bf16": (Tiles(split=512), Tiles(split=1024), Tiles(split=512, warps=8), Tiles(split=512, block=128, warps=8),
-                  Tiles(split=512, stages=2), Tiles(split=512, stages=4), Tiles(split=512, swap=True),
-                  Tiles(split=512, block=128, swap=True)),
-         "fp8": (_WIDE, Tiles(split=512, f16_dots=False), Tiles(split=1024, block=128), replace(_WIDE, warps=8),
-                 Tiles(split=512, block=256, warps=8), replace(_WIDE, stages=2), replace(_WIDE, stages=4),
-                 replace(_WIDE, swap=True), replace(_WIDE, swap=True, warps=8), Tiles(split=512, swap=True)),
-         "int8": (_WIDE, replace(_WIDE, magic=True), Tiles(split=1024, block=128, magic=True),
-                  replace(_WIDE, warps=8, magic=True), replace(_WIDE, stages=2, magic=True),
-                  replace(_WIDE, stages=4, magic=True), replace(_WIDE, swap=True), replace(_WIDE, swap=True, magic=True),
-                  replace(_WIDE, swap=True, warps=8, magic=True))}
+CONFIGS = {"bf16": (Tiles(),),
+           "fp8": (Tiles(), _WIDE),
+           "int8": (Tiles(), _WIDE)}
+_PAIRS = replace(_WIDE, pairs_k=True, pairs_v=True)
+_CODED_SWEEP = (Tiles(), _WIDE, replace(_WIDE, pairs_k=True), _PAIRS, replace(_PAIRS, split=1024),
+                replace(_PAIRS, split=256), replace(_PAIRS, block=64), replace(_PAIRS, stages=2),
+                replace(_PAIRS, stages=4), replace(_PAIRS, warps=8))
+SWEEP = {"bf16": (Tiles(), Tiles(split=512), Tiles(split=1024), Tiles(split=256), Tiles(split=512, stages=2),
+                  Tiles(split=512, warps=8, block=128)),
+         "fp8": _CODED_SWEEP,
+         "int8": _CODED_SWEEP}
 # The kernel-level aim behind issue 50's decode-step target (<= 0.85x the step at batch 256, 4k context).
 FP8_OVER_BF16_TARGET = 0.6
 
@@ -99,8 +96,7 @@ def measure(shape: str, b: int, context: int, kv: str, configs: Sequence[Tiles])
 
 
 def _describe(r: dict[str, Any]) -> str:
-    flags = [name for name in ("swap", "magic") if r[name]] + ([] if r["f16_dots"] or r["kv_cache"] not in KV_CODES
-                                                                else ["bf16 dots"])
+    flags = [name for name in ("pairs_k", "pairs_v") if r[name]]
     return f"split {r['split']} block {r['block']} w{r['warps']} s{r['stages']}" + "".join(f" {f}" for f in flags)
 
 

@@ -28,23 +28,23 @@ FULL_WINDOW = 1 << 30  # the window of a layer with full attention: wider than a
 class Tiles:
     """How `_partial` walks a cache: `split` positions per program (one per format, never per
     batch: a row's result depends on that row alone), `block` per inner step (a power of two from
-    16 dividing split), Triton's warps and pipeline stages, `swap` (the dots as K.q^T and V^T.p^T:
-    the cache tile is the 128-row side), `f16_dots` (a coded cache's dots in fp16, q scaled into
-    range, else in the model dtype), `magic` (INT8 codes to fp16 by exponent bits, not cvt)."""
+    16 dividing split), Triton's warps and pipeline stages; for a coded cache, `pairs_k` /
+    `pairs_v`: read keys / values as int16 pairs of codes, split into fp16 by bit moves."""
     split: int = 128
     block: int = 64
     warps: int = 4
     stages: int = 3
-    swap: bool = False
-    f16_dots: bool = True
-    magic: bool = False
+    pairs_k: bool = False
+    pairs_v: bool = False
 
 
 def default_tiles(head_dim: int, elem_size: int, coded: bool) -> Tiles:
     """The tiles the engine runs (docs/kernels.md gives the measurements behind them)."""
+    if coded:  # a code tile of 128 positions is the bytes of a bf16 one of 64
+        return Tiles(split=512, block=128 if head_dim <= 128 else 64, pairs_k=True, pairs_v=True)
     # fp32 k/v tiles of head_dim 256 at 64 positions need 276 KB of shared memory, above
     # Hopper's 227 KB: half the positions per inner step.
-    return Tiles(block=32 if head_dim * elem_size > 512 else 64)
+    return Tiles(split=512, block=32 if head_dim * elem_size > 512 else 64)
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
@@ -99,14 +99,30 @@ def _stored(x, scale_ptr, CODED: tl.constexpr, CODE_T: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr, MAGIC: tl.constexpr):
-    """Cache rows [BLOCK, D] at offs_n in the compute dtype (codes exactly: `_partial` scales them)."""
-    raw = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    out = raw.to(dtype)
-    if MAGIC and ptr.dtype.element_ty == tl.int8 and dtype == tl.float16:
-        # fp16 bits 0x6400 | (x + 128) are 1152 + x exactly (ulp 1 in [1024, 2048)): no cvt per code.
-        bits = (raw.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
-        out = bits.to(tl.float16, bitcast=True) - 1152.0
+def _byte_f16(byte, CODE_T: tl.constexpr):
+    """Code bytes (0..255, int16) as fp16, exactly, by bit moves: INT8 x as (1152 + x) - 1152 (fp16
+    bits 0x6400 | (x + 128)); E4M3 s.eeee.mmm moved into fp16's fields, times 2^8 (the biases' gap)."""
+    if CODE_T == tl.int8:
+        out = ((byte ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+    else:
+        out = (((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
+    return out
+
+
+@triton.jit
+def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+             PAIRS: tl.constexpr):
+    """Cache rows [BLOCK, D] at offs_n in the compute dtype (codes exactly: `_partial` scales them).
+    PAIRS: codes read as int16 pairs and split in registers (Triton 3.6 reads a code tile that
+    feeds a dot transposed from shared memory one byte per load)."""
+    if PAIRS:
+        half = tl.arange(0, D // 2)
+        w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + offs_n[:, None] * (stride_t // 2) + half[None, :],
+                    mask=n_ok[:, None], other=0)
+        code_t = ptr.dtype.element_ty
+        out = tl.reshape(tl.join(_byte_f16(w & 0xFF, code_t), _byte_f16((w >> 8) & 0xFF, code_t)), (BLOCK, D))
+    else:
+        out = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(dtype)
     return out
 
 
@@ -116,7 +132,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
              sks_b, sks_h, svs_b, svs_h, Hq, S, scale, window, cap,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
              BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr,
-             F16_DOTS: tl.constexpr, SWAP: tl.constexpr, MAGIC: tl.constexpr, USE_PDL: tl.constexpr):
+             F16_DOTS: tl.constexpr, PAIRS_K: tl.constexpr, PAIRS_V: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
     dtype = q_ptr.dtype.element_ty  # the model dtype (a coded cache is read back into it)
@@ -130,7 +146,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     sn = tl.load(sin_ptr + b * s_cos + offs_d, mask=rotates, other=0.0).to(tl.float32)
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
     q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, ROT, ROT // 2).to(dtype)
-    # F16_DOTS (a coded cache): codes convert to fp16 exactly; q over its row amax fits fp16's range.
+    # F16_DOTS (a coded cache, bf16 / fp16 model): codes are exact in fp16; q over its row amax fits its range.
     dot_t = tl.float16 if F16_DOTS else dtype
     q_amax = tl.full((GP,), 1.0, tl.float32)
     q_dot = q
@@ -157,11 +173,8 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
-        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t, MAGIC)
-        if SWAP:
-            scores = tl.trans(tl.dot(keys, tl.trans(q_dot), input_precision=PRECISION)) * scale
-        else:
-            scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
+        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t, D, BLOCK, PAIRS_K and F16_DOTS)
+        scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
         if F16_DOTS:
             scores = scores * q_amax[:, None]
         if CODED:  # q . (codes x scale) = (q . codes) x scale
@@ -171,7 +184,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t, MAGIC)
+        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t, D, BLOCK, PAIRS_V and F16_DOTS)
         v_max = 1.0
         if CODED:  # p @ (codes x scale) = (p x scale) @ codes; in fp16 over the block's largest scale
             v_scale = tl.load(vs + offs_n, mask=n_ok, other=0.0)
@@ -179,11 +192,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
                 v_max = tl.maximum(tl.max(v_scale, 0), MIN_AMAX)
                 v_scale = v_scale / v_max
             p = p * v_scale[None, :]
-        if SWAP:
-            pv = tl.trans(tl.dot(tl.trans(vals), tl.trans(p.to(dot_t)), input_precision=PRECISION))
-        else:
-            pv = tl.dot(p.to(dot_t), vals, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv * v_max
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), vals, input_precision=PRECISION) * v_max
         m_i = m_new
 
     if (pos >= lo) & (pos < lo + SPLIT_LEN):
@@ -257,8 +266,8 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=tiles.split,
         BLOCK=tiles.block, CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        CODED=coded, F16_DOTS=bool(tiles.f16_dots and coded and q.dtype != torch.float32), SWAP=tiles.swap,
-        MAGIC=tiles.magic, num_warps=tiles.warps, num_stages=tiles.stages, **pdl_options(q.device))
+        CODED=coded, F16_DOTS=coded and q.dtype != torch.float32, PAIRS_K=tiles.pairs_k, PAIRS_V=tiles.pairs_v,
+        num_warps=tiles.warps, num_stages=tiles.stages, **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
     return out

@@ -307,6 +307,37 @@ def _int8_kv(seed: int, dtype: torch.dtype) -> dict:
                                     and torch.allclose(caches[0][3], caches[1][3], rtol=1e-6, atol=0))}
 
 
+def _run_byte_f16_case() -> dict:
+    """`_byte_f16` (codes to fp16 by bit moves) over all 256 bytes of both formats, against torch's conversion."""
+    global tl, triton_decode  # a kernel's names resolve in its module's globals
+    import triton
+    import triton.language as tl
+
+    from qerl_pipe.kernels import triton_decode
+
+    @triton.jit
+    def bytes_f16(src, dst, INT8: tl.constexpr):
+        offs = tl.arange(0, 256)
+        tl.store(dst + offs, triton_decode._byte_f16(tl.load(src + offs), tl.int8 if INT8 else tl.float8e4nv))
+
+    out = {}
+    byte = torch.arange(256, dtype=torch.int16)
+    for name, codes in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        got = torch.empty(256, dtype=torch.float16)
+        bytes_f16[(1,)](byte, got, INT8=codes == torch.int8)
+        want = byte.to(torch.uint8).view(codes).to(torch.float16)
+        finite = ~want.isnan()  # E4M3's two NaN codes
+        out[f"{name}_mismatches"] = int((got[finite] != want[finite]).sum())
+        out[f"{name}_codes"] = int(finite.sum())
+    return out
+
+
+def test_codes_convert_to_fp16_exactly_by_bit_moves(results: dict[str, dict]) -> None:
+    r = results["byte-f16"]
+    assert "error" not in r, r.get("error")
+    assert r == {"int8_mismatches": 0, "int8_codes": 256, "fp8_mismatches": 0, "fp8_codes": 254}, r
+
+
 def test_int8_kv_attention_matches_its_reference(results: dict[str, dict]) -> None:
     r = results["int8kv"]
     assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
@@ -430,4 +461,8 @@ if __name__ == "__main__":
         out["int8kv"] = {"seed": seed, **_run_int8_kv_case(seed)}
     except Exception as e:  # noqa: BLE001
         out["int8kv"] = {"seed": seed, "error": repr(e)}
+    try:
+        out["byte-f16"] = _run_byte_f16_case()
+    except Exception as e:  # noqa: BLE001
+        out["byte-f16"] = {"error": repr(e)}
     print(json.dumps(out))
