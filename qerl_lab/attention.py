@@ -32,8 +32,8 @@ CONFIGS = {"bf16": (Tiles(),),
            "int8": (Tiles(), _WIDE)}
 _PAIRS = replace(_WIDE, pairs_k=True, pairs_v=True)
 _CODED_SWEEP = (Tiles(), _WIDE, replace(_WIDE, pairs_k=True), _PAIRS, replace(_PAIRS, split=1024),
-                replace(_PAIRS, split=256), replace(_PAIRS, block=64), replace(_PAIRS, stages=2),
-                replace(_PAIRS, stages=4), replace(_PAIRS, warps=8))
+                replace(_PAIRS, split=256), replace(_PAIRS, block=64), replace(_PAIRS, stages=1),
+                replace(_PAIRS, stages=2), replace(_PAIRS, stages=4), replace(_PAIRS, warps=8))
 SWEEP = {"bf16": (Tiles(), Tiles(split=512), Tiles(split=1024), Tiles(split=256), Tiles(split=512, stages=2),
                   Tiles(split=512, warps=8, block=128)),
          "fp8": _CODED_SWEEP,
