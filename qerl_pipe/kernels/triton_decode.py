@@ -26,25 +26,20 @@ FULL_WINDOW = 1 << 30  # the window of a layer with full attention: wider than a
 
 @dataclass(frozen=True)
 class Tiles:
-    """How `_partial` walks a cache: `split` positions per program (one per format, never per
-    batch: a row's result depends on that row alone), `block` per inner step (a power of two from
-    16 dividing split), Triton's warps and pipeline stages; for a coded cache, `pairs_k` /
-    `pairs_v`: read keys / values as int16 pairs of codes, split into fp16 by bit moves."""
-    split: int = 128
+    """How `_partial` walks a cache: `split` positions per program (fixed per format, never per
+    batch: a row's result depends on that row alone), `block` per inner step (a power of two from 16
+    dividing split); `pairs`: a coded cache read as int16 pairs of codes, split into fp16 by bit moves."""
+    split: int = 512
     block: int = 64
-    warps: int = 4
-    stages: int = 3
-    pairs_k: bool = False
-    pairs_v: bool = False
+    pairs: bool = False
 
 
 def default_tiles(head_dim: int, elem_size: int, coded: bool) -> Tiles:
-    """The tiles the engine runs (docs/kernels.md gives the measurements behind them)."""
+    """The engine's tiles (docs/kernels.md has the figures). fp32 tiles of head_dim 256 at 64
+    positions would need 276 KB of shared memory, above Hopper's 227 KB: half the positions."""
     if coded:  # a code tile of 128 positions is the bytes of a bf16 one of 64
-        return Tiles(split=512, block=128 if head_dim <= 128 else 64, pairs_k=True, pairs_v=True)
-    # fp32 k/v tiles of head_dim 256 at 64 positions need 276 KB of shared memory, above
-    # Hopper's 227 KB: half the positions per inner step.
-    return Tiles(split=512, block=32 if head_dim * elem_size > 512 else 64)
+        return Tiles(block=128 if head_dim <= 128 else 64, pairs=True)
+    return Tiles(block=32 if head_dim * elem_size > 512 else 64)
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
@@ -132,7 +127,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
              sks_b, sks_h, svs_b, svs_h, Hq, S, scale, window, cap,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
              BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr,
-             F16_DOTS: tl.constexpr, PAIRS_K: tl.constexpr, PAIRS_V: tl.constexpr, USE_PDL: tl.constexpr):
+             F16_DOTS: tl.constexpr, PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
     dtype = q_ptr.dtype.element_ty  # the model dtype (a coded cache is read back into it)
@@ -159,10 +154,8 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     acc = tl.zeros((GP, D), tl.float32)
     lo = s * SPLIT_LEN
     hi = tl.minimum(lo + SPLIT_LEN, pos)  # cached positions before the new token
-    # The sliding window hides positions <= pos - window (`window` is 2**30 for full attention):
-    # blocks wholly before `first` are skipped, the edge one masked, and a split with no visible
-    # position runs no block (its zeros weigh nothing in the merge). Every block that runs holds a
-    # visible position, so its max score is finite.
+    # A window hides positions <= pos - window: blocks wholly before `first` are skipped, the edge
+    # one masked; a split with no visible position runs no block (its zeros weigh nothing in the merge).
     first = tl.maximum(pos - window + 1, 0)
     lo_w = tl.maximum(lo, first)
     hi_w = tl.where(lo_w < hi, hi, lo)
@@ -173,7 +166,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
-        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t, D, BLOCK, PAIRS_K and F16_DOTS)
+        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t, D, BLOCK, PAIRS and F16_DOTS)
         scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
         if F16_DOTS:
             scores = scores * q_amax[:, None]
@@ -184,7 +177,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t, D, BLOCK, PAIRS_V and F16_DOTS)
+        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t, D, BLOCK, PAIRS and F16_DOTS)
         v_max = 1.0
         if CODED:  # p @ (codes x scale) = (p x scale) @ codes; in fp16 over the block's largest scale
             v_scale = tl.load(vs + offs_n, mask=n_ok, other=0.0)
@@ -266,8 +259,8 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=tiles.split,
         BLOCK=tiles.block, CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        CODED=coded, F16_DOTS=coded and q.dtype != torch.float32, PAIRS_K=tiles.pairs_k, PAIRS_V=tiles.pairs_v,
-        num_warps=tiles.warps, num_stages=tiles.stages, **pdl_options(q.device))
+        CODED=coded, F16_DOTS=coded and q.dtype != torch.float32, PAIRS=tiles.pairs, num_warps=4,
+        **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
     return out
@@ -277,11 +270,8 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
 def _add_rms_norm(x_ptr, r_ptr, w_ptr, z_ptr, out_ptr, h_ptr, a_ptr, u_ptr, q_ptr, s_ptr, H, R, sx, sr, so, sh, sa, su,
                   sq, eps, offset, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
                   BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
-    # Program (row, 0) writes the row's normed values (and h); program (row, j > 0) computes u's
-    # columns [(j - 1) * BLOCK_R, j * BLOCK_R) = normed_row . A[those rows]^T from the same values
-    # (the same code gives the same 1 / rms bit for bit, and each normed element is rounded to the
-    # output dtype before the product, as a matmul on `out` would see it). The whole row and the
-    # A rows are loaded at once: a loop over K chunks waited out one load latency per chunk.
+    # Program (row, 0) writes the normed row (and h); (row, j > 0) u's columns [(j - 1) * BLOCK_R,
+    # j * BLOCK_R) from the same rounded values (the same 1 / rms bit for bit); loads in one go.
     row, j = tl.program_id(0), tl.program_id(1)
     launch_dependents(USE_PDL)
     offs = tl.arange(0, BLOCK)
@@ -354,11 +344,8 @@ def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, nois
 def _lora_shrink(x_ptr, a_ptr, part_ptr, ticket_ptr, u_ptr, rows, H, R, sx, sa, su,
                  KB: tl.constexpr, MP: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr,
                  USE_PDL: tl.constexpr):
-    # Program s multiplies columns [s * KB, (s + 1) * KB) of every row by the same columns of A and
-    # parks the [rows, R] partial sums: A, the largest operand, is read once per launch, spread
-    # over all programs. The last program to take a ticket adds the partials in program order and
-    # writes u, then re-arms the ticket for the next launch (one fixed order: u is the same bits
-    # whatever the timing, and a row's u depends on that row only).
+    # Program s parks the [rows, R] partials of columns [s * KB, (s + 1) * KB) (A read once); the last
+    # to take the ticket adds them in program order, writes u and re-arms the ticket.
     s = tl.program_id(0)
     launch_dependents(USE_PDL)
     offs_m = tl.arange(0, MP)
