@@ -13,24 +13,24 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from qerl_lab.results import results_file, target
 from qerl_pipe.kernels.fp8 import CODE_MAX, KV_CODES
-from qerl_pipe.kernels.triton_decode import Tiles, default_tiles, launch_decode_attention
+from qerl_pipe.kernels.triton_decode import CODED_SPLIT, SPLIT, launch_decode_attention
 from qerl_pipe.kernels.tuning import time_graph, weight_copies
 from qerl_pipe.model.shapes import SHAPES
 
-# Tiles per cache format after the default one (`default_tiles`, measured first); `--sweep` adds
-# splits and blocks. A coded cache's rows come byte-wise and as int16 pairs (`Tiles.pairs`).
-CONFIGS = {"bf16": (Tiles(),), "fp8": (Tiles(block=128),), "int8": (Tiles(block=128),)}
-_CODED_SWEEP = (Tiles(block=128), Tiles(split=128), Tiles(split=1024, block=128),
-                Tiles(split=1024, block=128, pairs=True), Tiles(split=256, block=128, pairs=True),
-                Tiles(block=64, pairs=True))
-SWEEP = {"bf16": (Tiles(split=128), Tiles(split=256), Tiles(split=1024)), "fp8": _CODED_SWEEP, "int8": _CODED_SWEEP}
+# Tilings (split, block, pairs) per cache format, the kernel's default first (None: its rule);
+# `--sweep` adds more splits and blocks. A coded cache's codes come byte-wise and as int16 pairs.
+CODED = ((None, None, False), (None, None, True))
+CONFIGS = {"bf16": ((None, None, False), (512, None, False)), "fp8": CODED, "int8": CODED}
+CODED_SWEEP = (*CODED, (SPLIT, 64, False), (1024, None, False), (1024, None, True), (256, None, True),
+               (CODED_SPLIT, 64, True))
+SWEEP = {"bf16": ((None, None, False), (256, None, False), (512, None, False), (1024, None, False)),
+         "fp8": CODED_SWEEP, "int8": CODED_SWEEP}
 # The kernel-level aim behind issue 50's decode-step target (<= 0.85x the step at batch 256, 4k context).
 FP8_OVER_BF16_TARGET = 0.6
 
@@ -54,11 +54,12 @@ def _caches(layers: int, b: int, hkv: int, length: int, d: int, kv: str, gen: to
     return out
 
 
-def measure(shape: str, b: int, context: int, kv: str, configs: Sequence[Tiles]) -> list[dict[str, Any]]:
+def measure(shape: str, b: int, context: int, kv: str,
+            configs: Sequence[tuple[int | None, int | None, bool]]) -> list[dict[str, Any]]:
     cfg = SHAPES[shape]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim", cfg["hidden_size"] // hq)
-    widest = max(c.split for c in configs)
+    widest = max(c[0] or CODED_SPLIT for c in configs)
     length = -(-(context + 1) // widest) * widest  # the cache every split divides
     coded = kv in KV_CODES
     per_layer = b * hkv * context * d * 2 * (1 if coded else 2) + (b * hkv * context * 8 if coded else 0)
@@ -72,15 +73,16 @@ def measure(shape: str, b: int, context: int, kv: str, configs: Sequence[Tiles])
     sin = torch.rand(b, d, device="cuda", generator=gen).bfloat16()
     positions = torch.full((b,), context, device="cuda")
     rows, reference = [], None
-    for tiles in configs:
-        def call(c: tuple, tiles: Tiles = tiles) -> torch.Tensor:
+    for split, block, pairs in configs:
+        def call(c: tuple, split: int | None = split, block: int | None = block, pairs: bool = pairs) -> torch.Tensor:
             return launch_decode_attention(q, k, v, cos, sin, c[0], c[1], positions, d ** -0.5, k_scale=c[2],
-                                           v_scale=c[3], tiles=tiles)
+                                           v_scale=c[3], split=split, block=block, pairs=pairs)
         out = call(caches[0]).float()
         reference = out if reference is None else reference
         seconds = time_graph([lambda c=c: call(c) for c in caches], reps=30)
         rows.append({"shape": shape, "batch": b, "context": context, "kv_cache": kv,
-                     **asdict(tiles), "us_per_layer": round(seconds * 1e6, 2),
+                     "split": split or (CODED_SPLIT if coded else SPLIT), "block": block or "default", "pairs": pairs,
+                     "us_per_layer": round(seconds * 1e6, 2),
                      "cache_gbps": round(per_layer / seconds / 1e9, 1),
                      "max_diff_vs_default": float((out - reference).abs().max())})
     del caches
@@ -96,18 +98,15 @@ def run(shapes: Sequence[str], batches: Sequence[int], context: int, sweep: bool
     rows: list[dict[str, Any]] = []
     targets = []
     for shape in shapes:
-        cfg = SHAPES[shape]
-        d = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         for b in batches:
             mine: dict[str, list[dict[str, Any]]] = {}
             for kv, configs in (SWEEP if sweep else CONFIGS).items():
-                default = default_tiles(d, 2, kv in KV_CODES)
-                mine[kv] = measure(shape, b, context, kv, (default, *(c for c in configs if c != default)))
+                mine[kv] = measure(shape, b, context, kv, configs)
                 mine[kv][0]["default"] = True
             base = mine["bf16"][0]
             for r in (r for kv_rows in mine.values() for r in kv_rows):
                 r["over_bf16_default"] = round(r["us_per_layer"] / base["us_per_layer"], 3)
-                print(f"{shape} b{b} ctx {context} {r['kv_cache']:4} {_describe(r):38}: {r['us_per_layer']:8.1f} us/layer, "
+                print(f"{shape} b{b} ctx {context} {r['kv_cache']:4} {_describe(r):30}: {r['us_per_layer']:8.1f} us/layer, "
                       f"{r['cache_gbps']:6.0f} GB/s, {r['over_bf16_default']:.3f}x, diff {r['max_diff_vs_default']:.2e}",
                       file=sys.stderr, flush=True)
                 rows.append(r)

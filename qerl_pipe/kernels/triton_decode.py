@@ -1,13 +1,10 @@
-"""Triton kernels of the decode step (`decode_ops` has what they compute and the references).
-
-A row's results depend on that row alone (fixed splits, merged in a fixed order); under PDL a
-kernel reads what the running step wrote only after `wait_previous`. See docs/kernels.md, section
-"The decode step's kernels"."""
+"""Triton kernels of the decode step (`decode_ops`: what they compute, the references). A row's results
+depend on that row alone; under PDL a kernel reads what the running step wrote only after
+`wait_previous`. docs/kernels.md, "The decode step's kernels"."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -21,25 +18,8 @@ MIN_AMAX: tl.constexpr = tl.constexpr(_MIN_AMAX)
 INV_FP8_MAX: tl.constexpr = tl.constexpr(1.0 / _FP8_MAX)
 INV_INT8_MAX: tl.constexpr = tl.constexpr(1.0 / 127.0)
 
+SPLIT, CODED_SPLIT = 128, 512  # cache positions per program (bf16, coded): fixed, never per batch
 FULL_WINDOW = 1 << 30  # the window of a layer with full attention: wider than any cache
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """How `_partial` walks a cache: `split` positions per program (fixed per format, never per
-    batch: a row's result depends on that row alone), `block` per inner step (a power of two from 16
-    dividing split); `pairs`: a coded cache read as int16 pairs of codes, split into fp16 by bit moves."""
-    split: int = 512
-    block: int = 64
-    pairs: bool = False
-
-
-def default_tiles(head_dim: int, elem_size: int, coded: bool) -> Tiles:
-    """The engine's tiles (docs/kernels.md has the figures). fp32 tiles of head_dim 256 at 64
-    positions would need 276 KB of shared memory, above Hopper's 227 KB: half the positions."""
-    if coded:  # a code tile of 128 positions is the bytes of a bf16 one of 64
-        return Tiles(block=128 if head_dim <= 128 else 64, pairs=True)
-    return Tiles(block=32 if head_dim * elem_size > 512 else 64)
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
@@ -84,10 +64,9 @@ def _stored(x, scale_ptr, CODED: tl.constexpr, CODE_T: tl.constexpr):
         x32 = x.to(tl.float32)
         row_scale = _code_scale(tl.max(tl.abs(x32), 1), INV_INT8_MAX if CODE_T == tl.int8 else INV_FP8_MAX)
         v = tl.math.div_rn(x32, row_scale[:, None])
+        codes = v.to(tl.float8e4nv)  # (unused, so compiled away, for INT8)
         if CODE_T == tl.int8:
             codes = tl.minimum(tl.maximum(tl.floor(v + 0.5), -127.0), 127.0).to(tl.int8)
-        else:
-            codes = v.to(tl.float8e4nv)
         tl.store(scale_ptr + tl.arange(0, 1), row_scale)
         stored, read = codes, (codes.to(tl.float32) * row_scale[:, None]).to(x.dtype)
     return stored, read
@@ -95,27 +74,22 @@ def _stored(x, scale_ptr, CODED: tl.constexpr, CODE_T: tl.constexpr):
 
 @triton.jit
 def _byte_f16(byte, CODE_T: tl.constexpr):
-    """Code bytes (0..255, int16) as fp16, exactly, by bit moves: INT8 x as (1152 + x) - 1152 (fp16
-    bits 0x6400 | (x + 128)); E4M3 s.eeee.mmm moved into fp16's fields, times 2^8 (the biases' gap)."""
+    """Code bytes (0..255, int16) as fp16, exactly, by bit moves (docs/kernels.md, decode attention)."""
+    out = (((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
     if CODE_T == tl.int8:
         out = ((byte ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
-    else:
-        out = (((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
     return out
 
 
 @triton.jit
-def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-             PAIRS: tl.constexpr):
-    """Cache rows [BLOCK, D] at offs_n in the compute dtype (codes exactly: `_partial` scales them).
-    PAIRS: codes read as int16 pairs and split in registers (Triton 3.6 reads a code tile that
-    feeds a dot transposed from shared memory one byte per load)."""
+def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+    """Cache rows [BLOCK, D] in the compute dtype (codes exactly: `_partial` scales them); PAIRS: codes
+    read as int16 pairs, split in registers (Triton 3.6 reads a transposed code tile byte by byte)."""
     if PAIRS:
-        half = tl.arange(0, D // 2)
-        w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + offs_n[:, None] * (stride_t // 2) + half[None, :],
-                    mask=n_ok[:, None], other=0)
+        w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + offs_n[:, None] * (stride_t // 2)
+                    + tl.arange(0, offs_d.shape[0] // 2)[None, :], mask=n_ok[:, None], other=0)
         code_t = ptr.dtype.element_ty
-        out = tl.reshape(tl.join(_byte_f16(w & 0xFF, code_t), _byte_f16((w >> 8) & 0xFF, code_t)), (BLOCK, D))
+        out = tl.reshape(tl.join(_byte_f16(w & 0xFF, code_t), _byte_f16((w >> 8) & 0xFF, code_t)), (BLOCK, offs_d.shape[0]))
     else:
         out = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(dtype)
     return out
@@ -166,7 +140,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
-        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t, D, BLOCK, PAIRS and F16_DOTS)
+        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t, BLOCK, PAIRS and F16_DOTS)
         scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
         if F16_DOTS:
             scores = scores * q_amax[:, None]
@@ -177,7 +151,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t, D, BLOCK, PAIRS and F16_DOTS)
+        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t, BLOCK, PAIRS and F16_DOTS)
         v_max = 1.0
         if CODED:  # p @ (codes x scale) = (p x scale) @ codes; in fp16 over the block's largest scale
             v_scale = tl.load(vs + offs_n, mask=n_ok, other=0.0)
@@ -231,18 +205,19 @@ def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, USE_PDL: tl.const
 
 def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                             v_cache: Tensor, positions: Tensor, scale: float, window: int = 0, softcap: float = 0.0,
-                            k_scale: Tensor | None = None, v_scale: Tensor | None = None,
-                            tiles: Tiles | None = None) -> Tensor:
-    """The two Triton kernels (any device Triton runs on, the interpreter too); a coded cache (E4M3,
-    INT8) comes with its scales [B, Hkv, L] (contiguous in L). `tiles`: `default_tiles` unless
-    given (`bench attention` measures others)."""
+                            k_scale: Tensor | None = None, v_scale: Tensor | None = None, split: int | None = None,
+                            block: int | None = None, pairs: bool = False) -> Tensor:
+    """The two Triton kernels (the interpreter too); a coded cache comes with its scales [B, Hkv, L]
+    (contiguous in L). `split` / `block`: positions per program / inner step; `pairs`: codes as int16 pairs."""
     b, hq, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("decode_attention needs q, k, v, cos and sin contiguous in their last dimension")
     coded = k_scale is not None
-    tiles = tiles or default_tiles(d, q.element_size(), coded)
-    splits = triton.cdiv(length, tiles.split)
+    # A code tile of 128 is the bytes of a bf16 one of 64; fp32 ones of head_dim 256 at 64 need 276 KB of smem.
+    block = block or ((128 if d <= 128 else 64) if coded else 32 if d * q.element_size() > 512 else 64)
+    split = split or (CODED_SPLIT if coded else SPLIT)
+    splits = triton.cdiv(length, split)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -257,9 +232,9 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=tiles.split,
-        BLOCK=tiles.block, CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        CODED=coded, F16_DOTS=coded and q.dtype != torch.float32, PAIRS=tiles.pairs, num_warps=4,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=split,
+        BLOCK=block, CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CODED=coded, F16_DOTS=coded and q.dtype != torch.float32, PAIRS=pairs, num_warps=4,
         **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))
@@ -312,9 +287,8 @@ SHRINK_TILE = 16384  # elements of A per shrink program (BLOCK_R rows of the pad
 def launch_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
                         shrink: Tensor | None = None, offset: float = 0.0,
                         quantize: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Fp8Rows | None]:
-    """The Triton kernel (any device Triton runs on, the interpreter included); x [rows, H],
-    shrink (a LoRA A, [R, H]) or None; `quantize`: the normed rows' E4M3 codes too. Each row's
-    results depend on that row alone."""
+    """The Triton kernel (the interpreter too); x [rows, H], shrink (a LoRA A, [R, H]) or None;
+    `quantize`: the normed rows' E4M3 codes too. Each row's results depend on that row alone."""
     rows, hidden = x.shape
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("add_rms_norm needs rows contiguous in their last dimension")
@@ -380,8 +354,7 @@ SHRINK_COLUMNS = 256  # columns of x (and of A) per program
 
 @functools.lru_cache(maxsize=None)
 def _ticket(device: torch.device) -> Tensor:
-    """One int32 per device that every shrink launch leaves at zero (created by an eager call,
-    before any CUDA graph is captured: the engine warms the step up first)."""
+    """One int32 per device that every shrink launch leaves at zero (made eagerly before graph capture)."""
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 

@@ -129,14 +129,13 @@ def test_fp8_greedy_agrees_with_bf16_activations(tiny_qwen2, base, every_row_fp8
 
 @pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize(("d", "window", "softcap", "tiles"),
-                         [(128, 0, 0.0, None), (64, 40, 0.0, None), (256, 0, 30.0, None),
-                          (128, 40, 0.0, dict(split=256, block=128)), (128, 0, 0.0, dict(split=128, pairs=True)),
-                          (256, 0, 30.0, dict(split=1024, block=128, pairs=True)),
+                         [(128, 0, 0.0, {}), (64, 40, 0.0, {}), (256, 0, 30.0, {}), (128, 40, 0.0, dict(split=128, block=64)),
+                          (128, 0, 0.0, dict(split=128, pairs=True)), (256, 0, 30.0, dict(split=1024, block=128, pairs=True)),
                           (64, 40, 0.0, dict(split=256, block=32, pairs=True))])
 def test_coded_kv_attention_kernel_matches_its_reference(d, window, softcap, tiles, codes):
     from qerl_pipe.kernels.decode_ops import decode_attention_reference
     from qerl_pipe.kernels.fp8 import row_codes
-    from qerl_pipe.kernels.triton_decode import Tiles, launch_decode_attention
+    from qerl_pipe.kernels.triton_decode import launch_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(d + window)
     b, hq, hkv, length = 3, 8, 2, 300
@@ -149,7 +148,7 @@ def test_coded_kv_attention_kernel_matches_its_reference(d, window, softcap, til
     v8, vs = row_codes(torch.randn(b, hkv, length, d, generator=gen, device="cuda"), codes)
     caches = [(k8.clone(), v8.clone(), ks[..., 0].clone(), vs[..., 0].clone()) for _ in range(2)]
     got = launch_decode_attention(q, k, v, cos, sin, caches[0][0], caches[0][1], positions, d ** -0.5, window,
-                                  softcap, caches[0][2], caches[0][3], tiles=tiles and Tiles(**tiles))
+                                  softcap, caches[0][2], caches[0][3], **tiles)
     ref = decode_attention_reference(q, k, v, cos, sin, caches[1][0], caches[1][1], positions, d ** -0.5, window,
                                      softcap, caches[1][2], caches[1][3])
     # The same dequantized keys and values (rounded to bf16 for the kernel's dot products).

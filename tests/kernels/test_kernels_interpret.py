@@ -279,9 +279,9 @@ def _run_fp8_case(seed: int) -> dict:
 
 
 def _run_int8_kv_case(seed: int) -> dict:
-    """The INT8 KV path of the attention kernel (fp32 with a rotated new k; bf16 with fp16 dots,
-    unrotated: the interpreter's fp32 -> bf16 conversion does not round to nearest) against its
-    reference: the codes it writes, their scales and the output."""
+    """The INT8 KV path of the attention kernel (fp32 with a rotated new k; bf16 with fp16 dots over
+    codes read as int16 pairs, unrotated: the interpreter's fp32 -> bf16 conversion does not round
+    to nearest) against its reference: the codes it writes, their scales and the output."""
     return {**_int8_kv(seed, torch.float32), **{f"bf16_{k}": v for k, v in _int8_kv(seed, torch.bfloat16).items()}}
 
 
@@ -298,7 +298,7 @@ def _int8_kv(seed: int, dtype: torch.dtype) -> dict:
     v8, vs = fp8.row_codes(torch.randn(b, hkv, length, d, generator=gen), torch.int8)
     caches = [(k8.clone(), v8.clone(), ks[..., 0].clone(), vs[..., 0].clone()) for _ in range(2)]
     got = triton_decode.launch_decode_attention(qq, k, v, cos, sin, *caches[0][:2], positions, d ** -0.5, 0, 0.0,
-                                                *caches[0][2:])
+                                                *caches[0][2:], pairs=dtype != torch.float32)
     ref = decode_ops.decode_attention_reference(qq, k, v, cos, sin, *caches[1][:2], positions, d ** -0.5, 0, 0.0,
                                                 *caches[1][2:])
     codes_differ = sum(int((mine != theirs).sum()) for mine, theirs in zip(caches[0][:2], caches[1][:2]))
