@@ -8,7 +8,11 @@ engine's decode step eagerly under torch.profiler, so the profiler sees every ke
 captured CUDA graph would replay. Per format: kernels per step, per layer ((step - 3) / layers:
 the embedding, the RoPE tables and the LM head are the step's own), GPU busy time per step, and the
 kernel kinds by GPU time with their count per step. The `targets` block holds the lean-step
-target: at most 12 kernels per layer.
+target: at most 12 kernels per layer, and issue 50's coded-cache rows.
+
+A label ending in `:pairs` (`nvfp4+int8kv:pairs`) runs the step with the attention kernel's
+`pairs` option on (a coded cache's codes read as int16 pairs: docs/kernels.md), which the engine
+does not use by default until it measures faster; issue 50's targets are given for those rows too.
 
 Kernels launched with programmatic dependent launch start before the kernel ahead of them has
 finished and wait inside, so their profiled durations overlap and include that wait: the kinds'
@@ -26,10 +30,12 @@ it: dispatch, wrappers).
 from __future__ import annotations
 
 import cProfile
+import functools
 import pstats
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,7 @@ from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph
 from qerl_pipe.engine.fp8 import Fp8Linears
+from qerl_pipe.kernels import triton_decode
 from qerl_pipe.kernels.fp8 import CODE_MAX
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming
 from qerl_lab.attention import random_codes
@@ -52,6 +59,20 @@ from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
 PYTHON_TOP = 25
+PAIRS = ":pairs"  # a label suffix: the attention kernel's `pairs` option on
+
+
+@contextmanager
+def _attention_pairs(on: bool) -> Iterator[None]:
+    """`decode_ops.decode_attention` calls `triton_decode.launch_decode_attention` by name, so
+    replacing that name for the run turns the option on in the step and its captured graph."""
+    original = triton_decode.launch_decode_attention
+    if on:
+        triton_decode.launch_decode_attention = functools.partial(original, pairs=True)
+    try:
+        yield
+    finally:
+        triton_decode.launch_decode_attention = original
 
 
 def _python_top(stats: pstats.Stats, steps: int) -> list[dict[str, Any]]:
@@ -100,7 +121,12 @@ def _fill(cache: Any, gen: torch.Generator) -> None:
 def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
                    lora_rank: int = 32) -> dict[str, Any]:
     """One format label's decode step under the profiler (see the module doc)."""
-    base_format, activations, kv_cache = parse_label(label)
+    with _attention_pairs(label.endswith(PAIRS)):
+        return _profile(shape, label, batch, context, steps, lora_rank)
+
+
+def _profile(shape: str, label: str, batch: int, context: int, steps: int, lora_rank: int) -> dict[str, Any]:
+    base_format, activations, kv_cache = parse_label(label.removesuffix(PAIRS))
     model = init_random_model(SHAPES[shape], base_format=base_format, device="cuda",
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
     fp8 = Fp8Linears(model) if activations == "fp8" else None
@@ -174,10 +200,21 @@ def _result(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def kv_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 50's targets from graph-replayed decode steps (no prefill): decode tokens/s at each
-    cache's plan slots leave the wave's prefill out, and the names say so."""
+    cache's plan slots leave the wave's prefill out, and the names say so. Rows of `:pairs` labels
+    get the same targets, their coded rows standing in for the plain ones (bf16-cache bases kept)."""
+    plain = [r for r in rows if not r["format"].endswith(PAIRS)]
+    paired = [{**r, "format": r["format"].removesuffix(PAIRS)} for r in rows if r["format"].endswith(PAIRS)]
+    out = _kv_targets(plain, "")
+    if paired:
+        bases = [r for r in plain if parse_label(r["format"])[2] == "bf16"]
+        out += _kv_targets(bases + paired, ", codes read as int16 pairs")
+    return out
+
+
+def _kv_targets(rows: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
     return kv_rows_targets(lambda shape, label, batch: next((r for r in rows if (r["shape"], r["format"], r["batch"]) == (
                                shape, label, batch) and r["graph_step_ms"]), None),
                            lambda r: r["graph_step_ms"], lambda r: r["batch"] / r["graph_step_ms"],
                            lambda r: f"context {r['context']}",
-                           (" (graph replay)", f", context {rows[0]['context']}",
-                            ", decode tokens/s (graph-replayed steps, prefill left out)"))
+                           (f" (graph replay{note})", f", context {rows[0]['context']}",
+                            f", decode tokens/s (graph-replayed steps, prefill left out{note})"))
