@@ -51,7 +51,7 @@ from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph
 from qerl_pipe.engine.fp8 import Fp8Linears
 from qerl_pipe.kernels import triton_decode
-from qerl_pipe.kernels.fp8 import CODE_MAX
+from qerl_pipe.kernels.fp8 import CODE_MAX, KV_CODES
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming
 from qerl_lab.attention import random_codes
 from qerl_lab.rollout import kv_targets as kv_rows_targets, parse_label
@@ -206,7 +206,7 @@ def kv_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     paired = [{**r, "format": r["format"].removesuffix(PAIRS)} for r in rows if r["format"].endswith(PAIRS)]
     out = _kv_targets(plain, "")
     if paired:
-        bases = [r for r in plain if parse_label(r["format"])[2] == "bf16"]
+        bases = [r for r in plain if parse_label(r["format"])[2] not in KV_CODES]
         out += _kv_targets(bases + paired, ", codes read as int16 pairs")
     return out
 
