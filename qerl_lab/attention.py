@@ -23,14 +23,13 @@ from qerl_pipe.kernels.triton_decode import CODED_SPLIT, SPLIT, launch_decode_at
 from qerl_pipe.kernels.tuning import time_graph, weight_copies
 from qerl_pipe.model.shapes import SHAPES
 
-# Tilings (split, block, pairs) per cache format, the kernel's default first (None: its rule);
-# `--sweep` adds more splits and blocks. A coded cache's codes come byte-wise and as int16 pairs.
-CODED = ((None, None, False), (None, None, True))
-CONFIGS = {"bf16": ((None, None, False), (512, None, False)), "fp8": CODED, "int8": CODED}
-CODED_SWEEP = (*CODED, (SPLIT, 64, False), (1024, None, False), (1024, None, True), (256, None, True),
-               (CODED_SPLIT, 64, True))
-SWEEP = {"bf16": ((None, None, False), (256, None, False), (512, None, False), (1024, None, False)),
-         "fp8": CODED_SWEEP, "int8": CODED_SWEEP}
+# Launcher options per cache format, the kernel's default first ({}: its rules); `--sweep` adds more.
+# A coded cache's codes come byte-wise, as int16 pairs, or (code_dots) keys straight into a code-typed q.k dot.
+CODED = ({}, {"pairs": True}, {"code_dots": True}, {"code_dots": True, "pairs": True})
+CONFIGS = {"bf16": ({}, {"split": 512}), "fp8": CODED, "int8": CODED}
+CODED_SWEEP = (*CODED, {"split": SPLIT, "block": 64}, {"split": 1024}, {"split": 1024, "pairs": True},
+               {"block": 64, "pairs": True}, {"block": 64, "code_dots": True}, {"split": 1024, "code_dots": True})
+SWEEP = {"bf16": ({}, {"split": 256}, {"split": 512}, {"split": 1024}), "fp8": CODED_SWEEP, "int8": CODED_SWEEP}
 # The kernel-level aim behind issue 50's decode-step target (<= 0.85x the step at batch 256, 4k context).
 FP8_OVER_BF16_TARGET = 0.6
 
@@ -55,11 +54,11 @@ def _caches(layers: int, b: int, hkv: int, length: int, d: int, kv: str, gen: to
 
 
 def measure(shape: str, b: int, context: int, kv: str,
-            configs: Sequence[tuple[int | None, int | None, bool]]) -> list[dict[str, Any]]:
+            configs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     cfg = SHAPES[shape]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim", cfg["hidden_size"] // hq)
-    widest = max(c[0] or CODED_SPLIT for c in configs)
+    widest = max(c.get("split", CODED_SPLIT) for c in configs)
     length = -(-(context + 1) // widest) * widest  # the cache every split divides
     coded = kv in KV_CODES
     per_layer = b * hkv * context * d * 2 * (1 if coded else 2) + (b * hkv * context * 8 if coded else 0)
@@ -73,15 +72,16 @@ def measure(shape: str, b: int, context: int, kv: str,
     sin = torch.rand(b, d, device="cuda", generator=gen).bfloat16()
     positions = torch.full((b,), context, device="cuda")
     rows, reference = [], None
-    for split, block, pairs in configs:
-        def call(c: tuple, split: int | None = split, block: int | None = block, pairs: bool = pairs) -> torch.Tensor:
+    for options in configs:
+        def call(c: tuple, options: dict[str, Any] = options) -> torch.Tensor:
             return launch_decode_attention(q, k, v, cos, sin, c[0], c[1], positions, d ** -0.5, k_scale=c[2],
-                                           v_scale=c[3], split=split, block=block, pairs=pairs)
+                                           v_scale=c[3], **options)
         out = call(caches[0]).float()
         reference = out if reference is None else reference
         seconds = time_graph([lambda c=c: call(c) for c in caches], reps=30)
         rows.append({"shape": shape, "batch": b, "context": context, "kv_cache": kv,
-                     "split": split or (CODED_SPLIT if coded else SPLIT), "block": block or "default", "pairs": pairs,
+                     "split": options.get("split", CODED_SPLIT if coded else SPLIT), "block": options.get("block", "default"),
+                     "pairs": options.get("pairs", False), "code_dots": options.get("code_dots", False),
                      "us_per_layer": round(seconds * 1e6, 2),
                      "cache_gbps": round(per_layer / seconds / 1e9, 1),
                      "max_diff_vs_default": float((out - reference).abs().max())})
@@ -91,7 +91,7 @@ def measure(shape: str, b: int, context: int, kv: str,
 
 
 def _describe(r: dict[str, Any]) -> str:
-    return f"split {r['split']} block {r['block']}" + (" pairs" if r["pairs"] else "")
+    return f"split {r['split']} block {r['block']}" + (" pairs" if r["pairs"] else "") + (" code dots" if r["code_dots"] else "")
 
 
 def run(shapes: Sequence[str], batches: Sequence[int], context: int, sweep: bool = False) -> dict[str, Any]:

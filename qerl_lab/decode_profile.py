@@ -59,16 +59,22 @@ from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
 PYTHON_TOP = 25
-PAIRS = ":pairs"  # a label suffix: the attention kernel's `pairs` option on
+# Label suffixes: the attention kernel's options for the run, and how target names say so.
+VARIANTS = {":pairs": ({"pairs": True}, ", codes read as int16 pairs"),
+            ":dots": ({"code_dots": True}, ", keys into a code-typed q.k dot")}
+
+
+def _variant(label: str) -> str:
+    return next((suffix for suffix in VARIANTS if label.endswith(suffix)), "")
 
 
 @contextmanager
-def _attention_pairs(on: bool) -> Iterator[None]:
+def _attention_options(options: dict[str, bool]) -> Iterator[None]:
     """`decode_ops.decode_attention` calls `triton_decode.launch_decode_attention` by name, so
-    replacing that name for the run turns the option on in the step and its captured graph."""
+    replacing that name for the run turns the options on in the step and its captured graph."""
     original = triton_decode.launch_decode_attention
-    if on:
-        triton_decode.launch_decode_attention = functools.partial(original, pairs=True)
+    if options:
+        triton_decode.launch_decode_attention = functools.partial(original, **options)
     try:
         yield
     finally:
@@ -121,12 +127,12 @@ def _fill(cache: Any, gen: torch.Generator) -> None:
 def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
                    lora_rank: int = 32) -> dict[str, Any]:
     """One format label's decode step under the profiler (see the module doc)."""
-    with _attention_pairs(label.endswith(PAIRS)):
+    with _attention_options(VARIANTS[_variant(label)][0] if _variant(label) else {}):
         return _profile(shape, label, batch, context, steps, lora_rank)
 
 
 def _profile(shape: str, label: str, batch: int, context: int, steps: int, lora_rank: int) -> dict[str, Any]:
-    base_format, activations, kv_cache = parse_label(label.removesuffix(PAIRS))
+    base_format, activations, kv_cache = parse_label(label.removesuffix(_variant(label)))
     model = init_random_model(SHAPES[shape], base_format=base_format, device="cuda",
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
     fp8 = Fp8Linears(model) if activations == "fp8" else None
@@ -200,14 +206,15 @@ def _result(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def kv_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 50's targets from graph-replayed decode steps (no prefill): decode tokens/s at each
-    cache's plan slots leave the wave's prefill out, and the names say so. Rows of `:pairs` labels
-    get the same targets, their coded rows standing in for the plain ones (bf16-cache bases kept)."""
-    plain = [r for r in rows if not r["format"].endswith(PAIRS)]
-    paired = [{**r, "format": r["format"].removesuffix(PAIRS)} for r in rows if r["format"].endswith(PAIRS)]
+    cache's plan slots leave the wave's prefill out, and the names say so. Rows of a variant's labels
+    (`:pairs`, `:dots`) get the same targets, their coded rows standing in for the plain ones (bf16-cache bases kept)."""
+    plain = [r for r in rows if not _variant(r["format"])]
     out = _kv_targets(plain, "")
-    if paired:
-        bases = [r for r in plain if parse_label(r["format"])[2] not in KV_CODES]
-        out += _kv_targets(bases + paired, ", codes read as int16 pairs")
+    bases = [r for r in plain if parse_label(r["format"])[2] not in KV_CODES]
+    for suffix, (_, note) in VARIANTS.items():
+        varied = [{**r, "format": r["format"].removesuffix(suffix)} for r in rows if r["format"].endswith(suffix)]
+        if varied:
+            out += _kv_targets(bases + varied, note)
     return out
 
 

@@ -101,7 +101,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
              sks_b, sks_h, svs_b, svs_h, Hq, S, scale, window, cap,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
              BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr,
-             F16_DOTS: tl.constexpr, PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
+             F16_DOTS: tl.constexpr, PAIRS: tl.constexpr, CODE_DOTS: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
     dtype = q_ptr.dtype.element_ty  # the model dtype (a coded cache is read back into it)
@@ -122,6 +122,13 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     if F16_DOTS:
         q_amax = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), MIN_AMAX)
         q_dot = (q.to(tl.float32) / q_amax[:, None]).to(tl.float16)
+    code_t = kc_ptr.dtype.element_ty
+    key_t = code_t if CODE_DOTS else dot_t
+    if CODE_DOTS:  # q coded as a cache row is (`_stored`): the key codes go to the MMA as stored
+        q_amax = _code_scale(q_amax, INV_INT8_MAX if code_t == tl.int8 else INV_FP8_MAX)
+        q_dot = tl.math.div_rn(q.to(tl.float32), q_amax[:, None]).to(tl.float8e4nv)
+        if code_t == tl.int8:
+            q_dot = tl.minimum(tl.maximum(tl.floor(q.to(tl.float32) / q_amax[:, None] + 0.5), -127.0), 127.0).to(tl.int8)
 
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
@@ -140,8 +147,11 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
-        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, dot_t, BLOCK, PAIRS and F16_DOTS)
-        scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
+        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, key_t, BLOCK, PAIRS and F16_DOTS and not CODE_DOTS)
+        if CODE_DOTS and code_t == tl.int8:
+            scores = tl.dot(q_dot, tl.trans(keys), out_dtype=tl.int32).to(tl.float32) * scale
+        else:
+            scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
         if F16_DOTS:
             scores = scores * q_amax[:, None]
         if CODED:  # q . (codes x scale) = (q . codes) x scale
@@ -206,7 +216,7 @@ def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, USE_PDL: tl.const
 def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                             v_cache: Tensor, positions: Tensor, scale: float, window: int = 0, softcap: float = 0.0,
                             k_scale: Tensor | None = None, v_scale: Tensor | None = None, split: int | None = None,
-                            block: int | None = None, pairs: bool = False) -> Tensor:
+                            block: int | None = None, pairs: bool = False, code_dots: bool = False) -> Tensor:
     """The two Triton kernels (the interpreter too); a coded cache comes with its scales [B, Hkv, L]
     (contiguous in L). `split` / `block`: positions per program / inner step; `pairs`: codes as int16 pairs."""
     b, hq, d = q.shape
@@ -234,7 +244,8 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=split,
         BLOCK=block, CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        CODED=coded, F16_DOTS=coded and q.dtype != torch.float32, PAIRS=pairs, num_warps=4,
+        CODED=coded, F16_DOTS=coded and q.dtype != torch.float32, PAIRS=pairs,
+        CODE_DOTS=code_dots and coded and q.dtype != torch.float32, num_warps=4,
         **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))

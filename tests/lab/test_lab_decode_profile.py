@@ -74,28 +74,30 @@ def test_pairs_rows_get_the_same_targets_against_the_plain_bases():
     def row(label, ms):
         return {"shape": "qwen2.5-7b", "format": label, "batch": 256, "context": 4096, "graph_step_ms": ms}
 
-    targets = kv_targets([row("nvfp4", 30.0), row("nvfp4+fp8kv", 33.0), row("nvfp4+fp8kv:pairs", 24.0)])
-    assert [(t["measured"], t["met"]) for t in targets] == [(1.1, False), (0.8, True)]
+    targets = kv_targets([row("nvfp4", 30.0), row("nvfp4+fp8kv", 33.0), row("nvfp4+fp8kv:pairs", 24.0),
+                          row("nvfp4+fp8kv:dots", 27.0)])
+    assert [(t["measured"], t["met"]) for t in targets] == [(1.1, False), (0.8, True), (0.9, False)]
     assert "int16 pairs" in targets[1]["name"] and "int16 pairs" not in targets[0]["name"]
+    assert "code-typed q.k dot" in targets[2]["name"]
 
 
-def test_the_pairs_option_is_on_for_the_run_only():
+def test_the_attention_options_are_on_for_the_run_only():
     import functools
 
     import pytest
 
-    from qerl_lab.decode_profile import _attention_pairs
+    from qerl_lab.decode_profile import _attention_options
     from qerl_pipe.kernels import decode_ops, triton_decode
 
     # decode_ops looks the launcher up in triton_decode at each call (no module-level copy to miss).
     assert "launch_decode_attention" not in vars(decode_ops)
     original = triton_decode.launch_decode_attention
-    with _attention_pairs(True):
+    with _attention_options({"pairs": True}):
         patched = triton_decode.launch_decode_attention
         assert isinstance(patched, functools.partial) and patched.func is original and patched.keywords == {"pairs": True}
     assert triton_decode.launch_decode_attention is original
-    with pytest.raises(RuntimeError), _attention_pairs(True):
+    with pytest.raises(RuntimeError), _attention_options({"pairs": True}):
         raise RuntimeError("a failed row")
     assert triton_decode.launch_decode_attention is original
-    with _attention_pairs(False):
+    with _attention_options({}):
         assert triton_decode.launch_decode_attention is original
