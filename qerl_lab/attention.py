@@ -1,4 +1,4 @@
-"""The decode attention kernel alone, bf16 against coded (FP8, INT8) KV caches, per split, inner block and dot dtype.
+"""The decode attention kernel alone, bf16 against coded (FP8, INT8) KV caches, per split and inner block.
 
 `qerl-pipe bench attention --shapes qwen2.5-7b,qwen2.5-32b --batches 1,64,256 --context 3712`
 times `kernels.triton_decode.launch_decode_attention` (its two kernels: the split partials and
@@ -23,12 +23,11 @@ from qerl_pipe.kernels.triton_decode import CODED_SPLIT, SPLIT, launch_decode_at
 from qerl_pipe.kernels.tuning import time_graph, weight_copies
 from qerl_pipe.model.shapes import SHAPES
 
-# Launcher options per cache format, the kernel's default first ({}: its rules); `--sweep` adds more.
-# A coded cache's codes come byte-wise, as int16 pairs, or (code_dots) keys straight into a code-typed q.k dot.
-CODED = ({}, {"pairs": True}, {"code_dots": True}, {"code_dots": True, "pairs": True})
+# Launcher options (split, block) per cache format, the kernel's default first ({}: its rules);
+# `--sweep` adds more.
+CODED = ({}, {"block": 64})
 CONFIGS = {"bf16": ({}, {"split": 512}), "fp8": CODED, "int8": CODED}
-CODED_SWEEP = (*CODED, {"split": SPLIT, "block": 64}, {"split": 1024}, {"split": 1024, "pairs": True},
-               {"block": 64, "pairs": True}, {"block": 64, "code_dots": True}, {"split": 1024, "code_dots": True})
+CODED_SWEEP = (*CODED, {"split": SPLIT, "block": 64}, {"split": 256}, {"split": 1024})
 SWEEP = {"bf16": ({}, {"split": 256}, {"split": 512}, {"split": 1024}), "fp8": CODED_SWEEP, "int8": CODED_SWEEP}
 # The kernel-level aim behind issue 50's decode-step target (<= 0.85x the step at batch 256, 4k context).
 FP8_OVER_BF16_TARGET = 0.6
@@ -81,7 +80,6 @@ def measure(shape: str, b: int, context: int, kv: str,
         seconds = time_graph([lambda c=c: call(c) for c in caches], reps=30)
         rows.append({"shape": shape, "batch": b, "context": context, "kv_cache": kv,
                      "split": options.get("split", CODED_SPLIT if coded else SPLIT), "block": options.get("block", "default"),
-                     "pairs": options.get("pairs", False), "code_dots": options.get("code_dots", False),
                      "us_per_layer": round(seconds * 1e6, 2),
                      "cache_gbps": round(per_layer / seconds / 1e9, 1),
                      "max_diff_vs_default": float((out - reference).abs().max())})
@@ -91,7 +89,7 @@ def measure(shape: str, b: int, context: int, kv: str,
 
 
 def _describe(r: dict[str, Any]) -> str:
-    return f"split {r['split']} block {r['block']}" + (" pairs" if r["pairs"] else "") + (" code dots" if r["code_dots"] else "")
+    return f"split {r['split']} block {r['block']}"
 
 
 def run(shapes: Sequence[str], batches: Sequence[int], context: int, sweep: bool = False) -> dict[str, Any]:

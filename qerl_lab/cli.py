@@ -231,11 +231,9 @@ def bench_decode_profile(shape: Annotated[str, typer.Option(help="Model shape: q
     from qerl_lab.rollout import parse_label
 
     chosen = values(formats)
-    labels = [label.split("@")[0].removesuffix(":pairs").removesuffix(":dots") for label in chosen]
-    if shape not in SHAPES or not {parse_label(label)[0] for label in labels} <= set(NAMES):
+    if shape not in SHAPES or not {parse_label(label.split("@")[0])[0] for label in chosen} <= set(NAMES):
         raise QerlError(f"--shape is one of {sorted(SHAPES)} and --formats of {', '.join(NAMES)}, each with "
-                        "+fp8 (FP8 activations) and +fp8kv or +int8kv (a coded KV cache, :pairs for the kernel's "
-                        "int16-pair reads, :dots for its code-typed q.k dot) if wanted")
+                        "+fp8 (FP8 activations) and +fp8kv or +int8kv (a coded KV cache) if wanted")
     if not torch.cuda.is_available():
         raise QerlError("bench decode-profile profiles CUDA kernels and needs a CUDA GPU; none is visible here")
     emit(run(shape, chosen, values(batches, int), context, steps, partial=out), out)

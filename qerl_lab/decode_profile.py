@@ -10,10 +10,6 @@ the embedding, the RoPE tables and the LM head are the step's own), GPU busy tim
 kernel kinds by GPU time with their count per step. The `targets` block holds the lean-step
 target: at most 12 kernels per layer, and issue 50's coded-cache rows.
 
-A label ending in `:pairs` (`nvfp4+int8kv:pairs`) runs the step with the attention kernel's
-`pairs` option on (a coded cache's codes read as int16 pairs: docs/kernels.md), which the engine
-does not use by default until it measures faster; issue 50's targets are given for those rows too.
-
 Kernels launched with programmatic dependent launch start before the kernel ahead of them has
 finished and wait inside, so their profiled durations overlap and include that wait: the kinds'
 times then add up to more than the step takes. `graph_step_ms` is the step's own time, the
@@ -30,12 +26,10 @@ it: dispatch, wrappers).
 from __future__ import annotations
 
 import cProfile
-import functools
 import pstats
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +44,7 @@ from qerl_pipe.engine.decode_step import decode_step
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.tuning import time_graph
 from qerl_pipe.engine.fp8 import Fp8Linears
-from qerl_pipe.kernels import triton_decode
-from qerl_pipe.kernels.fp8 import CODE_MAX, KV_CODES
+from qerl_pipe.kernels.fp8 import CODE_MAX
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming
 from qerl_lab.attention import random_codes
 from qerl_lab.rollout import kv_targets as kv_rows_targets, parse_label
@@ -59,26 +52,6 @@ from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
 PYTHON_TOP = 25
-# Label suffixes: the attention kernel's options for the run, and how target names say so.
-VARIANTS = {":pairs": ({"pairs": True}, ", codes read as int16 pairs"),
-            ":dots": ({"code_dots": True}, ", keys into a code-typed q.k dot")}
-
-
-def _variant(label: str) -> str:
-    return next((suffix for suffix in VARIANTS if label.endswith(suffix)), "")
-
-
-@contextmanager
-def _attention_options(options: dict[str, bool]) -> Iterator[None]:
-    """`decode_ops.decode_attention` calls `triton_decode.launch_decode_attention` by name, so
-    replacing that name for the run turns the options on in the step and its captured graph."""
-    original = triton_decode.launch_decode_attention
-    if options:
-        triton_decode.launch_decode_attention = functools.partial(original, **options)
-    try:
-        yield
-    finally:
-        triton_decode.launch_decode_attention = original
 
 
 def _python_top(stats: pstats.Stats, steps: int) -> list[dict[str, Any]]:
@@ -127,12 +100,7 @@ def _fill(cache: Any, gen: torch.Generator) -> None:
 def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
                    lora_rank: int = 32) -> dict[str, Any]:
     """One format label's decode step under the profiler (see the module doc)."""
-    with _attention_options(VARIANTS[_variant(label)][0] if _variant(label) else {}):
-        return _profile(shape, label, batch, context, steps, lora_rank)
-
-
-def _profile(shape: str, label: str, batch: int, context: int, steps: int, lora_rank: int) -> dict[str, Any]:
-    base_format, activations, kv_cache = parse_label(label.removesuffix(_variant(label)))
+    base_format, activations, kv_cache = parse_label(label)
     model = init_random_model(SHAPES[shape], base_format=base_format, device="cuda",
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
     fp8 = Fp8Linears(model) if activations == "fp8" else None
@@ -206,22 +174,10 @@ def _result(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def kv_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 50's targets from graph-replayed decode steps (no prefill): decode tokens/s at each
-    cache's plan slots leave the wave's prefill out, and the names say so. Rows of a variant's labels
-    (`:pairs`, `:dots`) get the same targets, their coded rows standing in for the plain ones (bf16-cache bases kept)."""
-    plain = [r for r in rows if not _variant(r["format"])]
-    out = _kv_targets(plain, "")
-    bases = [r for r in plain if parse_label(r["format"])[2] not in KV_CODES]
-    for suffix, (_, note) in VARIANTS.items():
-        varied = [{**r, "format": r["format"].removesuffix(suffix)} for r in rows if r["format"].endswith(suffix)]
-        if varied:
-            out += _kv_targets(bases + varied, note)
-    return out
-
-
-def _kv_targets(rows: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    cache's plan slots leave the wave's prefill out, and the names say so."""
     return kv_rows_targets(lambda shape, label, batch: next((r for r in rows if (r["shape"], r["format"], r["batch"]) == (
                                shape, label, batch) and r["graph_step_ms"]), None),
                            lambda r: r["graph_step_ms"], lambda r: r["batch"] / r["graph_step_ms"],
                            lambda r: f"context {r['context']}",
-                           (f" (graph replay{note})", f", context {rows[0]['context']}",
-                            f", decode tokens/s (graph-replayed steps, prefill left out{note})"))
+                           (" (graph replay)", f", context {rows[0]['context']}",
+                            ", decode tokens/s (graph-replayed steps, prefill left out)"))

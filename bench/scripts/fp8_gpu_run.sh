@@ -28,16 +28,16 @@ if [[ "$part" == all || "$part" == act ]]; then
     2> "$out/rollout-fp8-7b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-7b.err"
 fi
 if [[ "$part" == all || "$part" == kv ]]; then
-  # Issue 50: the coded-cache attention tests (codes read byte-wise and as int16 pairs), the kernel
-  # alone per configuration, then the decode-step row: batch 256 at a 4,096-token context, bf16
-  # against the coded caches both ways (graph-replayed steps over filled caches: no prefill).
+  # Issue 50: the coded-cache attention tests, the kernel alone per configuration, then the
+  # decode-step row: batch 256 at a 4,096-token context, bf16 against the coded caches
+  # (graph-replayed steps over filled caches: no prefill).
   python3 -m pytest -q -m gpu tests/kernels/test_fp8_gpu.py -k coded_kv_attention -p no:cacheprovider 2>&1 \
     | tee "$out/gpu-tests-kv-attention.log" | tail -2
   python3 -m qerl_pipe bench attention --shapes qwen2.5-7b,qwen2.5-32b --batches 64,256 --context 3712 \
     --out "$out/attention.json" > /dev/null 2> "$out/attention.err"
   grep -v Warn "$out/attention.err" | tail -40
   python3 -m qerl_pipe bench decode-profile --shape qwen2.5-7b --batch 256 \
-    --formats nvfp4,nvfp4+fp8kv,nvfp4+int8kv,nvfp4+fp8kv:pairs,nvfp4+int8kv:pairs \
+    --formats nvfp4,nvfp4+fp8kv,nvfp4+int8kv \
     --context 4096 --steps 3 --out "$out/decode-kv-7b.json" 2> "$out/decode-kv-7b.err" > /dev/null
   grep -E "graph replay" "$out/decode-kv-7b.err" || tail -3 "$out/decode-kv-7b.err"
 fi
@@ -45,7 +45,7 @@ if [[ "$part" == all || "$part" == kv32 ]]; then
   # Issue 50's 32B row: the slots the 80 GB plan gives each cache (16 bf16, 32 coded) at the mean
   # context of a BigMath wave (1,024 + 8,192 / 2 ~ 5.1k), decode tokens/s from graph-replayed steps.
   python3 -m qerl_pipe bench decode-profile --shape qwen2.5-32b \
-    --formats nvfp4@16,nvfp4+fp8kv@32,nvfp4+int8kv@32,nvfp4+fp8kv:pairs@32,nvfp4+int8kv:pairs@32 \
+    --formats nvfp4@16,nvfp4+fp8kv@32,nvfp4+int8kv@32 \
     --batch 16 --context 5120 --steps 3 --out "$out/decode-kv-32b.json" 2> "$out/decode-kv-32b.err" > /dev/null
   grep -E "graph replay" "$out/decode-kv-32b.err" || tail -3 "$out/decode-kv-32b.err"
 fi

@@ -36,10 +36,11 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin
                                v_scale: Tensor | None = None) -> Tensor:
     """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32. A coded
     cache (`k_scale`, `v_scale` given) stores the new k and v as `row_codes` of each head and
-    attends over the dequantized cache, the new token included."""
+    attends over the dequantized cache, the new token included; over INT8 keys, with q as its row codes."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    q_read = q.float()
     index = positions.view(b, 1, 1, 1).expand(b, hkv, 1, d)
     if k_scale is None:
         k_cache.scatter_(2, index, k[:, :, None])
@@ -52,7 +53,10 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin
             codes.view(torch.uint8).scatter_(2, index, q8[:, :, None].view(torch.uint8))  # no fp8 scatter on CPU
             scales.scatter_(2, token, s8)
         keys, vals = k_cache.float() * k_scale[..., None], v_cache.float() * v_scale[..., None]
-    scores = q.float().view(b, hkv, hq // hkv, d) @ keys.transpose(-1, -2) * scale
+        if k_cache.dtype == torch.int8:  # q meets INT8 keys coded as a cache row (the kernel's INT8 dots)
+            codes, scales = row_codes(q, torch.int8)
+            q_read = codes.float() * scales
+    scores = q_read.view(b, hkv, hq // hkv, d) @ keys.transpose(-1, -2) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     cached = torch.arange(k_cache.shape[2], device=q.device)

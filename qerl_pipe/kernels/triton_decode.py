@@ -56,43 +56,27 @@ def _code_scale(amax, INV_MAX: tl.constexpr):  # as `fp8.row_codes`: times 1 / C
 
 
 @triton.jit
+def _row_codes(x, CODE_T: tl.constexpr):
+    """Rows [R, D] coded as `fp8.row_codes` codes them (E4M3 or INT8), and their scales [R]."""
+    x32 = x.to(tl.float32)
+    row_scale = _code_scale(tl.max(tl.abs(x32), 1), INV_INT8_MAX if CODE_T == tl.int8 else INV_FP8_MAX)
+    v = tl.math.div_rn(x32, row_scale[:, None])
+    codes = v.to(tl.float8e4nv)  # (unused, so compiled away, for INT8)
+    if CODE_T == tl.int8:
+        codes = tl.minimum(tl.maximum(tl.floor(v + 0.5), -127.0), 127.0).to(tl.int8)
+    return codes, row_scale
+
+
+@triton.jit
 def _stored(x, scale_ptr, CODED: tl.constexpr, CODE_T: tl.constexpr):
-    """A new k or v row [1, D] as the cache stores it (CODED: `fp8.row_codes`, E4M3 or INT8, the
-    scale written to `scale_ptr`) and as attention reads it back (dequantized)."""
+    """A new k or v row [1, D] as the cache stores it (CODED: `_row_codes`, the scale written to
+    `scale_ptr`) and as attention reads it back (dequantized)."""
     stored, read = x, x  # Triton returns only from the function's own body: one return, at its end
     if CODED:
-        x32 = x.to(tl.float32)
-        row_scale = _code_scale(tl.max(tl.abs(x32), 1), INV_INT8_MAX if CODE_T == tl.int8 else INV_FP8_MAX)
-        v = tl.math.div_rn(x32, row_scale[:, None])
-        codes = v.to(tl.float8e4nv)  # (unused, so compiled away, for INT8)
-        if CODE_T == tl.int8:
-            codes = tl.minimum(tl.maximum(tl.floor(v + 0.5), -127.0), 127.0).to(tl.int8)
+        codes, row_scale = _row_codes(x, CODE_T)
         tl.store(scale_ptr + tl.arange(0, 1), row_scale)
         stored, read = codes, (codes.to(tl.float32) * row_scale[:, None]).to(x.dtype)
     return stored, read
-
-
-@triton.jit
-def _byte_f16(byte, CODE_T: tl.constexpr):
-    """Code bytes (0..255, int16) as fp16, exactly, by bit moves (docs/kernels.md, decode attention)."""
-    out = (((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
-    if CODE_T == tl.int8:
-        out = ((byte ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
-    return out
-
-
-@triton.jit
-def _load_kv(ptr, offs_n, offs_d, stride_t, n_ok, dtype: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
-    """Cache rows [BLOCK, D] in the compute dtype (codes exactly: `_partial` scales them); PAIRS: codes
-    read as int16 pairs, split in registers (Triton 3.6 reads a transposed code tile byte by byte)."""
-    if PAIRS:
-        w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + offs_n[:, None] * (stride_t // 2)
-                    + tl.arange(0, offs_d.shape[0] // 2)[None, :], mask=n_ok[:, None], other=0)
-        code_t = ptr.dtype.element_ty
-        out = tl.reshape(tl.join(_byte_f16(w & 0xFF, code_t), _byte_f16((w >> 8) & 0xFF, code_t)), (BLOCK, offs_d.shape[0]))
-    else:
-        out = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(dtype)
-    return out
 
 
 @triton.jit
@@ -101,7 +85,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
              sks_b, sks_h, svs_b, svs_h, Hq, S, scale, window, cap,
              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, SPLIT_LEN: tl.constexpr,
              BLOCK: tl.constexpr, CAPPED: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr,
-             F16_DOTS: tl.constexpr, PAIRS: tl.constexpr, CODE_DOTS: tl.constexpr, USE_PDL: tl.constexpr):
+             F16_DOTS: tl.constexpr, USE_PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
     dtype = q_ptr.dtype.element_ty  # the model dtype (a coded cache is read back into it)
@@ -116,19 +100,19 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
     q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, ROT, ROT // 2).to(dtype)
     # F16_DOTS (a coded cache, bf16 / fp16 model): codes are exact in fp16; q over its row amax fits its range.
+    # An INT8 cache's keys meet q coded as a cache row (INT8 dots, exact in int32; no fp16 key tile).
+    code_t = kc_ptr.dtype.element_ty
     dot_t = tl.float16 if F16_DOTS else dtype
-    q_amax = tl.full((GP,), 1.0, tl.float32)
+    key_t = tl.int8 if code_t == tl.int8 else dot_t
+    q_scale = tl.full((GP,), 1.0, tl.float32)
     q_dot = q
     if F16_DOTS:
-        q_amax = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), MIN_AMAX)
-        q_dot = (q.to(tl.float32) / q_amax[:, None]).to(tl.float16)
-    code_t = kc_ptr.dtype.element_ty
-    key_t = code_t if CODE_DOTS else dot_t
-    if CODE_DOTS:  # q coded as a cache row is (`_stored`): the key codes go to the MMA as stored
-        q_amax = _code_scale(q_amax, INV_INT8_MAX if code_t == tl.int8 else INV_FP8_MAX)
-        q_dot = tl.math.div_rn(q.to(tl.float32), q_amax[:, None]).to(tl.float8e4nv)
-        if code_t == tl.int8:
-            q_dot = tl.minimum(tl.maximum(tl.floor(q.to(tl.float32) / q_amax[:, None] + 0.5), -127.0), 127.0).to(tl.int8)
+        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), MIN_AMAX)
+        q_dot = (q.to(tl.float32) / q_scale[:, None]).to(tl.float16)
+    q_read = q.to(tl.float32)  # the q every key meets (the new token's too)
+    if code_t == tl.int8:
+        q_dot, q_scale = _row_codes(q, tl.int8)
+        q_read = q_dot.to(tl.float32) * q_scale[:, None]
 
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
@@ -147,21 +131,19 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
-        keys = _load_kv(kc, offs_n, offs_d, skc_t, n_ok, key_t, BLOCK, PAIRS and F16_DOTS and not CODE_DOTS)
-        if CODE_DOTS and code_t == tl.int8:
+        keys = tl.load(kc + offs_n[:, None] * skc_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(key_t)
+        if code_t == tl.int8:
             scores = tl.dot(q_dot, tl.trans(keys), out_dtype=tl.int32).to(tl.float32) * scale
         else:
             scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
-        if F16_DOTS:
-            scores = scores * q_amax[:, None]
         if CODED:  # q . (codes x scale) = (q . codes) x scale
-            scores = scores * tl.load(ks + offs_n, mask=n_ok, other=0.0)[None, :]
+            scores = scores * q_scale[:, None] * tl.load(ks + offs_n, mask=n_ok, other=0.0)[None, :]
         scores = tl.where(n_ok[None, :], _soft_cap(scores, cap, CAPPED), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vals = _load_kv(vc, offs_n, offs_d, svc_t, n_ok, dot_t, BLOCK, PAIRS and F16_DOTS)
+        vals = tl.load(vc + offs_n[:, None] * svc_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(dot_t)
         v_max = 1.0
         if CODED:  # p @ (codes x scale) = (p x scale) @ codes; in fp16 over the block's largest scale
             v_scale = tl.load(vs + offs_n, mask=n_ok, other=0.0)
@@ -181,7 +163,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         v_code, v_new = _stored(v_new, vs + pos, CODED, vc_ptr.dtype.element_ty)
         tl.store(kc + pos * skc_t + offs_d[None, :] + one[:, None] * 0, k_code.to(kc_ptr.dtype.element_ty))
         tl.store(vc + pos * svc_t + offs_d[None, :] + one[:, None] * 0, v_code.to(vc_ptr.dtype.element_ty))
-        score = _soft_cap(tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale, cap, CAPPED)
+        score = _soft_cap(tl.sum(q_read * k_new.to(tl.float32), 1) * scale, cap, CAPPED)
         m_new = tl.maximum(m_i, score)
         p_new = tl.exp(score - m_new)
         alpha = tl.exp(m_i - m_new)
@@ -216,9 +198,9 @@ def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, USE_PDL: tl.const
 def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                             v_cache: Tensor, positions: Tensor, scale: float, window: int = 0, softcap: float = 0.0,
                             k_scale: Tensor | None = None, v_scale: Tensor | None = None, split: int | None = None,
-                            block: int | None = None, pairs: bool = False, code_dots: bool = False) -> Tensor:
+                            block: int | None = None) -> Tensor:
     """The two Triton kernels (the interpreter too); a coded cache comes with its scales [B, Hkv, L]
-    (contiguous in L). `split` / `block`: positions per program / inner step; `pairs`: codes as int16 pairs."""
+    (contiguous in L). `split` / `block`: positions per program / inner step (default: the measured rules)."""
     b, hq, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
@@ -244,8 +226,7 @@ def launch_decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
         hq, splits, scale, window if window > 0 else FULL_WINDOW, softcap or 1.0,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, ROT=cos.shape[-1], SPLIT_LEN=split,
         BLOCK=block, CAPPED=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        CODED=coded, F16_DOTS=coded and q.dtype != torch.float32, PAIRS=pairs,
-        CODE_DOTS=code_dots and coded and q.dtype != torch.float32, num_warps=4,
+        CODED=coded, F16_DOTS=coded and q.dtype != torch.float32, num_warps=4,
         **pdl_options(q.device))
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
     _merge[(b * hq,)](m, l_sum, acc, out, splits, D=d, num_warps=1, **pdl_options(q.device))

@@ -130,9 +130,7 @@ def test_fp8_greedy_agrees_with_bf16_activations(tiny_qwen2, base, every_row_fp8
 @pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize(("d", "window", "softcap", "tiles"),
                          [(128, 0, 0.0, {}), (64, 40, 0.0, {}), (256, 0, 30.0, {}), (128, 40, 0.0, dict(split=128, block=64)),
-                          (128, 0, 0.0, dict(split=128, pairs=True)), (256, 0, 30.0, dict(split=1024, block=128, pairs=True)),
-                          (64, 40, 0.0, dict(split=256, block=32, pairs=True)), (128, 0, 0.0, dict(code_dots=True)),
-                          (256, 0, 30.0, dict(code_dots=True, pairs=True)), (64, 40, 0.0, dict(split=128, block=64, code_dots=True))])
+                          (256, 0, 30.0, dict(split=1024, block=128)), (64, 40, 0.0, dict(split=256, block=32))])
 def test_coded_kv_attention_kernel_matches_its_reference(d, window, softcap, tiles, codes):
     from qerl_pipe.kernels.decode_ops import decode_attention_reference
     from qerl_pipe.kernels.fp8 import row_codes

@@ -66,38 +66,3 @@ def test_a_run_rewrites_its_partial_file_after_every_row(tmp_path, monkeypatch):
     assert seen == [0, 1, 2]  # nvfp4 at 8, nvfp4+int8kv at 64 (once), nvfp4 at 16; each saw the rows before it
     assert [(r["format"], r["batch"]) for r in out["results"]] == [("nvfp4", 8), ("nvfp4+int8kv", 64), ("nvfp4", 16)]
     assert len(json.loads((tmp_path / "p.json").read_text())["results"]) == 3
-
-
-def test_pairs_rows_get_the_same_targets_against_the_plain_bases():
-    from qerl_lab.decode_profile import kv_targets
-
-    def row(label, ms):
-        return {"shape": "qwen2.5-7b", "format": label, "batch": 256, "context": 4096, "graph_step_ms": ms}
-
-    targets = kv_targets([row("nvfp4", 30.0), row("nvfp4+fp8kv", 33.0), row("nvfp4+fp8kv:pairs", 24.0),
-                          row("nvfp4+fp8kv:dots", 27.0)])
-    assert [(t["measured"], t["met"]) for t in targets] == [(1.1, False), (0.8, True), (0.9, False)]
-    assert "int16 pairs" in targets[1]["name"] and "int16 pairs" not in targets[0]["name"]
-    assert "code-typed q.k dot" in targets[2]["name"]
-
-
-def test_the_attention_options_are_on_for_the_run_only():
-    import functools
-
-    import pytest
-
-    from qerl_lab.decode_profile import _attention_options
-    from qerl_pipe.kernels import decode_ops, triton_decode
-
-    # decode_ops looks the launcher up in triton_decode at each call (no module-level copy to miss).
-    assert "launch_decode_attention" not in vars(decode_ops)
-    original = triton_decode.launch_decode_attention
-    with _attention_options({"pairs": True}):
-        patched = triton_decode.launch_decode_attention
-        assert isinstance(patched, functools.partial) and patched.func is original and patched.keywords == {"pairs": True}
-    assert triton_decode.launch_decode_attention is original
-    with pytest.raises(RuntimeError), _attention_options({"pairs": True}):
-        raise RuntimeError("a failed row")
-    assert triton_decode.launch_decode_attention is original
-    with _attention_options({}):
-        assert triton_decode.launch_decode_attention is original
