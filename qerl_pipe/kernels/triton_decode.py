@@ -100,19 +100,22 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
     q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, ROT, ROT // 2).to(dtype)
     # F16_DOTS (a coded cache, bf16 / fp16 model): codes are exact in fp16; q over its row amax fits its range.
-    # An INT8 cache's keys meet q coded as a cache row (INT8 dots, exact in int32; no fp16 key tile).
+    # An INT8 cache's keys meet q coded as a cache row: INT8 dots (exact int32 sums, no fp16 key tile),
+    # or for head sizes under an INT8 MMA's k of 32 the same exact sums over codes in dot_t.
     code_t = kc_ptr.dtype.element_ty
     dot_t = tl.float16 if F16_DOTS else dtype
-    key_t = tl.int8 if code_t == tl.int8 else dot_t
+    key_t = dot_t
+    if code_t == tl.int8:
+        if D >= 32:
+            key_t = tl.int8
     q_scale = tl.full((GP,), 1.0, tl.float32)
     q_dot = q
     if F16_DOTS:
         q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), MIN_AMAX)
         q_dot = (q.to(tl.float32) / q_scale[:, None]).to(tl.float16)
-    q_read = q.to(tl.float32)  # the q every key meets (the new token's too)
     if code_t == tl.int8:
         q_dot, q_scale = _row_codes(q, tl.int8)
-        q_read = q_dot.to(tl.float32) * q_scale[:, None]
+        q_dot = q_dot.to(key_t)
 
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
@@ -132,7 +135,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
         keys = tl.load(kc + offs_n[:, None] * skc_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(key_t)
-        if code_t == tl.int8:
+        if key_t == tl.int8:
             scores = tl.dot(q_dot, tl.trans(keys), out_dtype=tl.int32).to(tl.float32) * scale
         else:
             scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
@@ -163,6 +166,10 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         v_code, v_new = _stored(v_new, vs + pos, CODED, vc_ptr.dtype.element_ty)
         tl.store(kc + pos * skc_t + offs_d[None, :] + one[:, None] * 0, k_code.to(kc_ptr.dtype.element_ty))
         tl.store(vc + pos * svc_t + offs_d[None, :] + one[:, None] * 0, v_code.to(vc_ptr.dtype.element_ty))
+        q_read = q.to(tl.float32)  # the q the cached keys met (recomputed: held over the loop, it spills)
+        if code_t == tl.int8:
+            q_codes, q_unit = _row_codes(q, tl.int8)
+            q_read = q_codes.to(tl.float32) * q_unit[:, None]
         score = _soft_cap(tl.sum(q_read * k_new.to(tl.float32), 1) * scale, cap, CAPPED)
         m_new = tl.maximum(m_i, score)
         p_new = tl.exp(score - m_new)

@@ -279,17 +279,18 @@ def _run_fp8_case(seed: int) -> dict:
 
 
 def _run_int8_kv_case(seed: int) -> dict:
-    """The INT8 KV path of the attention kernel (fp32 with a rotated new k; bf16 unrotated: the
+    """The INT8 KV path of the attention kernel (fp32 with a rotated new k, head sizes 32 and 16; bf16 unrotated: the
     interpreter's fp32 -> bf16 conversion does not round to nearest) against its reference: the
     codes it writes, their scales and the output (q meets the keys as its INT8 row codes in both)."""
-    return {**_int8_kv(seed, torch.float32), **{f"bf16_{k}": v for k, v in _int8_kv(seed, torch.bfloat16).items()}}
+    return {**_int8_kv(seed, torch.float32), **{f"bf16_{k}": v for k, v in _int8_kv(seed, torch.bfloat16).items()},
+            **{f"d16_{k}": v for k, v in _int8_kv(seed, torch.float32, 16).items()}}
 
 
-def _int8_kv(seed: int, dtype: torch.dtype) -> dict:
+def _int8_kv(seed: int, dtype: torch.dtype, d: int = 32) -> dict:
     from qerl_pipe.kernels import decode_ops, fp8, triton_decode
 
     gen = torch.Generator().manual_seed(seed)
-    b, hq, hkv, d, length = 2, 4, 2, 32, 150
+    b, hq, hkv, length = 2, 4, 2, 150
     qq, k, v = (torch.randn(b, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
     angle = torch.rand(b, d // 2, generator=gen) * (dtype == torch.float32)
     cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
@@ -315,6 +316,8 @@ def test_int8_kv_attention_matches_its_reference(results: dict[str, dict]) -> No
     assert r["attention_rel_err"] < 1e-4, f"seed {r['seed']}: {r}"
     # bf16 q, k, v: the kernel's value dot in fp16 over the codes, the reference's in fp32.
     assert r["bf16_kv_scales_close"] and r["bf16_codes_differ"] <= 2 and r["bf16_attention_rel_err"] < 1e-2, r
+    # Head size 16 (under an INT8 MMA's k): the same exact sums over codes in fp32 dots.
+    assert r["d16_kv_scales_close"] and r["d16_codes_differ"] <= 2 and r["d16_attention_rel_err"] < 1e-4, r
 
 
 def test_fp8_norm_output_and_fp8_kv_attention_match_their_references(results: dict[str, dict]) -> None:
