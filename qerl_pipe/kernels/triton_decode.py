@@ -61,10 +61,8 @@ def _row_codes(x, CODE_T: tl.constexpr):
     x32 = x.to(tl.float32)
     row_scale = _code_scale(tl.max(tl.abs(x32), 1), INV_INT8_MAX if CODE_T == tl.int8 else INV_FP8_MAX)
     v = tl.math.div_rn(x32, row_scale[:, None])
-    codes = v.to(tl.float8e4nv)  # (unused, so compiled away, for INT8)
-    if CODE_T == tl.int8:
-        codes = tl.minimum(tl.maximum(tl.floor(v + 0.5), -127.0), 127.0).to(tl.int8)
-    return codes, row_scale
+    int8 = tl.minimum(tl.maximum(tl.floor(v + 0.5), -127.0), 127.0).to(tl.int8)  # x / scale rounded half up
+    return (int8 if CODE_T == tl.int8 else v.to(tl.float8e4nv)), row_scale  # (the other compiled away)
 
 
 @triton.jit
@@ -100,14 +98,12 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
     q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, ROT, ROT // 2).to(dtype)
     # F16_DOTS (a coded cache, bf16 / fp16 model): codes are exact in fp16; q over its row amax fits its range.
-    # An INT8 cache's keys meet q coded as a cache row: INT8 dots (exact int32 sums, no fp16 key tile),
-    # or for head sizes under an INT8 MMA's k of 32 the same exact sums over codes in dot_t.
+    # INT8 keys meet q's INT8 row codes: exact sums in INT8 dots (in dot_t under an INT8 MMA's k of 32).
     code_t = kc_ptr.dtype.element_ty
     dot_t = tl.float16 if F16_DOTS else dtype
     key_t = dot_t
-    if code_t == tl.int8:
-        if D >= 32:
-            key_t = tl.int8
+    if code_t == tl.int8 and D >= 32:
+        key_t = tl.int8
     q_scale = tl.full((GP,), 1.0, tl.float32)
     q_dot = q
     if F16_DOTS:
