@@ -36,7 +36,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin
                                v_scale: Tensor | None = None) -> Tensor:
     """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32. A coded
     cache (`k_scale`, `v_scale` given) stores the new k and v as `row_codes` of each head and
-    attends over the dequantized cache, the new token included; over INT8 keys, with q as its row codes."""
+    attends over the dequantized cache, the new token included; over INT8 keys, with q as two INT8 row codes."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -53,9 +53,10 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin
             codes.view(torch.uint8).scatter_(2, index, q8[:, :, None].view(torch.uint8))  # no fp8 scatter on CPU
             scales.scatter_(2, token, s8)
         keys, vals = k_cache.float() * k_scale[..., None], v_cache.float() * v_scale[..., None]
-        if k_cache.dtype == torch.int8:  # q meets INT8 keys coded as a cache row (the kernel's INT8 dots)
-            codes, scales = row_codes(q, torch.int8)
-            q_read = codes.float() * scales
+        if k_cache.dtype == torch.int8:  # q meets INT8 keys as two INT8 row codes, hi + lo (the kernel's INT8 dots)
+            hi, hi_scale = row_codes(q, torch.int8)
+            lo, lo_scale = row_codes(q.float() - hi.float() * hi_scale, torch.int8)
+            q_read = hi.float() * hi_scale + lo.float() * lo_scale
     scores = q_read.view(b, hkv, hq // hkv, d) @ keys.transpose(-1, -2) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap

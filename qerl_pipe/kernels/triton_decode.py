@@ -98,7 +98,8 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     # The G query heads of kv head h, rotated and rounded to the cache dtype (as q is stored).
     q = _rope_rows(q_ptr + b * sq_b, h * G + offs_g, sq_h, g_ok, c, sn, offs_d, ROT, ROT // 2).to(dtype)
     # F16_DOTS (a coded cache, bf16 / fp16 model): codes are exact in fp16; q over its row amax fits its range.
-    # INT8 keys meet q's INT8 row codes: exact sums in INT8 dots (in dot_t under an INT8 MMA's k of 32).
+    # INT8 keys meet q as two INT8 row codes, hi + lo (within amax / 64516 of q: finer than its bf16
+    # rounding): exact integer sums in INT8 dots (codes in dot_t under an INT8 MMA's k of 32).
     code_t = kc_ptr.dtype.element_ty
     dot_t = tl.float16 if F16_DOTS else dtype
     key_t = dot_t
@@ -111,7 +112,8 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         q_dot = (q.to(tl.float32) / q_scale[:, None]).to(tl.float16)
     if code_t == tl.int8:
         q_dot, q_scale = _row_codes(q, tl.int8)
-        q_dot = q_dot.to(key_t)
+        q_lo, lo_scale = _row_codes(q.to(tl.float32) - q_dot.to(tl.float32) * q_scale[:, None], tl.int8)
+        q_dot, q_lo = q_dot.to(key_t), q_lo.to(key_t)
 
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
@@ -123,20 +125,21 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     first = tl.maximum(pos - window + 1, 0)
     lo_w = tl.maximum(lo, first)
     hi_w = tl.where(lo_w < hi, hi, lo)
-    kc = kc_ptr + b * skc_b + h * skc_h
-    vc = vc_ptr + b * svc_b + h * svc_h
+    kc, vc = kc_ptr + b * skc_b + h * skc_h, vc_ptr + b * svc_b + h * svc_h
     ks = ks_ptr + b * sks_b + h * sks_h  # scales: one per position (CODED only)
     vs = vs_ptr + b * svs_b + h * svs_h
     for start in range(lo + ((lo_w - lo) // BLOCK) * BLOCK, hi_w, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         n_ok = (offs_n < hi) & (offs_n >= first)
         keys = tl.load(kc + offs_n[:, None] * skc_t + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(key_t)
-        if key_t == tl.int8:
-            scores = tl.dot(q_dot, tl.trans(keys), out_dtype=tl.int32).to(tl.float32) * scale
+        if code_t == tl.int8:  # exact sums: in int32, or in fp32 over codes in dot_t
+            hi_sums = tl.dot(q_dot, tl.trans(keys), out_dtype=tl.int32 if key_t == tl.int8 else tl.float32)
+            lo_sums = tl.dot(q_lo, tl.trans(keys), out_dtype=tl.int32 if key_t == tl.int8 else tl.float32)
+            scores = (hi_sums.to(tl.float32) * q_scale[:, None] + lo_sums.to(tl.float32) * lo_scale[:, None]) * scale
         else:
             scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
         if CODED:  # q . (codes x scale) = (q . codes) x scale
-            scores = scores * q_scale[:, None] * tl.load(ks + offs_n, mask=n_ok, other=0.0)[None, :]
+            scores *= (1.0 if code_t == tl.int8 else q_scale[:, None]) * tl.load(ks + offs_n, mask=n_ok, other=0.0)[None, :]
         scores = tl.where(n_ok[None, :], _soft_cap(scores, cap, CAPPED), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
@@ -162,11 +165,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         v_code, v_new = _stored(v_new, vs + pos, CODED, vc_ptr.dtype.element_ty)
         tl.store(kc + pos * skc_t + offs_d[None, :] + one[:, None] * 0, k_code.to(kc_ptr.dtype.element_ty))
         tl.store(vc + pos * svc_t + offs_d[None, :] + one[:, None] * 0, v_code.to(vc_ptr.dtype.element_ty))
-        q_read = q.to(tl.float32)  # the q the cached keys met (recomputed: held over the loop, it spills)
-        if code_t == tl.int8:
-            q_codes, q_unit = _row_codes(q, tl.int8)
-            q_read = q_codes.to(tl.float32) * q_unit[:, None]
-        score = _soft_cap(tl.sum(q_read * k_new.to(tl.float32), 1) * scale, cap, CAPPED)
+        score = _soft_cap(tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale, cap, CAPPED)
         m_new = tl.maximum(m_i, score)
         p_new = tl.exp(score - m_new)
         alpha = tl.exp(m_i - m_new)
