@@ -2,18 +2,18 @@
 
 Each run is a train artifact of the same recipe that differs only in `engine.kv_cache` and
 `train.seed` (e.g. the quickstart's 16 steps of one-digit addition, stages up to train). Per run:
-the held-out greedy accuracy before and after training (the artifact's report.json), the mean of
+the held-out greedy accuracy before and after training (`compare.read_run`), the mean of
 the rollout-vs-trainer mismatch metrics the steps logged, and the training time. Targets: each
 coded cache's mean accuracy after training over the seeds within 2 points of the bf16 cache's.
 
 python3 bench/scripts/kv_arms.py --run bf16@0=STORE/train-... --run int8@0=STORE/train-... --out FILE.json
 """
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 from qerl_lab.results import results_file, target
+from qerl_pipe import compare
 from qerl_pipe.strict_json import write_json
 
 POINTS = 0.02  # issue 50: within 2 points of the bf16 cache's accuracy
@@ -21,14 +21,12 @@ POINTS = 0.02  # issue 50: within 2 points of the bf16 cache's accuracy
 
 def run_row(name: str, directory: Path) -> dict:
     kv, seed = name.split("@")
-    report = json.loads((directory / "report.json").read_text())
-    steps = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    mismatch = sorted({key for step in steps for key in step if key.startswith(("mismatch", "tis"))})
-    return {"kv_cache": kv, "seed": int(seed), "artifact": directory.name, "steps": report["steps"],
-            "greedy_before": report["eval_before"], "greedy_after": report["eval_after"],
-            "train_seconds": report["step_seconds_total"],
-            "mismatch_means": {key: statistics.fmean(s[key] for s in steps if isinstance(s.get(key), (int, float)))
-                               for key in mismatch if any(isinstance(s.get(key), (int, float)) for s in steps)}}
+    arm = compare.read_run(directory, name)
+    mismatch = sorted({key for step in arm.records for key in step if key.startswith(("mismatch", "tis"))})
+    return {"kv_cache": kv, "seed": int(seed), "artifact": directory.name, "steps": len(arm.records),
+            "greedy_before": arm.greedy["before"], "greedy_after": arm.greedy["after"],
+            "train_seconds": round(sum(step["step_seconds"] for step in arm.records), 1),
+            "mismatch_means": {key: compare.mean_of(arm.records, key) for key in mismatch}}
 
 
 def main() -> None:
