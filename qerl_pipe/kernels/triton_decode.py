@@ -113,7 +113,7 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
     if code_t == tl.int8:
         q_dot, q_scale = _row_codes(q, tl.int8)
         q_lo, lo_scale = _row_codes(q.to(tl.float32) - q_dot.to(tl.float32) * q_scale[:, None], tl.int8)
-        q_dot, q_lo = q_dot.to(key_t), q_lo.to(key_t)
+        q_dot, q_lo, lo_scale = q_dot.to(key_t), q_lo.to(key_t), lo_scale / q_scale  # (lo's sums in hi's units)
 
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
@@ -135,11 +135,11 @@ def _partial(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_p
         if code_t == tl.int8:  # exact sums: in int32, or in fp32 over codes in dot_t
             hi_sums = tl.dot(q_dot, tl.trans(keys), out_dtype=tl.int32 if key_t == tl.int8 else tl.float32)
             lo_sums = tl.dot(q_lo, tl.trans(keys), out_dtype=tl.int32 if key_t == tl.int8 else tl.float32)
-            scores = (hi_sums.to(tl.float32) * q_scale[:, None] + lo_sums.to(tl.float32) * lo_scale[:, None]) * scale
+            scores = (hi_sums.to(tl.float32) + lo_sums.to(tl.float32) * lo_scale[:, None]) * scale
         else:
             scores = tl.dot(q_dot, tl.trans(keys), input_precision=PRECISION) * scale
-        if CODED:  # q . (codes x scale) = (q . codes) x scale
-            scores *= (1.0 if code_t == tl.int8 else q_scale[:, None]) * tl.load(ks + offs_n, mask=n_ok, other=0.0)[None, :]
+        if CODED:  # (q / q_scale) . codes x q_scale x the codes' scale
+            scores = scores * q_scale[:, None] * tl.load(ks + offs_n, mask=n_ok, other=0.0)[None, :]
         scores = tl.where(n_ok[None, :], _soft_cap(scores, cap, CAPPED), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
