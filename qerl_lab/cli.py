@@ -94,11 +94,13 @@ def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,
 
 
 @bench_app.command("fp8-rows")
-def bench_fp8_rows(out: OutOpt = None) -> None:
+def bench_fp8_rows(out: OutOpt = None,
+                   ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x); the targets of M not run are left out.")] = ["1,8,16,32,64,128,256,512,1024"],
+                   sweep: Annotated[bool, typer.Option(help="Also time a grid of the Triton FP8 GEMM's configs per row.")] = False) -> None:
     """FP8 rollout rows (fused activation quantization) vs cuBLAS bf16 and our W4A16 GEMM, per 7B layer and M (needs a Hopper GPU and nvcc)."""
     from qerl_lab.fp8_rows import run
 
-    emit(run(out), out)
+    emit(run(out, tuple(values(ms, int)), sweep), out)
 
 
 @bench_app.command("attention")

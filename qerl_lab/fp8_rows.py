@@ -9,9 +9,13 @@ weight copies, one CUDA graph, median of replays; `kernels.tuning.time_graph`):
   copy the engine makes of the NVFP4 weight, activations already quantized (as the fused norm
   kernel hands them over);
 - `fp8_quant_us`: the same plus the one compiled quantization launch (o and down's inputs, prefill);
+- `triton_us`: our Triton FP8 GEMM (`kernels.triton_fp8.fp8_gemm`, its default config) on the same
+  copy and codes; `--sweep` also times a grid of its configs (`triton_best_us`, `triton_best`);
 - `fp8_tensorwise_us`, `fp8_fast_accum_us`: torch's other FP8 GEMM paths (one scale per tensor;
   row-wise with fast accumulation), timed only: whether the library has a faster kernel there.
-And the fused add + RMSNorm kernel (hidden 3584) with and without its FP8 output. The
+And the fused add + RMSNorm kernel (hidden 3584) with and without its FP8 output, and the E4M3
+rows of o's input (3584) and of down's (the SiLU gate fused in, 18944) by our row kernel
+(`triton_fp8.quantize_rows`) against the compiled quantization (and gate). The
 layer-weighted ratio counts a decoder layer as the engine runs it: q/k/v and gate/up on
 norm-fused activations, o and down on a quantization launch, the norm's extra time included.
 """
@@ -31,7 +35,9 @@ from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.decode_ops import add_rms_norm
 from qerl_pipe.kernels.dispatch_measure import REPS, inputs, operands
 from qerl_pipe.kernels.fp8 import Fp8Rows, fp8_linear, quantize_rows, quantize_weight, runs_fp8
+from qerl_pipe.kernels.triton_fp8 import fp8_gemm, gemm_config, quantize_rows as quantize_rows_fused
 from qerl_pipe.kernels.tuning import rel_err, time_graph
+from qerl_pipe.model.decoder import silu_gate
 from qerl_pipe.strict_json import write_json
 
 MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -40,12 +46,27 @@ MODEL = "qwen2.5-7b"
 LAYER_TARGETS = {64: 1.4, 256: 1.4}
 
 
-def _layer_rows(layer: str, n: int, k: int, device: torch.device) -> list[dict]:
+def _sweep(m: int, n: int, k: int) -> list[dict[str, int]]:
+    """Configs of the Triton FP8 GEMM worth timing at M tokens over [N, K]: no more than 4 programs an SM."""
+    block_m = gemm_config(m, n, k)["BLOCK_M"]
+    out = []
+    for block_n in (64, 128):
+        for block_k in (128, 256):
+            for split in (1, 2, 4, 8):
+                tiles = -(-n // block_n) * -(-m // block_m)
+                if tiles * split <= 4 * 132 and k // (block_k * split) >= 2:
+                    out += [{"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split,
+                             "STAGES": stages, "num_warps": 4} for stages in (3, 5)
+                            if stages * (block_n + block_m) * block_k <= 200 * 1024]  # shared memory
+    return out
+
+
+def _layer_rows(layer: str, n: int, k: int, device: torch.device, ms: tuple[int, ...], sweep: bool) -> list[dict]:
     ops = operands(n, k, device, humming=False, bf16=True, label=f"{MODEL} {layer}")
     # The engine's copy: per-channel E4M3 of the NVFP4 weight dequantized to bf16.
     copies = [quantize_weight(cuda_ext.dequantize(t)) for t in ops.tiled]
     rows = []
-    for m in MS:
+    for m in ms:
         x, ref = inputs(ops, m)
         q = quantize_rows(x)
         row: dict[str, Any] = {"model": MODEL, "layer": layer, "N": n, "K": k, "M": m}
@@ -65,24 +86,41 @@ def _layer_rows(layer: str, n: int, k: int, device: torch.device) -> list[dict]:
                                                                             out_dtype=torch.bfloat16,
                                                                             use_fast_accum=True)
                                                for w in copies], REPS) * 1e6
+        row["triton_us"] = time_graph([lambda w=w: fp8_gemm(q, w) for w in copies], REPS) * 1e6
+        row["triton_config"] = gemm_config(m, n, k)
+        row["triton_rel_err"] = rel_err(fp8_gemm(q, copies[0]), ref)
+        if sweep:
+            timed = [(time_graph([lambda w=w: fp8_gemm(q, w, config=c) for w in copies], REPS) * 1e6, c)
+                     for c in _sweep(m, n, k)]
+            row["triton_best_us"], row["triton_best"] = min(timed, key=lambda t: t[0])
         row["fp8_rel_err"] = rel_err(fp8_linear(q, copies[0]), ref)
         row["bf16_rel_err"] = rel_err(x @ ops.bf16[0].T, ref)
         rows.append(row)
         print(f"{layer:8} M {m:5}: bf16 {row['bf16_us']:8.1f} us, W4A16 {row.get('qerl_us', float('nan')):8.1f}, "
-              f"fp8 {row['fp8_us']:8.1f} (+quant {row['fp8_quant_us']:8.1f}), err {row['fp8_rel_err']:.2e}", flush=True)
+              f"fp8 {row['fp8_us']:8.1f} (+quant {row['fp8_quant_us']:8.1f}), triton {row['triton_us']:8.1f} "
+              f"(best {row.get('triton_best_us', float('nan')):8.1f} {row.get('triton_best', '')}), "
+              f"err {row['fp8_rel_err']:.2e} / {row['triton_rel_err']:.2e}", flush=True)
     return rows
 
 
-def _producer_rows(device: torch.device) -> list[dict]:
-    """The fused norm's time with and without its FP8 output, per M."""
+def _producer_rows(device: torch.device, ms: tuple[int, ...]) -> list[dict]:
+    """The fused norm's time with and without its FP8 output, and the row kernels' against the
+    compiled quantization (o's input; down's with the gate), per M."""
     hidden = LAYER_SHAPES[MODEL]["o"][1]
+    inter = LAYER_SHAPES[MODEL]["down"][1]
     gen = torch.Generator(device=device).manual_seed(3)
     weight = torch.rand(hidden, generator=gen, device=device).to(torch.bfloat16)
     noise = torch.zeros(hidden, device=device)
     rows = []
-    for m in MS:
+    for m in ms:
         x, r = (torch.randn(m, hidden, generator=gen, device=device).to(torch.bfloat16) for _ in range(2))
+        gate_up = torch.randn(m, 2 * inter, generator=gen, device=device).to(torch.bfloat16)
         rows.append({
+            "quant_o_compiled_us": time_graph([lambda: quantize_fused(x)], REPS) * 1e6,
+            "quant_o_rows_us": time_graph([lambda: quantize_rows_fused(x)], REPS) * 1e6,
+            "gate_quant_down_compiled_us": time_graph([lambda: quantize_fused(silu_gate(gate_up))], REPS) * 1e6,
+            "gate_quant_down_rows_us": time_graph([lambda: quantize_rows_fused(gate_up, "silu")], REPS) * 1e6,
+            "gate_down_us": time_graph([lambda: silu_gate(gate_up)], REPS) * 1e6,
             "M": m,
             "norm_us": time_graph([lambda: add_rms_norm(x, r, weight, noise, 1e-6)], REPS) * 1e6,
             "norm_fp8_us": time_graph([lambda: add_rms_norm(x, r, weight, noise, 1e-6, quantize=True)], REPS) * 1e6,
@@ -100,27 +138,39 @@ def _weighted(layers: list[dict], producers: list[dict], m: int) -> dict[str, fl
            + 2 * (p["norm_fp8_us"] - p["norm_us"]))
     out = {"M": m, "bf16_us": bf16, "fp8_us": fp8, "fp8_over_bf16": bf16 / fp8,
            "fp8_gemm_only_over_bf16": bf16 / sum(r["fp8_us"] for r in by.values())}
+    # Our path: the Triton GEMMs, o's rows by the row kernel, down's by the gate + row kernel (in
+    # place of the bf16 gate, so only its excess counts), the norm's extra output.
+    extra = (p["quant_o_rows_us"] + p["gate_quant_down_rows_us"] - p["gate_down_us"]
+             + 2 * (p["norm_fp8_us"] - p["norm_us"]))
+    for key, column in (("triton", "triton_us"), ("triton_best", "triton_best_us")):
+        if all(column in r for r in by.values()):
+            ours = sum(r[column] for r in by.values()) + extra
+            out[f"{key}_us"], out[f"{key}_over_bf16"] = ours, bf16 / ours
     if all("qerl_us" in r for r in by.values()):
         w4 = sum(r["qerl_us"] for r in by.values())
         out["w4a16_us"], out["w4a16_over_bf16"], out["fp8_over_w4a16"] = w4, bf16 / w4, w4 / fp8
     return out
 
 
-def run(out: Path | None) -> dict[str, Any]:
+def run(out: Path | None, ms: tuple[int, ...] = MS, sweep: bool = False) -> dict[str, Any]:
     if not torch.cuda.is_available() or not runs_fp8(torch.device("cuda")):
         raise QerlError("bench fp8-rows needs a CUDA GPU with FP8 tensor cores (Ada, Hopper or newer)")
     why = cuda_ext.why_unavailable("cuda")
     if why is not None:
         raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); the comparison needs a Hopper GPU and nvcc")
     device = torch.device("cuda", torch.cuda.current_device())
-    layers = [row for layer, (n, k) in LAYER_SHAPES[MODEL].items() for row in _layer_rows(layer, n, k, device)]
-    producers = _producer_rows(device)
-    weighted = [_weighted(layers, producers, m) for m in MS]
+    layers = [row for layer, (n, k) in LAYER_SHAPES[MODEL].items()
+              for row in _layer_rows(layer, n, k, device, ms, sweep)]
+    producers = _producer_rows(device, ms)
+    weighted = [_weighted(layers, producers, m) for m in ms]
     for w in weighted:
-        print(f"M {w['M']:5}: FP8 layer {w['fp8_over_bf16']:.3f}x bf16 (GEMMs alone {w['fp8_gemm_only_over_bf16']:.3f}x)"
+        print(f"M {w['M']:5}: cuBLASLt FP8 layer {w['fp8_over_bf16']:.3f}x bf16 (GEMMs alone "
+              f"{w['fp8_gemm_only_over_bf16']:.3f}x), Triton FP8 layer {w['triton_over_bf16']:.3f}x"
+              + (f" (best configs {w['triton_best_over_bf16']:.3f}x)" if "triton_best_over_bf16" in w else "")
               + (f", W4A16 {w['w4a16_over_bf16']:.3f}x" if "w4a16_over_bf16" in w else ""), flush=True)
-    targets = [target(f"{MODEL} layer-weighted FP8 rows over cuBLAS bf16 at M = {m}, activation quantization included",
-                      f">= {want}x", round(w["fp8_over_bf16"], 3), "x", w["fp8_over_bf16"] >= want)
+    targets = [target(f"{MODEL} layer-weighted FP8 rows (our Triton GEMM and row kernels) over cuBLAS bf16 at M = {m}, "
+                      "activation quantization included", f">= {want}x", round(w["triton_over_bf16"], 3), "x",
+                      w["triton_over_bf16"] >= want)
                for m, want in LAYER_TARGETS.items() for w in weighted if w["M"] == m]
     result = results_file({"layers": layers, "producers": producers, "layer_weighted": weighted}, targets,
                           protocol=f"L2-cold weight copies, one CUDA graph, median of {REPS} replays")

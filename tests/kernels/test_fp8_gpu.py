@@ -85,6 +85,54 @@ def test_fp8_gemm_matches_its_reference(m, n, k):
     assert err < 0.06 and float(q.codes.float().abs().max()) == FP8_MAX
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4608, 3584), (64, 3584, 18944), (200, 512, 1024), (17, 256, 64)])
+@pytest.mark.parametrize("split", [1, 4])
+def test_triton_fp8_gemm_matches_its_reference_with_bias_and_lora(m, n, k, split):
+    """Our Triton GEMM: the same products as the reference, + bias + u @ B^T before the one rounding,
+    K split or not; a split-K launch gives the same bits every time (the tickets add in order)."""
+    from qerl_pipe.kernels.triton_fp8 import fp8_gemm, gemm_config
+
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k + split)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
+    u = torch.randn(m, 48, generator=gen, device="cuda").to(torch.bfloat16)
+    b = (torch.randn(n, 48, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    q, wq = quantize_rows(x), quantize_weight(w)
+    config = {**gemm_config(m, n, k), "SPLIT_K": split}
+    got = fp8_gemm(q, wq, bias, (u, b), config)
+    ref = fp8_linear_reference(q, wq, torch.float32) + bias.float() + u.float() @ b.float().T
+    assert float((got.float() - ref).norm() / ref.norm()) < 4e-3
+    plain = fp8_gemm(q, wq, config=config)
+    assert float((plain.float() - fp8_linear_reference(q, wq, torch.float32)).norm()
+                 / fp8_linear_reference(q, wq, torch.float32).norm()) < 4e-3
+    assert all(torch.equal(fp8_gemm(q, wq, bias, (u, b), config), got) for _ in range(3))
+
+
+@pytest.mark.parametrize("m", [1, 64, 300])
+@pytest.mark.parametrize("gate", [None, "silu", "gelu_pytorch_tanh"])
+def test_row_kernel_codes_are_quantize_rows_of_its_values(m, gate):
+    """o's and down's input rows: the row kernel's bf16 values are the model's gate (computed in fp32,
+    rounded once, as the compiled gate does), and its codes and scales are `quantize_rows` of them."""
+    from qerl_pipe.kernels.triton_fp8 import quantize_rows as row_kernel
+    from qerl_pipe.model.decoder import GATES
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    width = 2 * 18944 if gate else 3584
+    x = torch.randn(m, width, generator=gen, device="cuda").to(torch.bfloat16)
+    x[0] = 0  # an idle slot's zero row: codes 0, no NaN
+    values, q = row_kernel(x, gate)
+    if gate is None:
+        assert values is x
+    else:
+        want_values = GATES[gate](x)
+        close = float((values == want_values).float().mean())
+        assert close >= 0.999, f"only {close:.4f} of the gate's values equal the model's"
+    want = quantize_rows(values)
+    assert torch.equal(q.scale, want.scale) and _codes_equal(q.codes, want.codes)
+    assert float(q.codes[0].float().abs().max()) == 0
+
+
 def _model(path: Path, base: str):
     return adapted_model(path, base, torch.bfloat16, "cuda", rank=8)
 
