@@ -56,7 +56,7 @@ def _sweep(m: int, n: int, k: int) -> list[dict[str, int]]:
                 tiles = -(-n // block_n) * -(-m // block_m)
                 if tiles * split <= 4 * 132 and k // (block_k * split) >= 2:
                     out += [{"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split,
-                             "STAGES": stages, "num_warps": 4} for stages in (3, 5)
+                             "STAGES": stages, "num_warps": 4} for stages in (4,)
                             if stages * (block_n + block_m) * block_k <= 200 * 1024]  # shared memory
     return out
 
