@@ -12,6 +12,7 @@ from torch import Tensor
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention, lora_shrink
 from qerl_pipe.kernels.fp8 import Fp8Rows
+from qerl_pipe.kernels.triton_fp8 import quantize_rows
 from qerl_pipe.model.decoder import MLP, Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.moe import SparseMoE
@@ -27,11 +28,13 @@ def _norm(x: Tensor, residual: Tensor | None, norm: RMSNorm, lora: FusedLora,
     return add_rms_norm(x, residual, norm.weight, norm.noise, norm.eps, shrink, norm.offset, quantize)
 
 
-def _mlp(mlp: MLP, normed: Tensor, u: Tensor | None, q: Fp8Rows | None, lora: FusedLora) -> Tensor:
-    """gate/up, the gate, down (where down runs FP8, its input's E4M3 rows are made by
-    `FusedLora.project`: a compiled gate + quantization rounded the scale from the unrounded
-    fp32 gate, inductor fusing away the bf16 round trip, docs/kernels.md "FP8 rollouts")."""
+def _mlp(mlp: MLP, normed: Tensor, u: Tensor | None, q: Fp8Rows | None, lora: FusedLora, act: str) -> Tensor:
+    """gate/up, the gate, down; where down runs FP8 on a GPU, one row kernel computes the gate and
+    its E4M3 rows (docs/kernels.md "FP8 rollouts")."""
     gate_up = lora.project(mlp.gate_up_proj, normed, u, q)
+    if gate_up.is_cuda and lora.runs_fp8(mlp.down_proj, gate_up.shape[0]):
+        gated, q_down = quantize_rows(gate_up, act)
+        return lora.project(mlp.down_proj, gated, q=q_down)
     return lora.project(mlp.down_proj, mlp.gate(gate_up))
 
 
@@ -76,7 +79,7 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
             down = mlp(normed, lora.project)
         else:
             normed, residual, u, q8 = _norm(attended, residual, layer.mlp_norm, lora, mlp.gate_up_proj)
-            down = _mlp(mlp, normed, u, q8, lora)
+            down = _mlp(mlp, normed, u, q8, lora, cfg.hidden_act)
         if layer.sandwich:
             down = _output_norm(down, layer.post_feedforward_layernorm)
         if i + 1 < len(layers):

@@ -82,9 +82,7 @@ class FusedLora:
             a, b = pair
             lora = (x2 @ a.t() if u is None else u.reshape(-1, a.shape[0]), b)
         if self.runs_fp8(linear, x2.shape[0]):
-            y = self.fp8.base_forward(linear, x2, q)
-            if lora is not None:
-                y.addmm_(lora[0], lora[1].t())
+            y = self.fp8.forward(linear, x2, q, lora)
         else:
             y = linear.inference_forward(x2, lora)
         return y.reshape(*x.shape[:-1], linear.out_features)

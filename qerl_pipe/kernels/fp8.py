@@ -1,5 +1,5 @@
 """FP8 (E4M3) linears y = (x8 * sx) @ (w8 * sw)^T, scales per token and per output channel (amax / 448):
-torch's row-wise scaled matmul on FP8 tensor cores, else the reference (the tests' oracle). `row_codes`
+our Triton GEMM (triton_fp8.py) on FP8 tensor cores, else the reference (the tests' oracle). `row_codes`
 is what every fused kernel reproduces exactly (the KV cache's too). docs/kernels.md#fp8-rollouts."""
 
 from __future__ import annotations
@@ -79,10 +79,18 @@ def fp8_linear_reference(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype) -> Te
     return (a @ b.t()).to(out_dtype)
 
 
-def fp8_linear(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """x [M, K] @ W^T -> [M, N] in `out_dtype`: the FP8 GEMM where the device has one, else the
-    reference. The GEMM needs K and N multiples of 16 (every real model's are)."""
-    codes = x.codes
-    if runs_fp8(codes.device) and out_dtype == torch.bfloat16:
-        return torch._scaled_mm(codes, w.codes.t(), scale_a=x.scale, scale_b=w.scale, out_dtype=out_dtype)
-    return fp8_linear_reference(x, w, out_dtype)
+def fp8_linear(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype = torch.bfloat16, bias: Tensor | None = None,
+               lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """x [M, K] @ W^T (+ bias [N]) (+ u @ B^T for lora = (u [M, R], B [N, R])) -> [M, N] in `out_dtype`,
+    rounded once: our Triton FP8 GEMM where the device has FP8 tensor cores and the output is bf16,
+    else the reference."""
+    if runs_fp8(x.codes.device) and out_dtype == torch.bfloat16:
+        from qerl_pipe.kernels.triton_fp8 import fp8_gemm  # imports this module: the GPU path loads it late
+
+        return fp8_gemm(x, w, bias, lora)
+    y = fp8_linear_reference(x, w, torch.float32)
+    if bias is not None:
+        y += bias.float()
+    if lora is not None:
+        y += lora[0].float() @ lora[1].float().t()
+    return y.to(out_dtype)

@@ -66,9 +66,9 @@ def test_engine_runs_every_dense_projection_on_fp8_copies(tiny_llama_fp8, monkey
     calls: list[tuple[int, int]] = []
     real = engine_fp8.fp8_linear
 
-    def counted(x, w, out_dtype=torch.bfloat16):
+    def counted(x, w, out_dtype=torch.bfloat16, bias=None, lora=None):
         calls.append(tuple(w.codes.shape))
-        return real(x, w, out_dtype)
+        return real(x, w, out_dtype, bias, lora)
 
     monkeypatch.setattr(engine_fp8, "fp8_linear", counted)
     engine = Engine(model, limits, activations="fp8")
@@ -86,13 +86,13 @@ def test_engine_runs_every_dense_projection_on_fp8_copies(tiny_llama_fp8, monkey
 def test_nvfp4_decode_rows_below_the_crossover_keep_the_w4a16_kernel(tiny_llama_fp8, monkeypatch):
     model = _model(tiny_llama_fp8, "nvfp4")
     served: list[int] = []
-    real = engine_fp8.Fp8Linears.base_forward
+    real = engine_fp8.Fp8Linears.forward
 
-    def spy(self, linear, x, q):
+    def spy(self, linear, x, q, lora):
         served.append(x.shape[0])
-        return real(self, linear, x, q)
+        return real(self, linear, x, q, lora)
 
-    monkeypatch.setattr(engine_fp8.Fp8Linears, "base_forward", spy)
+    monkeypatch.setattr(engine_fp8.Fp8Linears, "forward", spy)
     engine = Engine(model, plan_limits(model.config, max_seq_len=96, max_batch=4), activations="fp8")
     prompt = list(range(1, engine_fp8.NVFP4_MIN_ROWS + 2))
     engine.generate([prompt], n=2, sampling=SamplingParams(temperature=0, max_new_tokens=4))
