@@ -5,10 +5,10 @@ linear (q/k/v and gate/up fused, as the model runs them) and each M, under one p
 weight copies, one CUDA graph, median of replays; `kernels.tuning.time_graph`):
 - `bf16_us`: x @ W^T, cuBLAS bf16;
 - `qerl_us`: our W4A16 CUDA GEMM on the NVFP4 weight (M <= 256);
-- `fp8_us`: the FP8 GEMM (`kernels.fp8.fp8_linear`, torch's row-wise scaled matmul) on the FP8
-  copy the engine makes of the NVFP4 weight, activations already quantized (as the fused norm
-  kernel hands them over);
-- `fp8_quant_us`: the same plus the one compiled quantization launch (o and down's inputs, prefill);
+- `fp8_us`: cuBLASLt's FP8 GEMM (torch's row-wise scaled matmul) on the FP8 copy the engine
+  makes of the NVFP4 weight, activations already quantized (as the fused norm kernel hands them over);
+- `fp8_quant_us`: the same plus one compiled quantization launch (o and down's inputs before the
+  row kernel);
 - `triton_us`: our Triton FP8 GEMM (`kernels.triton_fp8.fp8_gemm`, its default config) on the same
   copy and codes; `--sweep` also times a grid of its configs (`triton_best_us`, `triton_best`);
 - `fp8_tensorwise_us`, `fp8_fast_accum_us`: torch's other FP8 GEMM paths (one scale per tensor;
@@ -29,12 +29,11 @@ import torch
 
 from qerl_lab.kernels import LAYER_SHAPES
 from qerl_lab.results import nulls_for_non_finite, results_file, target
-from qerl_pipe.engine.fp8 import quantize_fused
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.decode_ops import add_rms_norm
 from qerl_pipe.kernels.dispatch_measure import REPS, inputs, operands
-from qerl_pipe.kernels.fp8 import Fp8Rows, fp8_linear, quantize_rows, quantize_weight, runs_fp8
+from qerl_pipe.kernels.fp8 import Fp8Rows, Fp8Weight, quantize_rows, quantize_weight, row_codes, runs_fp8
 from qerl_pipe.kernels.triton_fp8 import fp8_gemm, gemm_config, quantize_rows as quantize_rows_fused
 from qerl_pipe.kernels.tuning import rel_err, time_graph
 from qerl_pipe.model.decoder import silu_gate
@@ -44,6 +43,16 @@ MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
 MODEL = "qwen2.5-7b"
 # Issue 47: the layer-weighted FP8 rows (activation quantization included) over cuBLAS bf16.
 LAYER_TARGETS = {64: 1.4, 256: 1.4}
+
+
+def cublaslt(x: Fp8Rows, w: Fp8Weight) -> torch.Tensor:
+    """The library's FP8 GEMM (torch's row-wise scaled matmul on cuBLASLt), which the engine ran
+    before our Triton GEMM: the comparison's other FP8 column."""
+    return torch._scaled_mm(x.codes, w.codes.t(), scale_a=x.scale, scale_b=w.scale, out_dtype=torch.bfloat16)
+
+
+# The compiled quantization the engine ran before our row kernel (one inductor kernel).
+quantize_fused = torch.compile(row_codes, dynamic=False)
 
 
 def _sweep(m: int, n: int, k: int) -> list[dict[str, int]]:
@@ -73,8 +82,8 @@ def _layer_rows(layer: str, n: int, k: int, device: torch.device, ms: tuple[int,
         row["bf16_us"] = time_graph([lambda w=w: x @ w.T for w in ops.bf16], REPS) * 1e6
         if m <= 256:
             row["qerl_us"] = time_graph([lambda t=t: cuda_ext.gemm(x, t) for t in ops.tiled], REPS) * 1e6
-        row["fp8_us"] = time_graph([lambda w=w: fp8_linear(q, w) for w in copies], REPS) * 1e6
-        row["fp8_quant_us"] = time_graph([lambda w=w: fp8_linear(Fp8Rows(*quantize_fused(x)), w) for w in copies],
+        row["fp8_us"] = time_graph([lambda w=w: cublaslt(q, w) for w in copies], REPS) * 1e6
+        row["fp8_quant_us"] = time_graph([lambda w=w: cublaslt(Fp8Rows(*quantize_fused(x)), w) for w in copies],
                                          REPS) * 1e6
         # The library's other FP8 paths at the same sizes (timing only; the engine runs neither): one
         # scale per tensor (cuBLASLt's classic FP8 GEMM), and row-wise scales with fast accumulation.
@@ -93,7 +102,7 @@ def _layer_rows(layer: str, n: int, k: int, device: torch.device, ms: tuple[int,
             timed = [(time_graph([lambda w=w: fp8_gemm(q, w, config=c) for w in copies], REPS) * 1e6, c)
                      for c in _sweep(m, n, k)]
             row["triton_best_us"], row["triton_best"] = min(timed, key=lambda t: t[0])
-        row["fp8_rel_err"] = rel_err(fp8_linear(q, copies[0]), ref)
+        row["fp8_rel_err"] = rel_err(cublaslt(q, copies[0]), ref)
         row["bf16_rel_err"] = rel_err(x @ ops.bf16[0].T, ref)
         rows.append(row)
         print(f"{layer:8} M {m:5}: bf16 {row['bf16_us']:8.1f} us, W4A16 {row.get('qerl_us', float('nan')):8.1f}, "
