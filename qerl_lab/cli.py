@@ -38,15 +38,6 @@ def emit(result: dict, out: Path | None) -> None:
     print(text)
 
 
-@bench_app.command("kernels")
-def bench_kernels(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
-                  ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x).")] = ["1,8,16,64,256,1024,4096"]) -> None:
-    """NVFP4 / NF4 W4A16 Triton kernels vs cuBLAS bf16 and dequantize-then-matmul (needs a CUDA GPU)."""
-    from qerl_lab.kernels import run_kernel_bench
-
-    emit(run_kernel_bench(values(shapes), tuple(values(ms, int)), out), out)
-
-
 @bench_app.command("kernels-cuda")
 def bench_kernels_cuda(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
                        ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x); the targets of M not run are left out.")] = ["1,8,16,32,64,128,256,1024,4096"]) -> None:
@@ -59,17 +50,15 @@ def bench_kernels_cuda(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen
         raise QerlError(f"--ms {unknown}: this benchmark measures M in {list(ALL_MS)}")
     why = cuda_ext.why_unavailable("cuda")
     if why is not None:
-        raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); they need a Hopper GPU and nvcc. "
-                        "`qerl-pipe bench kernels` measures the Triton kernels")
+        raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); they need a Hopper GPU and nvcc")
     emit(run(values(shapes), out, tuple(values(ms, int))), out)
 
 
 @bench_app.command("kernels-dispatch")
 def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,qwen2.5-32b"],
                            ms: Annotated[list[str], typer.Option("--ms", help="M values (rows of x): rows of the dispatch table.")] = ["1,8,16,32,64,128,256,512,1024,4096,16384"],
-                           table_out: Annotated[Optional[Path], typer.Option(help="Write the measured dispatch table here (the form of kernels/cuda/dispatch-<gpu>.json).")] = None,
-                           formats: Annotated[str, typer.Option(help="nvfp4 (ours, humming, dequantize + cuBLAS; Hopper and nvcc) or nf4 (our Triton NF4, bitsandbytes, dequantize + cuBLAS, forward and dX; the qlora extra).")] = "nvfp4") -> None:
-    """Each backend and cuBLAS bf16 per layer and M, and the dispatch over them: NVFP4 rows (needs a Hopper GPU and nvcc) or NF4 rows (--formats nf4)."""
+                           table_out: Annotated[Optional[Path], typer.Option(help="Write the measured dispatch table here (the form of kernels/cuda/dispatch-<gpu>.json).")] = None) -> None:
+    """Each NVFP4 backend and cuBLAS bf16 per layer and M, and the dispatch over them (needs a Hopper GPU and nvcc)."""
     from qerl_lab.kernels_dispatch import run
     from qerl_pipe.kernels import cuda_ext
     from qerl_pipe.kernels.dispatch import ROWS_M
@@ -77,16 +66,6 @@ def bench_kernels_dispatch(out: OutOpt = None, shapes: ShapesOpt = ["qwen2.5-7b,
     unknown = sorted(set(values(ms, int)) - set(ROWS_M))
     if unknown:
         raise QerlError(f"--ms {unknown}: the dispatch table has rows at M in {list(ROWS_M)}")
-    from qerl_pipe.kernels.base_formats import base_format
-
-    fmt = base_format(formats)  # an unknown name is refused, naming the known ones
-    if fmt.dense:
-        raise QerlError(f"--formats {formats}: a dense base has no 4-bit kernels to dispatch; choose nvfp4 or nf4")
-    if not fmt.hopper_dispatch:  # NF4: its rows of the table, one format per run (one table file each)
-        from qerl_lab.nf4_dispatch import run_nf4
-
-        emit(run_nf4(values(shapes), tuple(values(ms, int)), out, table_out), out)
-        return
     why = cuda_ext.why_unavailable("cuda")
     if why is not None:
         raise QerlError(f"the CUDA W4A16 kernels do not run here ({why}); the dispatch needs a Hopper GPU and nvcc")

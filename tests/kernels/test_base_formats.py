@@ -94,8 +94,6 @@ def test_an_unknown_format_gets_a_clear_error():
 NOT_A_BASE_FORMAT = {
     ("qerl_pipe/kernels/dispatch_measure.py", "bf16"): "the label of the cuBLAS-over-bf16-weights column the "
                                                        "dispatch is measured against, not a model's base",
-    ("qerl_lab/nf4_dispatch.py", "bf16"): "the label of the cuBLAS-over-bf16-weights column the NF4 rows are "
-                                       "measured against, not a model's base",
     ("qerl_pipe/formats/bnb_nf4.py", "nf4"): "bitsandbytes' own quant_type of a Params4bit (nf4 or fp4), not a "
                                              "model's base",
 }
