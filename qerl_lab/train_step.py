@@ -234,9 +234,6 @@ def _free(device: str) -> None:
     """Return everything the last configuration held to the driver and restart the peak counters."""
     gc.collect()
     if _cuda(device):
-        from qerl_pipe.kernels.dequant_gemm import release_scratch
-
-        release_scratch()  # sized by the last model's largest layer
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 

@@ -105,8 +105,8 @@ class EngineSection(_Section):
         "auto", description="Capture the decode step as CUDA graphs; auto = on for CUDA."
     )
     tune_kernels: Literal["auto", "on", "off"] = Field(
-        "auto", description="Time kernel configs for this model's layer shapes on this GPU; auto = on for CUDA "
-        "with a 4-bit base.",
+        "auto", description="Measure the NVFP4 kernel dispatch for this model's layer shapes on this GPU (Hopper "
+        "with nvcc; docs/kernels.md); auto = on for CUDA with an nvfp4 base.",
     )
     deterministic: bool = Field(
         True, description="NVFP4 on CUDA: only kernels that give the same bits on every run (a resumed run "

@@ -130,7 +130,7 @@ class DecodeRunner:
             self._logits = torch.empty(rows, self.model.config.vocab_size, dtype=self.model.dtype,
                                        device=self.tokens.device)
         # Warm up on a side stream (PyTorch's recipe): Triton compilation, cuBLAS workspaces and
-        # lazily grown buffers (the dequant scratch) are all allocated outside the capture.
+        # lazily made tensors (the reference's code tables, bitsandbytes' probe) happen outside the capture.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -7,6 +7,7 @@ See docs/formats.md, section "NF4 (QLoRA baseline)".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -104,9 +105,16 @@ def quantize_nf4(weight: Tensor, *, name: str = "tensor") -> NF4Weight:
     return NF4Weight(pack_nf4(codes.reshape(n, k)), absmax)
 
 
+@lru_cache(maxsize=None)
+def _levels(device: torch.device) -> Tensor:
+    # Made once per device: a host copy per call would synchronize, which a CUDA graph capture
+    # refuses (NF4 without bitsandbytes decodes through `dequantize_nf4` on the GPU).
+    return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+
+
 def dequantize_nf4(w: NF4Weight, dtype: torch.dtype = torch.float32) -> Tensor:
     """`[N, K]` weight in `dtype` (level x absmax in fp32, rounded once, as bitsandbytes does)."""
-    code = torch.tensor(NF4_CODE, dtype=torch.float32, device=w.packed.device)
+    code = _levels(w.packed.device)
     codes = unpack_nf4(w.packed).long()
     n, k = codes.shape
     out = code[codes].reshape(n, k // NF4_BLOCK, NF4_BLOCK) * w.absmax.float().unsqueeze(-1)

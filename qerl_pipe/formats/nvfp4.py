@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -250,9 +251,16 @@ def quantize_nvfp4_in_row_chunks(
     return NVFP4Weight(packed, scales, parts[0].global_scale)
 
 
+@lru_cache(maxsize=None)
+def _code_values(device: torch.device) -> Tensor:
+    # Made once per device: a copy from the host at every call would synchronize, which a CUDA
+    # graph capture refuses (GPUs without our CUDA kernels decode through `dequantize_nvfp4`).
+    return torch.tensor(_CODE_VALUES, dtype=torch.float32, device=device)
+
+
 def dequantize_nvfp4(w: NVFP4Weight, dtype: torch.dtype = torch.float32) -> Tensor:
     """`[N, K]` weight in `dtype`; computed in fp32 as modelopt's `dequantize` does."""
-    values = torch.tensor(_CODE_VALUES, dtype=torch.float32, device=w.packed.device)
+    values = _code_values(w.packed.device)
     codes = unpack_fp4(w.packed).long()
     n, k = codes.shape
     scale = w.block_scales.float() * w.global_scale.float()

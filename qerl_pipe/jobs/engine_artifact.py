@@ -1,5 +1,5 @@
 """An engine artifact as train and eval open it: `load_engine` (the model with its base in the
-kernels' layout, its limits, its tuned kernel table) and `check_engine_for`. The build-engine stage
+kernels' layout, its limits, its dispatch table) and `check_engine_for`. The build-engine stage
 writes what these read; they live here so that the stages that read an engine import no stage.
 """
 
@@ -15,7 +15,6 @@ from qerl_pipe.artifacts import Artifact, load_artifact
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.jobs.engine_weights import load_engine_model
 from qerl_pipe.errors import ArtifactError, QerlError
-from qerl_pipe.kernels.configs import set_table, table_from_json
 from qerl_pipe.kernels import dispatch
 from qerl_pipe.kernels.dispatch import DispatchTable
 from qerl_pipe.log import log
@@ -60,9 +59,9 @@ def read_engine_json(path: Path) -> dict[str, Any]:
 def load_engine(artifact_dir: Path | str, device: torch.device | str | None = None,
                 lora: LoraSpec | None = None) -> tuple[Decoder, EngineLimits]:
     """The engine's model on `device` (default: the device type it was built for) and its limits.
-    Installs its tuned kernel table (or the default: never a previous engine's) and its dispatch
-    table and schedule column (or the one shipped for this GPU) process-wide. Does not re-hash the
-    files (`ArtifactStore.resolve` does, for a user's reference)."""
+    Installs its dispatch table and schedule column (or the table shipped for this GPU) process-wide;
+    an engine.json of before issue 51 may hold a `kernel_table` of Triton configs, which nothing
+    reads now. Does not re-hash the files (`ArtifactStore.resolve` does, for a user's reference)."""
     path = Path(artifact_dir)
     artifact = load_artifact(path, verify=False)
     if artifact.kind != KIND:
@@ -75,13 +74,11 @@ def load_engine(artifact_dir: Path | str, device: torch.device | str | None = No
     target = torch.device(built["type"] if device is None else device)
     if target.type != built["type"] or (target.type == "cuda" and device_kind(target) != built["name"]):
         log(f"build-engine: {path.name} was built and tuned for {built['name']}, loading on "
-            f"{device_kind(target)}; its limits and kernel configs may not suit it (rebuild there)")
+            f"{device_kind(target)}; its limits and dispatch table may not suit it (rebuild there)")
     model = load_engine_model(path, target, lora)
     if model.base_format != engine["base_format"]:
         raise ArtifactError(f"{path}: weights are {model.base_format} but {ENGINE_FILE} says "
                             f"{engine['base_format']}; rebuild the engine with --force")
-    table = engine.get("kernel_table")
-    set_table(table_from_json(table) if table else {})
     measured = engine.get("dispatch_table")
     dispatch.configure(DispatchTable.from_json(measured) if measured else dispatch.table_for(target),
                        deterministic=engine.get("deterministic", True))

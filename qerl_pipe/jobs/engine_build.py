@@ -1,7 +1,7 @@
 """Building an engine directory: what build-engine stores so that train and eval start in seconds.
 `plan_engine` decides the dtype, KV limits (from the caller's budget), CUDA graphs and tuning before
 any weight is read, so a bad setting fails before any work; `write_engine` loads the base in the
-kernels' layout, tunes or measures its kernels on CUDA and writes the weights and `engine.json`
+kernels' layout, measures the NVFP4 dispatch on Hopper and writes the weights and `engine.json`
 (read by `jobs.engine_artifact.load_engine`). See docs/engine.md, section "The engine artifact"."""
 
 from __future__ import annotations
@@ -24,20 +24,13 @@ from qerl_pipe.formats.checkpoint import refuse_non_finite
 from qerl_pipe.formats.names import hf_name
 from qerl_pipe.formats.modelopt_writer import copy_model_files
 from qerl_pipe.hf import compute_dtype, count_parameters
-from qerl_pipe.kernels.base_formats import NAMES, base_format
-from qerl_pipe.kernels.configs import M_BUCKETS, ConfigTable, table_to_json
+from qerl_pipe.kernels.base_formats import FORMATS, base_format
 from qerl_pipe.log import log
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model, model_memory_bytes
 from qerl_pipe.strict_json import write_json
-
-# Tuning covers the M buckets the engine decodes at (up to its max batch) and a training-sized M
-# (the M >= 1024 bucket: prefill and the training forward); dX runs only in training, so only
-# there. Tuning every bucket for both ops would take minutes on a 7B model for no use.
-PREFILL_TUNING_M = 4096
-TUNING_MS = (*M_BUCKETS[:-1], PREFILL_TUNING_M)
 
 
 @dataclass(frozen=True)
@@ -49,7 +42,7 @@ class EngineSpec:
     max_seq_len: int
     max_batch: int
     cuda_graphs: str  # "auto", "on" or "off"
-    tune_kernels: str  # "auto", "on" or "off"
+    tune_kernels: str  # "auto", "on" or "off": measure the NVFP4 dispatch table
     dtype: str  # "auto" or a torch dtype's name
     deterministic: bool = True  # NVFP4: the dispatch's deterministic column (kernels.dispatch)
     activations: str = "bf16"  # the rollout's: "bf16" or "fp8" (engine.fp8)
@@ -89,11 +82,11 @@ def plan_engine(section: EngineSpec, hf_config: dict[str, Any], device: torch.de
     dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
     check_activations(section.activations, section.base_format, device, dtype)
     check_kv_cache(section.kv_cache, device)
-    four_bit = not base_format(section.base_format).dense
+    dispatched = base_format(section.base_format).hopper_dispatch
     graphs = _switch(section.cuda_graphs, cuda, cuda, "cuda_graphs", "needs a CUDA device")
-    tunable = " or ".join(name for name in NAMES if not base_format(name).dense)
-    tune = _switch(section.tune_kernels, cuda and four_bit, cuda and four_bit, "tune_kernels",
-                   f"needs a CUDA device and a 4-bit base ({tunable})")
+    tunable = " or ".join(name for name, f in FORMATS.items() if f.hopper_dispatch)
+    tune = _switch(section.tune_kernels, cuda and dispatched, cuda and dispatched, "tune_kernels",
+                   f"needs a CUDA device and a base with a kernel dispatch to measure ({tunable})")
     # Raises now when not even one sequence fits.
     limits = plan_limits(config, max_seq_len=section.max_seq_len, max_batch=section.max_batch,
                          kv_budget_bytes=kv_budget_bytes, dtype=dtype, cuda_graphs=graphs, kv_cache=section.kv_cache)
@@ -123,28 +116,19 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
     from qerl_pipe.kernels.cuda_ext import available as cuda_kernels_available
     from qerl_pipe.kernels.dispatch import ROWS_M
     from qerl_pipe.kernels.dispatch_measure import measure_table
-    from qerl_pipe.kernels.tuning import tune_kernels
 
     started = time.perf_counter()
     fmt = base_format(section.base_format)
     model = load_model(base_dir, fmt.name, plan.dtype, device)
     _check_finite(model)
     budget, limits = plan.kv_budget_bytes, plan.limits
-    table: ConfigTable | None = None
-    if plan.tune and fmt.hopper_dispatch and cuda_kernels_available(device):
-        # The table holds Triton configs; on this GPU NVFP4 runs the CUDA kernels instead, whose
-        # configs ship with the package (kernels/cuda/configs-h200.json).
-        log(f"build-engine: NVFP4 runs the CUDA kernels on {device_kind(device)}; no Triton tuning")
-    elif plan.tune:
-        log(f"build-engine: tuning {section.base_format} kernels on {device_kind(device)}")
-        decode_ms = [m for m in TUNING_MS if m <= limits.max_batch]
-        table = tune_kernels(_linear_shapes(model), decode_ms + [PREFILL_TUNING_M], fmt.name, device,
-                             dx_ms=[PREFILL_TUNING_M])
     dispatch_table = None
-    if fmt.hopper_dispatch and plan.tune and cuda_kernels_available(device):
+    if plan.tune and cuda_kernels_available(device):
         log(f"build-engine: measuring the NVFP4 kernel dispatch (ours / humming / dequantize + cuBLAS) on "
             f"{device_kind(device)}")
         dispatch_table, _ = measure_table(_linear_shapes(model), ROWS_M, device, log)
+    elif plan.tune:  # without our CUDA kernels (said once, with why) NVFP4 runs dequantize + cuBLAS
+        log(f"build-engine: no NVFP4 dispatch to measure on {device_kind(device)}")
     save_engine_model(model, out, hf_config=hf_config)
     copy_model_files(base_dir, out)
     seconds = round(time.perf_counter() - started, 2)
@@ -155,7 +139,6 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
         "limits": limits.to_json(),
         "kv_budget_bytes": budget,
         "memory_plan": memory_plan,
-        "kernel_table": table_to_json(table) if table is not None else None,
         "dispatch_table": dispatch_table.to_json() if dispatch_table is not None else None,
         "deterministic": section.deterministic,
         "activations": section.activations,
@@ -175,7 +158,6 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
         "kv_budget_mib": round(budget / 2**20, 1),
         "model_mib": round(model_memory_bytes(model) / 2**20, 1),
         "cuda_graph_sizes": list(limits.graph_batch_sizes),
-        "tuned_kernel_entries": len(table) if table is not None else 0,
         "dispatch_rows": len(dispatch_table.deterministic) if dispatch_table is not None else 0,
         "seconds": seconds,
         **({"memory_plan": memory_plan} if memory_plan is not None else {}),
@@ -183,6 +165,5 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
     log(f"build-engine: {section.base_format} base in {summary['dtype']} on {summary['device']}, "
         f"{summary['model_mib']} MiB; max_batch {limits.max_batch} x max_seq_len {limits.max_seq_len} "
         f"(KV cache {summary['kv_cache_mib']} of {summary['kv_budget_mib']} MiB); "
-        f"{summary['tuned_kernel_entries'] or 'default'} kernel configs, "
         f"{summary['dispatch_rows'] or 'no'} measured dispatch rows; {seconds} s")
     return summary

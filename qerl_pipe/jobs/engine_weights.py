@@ -24,7 +24,7 @@ from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.strict_json import write_json
 
-# 2: NVFP4 bases in the tiled chunk layout of the CUDA kernels (1 held `kernels.packing` words).
+# 2: NVFP4 bases in the tiled chunk layout of the CUDA kernels (1 held the Triton kernels' int32 words).
 WEIGHTS_FORMAT_VERSION = 2
 INDEX_NAME = "engine.safetensors.index.json"
 CONFIG_NAME = "config.json"

@@ -16,7 +16,7 @@ from qerl_pipe.errors import QerlError
 from qerl_pipe.formats.nf4 import NF4_BLOCK, NF4Weight, dequantize_nf4, quantize_nf4
 from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels.linear import nf4_linear, nf4_linear_dx, nvfp4_linear, nvfp4_linear_dx
-from qerl_pipe.kernels.packing import PackedNF4, PackedNVFP4, prepare_nf4, prepare_nvfp4, unprepare_nf4, unprepare_nvfp4
+from qerl_pipe.kernels.packing import PackedNF4, prepare_nf4, unprepare_nf4
 from qerl_pipe.kernels.tiled import TENSOR_FIELDS, TiledNVFP4, tile_nvfp4, tiled_shapes, untile_nvfp4
 
 
@@ -26,16 +26,14 @@ class UnknownBaseFormat(QerlError, ValueError):
 
 @dataclass(frozen=True)
 class Kernels:
-    """The ops that serve a 4-bit base's linears; each picks CUDA, Triton or the torch reference
-    by device (`kernels.linear`)."""
+    """The ops that serve a 4-bit base's linears; each picks our CUDA kernels, bitsandbytes or the
+    torch reference by device (`kernels.linear`)."""
 
     forward: Callable[..., Tensor]  # (x [.., K], w) -> x @ W^T
     dx: Callable[[Tensor, Any], Tensor]  # (dy [.., N], w) -> dy @ W, the backward's dX
     # forward(x, w, bias, lora) adds the bias and a LoRA expand itself (in the CUDA GEMM's
     # epilogue): inference passes them in instead of adding them after.
     fused_epilogue: bool = False
-    # Triton's layout of the checkpoint form (`kernels.packing`): what build-engine's tuning times.
-    triton_layout: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ class BaseFormat:
     make_container: Callable[..., Any]
     # (weight [N, K] of the model, its name, the model dtype) -> the checkpoint form of this base.
     quantize: Callable[[Tensor, str, torch.dtype], Any]
-    # A checkpoint or Triton form -> the container (anything else is returned as it is).
+    # A checkpoint form -> the container (anything else is returned as it is).
     to_container: Callable[[Any], Any]
     to_checkpoint: Callable[[Any], Any]  # the container -> the checkpoint form (unpacks: not per step)
     dequantize: Callable[[Any, torch.dtype], Tensor]  # the checkpoint form -> a dense tensor
@@ -67,8 +65,8 @@ class BaseFormat:
     # original 16-bit model (re-rounding 4-bit codes would compound their error).
     loads_nvfp4_checkpoint: bool = True
     # On Hopper its forward goes through `kernels.dispatch` (our CUDA GEMM, humming-kernels,
-    # dequantize + cuBLAS): build-engine measures a dispatch table instead of tuning Triton, and
-    # the rows humming serves need a copy of the base in humming's layout (`model.kernel_copies`).
+    # dequantize + cuBLAS): build-engine measures a dispatch table, and the rows humming serves
+    # need a copy of the base in humming's layout (`model.kernel_copies`).
     hopper_dispatch: bool = False
     # The version of the bytes `buffers` hold, stored with an engine's weights and part of the
     # engine's artifact id from 2 on: a change of layout or rounding bumps it, so an engine of the
@@ -148,12 +146,6 @@ def _nvfp4_quantize(w: Tensor, name: str, dtype: torch.dtype) -> NVFP4Weight:
     return quantize_nvfp4_in_row_chunks(w, name=name, chunk_elements=_chunk_elements(w))
 
 
-def _nvfp4_container(base: Any) -> Any:
-    if isinstance(base, PackedNVFP4):
-        base = unprepare_nvfp4(base)
-    return tile_nvfp4(base) if isinstance(base, NVFP4Weight) else base
-
-
 NVFP4 = BaseFormat(
     name="nvfp4",
     buffers=TENSOR_FIELDS,
@@ -162,12 +154,12 @@ NVFP4 = BaseFormat(
     make_container=lambda b, n, k, humming=None, dense=None: TiledNVFP4(
         b["qweight"], b["scales"], b["global_scale"], n, k, humming=humming, dense=dense),
     quantize=_nvfp4_quantize,
-    to_container=_nvfp4_container,
+    to_container=lambda base: tile_nvfp4(base) if isinstance(base, NVFP4Weight) else base,
     to_checkpoint=untile_nvfp4,
     dequantize=dequantize_nvfp4,
     bytes_per_weight=0.5 + 1 / BLOCK_SIZE,  # 4-bit codes and an fp8 scale per 16
     bytes_per_linear=4,
-    kernels=Kernels(nvfp4_linear, nvfp4_linear_dx, fused_epilogue=True, triton_layout=prepare_nvfp4),
+    kernels=Kernels(nvfp4_linear, nvfp4_linear_dx, fused_epilogue=True),
     from_quantize_artifact=True,
     hopper_dispatch=True,
 )
@@ -200,7 +192,7 @@ NF4 = BaseFormat(
     dequantize=dequantize_nf4,
     bytes_per_weight=0.5 + 4 / NF4_BLOCK,  # 4-bit codes and an fp32 absmax per 64
     bytes_per_linear=16 * 4,
-    kernels=Kernels(nf4_linear, nf4_linear_dx, triton_layout=prepare_nf4),
+    kernels=Kernels(nf4_linear, nf4_linear_dx),
     loads_nvfp4_checkpoint=False,
     # 2: bitsandbytes' bytes, nibble order and rounding (1: our own nibble order in int32 words).
     layout_version=2,

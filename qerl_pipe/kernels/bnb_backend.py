@@ -1,8 +1,8 @@
-"""bitsandbytes' NF4 kernels as a backend for our NF4 bases: the QLoRA baseline as its users run it.
+"""bitsandbytes' NF4 kernels, what our NF4 bases run on a GPU: the QLoRA baseline as its users run it.
 
 Its kernels read our buffers with no copy (`PackedNF4.qweight` is a view of bitsandbytes' bytes)
-and run what `bnb.nn.Linear4bit` runs; without bitsandbytes (or with `QERL_BNB=0`) our Triton
-kernels serve every row. See docs/kernels.md, section "NF4, the QLoRA baseline"."""
+and run what `bnb.nn.Linear4bit` runs; without bitsandbytes (or with `QERL_BNB=0`) the plain-torch
+reference serves NF4 (said once). See docs/kernels.md, section "NF4, the QLoRA baseline"."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def why_unavailable(device: torch.device | str) -> str | None:
 
 
 # Whether bitsandbytes' NF4 kernels run on a device (said once, in one line, when not).
-available = availability(why_unavailable, "bitsandbytes (NF4)", "our Triton NF4 kernels serve every row")
+available = availability(why_unavailable, "bitsandbytes (NF4)",
+                         "NF4 runs the plain-torch reference (dequantize + matmul), slower than bitsandbytes")
 
 
 def _bytes(w: PackedNF4) -> Tensor:

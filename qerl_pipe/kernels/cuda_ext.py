@@ -1,8 +1,8 @@
 """Build, load and call the CUDA W4A16 kernels (`kernels/cuda/`), as torch custom ops.
 
 Built on first use for `sm_90a`, cached by a hash of its inputs; `available(device)` says
-whether they run there (if not, the callers keep Triton). Split-K launches must not run at once on
-two streams of one device. See docs/kernels.md, section "The CUDA W4A16 kernels"."""
+whether they run there (if not, NVFP4 runs dequantize + cuBLAS). Split-K launches must not run at
+once on two streams of one device. See docs/kernels.md, section "The CUDA W4A16 kernels"."""
 
 import hashlib
 import json
@@ -139,12 +139,12 @@ def why_unavailable(device: torch.device | str) -> str | None:
         return "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
     try:
         _module()
-    except Exception as exc:  # a failed build must leave the Triton path working
+    except Exception as exc:  # a failed build must leave dequantize + cuBLAS working
         return f"the build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
     return None
 
 
-_available_on_gpu = availability(why_unavailable, "CUDA W4A16 kernels", "using the Triton kernels")
+_available_on_gpu = availability(why_unavailable, "CUDA W4A16 kernels", "NVFP4 runs dequantize + cuBLAS")
 
 
 def available(device: torch.device | str) -> bool:

@@ -1,8 +1,8 @@
-"""Public 4-bit linear ops: CUDA or Triton kernels on a GPU, the plain-torch references elsewhere.
+"""Public 4-bit linear ops: our CUDA kernels or bitsandbytes on a GPU, the plain-torch references elsewhere.
 
-NVFP4 runs what the dispatch table picks on Hopper, else Triton on a copy repacked once; NF4 what
-the table's NF4 rows pick; on the CPU a weight's dense copy gives the reference's numbers bit for
-bit. See docs/kernels.md, section "Kernels: NVFP4 / NF4 weight-only matmul on Hopper"."""
+NVFP4 runs what the dispatch table picks on Hopper, else dequantize + cuBLAS; NF4 runs bitsandbytes
+(as QLoRA does), else the reference; on the CPU a weight's dense copy gives the reference's numbers
+bit for bit. See docs/kernels.md, section "Kernels: NVFP4 / NF4 weight-only matmul on Hopper"."""
 
 from __future__ import annotations
 
@@ -13,19 +13,10 @@ from torch import Tensor
 
 from qerl_pipe.formats.nf4 import NF4Weight
 from qerl_pipe.formats.nvfp4 import NVFP4Weight
-from qerl_pipe.kernels import reference
-from qerl_pipe.kernels.configs import KernelConfig, get_config
-from qerl_pipe.kernels.packing import (
-    PackedNF4,
-    PackedNVFP4,
-    cached_per_tensor,
-    prepare_nvfp4,
-    prepared_nf4,
-    prepared_nvfp4,
-    unprepare_nf4,
-    unprepare_nvfp4,
-)
+from qerl_pipe.kernels import bnb_backend, reference
+from qerl_pipe.kernels.packing import PackedNF4, cached_per_tensor, prepared_nf4, unprepare_nf4
 from qerl_pipe.kernels.tiled import TiledNVFP4, untile_nvfp4
+
 
 def _rows(t: Tensor, width: int, what: str) -> Tensor:
     if t.shape[-1] != width:
@@ -34,33 +25,18 @@ def _rows(t: Tensor, width: int, what: str) -> Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _run(op: str, fmt: str, a: Tensor, packed: PackedNVFP4 | PackedNF4) -> Tensor:
-    # Imported here so that CPU-only installs never need Triton.
-    from qerl_pipe.kernels.triton_matmul import launch_dx, launch_forward
-
-    n, k = packed.out_features, packed.in_features
-    if op == "fwd":
-        a2 = _rows(a, k, "x")
-        out = launch_forward(a2, packed, get_config(op, fmt, a2.shape[0], n, k))
-        return out.reshape(*a.shape[:-1], n)
-    a2 = _rows(a, n, "dy")
-    out = launch_dx(a2, packed, get_config(op, fmt, a2.shape[0], n, k))
-    return out.reshape(*a.shape[:-1], k)
-
-
-NVFP4Any = Union[NVFP4Weight, PackedNVFP4, TiledNVFP4]
+NVFP4Any = Union[NVFP4Weight, TiledNVFP4]
 
 
 def _checkpoint_form(w: NVFP4Any) -> NVFP4Weight:
-    if isinstance(w, TiledNVFP4):
-        return untile_nvfp4(w)
-    return w if isinstance(w, NVFP4Weight) else unprepare_nvfp4(w)
-
-
-def _triton_layout(w: NVFP4Weight | PackedNVFP4 | TiledNVFP4) -> PackedNVFP4:
-    if isinstance(w, TiledNVFP4):
-        return cached_per_tensor(w.qweight, lambda: prepare_nvfp4(untile_nvfp4(w)))
-    return prepared_nvfp4(w)
+    """The weight as the reference reads it. A GPU without our CUDA kernels unpacks the tiled
+    layout once per weight (cached while its buffer lives: a second copy of the 4-bit weights,
+    0.56 B/param) rather than at every call; the CPU holds dense copies instead."""
+    if not isinstance(w, TiledNVFP4):
+        return w
+    if w.qweight.is_cuda:
+        return cached_per_tensor(w.qweight, lambda: untile_nvfp4(w))
+    return untile_nvfp4(w)
 
 
 def _dense_copy(w: NVFP4Any | NF4Weight | PackedNF4, dtype: torch.dtype) -> Tensor | None:
@@ -80,10 +56,7 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
     """`x @ W^T (+ bias) (+ u @ B^T)`: `x [..., K]` (bf16) -> `[..., N]` in x's dtype; `lora` =
     (u [rows, R], B [N, R]) is an adapter's expand (u = x @ A^T upstream). The CUDA decode GEMM adds
     bias and expand in its epilogue, other paths after the matmul. Inference only (no autograd)."""
-    if not x.is_cuda:
-        dense = _dense_copy(w, x.dtype)
-        out = x @ dense.T if dense is not None else reference.nvfp4_linear_ref(x, _checkpoint_form(w))
-    elif _cuda_kernels(x, w):
+    if x.is_cuda and _cuda_kernels(x, w):
         from qerl_pipe.kernels import cuda_ext, dispatch
 
         x2 = _rows(x, w.in_features, "x")
@@ -101,8 +74,9 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
         else:
             out = x2 @ cuda_ext.dequantize(w).T
         out = out.reshape(*x.shape[:-1], w.out_features)
-    else:
-        out = _run("fwd", "nvfp4", x, _triton_layout(w))
+    else:  # the CPU, or a GPU without our CUDA kernels: dequantize + cuBLAS
+        dense = _dense_copy(w, x.dtype)
+        out = x @ dense.T if dense is not None else reference.nvfp4_linear_ref(x, _checkpoint_form(w))
     if bias is not None:
         out = out + bias
     if lora is not None:
@@ -114,44 +88,25 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
 
 def nvfp4_linear_dx(dy: Tensor, w: NVFP4Any) -> Tensor:
     """`dy @ W` (the backward pass's dX): `dy [..., N]` -> `[..., K]` in dy's dtype."""
-    if not dy.is_cuda:
-        dense = _dense_copy(w, dy.dtype)
-        return dy @ dense if dense is not None else reference.nvfp4_linear_dx_ref(dy, _checkpoint_form(w))
-    if _cuda_kernels(dy, w):
+    if dy.is_cuda and _cuda_kernels(dy, w):
         from qerl_pipe.kernels import cuda_ext
 
         return dy @ cuda_ext.dequantize(w)
-    return _run("dx", "nvfp4", dy, _triton_layout(w))
+    dense = _dense_copy(w, dy.dtype)
+    return dy @ dense if dense is not None else reference.nvfp4_linear_dx_ref(dy, _checkpoint_form(w))
 
 
-# Our decode pass into bf16, then cuBLAS: the NF4 `dequant` backend (the Triton table's own
-# `dequant` config at large M; the block sizes only shape the decode pass).
-NF4_DEQUANT_CONFIG = KernelConfig("dequant", 1, 32, 256, 1, 4, 1)
-
-
-def _nf4_cuda(op: str, a: Tensor, w: PackedNF4) -> Tensor:
-    """`a @ W^T` (op `fwd`) or `a @ W` (`dx`) on the GPU, by the dispatch's NF4 row."""
-    from qerl_pipe.kernels import bnb_backend, dispatch
-    from qerl_pipe.kernels.triton_matmul import launch_dx, launch_forward
-
-    n, k = w.out_features, w.in_features
-    width, out_width = (k, n) if op == "fwd" else (n, k)
-    a2 = _rows(a, width, "x" if op == "fwd" else "dy")
-    has_bnb = a2.dtype in bnb_backend.DTYPES and bnb_backend.available(a2.device)
-    chosen = dispatch.nf4_backend("nf4" if op == "fwd" else "nf4-dx", a2.shape[0], n, k, a2.device, has_bnb)
-    if chosen == "bnb":
-        out = bnb_backend.matmul(a2, w) if op == "fwd" else bnb_backend.matmul_dx(a2, w)
-    elif chosen == "dequant":
-        out = (launch_forward if op == "fwd" else launch_dx)(a2, w, NF4_DEQUANT_CONFIG)
-    else:
-        return _run(op, "nf4", a, w)
-    return out.reshape(*a.shape[:-1], out_width)
+def _bnb_runs(a: Tensor) -> bool:
+    """Whether bitsandbytes serves this NF4 product (CUDA, bf16/fp16, installed and working; else
+    the reference serves it, said once per device by `bnb_backend.available`)."""
+    return a.is_cuda and a.dtype in bnb_backend.DTYPES and bnb_backend.available(a.device)
 
 
 def nf4_linear(x: Tensor, w: NF4Weight | PackedNF4) -> Tensor:
-    """`x @ W^T` for an NF4 weight."""
-    if x.is_cuda:
-        return _nf4_cuda("fwd", x, prepared_nf4(w))
+    """`x @ W^T` for an NF4 weight: bitsandbytes as `Linear4bit` runs it, else the reference."""
+    if _bnb_runs(x):
+        p = prepared_nf4(w)
+        return bnb_backend.matmul(_rows(x, p.in_features, "x"), p).reshape(*x.shape[:-1], p.out_features)
     dense = _dense_copy(w, x.dtype)
     if dense is not None:
         return x @ dense.T
@@ -159,9 +114,10 @@ def nf4_linear(x: Tensor, w: NF4Weight | PackedNF4) -> Tensor:
 
 
 def nf4_linear_dx(dy: Tensor, w: NF4Weight | PackedNF4) -> Tensor:
-    """`dy @ W` for an NF4 weight."""
-    if dy.is_cuda:
-        return _nf4_cuda("dx", dy, prepared_nf4(w))
+    """`dy @ W` for an NF4 weight: bitsandbytes as `MatMul4Bit.backward` runs it, else the reference."""
+    if _bnb_runs(dy):
+        p = prepared_nf4(w)
+        return bnb_backend.matmul_dx(_rows(dy, p.out_features, "dy"), p).reshape(*dy.shape[:-1], p.in_features)
     dense = _dense_copy(w, dy.dtype)
     if dense is not None:
         return dy @ dense

@@ -139,8 +139,8 @@ def activation_bytes(c: DecoderConfig, s: StepSize, dtype: torch.dtype = torch.b
 
 
 def scratch_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch.bfloat16) -> int:
-    """The 4-bit large-M path decodes the largest linear into one shared buffer of the model dtype;
-    a MoE's grouped path decodes a whole projection's experts at once (`kernels.torch_grouped`)."""
+    """The 4-bit large-M path decodes one linear at a time into a buffer of the model dtype (the
+    largest bounds it); a MoE's grouped path decodes a projection's experts at once (`torch_grouped`)."""
     if format_entry(base_format).dense:
         return 0
     stacked = [c.num_experts * k * sum(outs) for k, outs, _ in _expert_linears(c)] if c.num_sparse_layers else []

@@ -42,7 +42,8 @@ def test_build_from_the_quantize_artifact_and_reuse(tiny_llama, store_dir):
     assert spec["format_version"] == 1 and spec["base_format"] == "nvfp4" and spec["dtype"] == "float32"
     assert spec["limits"] == {"max_batch": 8, "max_seq_len": 256, "graph_batch_sizes": [],
                               "kv_cache_bytes": spec["limits"]["kv_cache_bytes"], "kv_cache": "bf16"}
-    assert spec["kernel_table"] is None and spec["device"] == {"type": "cpu", "name": "cpu"}
+    assert spec["dispatch_table"] is None and spec["device"] == {"type": "cpu", "name": "cpu"}
+    assert "kernel_table" not in spec  # the Triton configs went with the Triton kernels (issue 51)
     assert "quantization_config" not in read_json(engine / "config.json")  # not the modelopt layout
     manifest = read_json(engine / "manifest.json")
     assert manifest["kind"] == "engine" and manifest["parents"] == [read_json(ckpt / "manifest.json")["id"]]
@@ -66,13 +67,9 @@ def test_build_from_the_quantize_artifact_and_reuse(tiny_llama, store_dir):
 
 
 def test_load_engine_matches_load_model_bit_for_bit(tiny_llama, store_dir):
-    from qerl_pipe.kernels import configs
-
     engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *FAST))
     (ckpt,) = named(store_dir, "quantize-")
-    configs.set_table({"fwd:nvfp4:m1": configs.KernelConfig("skinny", 1, 16, 64)})  # a previous engine's
     model, limits = load_engine(engine)
-    assert configs._ACTIVE == configs.default_table()  # no tuned table: back to the defaults
     assert model.base_format == "nvfp4" and model.dtype == torch.float32
     assert model.embed_tokens.weight.device.type == "cpu"
     reference = load_model(store_dir / ckpt, "nvfp4", dtype=torch.float32)
@@ -85,6 +82,13 @@ def test_load_engine_matches_load_model_bit_for_bit(tiny_llama, store_dir):
     assert len(lora_parameters(with_lora)) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
     assert torch.equal(logits(with_lora), logits(reference))  # B = 0
 
+    # An engine built before issue 51 also holds the Triton configs it was tuned with: nothing reads
+    # them now, and it loads as it is.
+    spec = read_json(engine / "engine.json")
+    old = {"fwd:nvfp4:m1": {"kernel": "skinny", "block_m": 1, "block_n": 16, "block_k": 64}}
+    (engine / "engine.json").write_text(json.dumps({**spec, "kernel_table": old}))
+    assert torch.equal(logits(load_engine(engine)[0]), logits(reference))
+
 
 def test_loading_neither_repacks_nor_quantizes(tiny_llama, store_dir, monkeypatch):
     engine = last_line(cli("build-engine", "--model", tiny_llama, "--artifacts", store_dir, "--build-missing", *FAST))
@@ -94,7 +98,7 @@ def test_loading_neither_repacks_nor_quantizes(tiny_llama, store_dir, monkeypatc
         raise AssertionError("the engine loader repacked or quantized a weight")
 
     for target in ("qerl_pipe.kernels.base_formats.tile_nvfp4", "qerl_pipe.kernels.base_formats.prepare_nf4",
-                   "qerl_pipe.kernels.packing.pack_words", "qerl_pipe.kernels.tiled.tile_nvfp4", "qerl_pipe.formats.nvfp4.quantize_nvfp4",
+                   "qerl_pipe.kernels.tiled.tile_nvfp4", "qerl_pipe.formats.nvfp4.quantize_nvfp4",
                    "qerl_pipe.formats.nf4.quantize_nf4"):
         monkeypatch.setattr(target, forbidden)
     assert torch.equal(logits(load_engine(engine)[0]), expected)

@@ -1,9 +1,9 @@
-"""bitsandbytes' NF4 kernels behind the dispatch, on a GPU (`pytest -m gpu`; needs the qlora extra).
+"""bitsandbytes' NF4 kernels, what NF4 runs on a GPU (`pytest -m gpu`; needs the qlora extra).
 
 Its matmul (gemv_4bit at one row, dequantize_4bit + cuBLAS above) and dX against the fp32 product
-of the same NF4 weight at M = 1, 16, 64; `nf4_linear` / `nf4_linear_dx` following the rule and a
-table row; CUDA-graph capture; and how far bitsandbytes' own CUDA quantizer (fast-math reciprocal,
-a decision tree) is from our bytes, which equal its CPU quantizer's.
+of the same NF4 weight at M = 1, 16, 64; `nf4_linear` / `nf4_linear_dx` on bitsandbytes at every M,
+and on the reference without it; CUDA-graph capture of both; and how far bitsandbytes' own CUDA
+quantizer (fast-math reciprocal, a decision tree) is from our bytes, which equal its CPU quantizer's.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from qerl_pipe.formats.nf4 import NF4_BLOCK, dequantize_nf4, quantize_nf4, unpack_nf4
-from qerl_pipe.kernels import bnb_backend, dispatch
-from qerl_pipe.kernels.dispatch import DispatchTable, nf4_row_key
+from qerl_pipe.kernels import bnb_backend
 from qerl_pipe.kernels.linear import nf4_linear, nf4_linear_dx
-from qerl_pipe.kernels.packing import prepare_nf4
+from qerl_pipe.kernels.packing import prepare_nf4, unprepare_nf4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +24,7 @@ pytestmark = [
 SHAPES = [(4608, 3584), (3584, 18944), (192, 512)]
 MS = (1, 16, 64)
 # bf16 output of an fp32-accumulated product is ~2**-9 relative; dequantize + cuBLAS also rounds each
-# weight (level x absmax) to bf16 first, as the reference of the Triton path does: a few 1e-3 in all.
+# weight (level x absmax) to bf16 first, as the reference does: a few 1e-3 in all.
 MAX_REL = 1e-2
 
 
@@ -41,11 +40,9 @@ def _bnb() -> None:
 
 
 @pytest.fixture
-def rule():
-    dispatch.configure(None, True)
-    yield dispatch.configure
-    dispatch.configure(None, True)
-    dispatch._ACTIVE.chosen = False
+def without_bitsandbytes(monkeypatch):
+    """NF4 as a GPU without bitsandbytes runs it (the plain-torch reference)."""
+    monkeypatch.setattr(bnb_backend, "available", lambda device: False)
 
 
 def _weight(n: int, k: int, seed: int):
@@ -75,7 +72,7 @@ def test_bitsandbytes_forward_and_dx_match_the_reference(n, k, m) -> None:
 
 
 @pytest.mark.parametrize("m", MS)
-def test_nf4_linear_follows_the_rule_and_the_rows(rule, monkeypatch, m) -> None:
+def test_nf4_linear_runs_bitsandbytes_at_every_m(monkeypatch, m) -> None:
     n, k = SHAPES[0]
     w, dense = _weight(n, k, seed=5)
     x = torch.randn(1, m, k, device="cuda").bfloat16()  # leading dims are flattened
@@ -87,28 +84,36 @@ def test_nf4_linear_follows_the_rule_and_the_rows(rule, monkeypatch, m) -> None:
     dx = nf4_linear_dx(y, w)
     assert y.shape == (1, m, n) and dx.shape == (1, m, k)
     assert _rel(y, x.double() @ dense.T) < MAX_REL and _rel(dx, y.double() @ dense) < MAX_REL
-    rows = m  # the rule: bitsandbytes for a one-row forward only (its dX never wins)
-    assert calls == (["matmul"] if rows <= dispatch.NF4_BNB_MAX_M else [])
-    calls.clear()
-    table = {nf4_row_key("nf4", rows, n, k): "bnb", nf4_row_key("nf4-dx", rows, n, k): "dequant"}
-    rule(DispatchTable("any", 1, deterministic=table, fast=dict(table)), True)
-    assert torch.allclose(nf4_linear(x, w).float(), y.float(), rtol=2e-2, atol=2e-2)
-    assert _rel(nf4_linear_dx(y, w), y.double() @ dense) < MAX_REL
-    assert calls == ["matmul"]
+    assert calls == ["matmul", "matmul_dx"]
+    assert torch.equal(nf4_linear(x.float(), w), x.float() @ dequantize_nf4(unprepare_nf4(w), torch.float32).T)
+    assert calls == ["matmul", "matmul_dx"]  # fp32 activations: the reference, bitsandbytes takes bf16/fp16
 
 
-def test_bitsandbytes_runs_inside_a_cuda_graph(rule) -> None:
+@pytest.mark.parametrize("m", MS)
+def test_without_bitsandbytes_nf4_runs_the_reference(without_bitsandbytes, m) -> None:
+    n, k = SHAPES[2]
+    w, dense = _weight(n, k, seed=7)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    checkpoint = unprepare_nf4(w)
+    y = nf4_linear(x, w)
+    assert torch.equal(y, x @ dequantize_nf4(checkpoint, torch.bfloat16).T)
+    assert _rel(y, x.double() @ dense.T) < MAX_REL
+    assert torch.equal(nf4_linear_dx(y, w), y @ dequantize_nf4(checkpoint, torch.bfloat16))
+
+
+@pytest.mark.parametrize("bnb", [True, False], ids=["bitsandbytes", "reference"])
+def test_nf4_runs_inside_a_cuda_graph(monkeypatch, bnb) -> None:
+    if not bnb:
+        monkeypatch.setattr(bnb_backend, "available", lambda device: False)
     n, k = SHAPES[2]
     w, _ = _weight(n, k, seed=9)
-    for m in (1, 8):  # gemv_4bit, and (by a row: the rule sends 8 rows to our decode pass) dequantize_4bit
-        table = {nf4_row_key("nf4", m, n, k): "bnb"}
-        rule(DispatchTable("any", 1, deterministic=table, fast=dict(table)), True)
+    for m in (1, 8):  # gemv_4bit, and dequantize_4bit + cuBLAS (or the reference's dequantize + cuBLAS)
         x = torch.randn(m, k, device="cuda").bfloat16()
         eager = nf4_linear(x, w)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            nf4_linear(x, w)  # warm-up outside the capture (the decode buffer grows here)
+            nf4_linear(x, w)  # warm-up outside the capture (one-time probes and tables happen here)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -102,10 +102,19 @@ def test_shipped_tables_parse_and_name_measured_rows() -> None:
         assert t.sms > 0 and t.gpu
         for column in (t.deterministic, t.fast):
             for key, chosen in column.items():
-                op, _, row = key.rpartition(":m") if key.startswith("nf4") else ("", "", key[1:])
-                assert op in ("", *dispatch.NF4_OPS), key
-                assert int(row.split(":")[0]) in ROWS_M, key
-                assert chosen in (dispatch.NF4_BACKENDS if op else dispatch.BACKENDS), (key, chosen)
+                assert dispatch.ROW_KEY.fullmatch(key) and int(key[1:].split(":")[0]) in ROWS_M, key
+                assert chosen in dispatch.BACKENDS, (key, chosen)
+    # One table per GPU: a second file of the same GPU would go unread.
+    assert len({(t.gpu, t.sms) for t in tables}) == len(tables)
+
+
+def test_a_table_refuses_rows_it_cannot_serve() -> None:
+    """NF4 rows (`nf4:m..`, from before NF4 ran on bitsandbytes alone), backends of another column
+    and malformed keys are refused, naming the fix."""
+    for column, rows in (("deterministic", {"nf4:m1:n8:k64": "dequant"}), ("fast", {"m1:n8:k64": "bnb"}),
+                         ("deterministic", {"m1:n8:k64": "humming-fast"}), ("fast", {"m1:n8": "qerl"})):
+        with pytest.raises(ValueError, match="bench kernels-dispatch"):
+            DispatchTable("g", 1, **{column: rows})
 
 
 def test_no_table_and_no_copies_off_cuda() -> None:

@@ -1,7 +1,6 @@
 """The Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against the torch reference.
 
-The matmuls take bf16 activations. The decode step's kernels (decode attention, add + RMSNorm)
-run in fp32 here: the interpreter rounds fp32 -> bf16 toward zero and its tl.dot on bf16 inputs
+The decode step's kernels (decode attention, add + RMSNorm) run in fp32 here: the interpreter rounds fp32 -> bf16 toward zero and its tl.dot on bf16 inputs
 returns garbage (seen with triton 3.9), so their bf16 path is tested on the GPU
 (tests/kernels/test_decode_kernels_gpu.py).
 
@@ -23,77 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from qerl_pipe.formats.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
-from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4
-from qerl_pipe.kernels.configs import KernelConfig
-from qerl_pipe.kernels.packing import prepare_nf4, prepare_nvfp4
-
-SK = "skinny"
-TI = "tiled"
-DQ = "dequant"
-CASES = [
-    # (op, fmt, M, N, K, config): M off the tile, M = 1, the smallest K, odd N, split-K.
-    ("fwd", "nvfp4", 1, 33, 16, KernelConfig(SK, 1, 16, 64)),
-    ("fwd", "nvfp4", 3, 33, 96, KernelConfig(SK, 2, 8, 32, split_k=2)),
-    ("fwd", "nvfp4", 1, 40, 256, KernelConfig(SK, 1, 16, 64, split_k=4)),
-    ("fwd", "nvfp4", 1, 33, 272, KernelConfig("gemv", 1, 16, 128)),
-    ("fwd", "nvfp4", 3, 17, 256, KernelConfig("gemv", 2, 8, 64, split_k=2)),
-    ("fwd", "nf4", 1, 33, 192, KernelConfig("gemv", 1, 8, 128)),
-    ("fwd", "nvfp4", 17, 33, 48, KernelConfig(TI, 16, 16, 32, num_stages=1)),
-    ("fwd", "nvfp4", 5, 24, 128, KernelConfig(TI, 16, 16, 32, split_k=2, num_stages=1)),
-    ("fwd", "nvfp4", 1, 16, 16, KernelConfig(TI, 16, 16, 16, num_stages=1)),
-    ("fwd", "nf4", 1, 33, 64, KernelConfig(SK, 1, 16, 64)),
-    ("fwd", "nf4", 3, 17, 192, KernelConfig(SK, 2, 8, 64, split_k=2)),
-    ("fwd", "nf4", 19, 33, 128, KernelConfig(TI, 16, 16, 64, num_stages=1)),
-    ("fwd", "nf4", 2, 16, 64, KernelConfig(TI, 16, 16, 64, split_k=2, num_stages=1)),
-    ("dx", "nvfp4", 1, 33, 16, KernelConfig(TI, 16, 16, 16, num_stages=1)),
-    ("dx", "nvfp4", 19, 33, 96, KernelConfig(TI, 16, 16, 32, num_stages=1)),
-    ("dx", "nf4", 17, 40, 128, KernelConfig(TI, 16, 16, 64, num_stages=1)),
-    ("dx", "nf4", 1, 17, 64, KernelConfig(TI, 16, 32, 64, num_stages=1)),
-    # Decode into the scratch buffer, then torch.matmul: edges in N and K, K below one tile.
-    ("fwd", "nvfp4", 5, 33, 96, KernelConfig(DQ, 1, 16, 64)),
-    ("fwd", "nvfp4", 2, 17, 16, KernelConfig(DQ, 1, 16, 64)),
-    ("fwd", "nf4", 3, 17, 192, KernelConfig(DQ, 1, 8, 128)),
-    ("dx", "nvfp4", 4, 33, 48, KernelConfig(DQ, 1, 16, 64)),
-    ("dx", "nf4", 2, 40, 128, KernelConfig(DQ, 1, 16, 64)),
-]
-
-
-def _case_id(case: tuple) -> str:
-    op, fmt, m, n, k, cfg = case
-    return f"{op}-{fmt}-m{m}-n{n}-k{k}-{cfg.kernel}{cfg.block_m}x{cfg.block_n}x{cfg.block_k}s{cfg.split_k}"
-
-
-def _weight(fmt: str, n: int, k: int, gen: torch.Generator) -> NVFP4Weight | NF4Weight:
-    # Rows of very different magnitude, so block scales spread widely (some hit E4M3 subnormals).
-    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).pow(4) * 3
-    return quantize_nvfp4(w) if fmt == "nvfp4" else quantize_nf4(w)
-
-
-def _run_case(case: tuple, seed: int) -> float:
-    """Relative error of one kernel launch vs x @ dequantized W in fp32 (runs in the worker)."""
-    from qerl_pipe.kernels import triton_matmul as tm
-
-    op, fmt, m, n, k, cfg = case
-    gen = torch.Generator().manual_seed(seed)
-    w = _weight(fmt, n, k, gen)
-    packed = prepare_nvfp4(w) if fmt == "nvfp4" else prepare_nf4(w)  # type: ignore[arg-type]
-    dense = (dequantize_nvfp4 if fmt == "nvfp4" else dequantize_nf4)(w, torch.float32)  # type: ignore[operator]
-    if op == "fwd":
-        a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-        out = tm.launch_forward(a, packed, cfg, out=torch.full((m, n), float("nan"), dtype=torch.bfloat16))
-        ref = a.float() @ dense.T
-    else:
-        a = torch.randn(m, n, generator=gen).to(torch.bfloat16)
-        out = tm.launch_dx(a, packed, cfg, out=torch.full((m, k), float("nan"), dtype=torch.bfloat16))
-        ref = a.float() @ dense
-    if out.shape != ref.shape or out.dtype != torch.bfloat16:
-        raise AssertionError(f"output {tuple(out.shape)} {out.dtype}, expected {tuple(ref.shape)}")
-    if not bool(torch.isfinite(out).all()):
-        raise AssertionError("non-finite output: an element was not written")
-    return float((out.float() - ref).norm() / ref.norm())
-
 
 # Decode attention: (batch, q heads, kv heads, head_dim, attention length, sliding window,
 # score cap, rotary dim); a length past one split, GQA groups of 1, 2 and 7, the smallest
@@ -339,13 +267,6 @@ def results() -> dict[str, dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_kernel_matches_reference(results: dict[str, dict], case: tuple) -> None:
-    r = results[_case_id(case)]
-    assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
-    assert r["rel_err"] < 1e-2, f"seed {r['seed']}: relative error {r['rel_err']:.3g}"
-
-
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=_attention_id)
 def test_decode_attention_matches_reference(results: dict[str, dict], case: tuple) -> None:
     r = results[_attention_id(case)]
@@ -390,14 +311,8 @@ def test_sample_step_matches_reference(results: dict[str, dict], case: tuple) ->
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through the tests (sets TRITON_INTERPRET)"
     out: dict[str, dict] = {}
-    for case in CASES:
-        seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh data every run; printed on failure
-        try:
-            out[_case_id(case)] = {"seed": seed, "rel_err": _run_case(case, seed)}
-        except Exception as e:  # noqa: BLE001 - reported per case by the test
-            out[_case_id(case)] = {"seed": seed, "error": repr(e)}
     for attention in ATTENTION_CASES:
-        seed = int(torch.randint(0, 2**31 - 1, ()))
+        seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh data every run; printed on failure
         try:
             out[_attention_id(attention)] = {"seed": seed, **_run_attention_case(attention, seed)}
         except Exception as e:  # noqa: BLE001 - reported per case by the test
