@@ -113,7 +113,7 @@ QUANTIZE = Stage("quantize", 1, "nvfp4-checkpoint", "quantize checkpoint",
                  (Input(CALIBRATE, "--calibration", "Calibration artifact (path or id): gives NVFP4 with input scales; "
                         "without it, W4A16_NVFP4.", optional=True, used=_in_recipe(CALIBRATE)),))
 BUILD_ENGINE = Stage("build-engine", 1, "engine", "engine",
-                     "Store the model as the kernels run it, with KV-cache limits and (on CUDA) tuned kernels.",
+                     "Store the model as the kernels run it, with KV-cache limits and (on Hopper) a measured dispatch.",
                      # an nf4 or bf16 engine reads the original model, not a quantize checkpoint
                      (Input(QUANTIZE, "--quantized", "Quantize artifact (path or id) to build an nvfp4 engine from; "
                             "without it, the recipe's (found in the store; made with --build-missing).",

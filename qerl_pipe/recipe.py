@@ -88,7 +88,7 @@ class QuantizeSection(_Section):
 
 
 class EngineSection(_Section):
-    """`build-engine`: the model as the kernels run it, with planned limits and tuned kernels."""
+    """`build-engine`: the model as the kernels run it, with planned limits and a measured kernel dispatch."""
 
     base_format: Literal["nvfp4", "nf4", "bf16"] = Field(
         "nvfp4", description="Frozen base: nvfp4 reads the quantize artifact; nf4 (QLoRA baseline) and "
