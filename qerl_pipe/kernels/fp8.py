@@ -1,5 +1,5 @@
 """FP8 (E4M3) linears y = (x8 * sx) @ (w8 * sw)^T, scales per token and per output channel (amax / 448):
-our Triton GEMM (triton_fp8.py) on FP8 tensor cores, else the reference (the tests' oracle). `row_codes`
+our Triton GEMM (triton_fp8.py) or cuBLASLt's on FP8 tensor cores, else the reference (the tests' oracle). `row_codes`
 is what every fused kernel reproduces exactly (the KV cache's too). docs/kernels.md#fp8-rollouts."""
 
 from __future__ import annotations
@@ -79,18 +79,27 @@ def fp8_linear_reference(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype) -> Te
     return (a @ b.t()).to(out_dtype)
 
 
+# Our Triton GEMM up to this many rows, cuBLASLt's row-wise scaled GEMM above: measured on an H100
+# (bench/results/fp8/fp8-rows-triton-h100.json, 7B layers), ours is faster on every layer at 16 and
+# 64 rows, cuBLASLt on every layer at 256. docs/kernels.md, "FP8 rollouts".
+OURS_MAX_ROWS = 64
+
+
 def fp8_linear(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype = torch.bfloat16, bias: Tensor | None = None,
                lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """x [M, K] @ W^T (+ bias [N]) (+ u @ B^T for lora = (u [M, R], B [N, R])) -> [M, N] in `out_dtype`,
-    rounded once: our Triton FP8 GEMM where the device has FP8 tensor cores and the output is bf16,
-    else the reference."""
+    """x [M, K] @ W^T (+ bias [N]) (+ u @ B^T for lora = (u [M, R], B [N, R])) -> [M, N] in `out_dtype`:
+    on FP8 tensor cores with a bf16 output our Triton GEMM (bias and adapter before its one rounding)
+    or cuBLASLt (`OURS_MAX_ROWS`), else the reference."""
     if runs_fp8(x.codes.device) and out_dtype == torch.bfloat16:
-        from qerl_pipe.kernels.triton_fp8 import fp8_gemm  # imports this module: the GPU path loads it late
+        if x.codes.shape[0] <= OURS_MAX_ROWS:
+            from qerl_pipe.kernels.triton_fp8 import fp8_gemm  # imports this module: loaded late
 
-        return fp8_gemm(x, w, bias, lora)
-    y = fp8_linear_reference(x, w, torch.float32)
+            return fp8_gemm(x, w, bias, lora)
+        y = torch._scaled_mm(x.codes, w.codes.t(), scale_a=x.scale, scale_b=w.scale, out_dtype=out_dtype)
+    else:
+        y = fp8_linear_reference(x, w, torch.float32)
     if bias is not None:
-        y += bias.float()
+        y += bias.to(y.dtype)
     if lora is not None:
-        y += lora[0].float() @ lora[1].float().t()
+        y.addmm_(lora[0].to(y.dtype), lora[1].to(y.dtype).t())
     return y.to(out_dtype)

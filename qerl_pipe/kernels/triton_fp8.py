@@ -32,8 +32,7 @@ def _epilogue(acc, offs_n, offs_m, n_ok, m_ok, xs_ptr, ws_ptr, bias_ptr, u_ptr, 
             r_ok = offs_r < R
             b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
             u = tl.load(u_ptr + offs_m[:, None] * su + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-            # In tf32, which holds bf16 exactly: the same products as a bf16 MMA (and the interpreter
-            # runs it; its bf16 dots are wrong).
+            # tf32 holds bf16 exactly (a bf16 MMA's products); the interpreter's bf16 dots are wrong.
             y = tl.dot(b.to(tl.float32), tl.trans(u.to(tl.float32)), y, input_precision="tf32")
     tl.store(out_ptr + offs_m[None, :] * so + offs_n[:, None], y.to(out_ptr.dtype.element_ty),
              mask=n_ok[:, None] & m_ok[None, :])
@@ -49,12 +48,10 @@ def _fp8_gemm(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, u_ptr, b_ptr, part_ptr, ti
     # order (program_id 0) and share its bytes through L2: the weight is read from HBM once.
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     launch_dependents(USE_PDL)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n, offs_m = pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = offs_n < N, offs_m < M
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-    start = pid_k * per_split
-    end = tl.minimum(start + per_split, tl.cdiv(K, BLOCK_K))
+    start, end = pid_k * per_split, tl.minimum((pid_k + 1) * per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     wait_previous(USE_PDL)  # x is the previous kernel's output
     for t in tl.range(start, end, num_stages=STAGES):
@@ -87,8 +84,9 @@ def _fp8_gemm(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, u_ptr, b_ptr, part_ptr, ti
 
 @functools.lru_cache(maxsize=None)
 def _tickets(device: torch.device) -> Tensor:
-    """Per-tile tickets every split-K launch leaves at zero (made eagerly, before graph capture)."""
-    return torch.zeros(65536, dtype=torch.int32, device=device)
+    """A ticket per output tile of a split-K launch (gemm_config splits grids of at most SMS_TO_FILL
+    tiles), each left at zero; made eagerly, before graph capture."""
+    return torch.zeros(4096, dtype=torch.int32, device=device)
 
 
 def gemm_config(m: int, n: int, k: int) -> dict[str, int]:
@@ -96,8 +94,7 @@ def gemm_config(m: int, n: int, k: int) -> dict[str, int]:
     rows a tile, K split until the grid fills the GPU (each split keeping 8+ K tiles)."""
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     block_k = 128
-    tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
-    split = 1
+    tiles, split = triton.cdiv(n, 64) * triton.cdiv(m, block_m), 1
     while tiles * split * 2 <= SMS_TO_FILL * 2 and k // (block_k * split * 2) >= 8 and split < 8:
         split *= 2
     return {"BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split, "STAGES": 4, "num_warps": 4}
@@ -107,20 +104,17 @@ def fp8_gemm(x: Fp8Rows, w: Fp8Weight, bias: Tensor | None = None, lora: tuple[T
              config: dict[str, int] | None = None) -> Tensor:
     """x [M, K] @ W^T (+ bias [N]) (+ u @ B^T for lora = (u [M, R], B [N, R])) -> bf16 [M, N], each output
     rounded once. Launches run one at a time per device (the tickets), as a stream's kernels do."""
-    m, k = x.codes.shape
-    n = w.codes.shape[0]
+    (m, k), n = x.codes.shape, w.codes.shape[0]
     if x.codes.stride(1) != 1 or w.codes.shape[1] != k or not w.codes.is_contiguous():
         raise ValueError(f"fp8_gemm needs x [M, K] contiguous in K and a contiguous [N, {k}] weight; got "
                          f"x {tuple(x.codes.shape)}, weight {tuple(w.codes.shape)}")
     cfg = dict(config or gemm_config(m, n, k))
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
-    if grid[0] * grid[1] > _tickets(x.codes.device).numel():
-        raise ValueError(f"fp8_gemm: {grid[0] * grid[1]} output tiles, more than the tickets can count")
+    assert cfg["SPLIT_K"] == 1 or grid[0] * grid[1] <= _tickets(x.codes.device).numel(), "more tiles than tickets"
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.codes.device)
     part = out if cfg["SPLIT_K"] == 1 else torch.empty(
         grid[0] * grid[1] * cfg["SPLIT_K"] * cfg["BLOCK_N"] * cfg["BLOCK_M"], dtype=torch.float32, device=out.device)
-    u, b = lora if lora is not None else (out, out)
-    r = b.shape[1] if lora is not None else 0
+    (u, b), r = (lora, lora[1].shape[1]) if lora is not None else ((out, out), 0)
     _fp8_gemm[grid](x.codes, x.scale, w.codes, w.scale, out if bias is None else bias, u, b, part,
                     _tickets(out.device), out, m, n, k, r, x.codes.stride(0), u.stride(0), out.stride(0),
                     HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
@@ -130,18 +124,15 @@ def fp8_gemm(x: Fp8Rows, w: Fp8Weight, bias: Tensor | None = None, lora: tuple[T
 
 @triton.jit
 def _gate_value(g_ptr, offs, ok, H, GATE: tl.constexpr):
-    """Row values at offs: the input itself (GATE 0), SiLU(gate) * up (1) or GELU-tanh(gate) * up (2)
-    from a fused gate_up row [2H], rounded to the row's dtype as the model's gate rounds them."""
+    """Row values at offs: x (GATE 0), or SiLU (1) / GELU-tanh (2) of gate times up from a gate_up row [2H]."""
     if GATE == 0:
         v = tl.load(g_ptr + offs, mask=ok, other=0.0)
     else:
         g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(g_ptr + H + offs, mask=ok, other=0.0).to(tl.float32)
-        if GATE == 1:
-            act = g / (1.0 + tl.exp(-g))
-        else:
-            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            act = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+        # SiLU(g) = g * sigmoid(g); GELU-tanh(g) = g * (1 + tanh(c)) / 2 = g * sigmoid(2c), c = sqrt(2/pi)(g + 0.044715 g^3)
+        z = g if GATE == 1 else 1.5957691216057308 * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-z))
         v = (act * up).to(g_ptr.dtype.element_ty)
     return v
 
@@ -185,8 +176,7 @@ def quantize_rows(x: Tensor, gate: str | None = None) -> tuple[Tensor, Fp8Rows]:
         raise ValueError(f"quantize_rows needs rows contiguous in their last dimension and a gate among "
                          f"{sorted(GATES)} over an even width; got {tuple(x.shape)}, gate {gate!r}")
     y = x if gate is None else torch.empty(m, h, dtype=x.dtype, device=x.device)
-    q = torch.empty(m, h, dtype=FP8, device=x.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    q, scale = torch.empty(m, h, dtype=FP8, device=x.device), torch.empty(m, 1, dtype=torch.float32, device=x.device)
     _quantize_rows[(m,)](x, y, q, scale, h, x.stride(0), y.stride(0), q.stride(0), GATE=0 if gate is None else GATES[gate],
                          BLOCK=min(4096, triton.next_power_of_2(h)), num_warps=8, **pdl_options(x.device))
     return y, Fp8Rows(q, scale)

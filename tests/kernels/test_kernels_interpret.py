@@ -236,6 +236,40 @@ def _int8_kv(seed: int, dtype: torch.dtype, d: int = 32) -> dict:
                                     and torch.allclose(caches[0][3], caches[1][3], rtol=1e-6, atol=0))}
 
 
+def _run_fp8_gemm_case(seed: int) -> dict:
+    """Our FP8 GEMM (bias and LoRA in its epilogue; one split and three over uneven K tiles) against the
+    fp32 reference, and the row kernel's gate values and scales (fp32 rows; codes: the GPU test)."""
+    from qerl_pipe.kernels import fp8, triton_fp8
+    from qerl_pipe.model.decoder import GATES
+
+    gen = torch.Generator().manual_seed(seed)
+    m, n, k, r = 5, 128, 640, 24
+    q, w = fp8.quantize_rows(torch.randn(m, k, generator=gen)), fp8.quantize_weight(torch.randn(n, k, generator=gen))
+    bias, u, b = torch.randn(n, generator=gen), torch.randn(m, r, generator=gen), torch.randn(n, r, generator=gen)
+    out: dict = {}
+    for split in (1, 3):
+        config = {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "SPLIT_K": split, "STAGES": 2, "num_warps": 4}
+        got = triton_fp8.fp8_gemm(q, w, bias.bfloat16(), (u.bfloat16(), b.bfloat16()), config).float()
+        exact = fp8.fp8_linear_reference(q, w, torch.float32) + bias.bfloat16().float() + (
+            u.bfloat16().float() @ b.bfloat16().float().T)
+        out[f"split{split}_rel_err"] = float((got - exact).norm() / exact.norm())
+    for gate in ("silu", "gelu_pytorch_tanh"):
+        gate_up = torch.randn(3, 2 * 300, generator=gen) * 3
+        values, rows = triton_fp8.quantize_rows(gate_up, gate)
+        out[f"{gate}_value_err"] = float((values - GATES[gate](gate_up)).abs().max())
+        out[f"{gate}_scale_exact"] = bool(torch.equal(rows.scale, fp8.row_codes(values)[1]))
+    return out
+
+
+def test_fp8_gemm_and_row_kernel_match_their_references(results: dict[str, dict]) -> None:
+    r = results["fp8-gemm"]
+    assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
+    # The interpreter rounds the bf16 output toward zero: up to one bf16 step per element.
+    assert r["split1_rel_err"] < 1e-2 and r["split3_rel_err"] < 1e-2, r
+    assert r["silu_value_err"] < 1e-5 and r["gelu_pytorch_tanh_value_err"] < 1e-5, r
+    assert r["silu_scale_exact"] and r["gelu_pytorch_tanh_scale_exact"], r
+
+
 def test_int8_kv_attention_matches_its_reference(results: dict[str, dict]) -> None:
     r = results["int8kv"]
     assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
@@ -348,4 +382,8 @@ if __name__ == "__main__":
         out["int8kv"] = {"seed": seed, **_run_int8_kv_case(seed)}
     except Exception as e:  # noqa: BLE001
         out["int8kv"] = {"seed": seed, "error": repr(e)}
+    try:
+        out["fp8-gemm"] = {"seed": seed, **_run_fp8_gemm_case(seed)}
+    except Exception as e:  # noqa: BLE001
+        out["fp8-gemm"] = {"seed": seed, "error": repr(e)}
     print(json.dumps(out))

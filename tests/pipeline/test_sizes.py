@@ -19,9 +19,9 @@ LAYERS = {
 }
 # layer: (target, ceiling). Lower a ceiling when a change shrinks its layer; never raise one.
 BUDGETS = {
-    "product": (15_800, 16_898),
-    "kernels": (3_000, 3_127),
-    "engine runtime": (1_300, 1_397),
+    "product": (15_800, 16_897),
+    "kernels": (3_000, 3_126),
+    "engine runtime": (1_300, 1_392),
     "pipeline + face": (2_300, 2_426),
 }
 
