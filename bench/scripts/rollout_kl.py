@@ -16,6 +16,7 @@ No adapter, no AQN noise: the base model as both paths run it.
 
 python3 bench/scripts/rollout_kl.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out FILE.json
 [--prompts 16 --n 4 --new-tokens 128 --bases bf16,nvfp4,nvfp4+fp8,bf16+fp8,nvfp4+fp8kv --device cuda]
+[--fp8-skip down: those projections keep bf16 activations under +fp8]
 ('+fp8': the engine runs FP8 activations, engine.activations=fp8; '+fp8kv' / '+int8kv': an E4M3 / INT8 KV cache,
 engine.kv_cache=fp8 / int8; the trainer's forward stays bf16.)
 """
@@ -30,6 +31,7 @@ from qerl_pipe.artifacts import ArtifactStore
 from qerl_lab.results import results_file, target
 from qerl_lab.rollout import parse_label
 from qerl_pipe.engine import Engine, SamplingParams
+from qerl_pipe.engine import fp8 as engine_fp8
 from qerl_pipe.engine.limits import plan_limits
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import load_model
@@ -47,6 +49,8 @@ ap.add_argument("--new-tokens", type=int, default=128)
 ap.add_argument("--temperature", type=float, default=1.0)
 ap.add_argument("--bases", default="bf16,nvfp4")
 ap.add_argument("--device", default="cuda")
+ap.add_argument("--fp8-skip", default="", help="projections that keep bf16 activations under +fp8 (qkv, o, "
+                "gate_up, down; comma-separated): which ones the mismatch comes from")
 args = ap.parse_args()
 if not args.gguf.is_file():
     ap.error(f"--gguf {args.gguf}: no such file")
@@ -59,6 +63,17 @@ def trainer_logprobs(model, prompt: list[int], tokens: list[int], device: torch.
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), response, temperature=args.temperature)
     return logp[0, len(prompt):].double()
+
+
+def _fp8_kept(model) -> list:
+    """engine.fp8.fp8_linears less the projections named in --fp8-skip."""
+    skip = {f"{p}_proj" for p in args.fp8_skip.split(",") if p}
+    names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    return [linear for linear in ALL_FP8_LINEARS(model) if names.get(id(linear)) not in skip]
+
+
+ALL_FP8_LINEARS = engine_fp8.fp8_linears
+engine_fp8.fp8_linears = _fp8_kept
 
 
 def measure(model_dir: Path, prompts: list[list[int]], eos: int, label: str, device: torch.device) -> dict:
@@ -114,6 +129,6 @@ for row in rows:
             break
 settings = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, imported as bf16)", "prompts": f"gsm8k:test[:{args.prompts}]",
             "n": args.n, "new_tokens": args.new_tokens, "temperature": args.temperature, "stop": "eos",
-            "adapter": "none", "device": str(device)}
+            "adapter": "none", "device": str(device), "fp8_skip": args.fp8_skip or "none"}
 args.out.parent.mkdir(parents=True, exist_ok=True)
 args.out.write_text(json.dumps(results_file(rows, targets, settings=settings), indent=1) + "\n")
