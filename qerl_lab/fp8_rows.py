@@ -15,7 +15,7 @@ weight copies, one CUDA graph, median of replays; `kernels.tuning.time_graph`):
   row-wise with fast accumulation), timed only: whether the library has a faster kernel there.
 And the fused add + RMSNorm kernel (hidden 3584) with and without its FP8 output, and the E4M3
 rows of o's input (3584) and of down's (the SiLU gate fused in, 18944) by our row kernel
-(`triton_fp8.quantize_rows`) against the compiled quantization (and gate). A layer-weighted ratio
+(`triton_fp8.gated_rows`) against the compiled quantization (and gate). A layer-weighted ratio
 counts a decoder layer: q/k/v and gate/up on norm-fused activations, o and down on a quantization
 launch, the norm's extra time included; `engine_us` is the engine's path (our GEMM up to
 `fp8.OURS_MAX_ROWS` rows, cuBLASLt's above, our row kernels), which the targets measure.
@@ -35,7 +35,7 @@ from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.decode_ops import add_rms_norm
 from qerl_pipe.kernels.dispatch_measure import REPS, inputs, operands
 from qerl_pipe.kernels.fp8 import OURS_MAX_ROWS, Fp8Rows, Fp8Weight, quantize_rows, quantize_weight, row_codes, runs_fp8
-from qerl_pipe.kernels.triton_fp8 import fp8_gemm, gemm_config, quantize_rows as quantize_rows_fused
+from qerl_pipe.kernels.triton_fp8 import fp8_gemm, gemm_config, gated_rows
 from qerl_pipe.kernels.tuning import rel_err, time_graph
 from qerl_pipe.model.decoder import silu_gate
 from qerl_pipe.strict_json import write_json
@@ -127,9 +127,9 @@ def _producer_rows(device: torch.device, ms: tuple[int, ...]) -> list[dict]:
         gate_up = torch.randn(m, 2 * inter, generator=gen, device=device).to(torch.bfloat16)
         rows.append({
             "quant_o_compiled_us": time_graph([lambda: quantize_fused(x)], REPS) * 1e6,
-            "quant_o_rows_us": time_graph([lambda: quantize_rows_fused(x)], REPS) * 1e6,
+            "quant_o_rows_us": time_graph([lambda: gated_rows(x)], REPS) * 1e6,
             "gate_quant_down_compiled_us": time_graph([lambda: quantize_fused(silu_gate(gate_up))], REPS) * 1e6,
-            "gate_quant_down_rows_us": time_graph([lambda: quantize_rows_fused(gate_up, "silu")], REPS) * 1e6,
+            "gate_quant_down_rows_us": time_graph([lambda: gated_rows(gate_up, "silu")], REPS) * 1e6,
             "gate_down_us": time_graph([lambda: silu_gate(gate_up)], REPS) * 1e6,
             "M": m,
             "norm_us": time_graph([lambda: add_rms_norm(x, r, weight, noise, 1e-6)], REPS) * 1e6,

@@ -12,7 +12,7 @@ from torch import Tensor
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.kernels.decode_ops import add_rms_norm, decode_attention, lora_shrink
 from qerl_pipe.kernels.fp8 import Fp8Rows
-from qerl_pipe.kernels.triton_fp8 import quantize_rows
+from qerl_pipe.kernels.triton_fp8 import gated_rows
 from qerl_pipe.model.decoder import MLP, Decoder, KVCache
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.moe import SparseMoE
@@ -33,7 +33,7 @@ def _mlp(mlp: MLP, normed: Tensor, u: Tensor | None, q: Fp8Rows | None, lora: Fu
     its E4M3 rows (docs/kernels.md "FP8 rollouts")."""
     gate_up = lora.project(mlp.gate_up_proj, normed, u, q)
     if gate_up.is_cuda and lora.runs_fp8(mlp.down_proj, gate_up.shape[0]):
-        gated, q_down = quantize_rows(gate_up, act)
+        gated, q_down = gated_rows(gate_up, act)
         return lora.project(mlp.down_proj, gated, q=q_down)
     return lora.project(mlp.down_proj, mlp.gate(gate_up))
 

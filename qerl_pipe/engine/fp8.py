@@ -1,8 +1,8 @@
 """FP8 rollouts (`engine.activations: fp8`): E4M3 copies of the dense linears' bases, made once when
 the engine starts (`Fp8Linears`), serve the rollout projections of at least `min_rows` rows with
 per-token E4M3 activations, which the norm kernel writes beside its bf16 output (elsewhere our row
-kernel, down's with the gate fused); the adapter stays bf16 and training never sees FP8. `check_activations` and
-`check_kv_cache` refuse what cannot run here. docs/kernels.md#fp8-rollouts has the design."""
+kernel, down's with the gate fused); the adapter stays bf16 and training never sees FP8.
+`check_activations` and `check_kv_cache` refuse what cannot run here. docs/kernels.md#fp8-rollouts has the design."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels.base_formats import BaseFormat
 from qerl_pipe.kernels.base_formats import base_format as format_entry
-from qerl_pipe.kernels.fp8 import Fp8Rows, Fp8Weight, fp8_linear, quantize_weight, row_codes, runs_fp8
-from qerl_pipe.kernels.triton_fp8 import quantize_rows
+from qerl_pipe.kernels.fp8 import Fp8Rows, Fp8Weight, fp8_linear, quantize_rows, quantize_weight, runs_fp8
+from qerl_pipe.kernels.triton_fp8 import gated_rows
 from qerl_pipe.log import log
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.moe import SparseMoE
@@ -103,5 +103,5 @@ class Fp8Linears:
         """x [M, K] @ W^T (+ bias) (+ u @ B^T, lora = (u, B)) through the FP8 copy, rounded once; `q`:
         x's E4M3 rows if a kernel upstream made them, else they are made here."""
         if q is None:
-            q = quantize_rows(x)[1] if x.is_cuda else Fp8Rows(*row_codes(x))
+            q = gated_rows(x)[1] if x.is_cuda else quantize_rows(x)
         return fp8_linear(q, self.copies[linear], x.dtype, linear.bias, lora)

@@ -138,7 +138,7 @@ def _gate_value(g_ptr, offs, ok, H, GATE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(x_ptr, y_ptr, q_ptr, s_ptr, H, sx, sy, sq, GATE: tl.constexpr, BLOCK: tl.constexpr,
+def _gated_rows(x_ptr, y_ptr, q_ptr, s_ptr, H, sx, sy, sq, GATE: tl.constexpr, BLOCK: tl.constexpr,
                    USE_PDL: tl.constexpr):
     # One program per row: its values (the gate's written to y) and their amax over H in BLOCK-wide
     # steps, then the codes from the values read back (y: half the bytes of the gate's input).
@@ -167,16 +167,16 @@ def _quantize_rows(x_ptr, y_ptr, q_ptr, s_ptr, H, sx, sy, sq, GATE: tl.constexpr
 GATES = {"silu": 1, "gelu_pytorch_tanh": 2}  # _gate_value's GATE per model.decoder.GATES key
 
 
-def quantize_rows(x: Tensor, gate: str | None = None) -> tuple[Tensor, Fp8Rows]:
+def gated_rows(x: Tensor, gate: str | None = None) -> tuple[Tensor, Fp8Rows]:
     """E4M3 rows (as `fp8.row_codes`) of x [M, H], or with `gate` (a model.decoder.GATES key) of the
     gate's output from x = a fused gate_up [M, 2H]; returns (the bf16 rows, their codes)."""
     m, width = x.shape
     h = width if gate is None else width // 2
     if x.stride(1) != 1 or (gate is not None and (gate not in GATES or width % 2)):
-        raise ValueError(f"quantize_rows needs rows contiguous in their last dimension and a gate among "
+        raise ValueError(f"gated_rows needs rows contiguous in their last dimension and a gate among "
                          f"{sorted(GATES)} over an even width; got {tuple(x.shape)}, gate {gate!r}")
     y = x if gate is None else torch.empty(m, h, dtype=x.dtype, device=x.device)
     q, scale = torch.empty(m, h, dtype=FP8, device=x.device), torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    _quantize_rows[(m,)](x, y, q, scale, h, x.stride(0), y.stride(0), q.stride(0), GATE=0 if gate is None else GATES[gate],
-                         BLOCK=min(4096, triton.next_power_of_2(h)), num_warps=8, **pdl_options(x.device))
+    _gated_rows[(m,)](x, y, q, scale, h, x.stride(0), y.stride(0), q.stride(0), GATE=0 if gate is None else GATES[gate],
+                      BLOCK=min(4096, triton.next_power_of_2(h)), num_warps=8, **pdl_options(x.device))
     return y, Fp8Rows(q, scale)

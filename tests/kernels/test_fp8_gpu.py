@@ -87,7 +87,7 @@ def test_triton_fp8_gemm_matches_its_reference_with_bias_and_lora(m, n, k, split
 def test_row_kernel_codes_are_quantize_rows_of_its_values(m, gate):
     """o's and down's input rows: the row kernel's bf16 values are the model's gate (computed in fp32,
     rounded once, as the compiled gate does), and its codes and scales are `quantize_rows` of them."""
-    from qerl_pipe.kernels.triton_fp8 import quantize_rows as row_kernel
+    from qerl_pipe.kernels.triton_fp8 import gated_rows as row_kernel
     from qerl_pipe.model.decoder import GATES
 
     gen = torch.Generator(device="cuda").manual_seed(m)
