@@ -16,6 +16,7 @@ from qerl_pipe.memory.step import StepSize, estimate_step_bytes
 from qerl_lab.train_step import StepSettings, run_train_step_bench, speedups, targets
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import model_memory_bytes
+from qerl_pipe.errors import QerlError
 from qerl_pipe.recipe import load_recipe
 
 TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
@@ -96,6 +97,19 @@ def test_does_not_fit_and_out_of_memory_are_rows_not_crashes(tmp_path, monkeypat
     rows = _run(tmp_path, ["nvfp4", "bf16"])["results"]
     assert [(r["quant"], r["status"]) for r in rows] == [("nvfp4", "oom"), ("bf16", "ok")]
     assert "out of memory" in rows[0]["error"] and rows[0]["fits"] is False
+
+
+def test_rollout_labels_run_fp8_rollouts_and_keep_their_label(tmp_path):
+    rows = _run(tmp_path, ["nvfp4+fp8"])["results"]
+    assert [(r["quant"], r["status"]) for r in rows] == [("nvfp4+fp8", "ok")]
+    with pytest.raises(QerlError, match=r"'nvfp4\+fp16': unknown or repeated options; write BASE\[\+fp8\]"):
+        _run(tmp_path, ["nvfp4+fp16"])
+    with pytest.raises(QerlError, match=r"quants \['bf16', 'nf4', 'nvfp4'\], each with \+fp8"):
+        _run(tmp_path, ["int4+fp8"])
+    ok = dict(status="ok", peak_reserved_gib=30.0, estimate_gib=50.0)
+    fp8 = [{"shape": "qwen2.5-7b", "quant": q, "step_s": t, "train_s": 9.0, **ok} for q, t in (("bf16", 30.0),
+                                                                                                ("nvfp4+fp8", 24.0))]
+    assert [(t["measured"], t["met"]) for t in targets(fp8) if "FP8" in t["name"]] == [(1.25, True)]
 
 
 def test_targets_block():
