@@ -1,8 +1,7 @@
 """Attention over whole sequences (the training forward and the prompt prefill): masks for
 padding and sliding windows, SDPA, and the exact path soft-capped scores need. The decode step's
 attention is the engine's (`kernels.decode_ops.decode_attention`, same window, scale and cap).
-See docs/model.md, section "Autograd and memory".
-"""
+See docs/model.md, section "Autograd and memory"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """DecoderConfig: the few numbers our decoder needs, read from a Hugging Face config.json dict.
 What sets each family apart (model/families.py) is a field here; anything that would silently
 compute something else is refused here, before a single weight is read.
-See docs/model.md, section "Supported configs".
-"""
+See docs/model.md, section "Supported configs"."""
 
 from __future__ import annotations
 
@@ -121,9 +120,8 @@ class DecoderConfig:
         archs = hf.get("architectures") or []
         name = archs[0] if archs else str(model_type)
         if model_type not in SUPPORTED or any(a != SUPPORTED[model_type] for a in archs):
-            raise ModelSourceError(
-                f"unsupported architecture {name} (model_type {model_type!r}); supported: {_SUPPORTED_TEXT}"
-            )
+            raise ModelSourceError(f"unsupported architecture {name} (model_type {model_type!r}); supported: "
+                                   f"{_SUPPORTED_TEXT}")
         act = activation(hf, name)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -142,22 +140,11 @@ class DecoderConfig:
             if rope is not None:
                 check_rope_fits(rope, head_dim, name)
         return cls(
-            model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=max_positions,
+            model_type=model_type, vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]), num_layers=num_layers, num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in ("gemma2", "gemma3_text"))),
-            qkv_bias=qwen2 or attention_bias,
-            o_bias=attention_bias and not qwen2,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            hidden_act=act,
-            windows=layer_windows(hf, name, num_layers),
-            fused_checkpoint=model_type == "phi3",
-            **fields,
-        )
+            qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(hf.get("mlp_bias", False)), hidden_act=act, windows=layer_windows(hf, name, num_layers),
+            fused_checkpoint=model_type == "phi3", **fields)

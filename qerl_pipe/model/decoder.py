@@ -1,8 +1,7 @@
 """The decoder of every supported family: training forward (autograd, LoRA), the KV cache and the
 prompt prefill for rollouts (the decode step is the engine's: engine/decode_step.py). Module names
 are Hugging Face's, with q/k/v and gate/up fused (`qkv_proj`, `gate_up_proj`).
-See docs/model.md, sections "Fused layout" and "KV cache and decoding".
-"""
+See docs/model.md, sections "Fused layout" and "KV cache and decoding"."""
 
 from __future__ import annotations
 
@@ -19,22 +18,14 @@ from qerl_pipe.kernels.fp8 import FP8, KV_CODES
 from qerl_pipe.model.attention import AttentionSpec, attend, attend_prefill, visible
 from qerl_pipe.model.config import DecoderConfig, RopeConfig
 from qerl_pipe.model.fused import fused_on_cuda
-from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.linear import Project, QuantLinear, call_module
 from qerl_pipe.model.moe import SparseMoE
 from qerl_pipe.model.norm import RMSNorm
 from qerl_pipe.model.rope import apply_rope, inv_frequencies, long_inv_frequencies, rope_cos_sin
 
 # attend(q [B, Hq, T, D], k [B, Hkv, T, D], v) -> [B, Hq, T, D]; one per use (full, prefill).
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
-# project(linear, x [..., in]) -> [..., out]: how a projection runs. The model calls the module
-# (its base and per-projection LoRA); the rollout engine passes its fused LoRA copy's `project`.
-Project = Callable[[QuantLinear, Tensor], Tensor]
 Device = Union[torch.device, str]
-
-
-def call_module(linear: QuantLinear, x: Tensor) -> Tensor:
-    """The default `Project`: the module itself."""
-    return linear(x)
 
 
 class KVCache:
@@ -43,15 +34,8 @@ class KVCache:
     scales `k_scale`, `v_scale` [layers, batch, kv_heads, max_len]. A row ("slot") holds one
     sequence; the engine tracks its length and passes each slot's write position to `decode_step`."""
 
-    def __init__(
-        self,
-        config: DecoderConfig,
-        batch_size: int,
-        max_len: int,
-        dtype: torch.dtype = torch.bfloat16,
-        device: Device = "cpu",
-        kv_format: str = "bf16",
-    ):
+    def __init__(self, config: DecoderConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.bfloat16,
+                 device: Device = "cpu", kv_format: str = "bf16"):
         shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
         coded = kv_format in KV_CODES
         stored = KV_CODES[kv_format] if coded else dtype
@@ -75,11 +59,8 @@ class KVCache:
         return self.k.shape[3]
 
     def copy_slots(self, src: Tensor, dst: Tensor, length: int | None = None) -> None:
-        """Copy slot src[i] into dst[i] in every layer: one prefilled prompt shared by G samples.
-
-        `length`: copy only positions 0..length-1 (what the sequences hold; the rest of a row is
-        masked anyway), so moving short sequences does not copy whole max_len rows.
-        """
+        """Copy slot src[i] into dst[i] in every layer (one prefilled prompt shared by G samples);
+        with `length`, positions 0..length-1 only (the rest of a row is masked anyway)."""
         for t in (self.k, self.v, self.k_scale, self.v_scale):
             if t is None:
                 continue
@@ -96,9 +77,8 @@ class KVCache:
         be below `length`."""
         length = self.max_len if length is None else length
         if not 1 <= batch_size <= self.batch_size or not 1 <= length <= self.max_len:
-            raise ValueError(
-                f"first_slots({batch_size}, {length}) outside 1..{self.batch_size} slots, 1..{self.max_len} positions"
-            )
+            raise ValueError(f"first_slots({batch_size}, {length}) outside 1..{self.batch_size} slots, "
+                             f"1..{self.max_len} positions")
         view = object.__new__(KVCache)
         view.k, view.v = self.k[:, :batch_size, :, :length], self.v[:, :batch_size, :, :length]
         view.k_scale, view.v_scale = ((None, None) if self.k_scale is None else
@@ -214,27 +194,18 @@ def soft_cap(x: Tensor, cap: float) -> Tensor:
 
 
 class Decoder(nn.Module):
-    """Embedding, N decoder layers, final norm, LM head (tied to the embedding when the config says so).
+    """Embedding, N decoder layers, final norm, LM head (tied when the config says so). Built by
+    `load_model` (or `init_random_model`): bases start on the meta device, other weights uninitialised."""
 
-    Built by `load_model` (or `random_init.init_random_model`): the constructor leaves every QuantLinear base on
-    the meta device and the other weights uninitialised.
-    """
-
-    def __init__(
-        self,
-        config: DecoderConfig,
-        base_format: str = "bf16",
-        dtype: torch.dtype = torch.bfloat16,
-        device: Device = "cpu",
-    ):
+    def __init__(self, config: DecoderConfig, base_format: str = "bf16", dtype: torch.dtype = torch.bfloat16,
+                 device: Device = "cpu"):
         super().__init__()
         self.config, self.base_format, self.dtype = config, base_format, dtype
         v, h = config.vocab_size, config.hidden_size
         embedding = torch.empty(v, h, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(v, h, _weight=embedding, _freeze=True)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, base_format, dtype, device) for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, base_format, dtype, device)
+                                    for i in range(config.num_layers))
         self.norm = _norm(config, h, dtype, device)
         self.lm_head = nn.utils.skip_init(nn.Linear, h, v, bias=False, dtype=dtype, device=device)
         if config.tie_word_embeddings:
@@ -312,9 +283,8 @@ class Decoder(nn.Module):
             out.append(masks[spec.window])
         return out
 
-    def forward(
-        self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None
-    ) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None,
+                attention_mask: Tensor | None = None) -> Tensor:
         """Final hidden states [B, T, hidden] of a whole batch, with autograd (training, scoring).
         `attention_mask` [B, T] may pad on either side; without `positions`, a token's position is
         the count of real tokens before it (a left-padded prompt gets its positions alone)."""
@@ -330,9 +300,8 @@ class Decoder(nn.Module):
                    for layer, mask in zip(self.layers, self._masks(positions, keep))]
         return self._run_layers(input_ids, positions, attends)
 
-    def logits(
-        self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None
-    ) -> Tensor:
+    def logits(self, input_ids: Tensor, positions: Tensor | None = None,
+               attention_mask: Tensor | None = None) -> Tensor:
         """[B, T, vocab] logits in the model dtype (for long batches, apply `head` in chunks)."""
         return self.head(self.forward(input_ids, positions, attention_mask))
 
@@ -341,22 +310,15 @@ class Decoder(nn.Module):
         return KVCache(self.config, batch_size, max_len, self.dtype, self.embed_tokens.weight.device, kv_format)
 
     @torch.inference_mode()
-    def prefill(
-        self, input_ids: Tensor, cache: KVCache, slots: Tensor, lengths: Tensor | None = None,
-        project: Project = call_module,
-    ) -> Tensor:
-        """Right-padded prompts [N, T] into cache rows `slots` [N]; logits [N, vocab] at their last token.
-
-        `lengths` [N] are the prompt lengths (default: T). The next token of slot i goes to
-        position lengths[i]. `project` runs the projections (the engine passes its fused LoRA's).
-        """
+    def prefill(self, input_ids: Tensor, cache: KVCache, slots: Tensor, lengths: Tensor | None = None,
+                project: Project = call_module) -> Tensor:
+        """Right-padded prompts [N, T] (`lengths` [N], default T) into cache rows `slots` [N]; logits
+        [N, vocab] at their last token. `project` runs the projections (the engine's fused LoRA's)."""
         n, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(n, t)
         masks = self._masks(positions[:1], None)  # positions are 0..T-1 in every row
-        attends = [
-            partial(attend_prefill, cache=cache.layer(i), slots=slots, mask=masks[i], spec=layer.self_attn.spec)
-            for i, layer in enumerate(self.layers)
-        ]
+        attends = [partial(attend_prefill, cache=cache.layer(i), slots=slots, mask=masks[i], spec=layer.self_attn.spec)
+                   for i, layer in enumerate(self.layers)]
         hidden = self._run_layers(input_ids, positions, attends, project)
         last = (lengths - 1) if lengths is not None else torch.full((n,), t - 1, device=input_ids.device)
         return self.head(hidden[torch.arange(n, device=hidden.device), last])

@@ -1,8 +1,7 @@
 """CPU only: run a model's 4-bit bases from copies dequantized once (`dense_base_copy`), with the
 same numbers as the reference path. Each copy belongs to its `QuantLinear`: a new base drops it,
 and so does the linear's end. GPUs never make the copies.
-See docs/model.md, section "The model (`qerl_pipe/model/`)" (the table of files).
-"""
+See docs/model.md, section "The model (`qerl_pipe/model/`)" (the table of files)."""
 
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ def dense_base_copy(model: nn.Module) -> Iterator[int]:
     try:
         with torch.no_grad():
             for m in model.modules():
-                if not isinstance(m, QuantLinear) or m.fmt.dense or m.dense_copy is not None:
-                    continue
-                if m.base_device().type != "cpu":
+                if (not isinstance(m, QuantLinear) or m.fmt.dense or m.dense_copy is not None
+                        or m.base_device().type != "cpu"):
                     continue
                 m.dense_copy = m.fmt.dense_copy(m.kernel_weight, dtype)
                 made.append(m)

@@ -1,8 +1,7 @@
 """What sets each supported family apart, read from its config.json: the fields of `DecoderConfig`
 beyond the Llama block every family shares (Gemma2/3, Phi3, Mistral, Qwen3-MoE's sparse layers);
 Qwen's `use_sliding_window` is refused.
-See docs/model.md, sections "Supported configs" and "Mixture of experts (Qwen3-MoE)".
-"""
+See docs/model.md, sections "Supported configs" and "Mixture of experts (Qwen3-MoE)"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Full fine-tuning: every weight of a 16-bit model trained, through float32 master copies.
 The model keeps its weights in its own dtype (the engine computes with them); after each optimizer
 step the masters are copied back *in place*, so addresses (and captured CUDA graphs) stay valid.
-See docs/training.md, section "Full fine-tuning (`adapter: full`)".
-"""
+See docs/training.md, section "Full fine-tuning (`adapter: full`)"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Elementwise glue (RMSNorm, RoPE, SiLU-gate) fused by torch.compile on CUDA: rollout and training.
 The CPU and `QERL_COMPILE=0` run the same functions eagerly; a fused kernel may round once where
 eager rounds twice, so GPU logprobs may differ from a CPU run's by about one bf16 step.
-See docs/model.md, section "Fused glue".
-"""
+See docs/model.md, section "Fused glue"."""
 
 from __future__ import annotations
 

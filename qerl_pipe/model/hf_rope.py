@@ -1,7 +1,6 @@
 """RoPE settings read from a Hugging Face config.json (`rope_parameters`, or `rope_theta` with an
 optional `rope_scaling`; Gemma3 per layer type): the scalings our decoder computes, or a
-`ModelSourceError` for any other. See docs/model.md, section "Supported configs".
-"""
+`ModelSourceError` for any other. See docs/model.md, section "Supported configs"."""
 
 from __future__ import annotations
 
@@ -63,20 +62,17 @@ def parse_rope(hf: Mapping[str, Any], name: str, params: Mapping[str, Any], thet
     if rope_type == "default":
         return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if rope_type == "llama3":
-        return RopeConfig(
-            theta=theta, type="llama3", factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-            partial_rotary_factor=partial,
-        )
+        return RopeConfig(theta=theta, type="llama3", factor=float(params["factor"]),
+                          low_freq_factor=float(params["low_freq_factor"]),
+                          high_freq_factor=float(params["high_freq_factor"]),
+                          original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                          partial_rotary_factor=partial)
     if rope_type == "linear":
         return RopeConfig(theta=theta, type="linear", factor=float(params["factor"]), partial_rotary_factor=partial)
     if rope_type == "longrope" and hf.get("model_type") == "phi3":
         return _longrope(hf, name, params, theta, partial, max_positions)
-    raise ModelSourceError(
-        f"{name}: RoPE scaling {rope_type!r} is not supported (only default, 'llama3', 'linear', and Phi3's "
-        "'longrope')"
-    )
+    raise ModelSourceError(f"{name}: RoPE scaling {rope_type!r} is not supported (only default, 'llama3', 'linear', "
+                           "and Phi3's 'longrope')")
 
 
 def _longrope(hf: Mapping[str, Any], name: str, params: Mapping[str, Any], theta: float, partial: float,

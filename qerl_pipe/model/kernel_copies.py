@@ -1,8 +1,7 @@
 """Kernel copies and stacks of a model's weights, made (humming's compiled) before CUDA graph capture:
 humming's layout of the NVFP4 linears the dispatch table sends to it (`attach_humming`), the MoE
 experts' grouped stacks and copies (`attach_grouped_experts`; not for LoRA experts, nor on the CPU).
-See docs/model.md, sections "The model (`qerl_pipe/model/`)" and "Mixture of experts (Qwen3-MoE)".
-"""
+See docs/model.md, sections "The model (`qerl_pipe/model/`)" and "Mixture of experts (Qwen3-MoE)"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """QuantLinear: a frozen base weight (bf16, NVFP4 or NF4) plus unmerged LoRA, one A/B per projection,
 several projections fused along the output dimension (q/k/v, gate/up). 4-bit bases are held only in
 the kernels' layout, converted once when the base is set; `kernels.base_formats` says what each
-format holds. See docs/model.md, sections "Fused layout" and "LoRA".
-"""
+format holds. See docs/model.md, sections "Fused layout" and "LoRA"."""
 
 from __future__ import annotations
 
@@ -22,6 +21,14 @@ from qerl_pipe.kernels.tiled import TiledNVFP4
 
 BaseWeight = Union[Tensor, NVFP4Weight, NF4Weight]
 KernelWeight = Union[TiledNVFP4, PackedNF4]
+# project(linear, x [..., in]) -> [..., out]: how a projection runs. The model calls the module
+# (its base and per-projection LoRA); the rollout engine passes its fused LoRA copy's `project`.
+Project = Callable[["QuantLinear", Tensor], Tensor]
+
+
+def call_module(linear: "QuantLinear", x: Tensor) -> Tensor:
+    """The default `Project`: the module itself."""
+    return linear(x)
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
@@ -41,22 +48,11 @@ class _FrozenQuantMatmul(torch.autograd.Function):
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W^T (+ bias) + per-projection LoRA, W frozen in `base_format`.
+    """y = x @ W^T (+ bias) + per-projection LoRA, W frozen in `base_format`. The base starts on the
+    meta device until `set_base` fills it (a 32B bf16 weight about to be replaced is never allocated)."""
 
-    The base starts on the meta device: a loader fills it with `set_base`, so building a model
-    never allocates a weight that is about to be replaced (a 32B bf16 model would not fit).
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_sizes: Sequence[int],
-        names: Sequence[str],
-        base_format: str,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        bias: bool = False,
-    ):
+    def __init__(self, in_features: int, out_sizes: Sequence[int], names: Sequence[str], base_format: str,
+                 dtype: torch.dtype, device: torch.device | str, bias: bool = False):
         super().__init__()
         if len(out_sizes) != len(names):
             raise ValueError(f"{len(out_sizes)} output sizes for {len(names)} projection names")
@@ -94,29 +90,22 @@ class QuantLinear(nn.Module):
         return self.fmt.to_checkpoint(self.kernel_weight)
 
     def set_base(self, base: BaseWeight | KernelWeight) -> None:
-        """Install the frozen weight of all fused projections, concatenated along the output dim.
-
-        4-bit weights are repacked to the kernel layout here, once, on their own device.
-        """
+        """Install the frozen weight of all fused projections, concatenated along the output dim (4-bit
+        weights repacked to the kernel layout here, once, on their own device)."""
         base = self.fmt.to_container(base)
         if not isinstance(base, self.fmt.container):
-            raise ValueError(
-                f"{'/'.join(self.names)}: a {self.base_format} base cannot be set from {type(base).__name__}"
-            )
+            raise ValueError(f"{'/'.join(self.names)}: a {self.base_format} base cannot be set from "
+                             f"{type(base).__name__}")
         self.humming = None  # copies of the old base would be wrong now
         self.dense_copy = None
         for key, t in self.fmt.tensors(base).items():
             old = getattr(self, key)
             if t.shape != old.shape or t.dtype != old.dtype:
-                raise ValueError(
-                    f"{'/'.join(self.names)} {self.base_format} base `{key}`: expected "
-                    f"{tuple(old.shape)} {old.dtype}, got {tuple(t.shape)} {t.dtype}"
-                )
+                raise ValueError(f"{'/'.join(self.names)} {self.base_format} base `{key}`: expected "
+                                 f"{tuple(old.shape)} {old.dtype}, got {tuple(t.shape)} {t.dtype}")
             setattr(self, key, t.detach().requires_grad_(False))
 
-    def add_lora(
-        self, names: Sequence[str], rank: int, alpha: float, generator: torch.Generator | None = None
-    ) -> None:
+    def add_lora(self, names: Sequence[str], rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
         """Add fresh float32 LoRA A/B for each of `names` (some of this layer's projections): A
         kaiming-uniform, B zero, as PEFT does (a new adapter changes nothing); float32 as PEFT's
         default autocast keeps them, cast to the activation dtype in the forward."""
@@ -151,10 +140,7 @@ class QuantLinear(nn.Module):
         kernels = self.fmt.kernels
         if kernels is not None and kernels.fused_epilogue:
             return kernels.forward(x, self.kernel_weight, self.bias, lora)
-        if kernels is None:
-            y = x @ self.weight.t() if self.bias is None else torch.addmm(self.bias, x, self.weight.t())
-        else:
-            y = self.base_forward(x)
+        y = self.base_forward(x)
         return y if lora is None else y.addmm_(lora[0], lora[1].t())  # in place: y is this call's own
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,7 +1,6 @@
 """Build a Decoder from a Hugging Face directory (bf16 or NVFP4 checkpoint), one tensor at a time
 (safetensors, never torch.load): each linear is converted as soon as its projections are all read,
-so peak memory is the model plus one fused layer. See docs/model.md, section "Loading".
-"""
+so peak memory is the model plus one fused layer. See docs/model.md, section "Loading"."""
 
 from __future__ import annotations
 
@@ -29,18 +28,10 @@ log = logging.getLogger(__name__)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(
-    model_dir: Path | str,
-    base_format: str = "bf16",
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cpu",
-    lora: LoraSpec | None = None,
-) -> Decoder:
-    """Load a bf16 HF model (quantized on the fly to `base_format`) or an NVFP4 checkpoint.
-
-    An NVFP4 checkpoint (modelopt or compressed-tensors layout) loads as nvfp4, or dequantized
-    for `base_format="bf16"`; NF4 needs the bf16 model (re-rounding 4-bit codes would compound).
-    """
+def load_model(model_dir: Path | str, base_format: str = "bf16", dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "cpu", lora: LoraSpec | None = None) -> Decoder:
+    """Load a bf16 HF model (quantized on the fly to `base_format`) or an NVFP4 checkpoint (modelopt or
+    compressed-tensors: as nvfp4, or dequantized for bf16; NF4 needs the bf16 model, no re-rounding)."""
     model_dir = Path(model_dir)
     fmt = format_entry(base_format)
     hf = _read_config(model_dir)
@@ -48,10 +39,8 @@ def load_model(
     quant = detect_quant_format(hf)
     if quant is not None and not fmt.loads_nvfp4_checkpoint:
         readers = " or ".join(repr(f.name) for f in FORMATS.values() if f.loads_nvfp4_checkpoint)
-        raise ModelSourceError(
-            f"{model_dir} is an NVFP4 checkpoint ({quant}); {fmt.name.upper()} needs the original bf16 model, "
-            f"or load this one with base_format={readers}"
-        )
+        raise ModelSourceError(f"{model_dir} is an NVFP4 checkpoint ({quant}); {fmt.name.upper()} needs the original "
+                               f"bf16 model, or load this one with base_format={readers}")
     assembler = _Assembler(model, fmt, dtype, device)
     # Unquantized checkpoints come through the same reader: every tensor by its own name.
     for name, item, _input_scale in iter_quantized_checkpoint(model_dir):  # W4A16: input scales unused
@@ -126,13 +115,11 @@ class _Assembler:
             return  # some tied checkpoints store the shared matrix twice
         param = self.model.get_parameter(name) if name in self.missing else None
         if param is None:
-            raise ModelSourceError(
-                f"checkpoint tensor {hf_name!r} has no place in a {self.model.config.model_type} model"
-            )
+            raise ModelSourceError(f"checkpoint tensor {hf_name!r} has no place in a "
+                                   f"{self.model.config.model_type} model")
         if param.shape != item.shape:
-            raise ModelSourceError(
-                f"{hf_name}: checkpoint shape {tuple(item.shape)} != model shape {tuple(param.shape)}"
-            )
+            raise ModelSourceError(f"{hf_name}: checkpoint shape {tuple(item.shape)} != model shape "
+                                   f"{tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(item)
         self.missing.discard(name)

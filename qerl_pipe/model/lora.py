@@ -76,10 +76,8 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Trainable tensors under PEFT's names, e.g.
-    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (fused layers split back into
-    their HF projections) and, with train_norms, `base_model.model.model.norm.weight`.
-    """
+    """Trainable tensors under PEFT's names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`:
+    fused layers split back into their HF projections; with train_norms, `...model.norm.weight`)."""
     out: dict[str, Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):

@@ -1,8 +1,7 @@
 """A LoRA adapter merged into a Hugging Face checkpoint as it streams (LoRA added in float32,
 trained norms swapped in), written dense or through the NVFP4 writer (`write_merged`: export's
 merged-bf16 and merged-nvfp4); host memory stays near one output shard plus one fused group.
-See docs/export.md, sections "merged-bf16", "merged-nvfp4" and "Memory".
-"""
+See docs/export.md, sections "merged-bf16", "merged-nvfp4" and "Memory"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Routed experts (Qwen3-MoE): `Router`, `SparseMoE` (experts are ordinary `QuantLinear`s under
 the checkpoint's names), `run_experts` (the per-expert loop: the CPU, experts with LoRA) and
 `run_grouped` (one grouped GEMM per projection, offsets on the device, no host sync). The router
-is frozen: no load-balancing loss. See docs/model.md, section "Mixture of experts (Qwen3-MoE)".
-"""
+is frozen: no load-balancing loss. See docs/model.md, section "Mixture of experts (Qwen3-MoE)"."""
 
 from __future__ import annotations
 
@@ -16,11 +15,8 @@ from torch import Tensor, nn
 
 from qerl_pipe.kernels import dispatch
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.linear import QuantLinear
+from qerl_pipe.model.linear import Project, QuantLinear, call_module
 
-# project(linear, x [..., in]) -> [..., out] (the decoder's `Project`, repeated here so that this
-# module does not import the decoder that builds it).
-Project = Callable[[QuantLinear, Tensor], Tensor]
 Gate = Callable[[Tensor], Tensor]  # the fused gate_up output -> act(gate) * up
 
 
@@ -39,10 +35,6 @@ class GroupedExperts:
     gate_up: GroupedMatmul
     down: GroupedMatmul
     num_experts: int
-
-
-def call_module(linear: QuantLinear, x: Tensor) -> Tensor:
-    return linear(x)
 
 
 class Router(nn.Module):

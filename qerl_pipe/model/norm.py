@@ -26,10 +26,8 @@ class RMSNorm(nn.Module):
     non-persistent float32 buffer, since checkpoints never carry it and a bf16 weight of ~1 would
     round AQN's sigma (down to 1e-4) away (spacing 2^-7)."""
 
-    def __init__(
-        self, dim: int, eps: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-        offset: float = 0.0,
-    ):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 offset: float = 0.0):
         super().__init__()
         self.eps, self.offset = eps, offset
         # Unit scale either way: ones, or zeros under Gemma's offset of 1.

@@ -1,8 +1,7 @@
 """LoRA adapters in PEFT's format (adapter_model.safetensors + adapter_config.json): the one reader
 and writer (`save_adapter`; `read_adapter`, one set of rules for eval and export), tensors named
 as PEFT saves them. See docs/model.md, section "The model (`qerl_pipe/model/`)" (the table of
-files), and docs/export.md, section "peft".
-"""
+files), and docs/export.md, section "peft"."""
 
 from __future__ import annotations
 
@@ -57,21 +56,10 @@ def target_modules(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
 
 def adapter_config(model: nn.Module, spec: LoraSpec, base_model: str) -> dict[str, Any]:
     norms = _norm_names(model) if spec.train_norms else []
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": spec.rank,
-        "lora_alpha": spec.alpha,
-        "lora_dropout": 0.0,
-        "target_modules": target_modules(model, spec.targets),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": norms or None,
-    }
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
+            "lora_alpha": spec.alpha, "lora_dropout": 0.0, "target_modules": target_modules(model, spec.targets),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
+            "inference_mode": True, "modules_to_save": norms or None}
 
 
 def save_adapter(model: nn.Module, spec: LoraSpec, out_dir: Path, base_model: str) -> None:
@@ -79,8 +67,7 @@ def save_adapter(model: nn.Module, spec: LoraSpec, out_dir: Path, base_model: st
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in lora_state_dict(model).items()}
     save_safetensors(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    config = adapter_config(model, spec, base_model)
-    write_json(out_dir / ADAPTER_CONFIG, config)
+    write_json(out_dir / ADAPTER_CONFIG, adapter_config(model, spec, base_model))
 
 
 @torch.no_grad()
@@ -161,11 +148,8 @@ def _adapter_config(path: Path) -> dict[str, Any]:
 
 
 def read_adapter(path: Path) -> AdapterFiles:
-    """Check a PEFT LoRA directory without loading its tensors; the spec rebuilds it on our model.
-
-    The targets come from the tensor names (what is really there), the rank from the A shapes,
-    alpha from the config; rsLoRA's alpha/sqrt(r) scaling becomes the equivalent plain alpha.
-    """
+    """Check a PEFT LoRA directory without loading its tensors; the spec rebuilds it on our model: targets
+    from the tensor names, rank from the A shapes, alpha from the config (rsLoRA's made plain)."""
     adapter_dir = find_adapter_dir(path)
     if adapter_dir is None:
         raise ArtifactError(f"{path} holds no {ADAPTER_WEIGHTS} + {ADAPTER_CONFIG}; pass a train run or a PEFT "

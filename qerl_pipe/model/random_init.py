@@ -1,8 +1,7 @@
 """Models with random weights in any base format: the speed and memory stand-ins for real ones.
 
 The benchmarks build Qwen2.5-shaped models (`model/shapes.py`) this way, and the tests tiny ones:
-what a kernel, a decode step or a training step costs depends on the shapes, not on the values.
-"""
+what a kernel, a decode step or a training step costs depends on the shapes, not on the values."""
 
 from __future__ import annotations
 
@@ -19,19 +18,10 @@ from qerl_pipe.model.lora import LoraSpec, apply_lora
 from qerl_pipe.model.moe import Router
 
 
-def init_random_model(
-    config_dict: Mapping[str, Any],
-    base_format: str = "bf16",
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
-    lora: LoraSpec | None = None,
-) -> Decoder:
-    """A model with HF's random init (N(0, 0.02), unit norms) built directly in `base_format`.
-
-    Each linear is drawn and quantized on `device` one at a time, so a 32B NVFP4 model builds on
-    one GPU without the 64 GB bf16 model ever existing: the speed/memory stand-in for a real one.
-    """
+def init_random_model(config_dict: Mapping[str, Any], base_format: str = "bf16", device: torch.device | str = "cpu",
+                      seed: int = 0, dtype: torch.dtype = torch.bfloat16, lora: LoraSpec | None = None) -> Decoder:
+    """A model with HF's random init (N(0, 0.02), unit norms) built directly in `base_format`, one
+    linear at a time on `device` (a 32B NVFP4 model builds without its 64 GB bf16 copy ever existing)."""
     fmt = format_entry(base_format)
     model = Decoder(DecoderConfig.from_hf(config_dict), fmt.name, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)

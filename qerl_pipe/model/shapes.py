@@ -1,7 +1,6 @@
 """Hugging Face configs with the exact shapes of the models the benchmarks stand in for: dense
 Qwen2.5 (3B-72B) and Qwen3-30B-A3B, figures from their published config.json files. Random
-weights of these shapes (`random_init`) measure speed and memory at scale without a model hub.
-"""
+weights of these shapes (`random_init`) measure speed and memory at scale without a model hub."""
 
 from __future__ import annotations
 
