@@ -1,7 +1,6 @@
 """NF4 weights to and from bitsandbytes' objects (`Params4bit`, `Linear4bit`), without requantizing:
 our NF4 bytes are bitsandbytes', handed to a `QuantState` as they are. Needs the `qlora` extra;
-imported only by whoever calls these. See docs/formats.md, section "NF4 (QLoRA baseline)".
-"""
+imported only by whoever calls these. See docs/formats.md, section "NF4 (QLoRA baseline)"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Read a (possibly NVFP4-quantized) Hugging Face checkpoint tensor by tensor from memory-mapped
 safetensors shards (never torch.load), so peak memory is one module's tensors; write shards
-(`ShardWriter`). See docs/formats.md, section "Reading checkpoints".
-"""
+(`ShardWriter`). See docs/formats.md, section "Reading checkpoints"."""
 
 from __future__ import annotations
 
@@ -49,11 +48,8 @@ def refuse_non_finite(name: str, tensor: Tensor) -> None:
 
 
 def detect_quant_format(config: dict[str, Any]) -> QuantFormat | None:
-    """Which NVFP4 layout a config.json describes; None when unquantized.
-
-    Raises ModelSourceError for quantization we cannot read (GPTQ, AWQ, FP8, ...), rather than
-    loading packed bytes as if they were weights.
-    """
+    """Which NVFP4 layout a config.json describes; None when unquantized. A ModelSourceError for what we
+    cannot read (GPTQ, AWQ, FP8, ...), rather than packed bytes loaded as if they were weights."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
@@ -61,26 +57,17 @@ def detect_quant_format(config: dict[str, Any]) -> QuantFormat | None:
     if method == "modelopt":
         algo = qc.get("quant_algo")
         if algo not in QUANT_ALGOS:
-            raise ModelSourceError(
-                f"modelopt quant_algo {algo!r} is not supported; qerl-pipe reads "
-                f"{' and '.join(QUANT_ALGOS)} checkpoints"
-            )
+            raise ModelSourceError(f"modelopt quant_algo {algo!r} is not supported; qerl-pipe reads "
+                                   f"{' and '.join(QUANT_ALGOS)} checkpoints")
         return "modelopt"
     if method == "compressed-tensors":
-        formats = {qc.get("format")} | {
-            g.get("format") for g in qc.get("config_groups", {}).values()
-        }
-        unsupported = formats - {ct.FORMAT, None}
-        if unsupported or formats == {None}:
-            raise ModelSourceError(
-                f"compressed-tensors format {sorted(map(str, formats))} is not supported; "
-                f"qerl-pipe reads {ct.FORMAT!r} (NVFP4)"
-            )
+        formats = {qc.get("format")} | {g.get("format") for g in qc.get("config_groups", {}).values()}
+        if formats - {ct.FORMAT, None} or formats == {None}:
+            raise ModelSourceError(f"compressed-tensors format {sorted(map(str, formats))} is not supported; "
+                                   f"qerl-pipe reads {ct.FORMAT!r} (NVFP4)")
         return "compressed-tensors"
-    raise ModelSourceError(
-        f"quantization method {method!r} is not supported; use an unquantized model or an NVFP4 "
-        "checkpoint from modelopt or llm-compressor"
-    )
+    raise ModelSourceError(f"quantization method {method!r} is not supported; use an unquantized model or an NVFP4 "
+                           "checkpoint from modelopt or llm-compressor")
 
 
 def _read_index(model_dir: Path) -> dict[str, Path] | None:
@@ -127,11 +114,8 @@ def _as_os_error(exc: SafetensorError, path: Path) -> Exception:
 
 
 def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """`safetensors.torch.save_file`, leaving the file readable as an ordinary file would be.
-
-    safetensors creates its file with mode 0600, so a checkpoint or adapter written here could not
-    be read by a serving process of another user; the file gets 0666 minus the umask instead.
-    """
+    """`safetensors.torch.save_file`, the file then 0666 minus the umask (safetensors makes it 0600: a
+    serving process of another user could not read a checkpoint or adapter written here)."""
     from safetensors.torch import save_file
 
     try:
@@ -148,9 +132,7 @@ def open_shard(path: Path) -> Any:
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (OSError, SafetensorError) as err:
-        raise ModelSourceError(
-            f"cannot read {path}: {err}; the file is missing, truncated or not safetensors"
-        ) from err
+        raise ModelSourceError(f"cannot read {path}: {err}; the file is missing, truncated or not safetensors") from err
 
 
 class _Shards:
@@ -166,10 +148,8 @@ class _Shards:
                 self.file_of[key] = path
         for key, file in (index or {}).items():
             if self.file_of.get(key) != file:
-                raise ModelSourceError(
-                    f"{INDEX_FILE} puts {key} in {file.name}, but that file does not hold it; "
-                    "the checkpoint is incomplete"
-                )
+                raise ModelSourceError(f"{INDEX_FILE} puts {key} in {file.name}, but that file does not hold it; "
+                                       "the checkpoint is incomplete")
 
     def get(self, key: str) -> Tensor:
         path = self.file_of[key]
@@ -189,29 +169,19 @@ def _nvfp4_parts(module: str, parts: dict[str, Tensor]) -> tuple[NVFP4Weight, Te
         weight, input_scale = ct.nvfp4_from_compressed(parts)
     else:
         # Some exporters store the 0-dim scales as [1]; both mean one scale per tensor.
-        weight = NVFP4Weight(
-            parts["weight"], parts["weight_scale"], parts["weight_scale_2"].float().reshape(())
-        )
+        weight = NVFP4Weight(parts["weight"], parts["weight_scale"], parts["weight_scale_2"].float().reshape(()))
         input_scale = parts.get("input_scale")
         input_scale = None if input_scale is None else input_scale.float().reshape(())
     packed, scales = weight.packed, weight.block_scales
-    if (
-        packed.dtype != torch.uint8
-        or scales.dtype != torch.float8_e4m3fn
-        or packed.dim() != 2
-        or scales.shape != (packed.shape[0], packed.shape[1] * 2 // BLOCK_SIZE)
-    ):
-        raise ModelSourceError(
-            f"quantized module {module} has packed {packed.dtype} {tuple(packed.shape)} and scales "
-            f"{scales.dtype} {tuple(scales.shape)}; NVFP4 needs uint8 [N, K/2] and "
-            "float8_e4m3fn [N, K/16]"
-        )
+    if (packed.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn or packed.dim() != 2
+            or scales.shape != (packed.shape[0], packed.shape[1] * 2 // BLOCK_SIZE)):
+        raise ModelSourceError(f"quantized module {module} has packed {packed.dtype} {tuple(packed.shape)} and scales "
+                               f"{scales.dtype} {tuple(scales.shape)}; NVFP4 needs uint8 [N, K/2] and "
+                               "float8_e4m3fn [N, K/16]")
     return weight, input_scale
 
 
-def iter_quantized_checkpoint(
-    model_dir: Path,
-) -> Iterator[tuple[str, NVFP4Weight | Tensor, Tensor | None]]:
+def iter_quantized_checkpoint(model_dir: Path) -> Iterator[tuple[str, NVFP4Weight | Tensor, Tensor | None]]:
     """Yield (name, weight, input_scale) for every tensor group of a checkpoint, one at a time:
     quantized linears as (module name, NVFP4Weight, input_scale or None), other tensors as (full
     name, tensor, None). config.json is checked first: an unsupported quantization fails clearly."""
@@ -238,13 +208,8 @@ def iter_quantized_checkpoint(
             if module in done:
                 continue
             done.add(module)
-            parts = {
-                s: shards.get(f"{module}.{s}")
-                for s in quantized[module]
-                if f"{module}.{s}" in shards.file_of
-            }
-            weight, input_scale = _nvfp4_parts(module, parts)
-            yield module, weight, input_scale
+            parts = {s: shards.get(f"{module}.{s}") for s in quantized[module] if f"{module}.{s}" in shards.file_of}
+            yield module, *_nvfp4_parts(module, parts)
         else:
             yield key, shards.get(key), None
 

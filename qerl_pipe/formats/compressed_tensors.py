@@ -1,8 +1,7 @@
 """compressed-tensors `nvfp4-pack-quantized` layout (llm-compressor's NVFP4, used by QeRL's
 checkpoints), read into `NVFP4Weight`: codes and block scales carry over, the global scale is
 the reciprocal of its `weight_global_scale`. Only the reader is here.
-See docs/formats.md, section 'Layout 2: compressed-tensors `nvfp4-pack-quantized` (what we read)'.
-"""
+See docs/formats.md, section 'Layout 2: compressed-tensors `nvfp4-pack-quantized` (what we read)'."""
 
 from __future__ import annotations
 
@@ -22,11 +21,8 @@ def exact_reciprocal(x: Tensor) -> Tensor:
 
 def nvfp4_from_compressed(tensors: dict[str, Tensor]) -> tuple[NVFP4Weight, Tensor | None]:
     """One module's tensors, keyed by suffix (`weight_packed`, ...), to (weight, input_scale)."""
-    weight = NVFP4Weight(
-        packed=tensors["weight_packed"],
-        block_scales=tensors["weight_scale"],
-        global_scale=exact_reciprocal(tensors["weight_global_scale"]).reshape(()),
-    )
+    weight = NVFP4Weight(tensors["weight_packed"], tensors["weight_scale"],
+                         exact_reciprocal(tensors["weight_global_scale"]).reshape(()))
     input_global = tensors.get(INPUT_SUFFIX)
     input_scale = None if input_global is None else exact_reciprocal(input_global).reshape(())
     return weight, input_scale

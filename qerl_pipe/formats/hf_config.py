@@ -1,8 +1,7 @@
 """A Hugging Face model's config.json, read and checked in one place: a file that is not JSON, not
 an object, or lacks a size key is one `ModelSourceError` naming the file. No torch: the CLI's
 checks read it before any model work. See docs/formats.md, section "Formats: NVFP4, NF4 and the
-checkpoint layouts" (the module table).
-"""
+checkpoint layouts" (the module table)."""
 
 from __future__ import annotations
 
@@ -23,7 +22,8 @@ def read_model_config(path: Path) -> dict[str, Any]:
     needs is one ModelSourceError naming the file, instead of a traceback deep in a stage."""
     config = read_user_json(path / "config.json", "model config", ModelSourceError)
     if not isinstance(config, dict):
-        raise ModelSourceError(f"model config {path / 'config.json'} is not a JSON object; restore the model's original config.json")
+        raise ModelSourceError(f"model config {path / 'config.json'} is not a JSON object; restore the model's "
+                               "original config.json")
     missing = [key for key in REQUIRED_CONFIG_KEYS if key not in config]
     if missing:
         raise ModelSourceError(f"model config {path / 'config.json'} has no {', '.join(missing)}: it is incomplete; "

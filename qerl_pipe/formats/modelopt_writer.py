@@ -1,8 +1,7 @@
 """The NVFP4 checkpoint writer (modelopt's unified HF layout), used by `quantize` and by the
 merged-NVFP4 export. Nothing is written before the whole model is known to quantize
 (`plan_checkpoint` checks every tensor and takes each fused group's amax first).
-See docs/formats.md, section "Writing NVFP4 checkpoints".
-"""
+See docs/formats.md, section "Writing NVFP4 checkpoints"."""
 
 from __future__ import annotations
 
@@ -75,10 +74,9 @@ def plan_checkpoint(shards: list[Path], exclude: list[str]) -> WritePlan:
                 module = match.group(1)
                 weight = fh.get_tensor(name)
                 if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
-                    raise QuantizationError(
-                        f"{name} has shape {tuple(weight.shape)}: NVFP4 needs in_features to be a multiple of "
-                        f"{BLOCK_SIZE}; exclude the module with --set 'quantize.exclude=[lm_head, {module}]'"
-                    )
+                    raise QuantizationError(f"{name} has shape {tuple(weight.shape)}: NVFP4 needs in_features to be a "
+                                            f"multiple of {BLOCK_SIZE}; exclude the module with --set "
+                                            f"'quantize.exclude=[lm_head, {module}]'")
                 amax = weight.abs().amax().float()  # exact in the weight's own dtype; NaN propagates
                 if not bool(torch.isfinite(amax)):
                     refuse_non_finite(name, weight)
@@ -118,10 +116,7 @@ def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: d
                   dtype: torch.dtype, method: str,
                   channel_mean_square: dict[str, torch.Tensor] | None = None) -> dict[str, LayerError]:
     """Pass 2: quantize and write one output shard per input shard; returns each module's errors.
-
-    `channel_mean_square` (calibration statistics) steers `act-mse`'s search; for any method it
-    measures: with it each module's output error is reported, without it none is.
-    """
+    `channel_mean_square` steers `act-mse`'s search, and with any method gives the output error."""
     ms = channel_mean_square or {}
     errors: dict[str, LayerError] = {}
     writer = ShardWriter(out, max_bytes=float("inf"), shards=len(shards))  # shards end where the source's do
@@ -212,8 +207,7 @@ class NVFP4StreamWriter:
         members = self.pending.setdefault(group, {})
         members[module] = tensor
         parent, projections = group.rpartition(".")[0], FUSED_GROUPS[group.rpartition(".")[2]]
-        expected = [f"{parent}.{p}" for p in projections
-                    if not is_excluded(f"{parent}.{p}", self.exclude)]
+        expected = [f"{parent}.{p}" for p in projections if not is_excluded(f"{parent}.{p}", self.exclude)]
         if set(members) == set(expected):
             del self.pending[group]
             self._write([(m, members[m]) for m in expected])
@@ -255,11 +249,8 @@ def write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
 
 
 def read_input_scales(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """`input_scale` per fused group / module from an NVFP4 checkpoint (empty: W4A16).
-
-    They are the calibration's activation statistics of the base model (shared within fused
-    groups already); the merged model's activations differ from them by the adapter's effect.
-    """
+    """`input_scale` per fused group / module from an NVFP4 checkpoint (empty: W4A16): the base model's
+    calibration statistics; the merged model's activations differ from them by the adapter's effect."""
     scales: dict[str, torch.Tensor] = {}
     for shard in list_shards(checkpoint_dir):
         with open_shard(shard) as fh:

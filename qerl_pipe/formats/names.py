@@ -1,7 +1,6 @@
 """Tensor and module names, in one place: Hugging Face's, our Decoder's fused projections, PEFT's
 (and Qwen3-MoE's router and experts). Pure string work, no torch: every layer (formats, model,
-engine) may import it. See docs/formats.md, section "Tensor names".
-"""
+engine) may import it. See docs/formats.md, section "Tensor names"."""
 
 from __future__ import annotations
 
@@ -16,17 +15,11 @@ PEFT_PREFIX = "base_model.model."
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 # Fused group -> its HF projections, in the order their outputs are concatenated.
-FUSED_GROUPS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "gate_up": ("gate_proj", "up_proj"),
-}
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 _GROUP_OF = {proj: group for group, projs in FUSED_GROUPS.items() for proj in projs}
 # Fused groups some checkpoints store as one module (Phi3's `qkv_proj`, `gate_up_proj`): one
 # tensor, one NVFP4 global scale, one PEFT target, named as the checkpoint names it.
-CHECKPOINT_FUSED: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q", "k", "v"),
-    "gate_up_proj": ("gate", "up"),
-}
+CHECKPOINT_FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 # Every HF projection of a decoder layer: one per LoRA target, and the checkpoint-fused ones.
 PROJECTIONS = tuple(f"{t}_proj" for t in LORA_TARGETS) + tuple(CHECKPOINT_FUSED)
 

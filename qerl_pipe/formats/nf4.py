@@ -1,40 +1,24 @@
 """NF4 (4-bit NormalFloat, QLoRA: arXiv 2305.14314), the QLoRA baseline's base, stored byte for
 byte as bitsandbytes stores it (`quantize_4bit`, nf4, blocksize 64, no double quantization): one
 fp32 absmax per 64 elements of a row, element 2j in the HIGH nibble of byte j, its rounding.
-See docs/formats.md, section "NF4 (QLoRA baseline)".
-"""
+See docs/formats.md, section "NF4 (QLoRA baseline)"."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from qerl_pipe.errors import QuantizationError
-from qerl_pipe.formats.nvfp4 import FourBitRows
+from qerl_pipe.formats.nvfp4 import FourBitRows, device_table
 
 NF4_BLOCK = 64
 # bitsandbytes `functional.get_4bit_type("nf4")`, code index = position.
-NF4_CODE = (
-    -1.0,
-    -0.6961928009986877,
-    -0.5250730514526367,
-    -0.39491748809814453,
-    -0.28444138169288635,
-    -0.18477343022823334,
-    -0.09105003625154495,
-    0.0,
-    0.07958029955625534,
-    0.16093020141124725,
-    0.24611230194568634,
-    0.33791524171829224,
-    0.44070982933044434,
-    0.5626170039176941,
-    0.7229568362236023,
-    1.0,
-)
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
+            1.0)
 
 
 def _upper_wins(x: Tensor, low: Tensor, high: Tensor) -> bool:
@@ -43,11 +27,8 @@ def _upper_wins(x: Tensor, low: Tensor, high: Tensor) -> bool:
 
 
 def _level_thresholds() -> tuple[float, ...]:
-    """For each neighbouring pair of levels, the smallest fp32 `scaled` that takes the upper one.
-
-    Found by stepping one ulp at a time from the fp32 midpoint (at most a couple of steps): the
-    distance comparison is monotonic in `scaled`, so one threshold per pair reproduces it exactly.
-    """
+    """For each neighbouring pair of levels, the smallest fp32 `scaled` that takes the upper one: stepped
+    an ulp at a time from the midpoint (the comparison is monotonic, so this reproduces it exactly)."""
     code = torch.tensor(NF4_CODE, dtype=torch.float32)
     down, up = torch.tensor(-2.0), torch.tensor(2.0)
     out = []
@@ -88,10 +69,8 @@ def unpack_nf4(packed: Tensor) -> Tensor:
 def quantize_nf4(weight: Tensor, *, name: str = "tensor") -> NF4Weight:
     """Quantize a `[N, K]` weight (K a multiple of 64) as bitsandbytes' `quantize_4bit` does (above)."""
     if weight.dim() != 2 or weight.shape[1] % NF4_BLOCK:
-        raise QuantizationError(
-            f"{name} has shape {tuple(weight.shape)}: NF4 needs a 2-D weight [out, in] whose "
-            f"input dimension is a multiple of {NF4_BLOCK}"
-        )
+        raise QuantizationError(f"{name} has shape {tuple(weight.shape)}: NF4 needs a 2-D weight [out, in] whose "
+                                f"input dimension is a multiple of {NF4_BLOCK}")
     n, k = weight.shape
     blocks = weight.detach().float().contiguous().reshape(n, k // NF4_BLOCK, NF4_BLOCK)
     absmax = blocks.abs().amax(dim=-1)
@@ -105,16 +84,9 @@ def quantize_nf4(weight: Tensor, *, name: str = "tensor") -> NF4Weight:
     return NF4Weight(pack_nf4(codes.reshape(n, k)), absmax)
 
 
-@lru_cache(maxsize=None)
-def _levels(device: torch.device) -> Tensor:
-    # Made once per device: a host copy per call would synchronize, which a CUDA graph capture
-    # refuses (NF4 without bitsandbytes decodes through `dequantize_nf4` on the GPU).
-    return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
-
-
 def dequantize_nf4(w: NF4Weight, dtype: torch.dtype = torch.float32) -> Tensor:
     """`[N, K]` weight in `dtype` (level x absmax in fp32, rounded once, as bitsandbytes does)."""
-    code = _levels(w.packed.device)
+    code = device_table(NF4_CODE, w.packed.device)
     codes = unpack_nf4(w.packed).long()
     n, k = codes.shape
     out = code[codes].reshape(n, k // NF4_BLOCK, NF4_BLOCK) * w.absmax.float().unsqueeze(-1)

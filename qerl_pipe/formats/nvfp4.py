@@ -1,8 +1,7 @@
 """NVFP4: 4-bit E2M1 elements, one E4M3 scale per 16 elements, one fp32 scale per tensor.
 `quantize_nvfp4` reproduces Model Optimizer's export math byte for byte (the same float32
 operations in the same order), except where modelopt would write a broken checkpoint.
-See docs/formats.md, sections "NVFP4" and "Verified against modelopt 0.47.0".
-"""
+See docs/formats.md, sections "NVFP4" and "Verified against modelopt 0.47.0"."""
 
 from __future__ import annotations
 
@@ -67,16 +66,12 @@ class NVFP4Weight(FourBitRows):
     global_scale: Tensor  # float32 0-dim; modelopt's `weight_scale_2`
 
     def to(self, device: torch.device | str) -> NVFP4Weight:
-        return NVFP4Weight(
-            self.packed.to(device), self.block_scales.to(device), self.global_scale.to(device)
-        )
+        return NVFP4Weight(self.packed.to(device), self.block_scales.to(device), self.global_scale.to(device))
 
 
 def global_scale_from_amax(amax: Tensor) -> Tensor:
-    """`amax / (6 * 448)` as a float32 0-dim tensor, computed exactly as modelopt does.
-
-    The same formula gives `input_scale` from an activation amax.
-    """
+    """`amax / (6 * 448)` as a float32 0-dim tensor, exactly as modelopt computes it (also `input_scale`
+    from an activation amax)."""
     # Same expression as modelopt (fp32 tensor / Python float 2688.0), so the bits match modelopt
     # on the same device. Measured on an H200: CUDA computes this as amax * (1/2688), one ulp off
     # the CPU's correctly rounded quotient for ~23% of amaxes. For device-independent bytes,
@@ -104,11 +99,8 @@ def unpack_fp4(packed: Tensor) -> Tensor:
 
 
 def _encode_e2m1(q: Tensor) -> Tensor:
-    """Nearest E2M1 code of each fp32 value; ties to even; saturates at 6; NaN-free input.
-
-    The sign bit is `q < 0`, so a small negative that rounds to 0 becomes code 8 (negative zero),
-    exactly as modelopt writes it.
-    """
+    """Nearest E2M1 code of each fp32 value; ties to even; saturates at 6; NaN-free input. The sign bit
+    is `q < 0`: a small negative rounding to 0 is code 8 (negative zero), as modelopt writes it."""
     sign = (q < 0).to(torch.uint8) << 3
     mag = q.abs()
     bounds = torch.tensor(_BOUNDS, dtype=torch.float32, device=q.device)
@@ -121,10 +113,8 @@ def _encode_e2m1(q: Tensor) -> Tensor:
 
 def _check_shape(weight: Tensor, name: str) -> None:
     if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
-        raise QuantizationError(
-            f"{name} has shape {tuple(weight.shape)}: NVFP4 needs a 2-D weight [out, in] whose "
-            f"input dimension is a multiple of {BLOCK_SIZE}"
-        )
+        raise QuantizationError(f"{name} has shape {tuple(weight.shape)}: NVFP4 needs a 2-D weight [out, in] whose "
+                                f"input dimension is a multiple of {BLOCK_SIZE}")
 
 
 def quantize_nvfp4(
@@ -150,29 +140,22 @@ def quantize_nvfp4(
     if global_scale is None:
         global_scale = own_scale
     else:
-        global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=weight.device)
-        global_scale = global_scale.reshape(())
+        global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=weight.device).reshape(())
         # Division is monotone, so a scale from the group's max amax is never below ours.
         if not bool(torch.isfinite(global_scale)) or bool(global_scale < own_scale):
-            raise QuantizationError(
-                f"{name}: global scale {float(global_scale):.6g} is below the {float(own_scale):.6g} "
-                "this tensor needs; pass the scale of the max amax over its fused group"
-            )
+            raise QuantizationError(f"{name}: global scale {float(global_scale):.6g} is below the "
+                                    f"{float(own_scale):.6g} this tensor needs; pass the scale of the max amax over "
+                                    "its fused group")
 
     s2 = float(global_scale)
     if s2 == 0.0:
         # All-zero tensor (or group). modelopt divides 0 by 0 here and writes NaN scales and +6
         # codes; we write what decodes to exact zeros: codes 0, block scales 1.0.
-        return NVFP4Weight(
-            torch.zeros(n, k // 2, dtype=torch.uint8, device=weight.device),
-            torch.ones(n, k // BLOCK_SIZE, device=weight.device).to(torch.float8_e4m3fn),
-            global_scale,
-        )
+        return NVFP4Weight(torch.zeros(n, k // 2, dtype=torch.uint8, device=weight.device),
+                           torch.ones(n, k // BLOCK_SIZE, device=weight.device).to(torch.float8_e4m3fn), global_scale)
     if s2 < _MIN_GLOBAL_SCALE:
-        raise QuantizationError(
-            f"{name}: largest magnitude {float(block_amax.amax()):.3g} is too small for NVFP4's fp32 "
-            "scales (below ~1.6e-32); zero the tensor or keep it unquantized"
-        )
+        raise QuantizationError(f"{name}: largest magnitude {float(block_amax.amax()):.3g} is too small for NVFP4's "
+                                "fp32 scales (below ~1.6e-32); zero the tensor or keep it unquantized")
 
     # Step by step as modelopt: 6 * s2 is rounded to fp32 before the division.
     ratio = block_amax / (E2M1_MAX * global_scale)
@@ -218,16 +201,10 @@ def mse_block_scales(blocks: Tensor, global_scale: Tensor, block_scales: Tensor,
     return best.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
-def quantize_nvfp4_in_row_chunks(
-    weight: Tensor,
-    global_scale: Tensor | None = None,
-    *,
-    name: str = "tensor",
-    chunk_elements: int = 1 << 22,
-    on_chunk: Callable[[Tensor, NVFP4Weight], None] | None = None,
-    method: str = "rtn",
-    channel_weight: Tensor | None = None,
-) -> NVFP4Weight:
+def quantize_nvfp4_in_row_chunks(weight: Tensor, global_scale: Tensor | None = None, *, name: str = "tensor",
+                                 chunk_elements: int = 1 << 22,
+                                 on_chunk: Callable[[Tensor, NVFP4Weight], None] | None = None, method: str = "rtn",
+                                 channel_weight: Tensor | None = None) -> NVFP4Weight:
     """`quantize_nvfp4` about `chunk_elements` at a time: the same bytes, bounded temporaries (a 32B
     gate_up whole takes ~5 GB of fp32 copies). Rows are independent once the global scale (of the
     whole tensor, unless given) is fixed; `on_chunk(rows, quantized_rows)` sees each chunk."""
@@ -246,21 +223,20 @@ def quantize_nvfp4_in_row_chunks(
         parts.append(q)
     if len(parts) == 1:
         return parts[0]
-    packed = torch.cat([p.packed for p in parts])
-    scales = torch.cat([p.block_scales for p in parts])
-    return NVFP4Weight(packed, scales, parts[0].global_scale)
+    return NVFP4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.block_scales for p in parts]),
+                       parts[0].global_scale)
 
 
 @lru_cache(maxsize=None)
-def _code_values(device: torch.device) -> Tensor:
-    # Made once per device: a copy from the host at every call would synchronize, which a CUDA
-    # graph capture refuses (GPUs without our CUDA kernels decode through `dequantize_nvfp4`).
-    return torch.tensor(_CODE_VALUES, dtype=torch.float32, device=device)
+def device_table(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """`values` as float32 on `device`, made once per device: a host copy at every call would synchronize,
+    which a CUDA graph capture refuses (4-bit bases without their kernels decode through `dequantize_*`)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def dequantize_nvfp4(w: NVFP4Weight, dtype: torch.dtype = torch.float32) -> Tensor:
     """`[N, K]` weight in `dtype`; computed in fp32 as modelopt's `dequantize` does."""
-    values = _code_values(w.packed.device)
+    values = device_table(_CODE_VALUES, w.packed.device)
     codes = unpack_fp4(w.packed).long()
     n, k = codes.shape
     scale = w.block_scales.float() * w.global_scale.float()

@@ -1,7 +1,6 @@
 """Per-layer quantization error: of the weight, and of the layer's output predicted from the
 calibration's channel mean squares (no forward pass), accumulated over the quantizer's row chunks
-without a copy of a whole tensor. See docs/formats.md, section "Per-layer error in the quality report".
-"""
+without a copy of a whole tensor. See docs/formats.md, section "Per-layer error in the quality report"."""
 
 from __future__ import annotations
 
@@ -30,10 +29,7 @@ class ErrorSums:
         # float64: the weighted sums span many decades of activation scale across channels. It moves
         # to the weight's device at the first chunk, so each chunk's sums reach the host in one copy.
         self.ms = None if channel_mean_square is None else channel_mean_square.detach().double()
-        self.error_sq = 0.0
-        self.ref_sq = 0.0
-        self.weighted_error_sq = 0.0
-        self.weighted_ref_sq = 0.0
+        self.sums = [0.0] * 4  # squared error and reference, then both weighted by the mean squares
 
     def add(self, reference: Tensor, dequantized: Tensor) -> None:
         """Account for rows `reference` [n, K] and their dequantized quantization (same shape)."""
@@ -47,17 +43,11 @@ class ErrorSums:
                                 f"{err_cols.numel()}; it was made for another model")
             self.ms = self.ms.to(cols.device)  # once: later chunks find it there
             sums = torch.cat((sums, cols @ self.ms))
-        values = sums.tolist()  # the chunk's one device-to-host copy
-        self.error_sq += values[0]
-        self.ref_sq += values[1]
-        if self.ms is not None:
-            self.weighted_error_sq += values[2]
-            self.weighted_ref_sq += values[3]
+        for i, value in enumerate(sums.tolist()):  # the chunk's one device-to-host copy
+            self.sums[i] += value
 
     def result(self) -> LayerError:
-        weight = _ratio(self.error_sq, self.ref_sq)
-        output = None if self.ms is None else _ratio(self.weighted_error_sq, self.weighted_ref_sq)
-        return LayerError(weight, output)
+        return LayerError(_ratio(*self.sums[:2]), None if self.ms is None else _ratio(*self.sums[2:]))
 
 
 def _ratio(error_sq: float, ref_sq: float) -> float:
