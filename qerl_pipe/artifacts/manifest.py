@@ -55,29 +55,14 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(json.loads(dumps(body))).encode()).hexdigest()
 
 
-def build_manifest(
-    *,
-    art_id: str,
-    kind: str,
-    stage: str,
-    stage_version: int,
-    config: dict[str, Any],
-    parents: list[str],
-    root: Path,
-    summary: dict[str, Any],
-    reports: frozenset[str],
-    identities: list[str],
-) -> dict[str, Any]:
+def build_manifest(*, art_id: str, kind: str, stage: str, stage_version: int, config: dict[str, Any],
+                   parents: list[str], root: Path, summary: dict[str, Any], reports: frozenset[str],
+                   identities: list[str]) -> dict[str, Any]:
     files = describe_files(root)
     manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "id": art_id,
-        "kind": kind,
-        "stage": {"name": stage, "version": stage_version},
-        "config": config,
-        "parents": parents,
-        # What the id took of each parent (`Artifact.identity`): its content digest, or its id.
-        "parent_identities": identities,
+        "schema_version": SCHEMA_VERSION, "id": art_id, "kind": kind,
+        "stage": {"name": stage, "version": stage_version}, "config": config, "parents": parents,
+        "parent_identities": identities,  # what the id took of each parent (`Artifact.identity`)
         "files": files,
         **({"reports": sorted(reports), "content": content_digest(files, reports)} if reports else {}),
         "package": {"name": "qerl-pipe", "version": qerl_pipe.__version__},
@@ -89,11 +74,10 @@ def build_manifest(
 
 
 def content_digest(files: dict[str, dict[str, Any]], reports: frozenset[str] | set[str]) -> str:
-    """What a child reads of an artifact that declares reports (files no child reads): its other
-    files, by their sha256. A child's id takes this instead of the parent's id, so a setting that
-    changes only a report (quantize's quality report) makes a new parent whose children are reused.
-    Artifacts without reports keep their id as identity: some of their files carry build times
-    (engine.json), so their content differs between two builds of the same inputs."""
+    """What a child reads of an artifact that declares reports (files no child reads): its other files by
+    sha256. A child's id takes this instead of the parent's id, so a setting that changes only a report
+    (quantize's quality report) makes a new parent whose children are reused. Artifacts without reports
+    keep their id as identity: some of their files carry build times (engine.json)."""
     kept = {name: meta["sha256"] for name, meta in files.items() if name not in reports}
     return hashlib.sha256(canonical_json(kept).encode()).hexdigest()[:16]
 
@@ -162,10 +146,8 @@ def manifest_problems(manifest: dict[str, Any]) -> list[Problem]:
 
 
 def find_problems(artifact: Artifact, *, full: bool = True) -> list[Problem]:
-    """Every way the files differ from the manifest, and the manifest from itself. `full=False`
-    (the check on reuse) re-hashes only files whose size or mtime differ from those recorded when
-    the artifact was sealed; an edit that keeps both (a restored mtime) is found by `full` alone.
-    Manifests written before mtimes were recorded are hashed in full."""
+    """Every way the files differ from the manifest, and the manifest from itself. `full=False` (on reuse)
+    re-hashes only files whose size or mtime changed since sealing (or that have no recorded mtime)."""
     problems = manifest_problems(artifact.manifest)
     listed = artifact.manifest.get("files", {})
     for rel, meta in listed.items():

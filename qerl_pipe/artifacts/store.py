@@ -97,10 +97,8 @@ def load_artifact(path: Path, *, verify: bool = True, full: bool = False) -> Art
     if verify:
         problems = find_problems(artifact, full=full)
         if problems:
-            raise ArtifactError(
-                f"artifact {path} is damaged ({problems[0]}{'; ...' if len(problems) > 1 else ''}); "
-                + repair_advice(path, stage_of(path, artifact.manifest), problems)
-            )
+            raise ArtifactError(f"artifact {path} is damaged ({problems[0]}{'; ...' if len(problems) > 1 else ''}); "
+                                + repair_advice(path, stage_of(path, artifact.manifest), problems))
     return artifact
 
 
@@ -120,11 +118,9 @@ class ArtifactStore:
         return self.root / WORK_DIR / f"{stage}-{art_id}"
 
     def survey(self) -> tuple[list[Artifact], list[tuple[Path, str]]]:
-        """One pass over the store (each manifest read once, as `ls` shows both lists): the sealed
-        artifacts, oldest first and each after its parents, and what that list leaves out, with its state: artifacts whose
-        manifest is damaged, temporary directories of artifacts being made ('in progress') or of
-        runs that were killed ('abandoned'), and work directories of resumable runs ('in progress'
-        or 'interrupted')."""
+        """One pass over the store (each manifest read once): the sealed artifacts, oldest first and each
+        after its parents, and what that leaves out with its state (damaged, in progress, abandoned,
+        interrupted), as `ls` shows them."""
         self._refuse_a_file_root()  # else `ls` says "no artifacts in FILE" and `show` finds nothing
         if not self.root.is_dir():
             return [], []
@@ -255,27 +251,15 @@ class ArtifactStore:
         if not path.exists():
             return None
         if not (path / MANIFEST_NAME).is_file():
-            raise ArtifactError(
-                f"{path} exists but is not a qerl-pipe artifact; move it away (qerl-pipe never deletes what it did not make)"
-            )
+            raise ArtifactError(f"{path} exists but is not a qerl-pipe artifact; move it away (qerl-pipe never deletes "
+                                "what it did not make)")
         return self._open(path, True)
 
     @contextmanager
-    def create(
-        self,
-        *,
-        stage: str,
-        stage_version: int,
-        kind: str,
-        config: dict[str, Any],
-        parents: list[str],
-        force: bool = False,
-    ) -> Iterator[tuple[PendingArtifact | None, Artifact | None]]:
-        """Yield `(pending, None)` to build a new artifact, or `(None, existing)` when one is up to date.
-
-        The caller writes into `pending.dir`; on a clean exit the manifest is written and the
-        directory renamed into place. On an exception the temporary directory is removed.
-        """
+    def create(self, *, stage: str, stage_version: int, kind: str, config: dict[str, Any], parents: list[str],
+               force: bool = False) -> Iterator[tuple[PendingArtifact | None, Artifact | None]]:
+        """Yield `(pending, None)` to build a new artifact into `pending.dir` (sealed and renamed into place
+        on a clean exit, removed on an exception), or `(None, existing)` when one is up to date."""
         identities = self.identities(parents)
         art_id = artifact_id(stage, stage_version, config, identities)
         final = self.path_for(stage, art_id)
@@ -302,11 +286,9 @@ class ArtifactStore:
             pending = PendingArtifact(id=art_id, dir=tmp)
             try:
                 yield pending, None
-                manifest = build_manifest(
-                    art_id=art_id, kind=kind, stage=stage, stage_version=stage_version,
-                    config=config, parents=parents, root=tmp, summary=pending.summary,
-                    reports=frozenset(pending.reports), identities=identities,
-                )
+                manifest = build_manifest(art_id=art_id, kind=kind, stage=stage, stage_version=stage_version,
+                                          config=config, parents=parents, root=tmp, summary=pending.summary,
+                                          reports=frozenset(pending.reports), identities=identities)
                 write_json(tmp / MANIFEST_NAME, manifest)
                 self._swap_into_place(tmp, final)
             except BaseException:

@@ -74,10 +74,8 @@ def plan_engine(section: EngineSpec, hf_config: dict[str, Any], device: torch.de
     CUDA graphs or tuning forced on where they cannot run, a KV budget that holds not one sequence."""
     config = DecoderConfig.from_hf(hf_config)
     if section.max_seq_len > config.max_position_embeddings:
-        raise QerlError(
-            f"engine.max_seq_len={section.max_seq_len} exceeds the model's max_position_embeddings "
-            f"({config.max_position_embeddings}); lower engine.max_seq_len"
-        )
+        raise QerlError(f"engine.max_seq_len={section.max_seq_len} exceeds the model's max_position_embeddings "
+                        f"({config.max_position_embeddings}); lower engine.max_seq_len")
     cuda = device.type == "cuda"
     dtype = compute_dtype(section.dtype, device, count_parameters(hf_config))
     check_activations(section.activations, section.base_format, device, dtype)
@@ -100,10 +98,8 @@ def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
 
 
 def _check_finite(model: torch.nn.Module) -> None:
-    """A bf16 (or NF4) base is built from the source's weights as they are: NaN or inf there would
-    give an engine whose every rollout is empty. (A 4-bit quantize already refuses them.) The
-    tensor is named as the model's files name it, as quantize and calibrate do (a fused q/k/v or
-    gate/up base by its fused name under the same prefix)."""
+    """Refuse NaN or inf in a bf16 (or NF4) base built from the source's weights as they are (every
+    rollout would be empty), naming the tensor as the model's files do (a fused base by its fused name)."""
     for name, t in model.state_dict().items():
         refuse_non_finite(name if name.startswith("lm_head") else hf_name(name), t)
 
@@ -133,33 +129,21 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
     copy_model_files(base_dir, out)
     seconds = round(time.perf_counter() - started, 2)
     engine = {
-        "format_version": ENGINE_FORMAT_VERSION,
-        "base_format": section.base_format,
-        "dtype": str(plan.dtype).removeprefix("torch."),
-        "limits": limits.to_json(),
-        "kv_budget_bytes": budget,
-        "memory_plan": memory_plan,
-        "dispatch_table": dispatch_table.to_json() if dispatch_table is not None else None,
-        "deterministic": section.deterministic,
-        "activations": section.activations,
+        "format_version": ENGINE_FORMAT_VERSION, "base_format": section.base_format,
+        "dtype": str(plan.dtype).removeprefix("torch."), "limits": limits.to_json(), "kv_budget_bytes": budget,
+        "memory_plan": memory_plan, "dispatch_table": dispatch_table.to_json() if dispatch_table is not None else None,
+        "deterministic": section.deterministic, "activations": section.activations,
         "device": {"type": device.type, "name": device_kind(device)},
-        "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "build_seconds": seconds,
+        "built": datetime.now(timezone.utc).isoformat(timespec="seconds"), "build_seconds": seconds,
         "qerl_pipe_version": qerl_pipe.__version__,
     }
     write_json(out / ENGINE_FILE, engine)
     summary = {
-        "base_format": section.base_format,
-        "dtype": engine["dtype"],
-        "device": engine["device"]["name"],
-        "max_batch": limits.max_batch,
-        "max_seq_len": limits.max_seq_len,
-        "kv_cache_mib": round(limits.kv_cache_bytes / 2**20, 1),
-        "kv_budget_mib": round(budget / 2**20, 1),
-        "model_mib": round(model_memory_bytes(model) / 2**20, 1),
-        "cuda_graph_sizes": list(limits.graph_batch_sizes),
-        "dispatch_rows": len(dispatch_table.deterministic) if dispatch_table is not None else 0,
-        "seconds": seconds,
+        "base_format": section.base_format, "dtype": engine["dtype"], "device": engine["device"]["name"],
+        "max_batch": limits.max_batch, "max_seq_len": limits.max_seq_len,
+        "kv_cache_mib": round(limits.kv_cache_bytes / 2**20, 1), "kv_budget_mib": round(budget / 2**20, 1),
+        "model_mib": round(model_memory_bytes(model) / 2**20, 1), "cuda_graph_sizes": list(limits.graph_batch_sizes),
+        "dispatch_rows": len(dispatch_table.deterministic) if dispatch_table is not None else 0, "seconds": seconds,
         **({"memory_plan": memory_plan} if memory_plan is not None else {}),
     }
     log(f"build-engine: {section.base_format} base in {summary['dtype']} on {summary['device']}, "

@@ -33,10 +33,8 @@ SHARD_BYTES = 2 * 2**30
 
 
 def _stored_tensors(model: Decoder) -> dict[str, Tensor]:
-    """What the engine stores, by our module names: every persistent tensor but LoRA and a tied head.
-
-    Derived from `state_dict` on both sides (save and load), so the two cannot disagree.
-    """
+    """What the engine stores, by our module names: every persistent tensor but LoRA and a tied head
+    (from `state_dict`, on both sides: save and load cannot disagree)."""
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if ".lora_A." in name or ".lora_B." in name:
@@ -47,10 +45,6 @@ def _stored_tensors(model: Decoder) -> dict[str, Tensor]:
     return out
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _host_copy(t: Tensor) -> Tensor:
     """A CPU tensor owning exactly its bytes (safetensors refuses tensors that share storage)."""
     t = t.detach().to("cpu").contiguous()
@@ -59,11 +53,8 @@ def _host_copy(t: Tensor) -> Tensor:
 
 
 def save_engine_model(model: Decoder, out_dir: Path, *, hf_config: Mapping[str, Any]) -> None:
-    """Write `model`'s base (no LoRA) to `out_dir`: shards, an index and config.json.
-
-    `hf_config` is the model's own config.json dict (kept, minus `quantization_config`, so token
-    ids and the like travel with the engine).
-    """
+    """Write `model`'s base (no LoRA) to `out_dir`: shards, an index and config.json (`hf_config`, the
+    model's own, minus `quantization_config`: token ids and the like travel with the engine)."""
     out_dir = Path(out_dir)
     if DecoderConfig.from_hf(hf_config) != model.config:
         raise ValueError("hf_config describes another model than the one being saved")
@@ -79,16 +70,11 @@ def save_engine_model(model: Decoder, out_dir: Path, *, hf_config: Mapping[str, 
         file = f"engine-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_safetensors({n: _host_copy(tensors[n]) for n in names}, out_dir / file, metadata={"format": "pt"})
         weight_map.update({n: file for n in names})
-    index = {
-        "metadata": {
-            "format_version": WEIGHTS_FORMAT_VERSION,
-            "base_format": model.base_format,
-            "base_layout_version": base_format(model.base_format).layout_version,
-            "dtype": _dtype_name(model.dtype),
-            "total_size": sum(t.numel() * t.element_size() for t in tensors.values()),
-        },
-        "weight_map": weight_map,
-    }
+    index = {"metadata": {"format_version": WEIGHTS_FORMAT_VERSION, "base_format": model.base_format,
+                          "base_layout_version": base_format(model.base_format).layout_version,
+                          "dtype": str(model.dtype).removeprefix("torch."),
+                          "total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
     write_json(out_dir / INDEX_NAME, index, indent=1)
     write_json(out_dir / CONFIG_NAME, config)
 
@@ -115,24 +101,19 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def load_engine_model(engine_dir: Path, device: torch.device | str, lora: LoraSpec | None = None) -> Decoder:
-    """The Decoder stored in `engine_dir`, its tensors placed on `device` as stored.
-
-    `lora` adds fresh adapters (B = 0), as `load_model` does.
-    """
+    """The Decoder stored in `engine_dir`, its tensors placed on `device` as stored; `lora` adds fresh
+    adapters (B = 0), as `load_model` does."""
     engine_dir = Path(engine_dir)
     index = _read_json(engine_dir / INDEX_NAME, "weight index")
     meta = index.get("metadata", {})
     if meta.get("format_version") != WEIGHTS_FORMAT_VERSION or meta.get("base_format") not in FORMATS:
-        raise ArtifactError(
-            f"{engine_dir}: engine weights format {meta.get('format_version')!r} / base "
-            f"{meta.get('base_format')!r} is not one this version reads; rebuild the engine with --force"
-        )
+        raise ArtifactError(f"{engine_dir}: engine weights format {meta.get('format_version')!r} / base "
+                            f"{meta.get('base_format')!r} is not one this version reads; rebuild the engine with "
+                            "--force")
     layout, stored = base_format(meta["base_format"]).layout_version, meta.get("base_layout_version", 1)
     if stored != layout:
-        raise ArtifactError(
-            f"{engine_dir}: its {meta['base_format']} weights are in layout {stored!r}, this version reads "
-            f"layout {layout} (the bytes changed); rebuild the engine with --force"
-        )
+        raise ArtifactError(f"{engine_dir}: its {meta['base_format']} weights are in layout {stored!r}, this version "
+                            f"reads layout {layout} (the bytes changed); rebuild the engine with --force")
     config = DecoderConfig.from_hf(_read_json(engine_dir / CONFIG_NAME, "config.json"))
     dtype = getattr(torch, meta["dtype"])
     device = torch.device(device)
@@ -148,10 +129,8 @@ def _install(model: Decoder, engine_dir: Path, weight_map: Mapping[str, str], de
     unknown = sorted(set(weight_map) - set(expected))
     missing = sorted(set(expected) - set(weight_map))
     if unknown or missing:
-        raise ArtifactError(
-            f"{engine_dir}: the stored tensors do not match the model "
-            f"(missing {missing[:3]}, unexpected {unknown[:3]}); rebuild the engine with --force"
-        )
+        raise ArtifactError(f"{engine_dir}: the stored tensors do not match the model (missing {missing[:3]}, "
+                            f"unexpected {unknown[:3]}); rebuild the engine with --force")
     fields = base_format(model.base_format).buffers  # a QuantLinear's base buffers
     pending: dict[str, dict[str, Tensor]] = {}  # QuantLinear name -> base buffers read so far
     by_file: dict[str, list[str]] = {}
@@ -170,10 +149,8 @@ def _install(model: Decoder, engine_dir: Path, weight_map: Mapping[str, str], de
 def _place(model: Decoder, name: str, t: Tensor, target: Tensor, fields: tuple[str, ...],
            pending: dict[str, dict[str, Tensor]], device: torch.device) -> None:
     if t.shape != target.shape or t.dtype != target.dtype:
-        raise ArtifactError(
-            f"engine tensor {name} is {tuple(t.shape)} {t.dtype}, the model needs "
-            f"{tuple(target.shape)} {target.dtype}; rebuild the engine with --force"
-        )
+        raise ArtifactError(f"engine tensor {name} is {tuple(t.shape)} {t.dtype}, the model needs "
+                            f"{tuple(target.shape)} {target.dtype}; rebuild the engine with --force")
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
     if isinstance(module, QuantLinear) and attr in fields:

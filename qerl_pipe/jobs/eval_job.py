@@ -1,8 +1,7 @@
 """One evaluation of an engine (with a PEFT adapter applied, or the base alone): sample k responses
 per problem (or one greedy response) through the same engine train uses, grade each, and write
 `samples.jsonl` (one line per sample), `report.json` and `report.md`. The eval stage resolves
-what it is pointed at, keys the artifact and seals what this writes.
-"""
+what it is pointed at, keys the artifact and seals what this writes."""
 
 from __future__ import annotations
 
@@ -84,14 +83,9 @@ def summarize(section: EvalSection, graded: Graded, skipped: list[Problem]) -> d
     rates = pass_rates(graded.correct, k)
     problems = len(graded.texts) // k
     return {
-        "data": section.data,
-        "problems": problems,
-        "skipped_problems": len(skipped),
-        "skipped_ids": [p.id for p in skipped],
-        "samples_per_problem": k,
-        "samples": len(graded.texts),
-        "correct_samples": sum(graded.correct),
-        **rates,
+        "data": section.data, "problems": problems, "skipped_problems": len(skipped),
+        "skipped_ids": [p.id for p in skipped], "samples_per_problem": k, "samples": len(graded.texts),
+        "correct_samples": sum(graded.correct), **rates,
         # Skipped problems (prompt too long for the engine) counted wrong: comparable with evaluations
         # that ran every problem of the set.
         "pass@1_all_problems": rates["pass@1"] * problems / (problems + len(skipped)),
@@ -105,15 +99,11 @@ def summarize(section: EvalSection, graded: Graded, skipped: list[Problem]) -> d
 def _adapter_report(adapter: AdapterFiles, artifact: Artifact | None, delta: float) -> dict[str, Any]:
     spec = adapter.spec
     return {
-        "applied": True,
-        "artifact": artifact.id if artifact is not None else None,
-        "artifact_kind": artifact.kind if artifact is not None else None,
-        "dir": str(adapter.dir),
-        "sha256": adapter.sha256,
-        "rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets), "train_norms": spec.train_norms,
-        "experts": spec.experts,
-        "base_model_name_or_path": adapter.config.get("base_model_name_or_path"),
-        "logit_max_abs_delta": delta,
+        "applied": True, "artifact": artifact.id if artifact is not None else None,
+        "artifact_kind": artifact.kind if artifact is not None else None, "dir": str(adapter.dir),
+        "sha256": adapter.sha256, "rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets),
+        "train_norms": spec.train_norms, "experts": spec.experts,
+        "base_model_name_or_path": adapter.config.get("base_model_name_or_path"), "logit_max_abs_delta": delta,
     }
 
 
@@ -150,8 +140,8 @@ def _markdown(report: dict[str, Any]) -> str:
 
 
 def run_eval_job(section: EvalSection, engine: EngineInfo, adapter: AdapterFiles | None,
-                    adapter_artifact: Artifact | None, problems: list[Problem], device: torch.device, out: Path,
-                    trust_remote_code: bool = False) -> dict[str, Any]:
+                 adapter_artifact: Artifact | None, problems: list[Problem], device: torch.device, out: Path,
+                 trust_remote_code: bool = False) -> dict[str, Any]:
     """Generate, grade and write the three files into `out`; returns the manifest summary.
     `adapter_artifact` is the artifact holding `adapter`, when it is one (named in the report)."""
     started = time.perf_counter()
@@ -170,21 +160,18 @@ def run_eval_job(section: EvalSection, engine: EngineInfo, adapter: AdapterFiles
             log("eval: warning: the adapter changes no logit (all lora_B zero?); the result is the base model's")
         log(f"eval: {len(kept)} problems x {k} sample(s) of {section.data} on {device}")
         graded = generate_and_grade(Engine(model, limits), tokenizer, kept, prompts, sampling, n=k)
-    prompt_texts = [tokenizer.decode(ids) for ids in prompts]
-    records = sample_records(kept, prompt_texts, graded)
+    records = sample_records(kept, [tokenizer.decode(ids) for ids in prompts], graded)
     (out / SAMPLES).write_text("".join(dumps(r, ensure_ascii=False) + "\n" for r in records))
     report = {
         **summarize(section, graded, skipped),
         "sampling": {"greedy": section.greedy, "temperature": sampling.temperature, "top_p": sampling.top_p,
                      "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens, "seed": section.seed,
                      "stop_token_ids": list(sampling.stop_token_ids)},
-        "instruction": section.instruction,
-        "grading": GRADING,
+        "instruction": section.instruction, "grading": GRADING,
         "model": {"engine": engine.id, "source": engine.model_name, "base_format": engine.base_format,
                   "dtype": engine.dtype},
         "adapter": _adapter_report(adapter, adapter_artifact, delta) if adapter is not None else None,
-        "device": str(device),
-        "seconds": round(time.perf_counter() - started, 1),
+        "device": str(device), "seconds": round(time.perf_counter() - started, 1),
     }
     write_json(out / REPORT_JSON, report)
     (out / REPORT_MD).write_text(_markdown(report))

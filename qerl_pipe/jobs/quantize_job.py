@@ -61,20 +61,15 @@ def write_checkpoint(pending: PendingArtifact, *, resolved: Any, section: Quanti
     ppl = perplexity_report(resolved, pending.dir, section.quality, trust_remote_code)
     size_in = sum(p.stat().st_size for p in shards)
     size_out = sum(p.stat().st_size for p in pending.dir.glob("*.safetensors"))
+    errs = quality["summary"]
     pending.summary.update({
-        "quant_algo": quant_algo,
-        "method": section.method,
-        "quantized_linears": len(errors),
-        "mean_relative_error": quality["summary"]["mean_weight_error"],
-        "max_relative_error": quality["summary"]["max_weight_error"],
+        "quant_algo": quant_algo, "method": section.method, "quantized_linears": len(errors),
+        "mean_relative_error": errs["mean_weight_error"], "max_relative_error": errs["max_weight_error"],
         # Expected output error from the calibration's channel statistics; None without them.
-        "mean_output_relative_error": quality["summary"]["mean_output_error"],
-        "max_output_relative_error": quality["summary"]["max_output_error"],
-        "size_mb": {"in": size_in / 2**20, "out": size_out / 2**20},
-        "shards": len(shards),
+        "mean_output_relative_error": errs["mean_output_error"], "max_output_relative_error": errs["max_output_error"],
+        "size_mb": {"in": size_in / 2**20, "out": size_out / 2**20}, "shards": len(shards),
         "largest_shard_mb": max(p.stat().st_size for p in shards) / 2**20,
-        "peak_host_memory_mb": memory.peak_increase_bytes / 2**20,
-        "perplexity": ppl,
+        "peak_host_memory_mb": memory.peak_increase_bytes / 2**20, "perplexity": ppl,
         "seconds": round(time.perf_counter() - started, 2),
     })
     print_quality_report(quality["summary"], ppl, pending.summary, output_basis)

@@ -44,9 +44,8 @@ class EngineBudget:
 def train_step_shape(train: TrainSection, max_seq_len: int, max_batch: int, processes: int = 1,
                      dense_base: bool = False, kv_cache: str = "bf16") -> StepShape:
     """The step `train` asks of each of `processes` ranks over an engine of `max_batch` slots of
-    `max_seq_len` tokens in a `kv_cache` cache; the recipe's micro-batch and the default LM-head
-    chunk are the bounds. `dense_base`: on a CPU, where a 4-bit base is also held dequantized
-    (`model.dense_copy`)."""
+    `max_seq_len` tokens (bounds: the recipe's micro-batch, the default LM-head chunk); `dense_base`:
+    a CPU run, where a 4-bit base is also held dequantized (`model.dense_copy`)."""
     prompts = max(1, train.prompts_per_step // processes)
     return StepShape(sequences=prompts * train.group_size, prompts=prompts, seq_len=max_seq_len,
                      prompt_len=max(0, max_seq_len - train.max_new_tokens), lora_rank=train.lora.rank,
@@ -68,11 +67,9 @@ def _plan(train: TrainSection, config: DecoderConfig, base_format: str, dtype: t
 
 def copy_bytes_asked(config: DecoderConfig, base_format: str, device: torch.device, table: DispatchTable | None,
                      deterministic: bool, lora_experts: bool, activations: str = "bf16") -> int:
-    """The bytes of the kernel copies an engine on `device` makes: with FP8 activations the FP8
-    copies of the dense linears (`engine.fp8`); else, of an NVFP4 base, humming's copies of the
-    linears `table`'s column sends to humming; and of an NVFP4 MoE, humming's copies of the
-    experts for their grouped GEMMs (not when the experts carry LoRA, which the grouped GEMMs do
-    not apply)."""
+    """The bytes of the kernel copies an engine on `device` makes: the FP8 copies of the dense linears
+    (FP8 activations), else humming's copies of an NVFP4 base's linears `table` sends to humming; plus
+    humming's copies of an NVFP4 MoE's experts for their grouped GEMMs (unless the experts carry LoRA)."""
     nvfp4 = format_entry(base_format).hopper_dispatch
     grouped = (nvfp4 and bool(config.num_sparse_layers) and not lora_experts and device.type == "cuda"
                and humming_backend.available(device))

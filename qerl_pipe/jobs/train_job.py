@@ -76,10 +76,9 @@ def load_train_problems(section: TrainSection) -> tuple[list[Problem], list[Prob
 
 def check_train_inputs(recipe: Recipe, engine: Artifact | None = None
                        ) -> tuple[list[Problem], list[Problem], list[tuple[str, CustomReward]]]:
-    """Everything about the train section that can fail without a model: data files, fields,
-    custom reward names, full fine-tuning over a 4-bit base (that of `engine`, else the one the
-    recipe's engine section builds). train calls it before any model work, `run` before its
-    first stage. Returns the training and evaluation problems and the imported custom rewards."""
+    """Everything about the train section that can fail without a model (data files, fields, custom reward
+    names, full fine-tuning over a 4-bit base: `engine`'s, else the recipe's), before any model work and
+    before `run`'s first stage. Returns the training and evaluation problems and the custom rewards."""
     if recipe.train.adapter == "full":
         base = engine.summary.get("base_format") if engine is not None else recipe.engine.base_format
         if base is not None and not base_format(base).dense:
@@ -117,10 +116,8 @@ def check_train_model(recipe: Recipe, hf_config: dict[str, Any]) -> None:
 
 
 def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist: Dist = Dist()) -> MemoryPlan:
-    """The plan of each rank's step over the engine in `engine_dir` (`jobs.step_plan.plan_train`);
-    under train.memory_budget_gb on CUDA the process is capped to the budget. Raises
-    MemoryBudgetError, naming the smallest budget that fits, before anything is loaded. The plan
-    is said by `say_plan` when the run trains (a reused run says nothing of it)."""
+    """The plan of each rank's step over the engine in `engine_dir` (`step_plan.plan_train`), the process
+    capped to train.memory_budget_gb on CUDA; MemoryBudgetError before anything is loaded."""
     plan, enforced = plan_train(section, engine_dir, device, dist.world_size)
     if enforced:
         enforce_budget(plan.budget_bytes, device)
@@ -200,13 +197,6 @@ def _mismatch(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _what_trains(section: TrainSection) -> str:
     return "full fine-tuning (every weight)" if section.adapter == "full" else f"LoRA r={section.lora.rank}"
-
-
-def _save_full_model(model: torch.nn.Module, engine_dir: Path, out: Path) -> None:
-    """The trained weights as a Hugging Face model directory: the engine's config.json (the
-    model's own, without quantization) in the weights' dtype, tokenizer files, safetensors."""
-    save_hf_weights(model, out)
-    write_dense_config(engine_dir, out, model.dtype)
 
 
 def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
@@ -312,22 +302,18 @@ def save_run(session: TrainSession, run: RunInputs, run_dir: Path, records: list
              before: dict | None, after: dict | None, seconds: float, memory: dict[str, Any]) -> dict[str, Any]:
     """Rank 0: the adapter (or the full model), plots and reports; returns the manifest summary."""
     section, plan = run.recipe.train, run.plan
-    if section.adapter == "full":
-        _save_full_model(session.model, run.engine.path, run_dir / MODEL_DIR)
+    if section.adapter == "full":  # a Hugging Face model directory: safetensors, config.json, tokenizer files
+        save_hf_weights(session.model, run_dir / MODEL_DIR)
+        write_dense_config(run.engine.path, run_dir / MODEL_DIR, session.model.dtype)
     else:
         save_adapter(session.model, session.spec, run_dir / ADAPTER_DIR, run.model_name)
     write_plots(records, run_dir / PLOTS_DIR, section.max_new_tokens)
     report = write_report(run_dir, section, records, before, after, seconds, str(run.device), plan)
     return {
-        "steps": len(records),
-        "accuracy_before": before["accuracy"] if before else None,
-        "accuracy_after": after["accuracy"] if after else None,
-        "reward_first_tenth": report["reward_first_tenth"],
-        "reward_last_tenth": report["reward_last_tenth"],
-        "device": str(run.device),
-        "adapter": section.adapter, **memory,
-        "memory_plan": plan.to_json(),
-        **({"processes": run.dist.world_size} if run.dist.enabled else {}),
+        "steps": len(records), "accuracy_before": before["accuracy"] if before else None,
+        "accuracy_after": after["accuracy"] if after else None, "reward_first_tenth": report["reward_first_tenth"],
+        "reward_last_tenth": report["reward_last_tenth"], "device": str(run.device), "adapter": section.adapter,
+        **memory, "memory_plan": plan.to_json(), **({"processes": run.dist.world_size} if run.dist.enabled else {}),
         "seconds_this_session": round(seconds, 1),
     }
 
