@@ -80,10 +80,8 @@ def noisy_norms(model: nn.Module) -> list[RMSNorm]:
 
 @torch.no_grad()
 def draw_noise(model: nn.Module, sigma: float, generator: torch.Generator | None = None) -> int:
-    """Fill each AQN norm's `noise` buffer in place with N(0, sigma^2) per channel; returns the count.
-
-    In place, so CUDA graphs captured over the buffers see the new draw. sigma = 0 writes zeros.
-    """
+    """Fill each AQN norm's `noise` buffer in place (CUDA graphs captured over it see the new draw) with
+    N(0, sigma^2) per channel, zeros for sigma = 0; returns the count."""
     norms = noisy_norms(model)
     for norm in norms:
         if sigma == 0.0:

@@ -53,14 +53,8 @@ class _ChunkLogprob(torch.autograd.Function):
         return grad_logits @ weight, grad_weight, None, None, None
 
 
-def sequence_logprobs(
-    model: Decoder,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    response_mask: Tensor,
-    temperature: float = 1.0,
-    chunk: int = DEFAULT_CHUNK,
-) -> tuple[Tensor, Tensor]:
+def sequence_logprobs(model: Decoder, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                      temperature: float = 1.0, chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
     """logp [B, T] and entropy [B, T] (float32) of each token in `response_mask`, zero elsewhere.
     `input_ids` [B, T]: prompt + response, padded on either side; `response_mask`: 1 on the tokens
     to score (never position 0). Gradients flow through `logp` to whatever trains."""

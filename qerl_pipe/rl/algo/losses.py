@@ -54,18 +54,9 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
-def policy_loss(
-    logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: PolicyLossConfig,
-    *,
-    old_logp: Tensor | None = None,
-    ref_logp: Tensor | None = None,
-    rollout_logp: Tensor | None = None,
-    norm: LossNorm | None = None,
-    mismatch: bool = True,
-) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(logp: Tensor, advantages: Tensor, mask: Tensor, cfg: PolicyLossConfig, *,
+                old_logp: Tensor | None = None, ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None,
+                norm: LossNorm | None = None, mismatch: bool = True) -> tuple[Tensor, dict[str, float]]:
     """Loss of one (micro-)batch and its metrics. logp/old_logp/ref_logp/rollout_logp: [B, T] (old:
     the sampling policy for mu > 1, None = this one, ratio 1); advantages [B]; mask [B, T] (0 on
     padding and masked overlong sequences); rollout_logp: the engine's, for TIS (cfg.tis_cap) and
@@ -92,11 +83,8 @@ def policy_loss(
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         is_clipped = (unclipped > clipped).to(mask.dtype)  # the clip bound is the active term
-        metrics = {
-            "clip_fraction": float((is_clipped * mask).sum() / n),
-            "ratio_mean": float((ratio * mask).sum() / n),
-            "kl": float((kl * mask).sum() / n) if kl is not None else 0.0,
-        }
+        metrics = {"clip_fraction": float((is_clipped * mask).sum() / n), "ratio_mean": float((ratio * mask).sum() / n),
+                   "kl": float((kl * mask).sum() / n) if kl is not None else 0.0}
         if rollout_logp is not None and mismatch:
             metrics.update(mismatch_metrics(old, rollout_logp, mask, cfg.tis_cap))
     return loss, metrics

@@ -82,11 +82,6 @@ def greedy_accuracy(engine: Engine, tokenizer, problems: Sequence[Problem], prom
     samples = [{"id": p.id, "question": p.question, "answer": p.answer, "completion": t, "extracted": x,
                 "correct": ok, "finish_reason": f}
                for p, t, x, ok, f in zip(problems, g.texts, g.extracted, g.correct, g.finish_reasons)]
-    return GreedyAccuracy(
-        accuracy=sum(g.correct) / n,
-        correct=sum(g.correct),
-        total=len(problems),
-        response_length_mean=sum(g.lengths) / n,
-        truncation_rate=g.finish_reasons.count("length") / n,
-        samples=samples,
-    )
+    return GreedyAccuracy(accuracy=sum(g.correct) / n, correct=sum(g.correct), total=len(problems),
+                          response_length_mean=sum(g.lengths) / n,
+                          truncation_rate=g.finish_reasons.count("length") / n, samples=samples)

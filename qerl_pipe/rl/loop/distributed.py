@@ -18,11 +18,8 @@ import torch
 from qerl_pipe.errors import QerlError
 from qerl_pipe.rl.algo.losses import LossNorm
 
-NVLS_OFF: dict[str, str] = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+NVLS_OFF: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                            "NVSHMEM_DISABLE_NVLS": "1"}
 # Rank 0 alone evaluates and seals the artifact while the others wait in a barrier: give that
 # wait room (the default would abort a long evaluation after 10-30 minutes).
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
@@ -42,11 +39,8 @@ def launched_by_torchrun() -> bool:
 
 
 def shard(count: int, rank: int, world: int) -> range:
-    """The contiguous share [rank * count / world, (rank + 1) * count / world) of `count` prompts.
-
-    Equal shares only: an uneven split would give ranks different rollout and training times,
-    and the slowest would set the pace.
-    """
+    """The contiguous share [rank * count / world, (rank + 1) * count / world) of `count` prompts; equal
+    shares only (the slowest rank of an uneven split would set the pace)."""
     if count % world:
         raise QerlError(f"train.prompts_per_step={count} does not split evenly over {world} processes; "
                         f"make it a multiple of {world}")
@@ -95,17 +89,16 @@ class Dist:
 
     def sum(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum over ranks, in float64 (token counts and metric sums stay exact)."""
-        if not self.enabled:
-            return [float(v) for v in values]
-        t = torch.tensor(list(values), dtype=torch.float64, device=self._device())
-        torch.distributed.all_reduce(t)
-        return t.tolist()
+        return self._reduce(values, "SUM")
 
     def max(self, values: Sequence[float]) -> list[float]:
+        return self._reduce(values, "MAX")
+
+    def _reduce(self, values: Sequence[float], op: str) -> list[float]:
         if not self.enabled:
             return [float(v) for v in values]
         t = torch.tensor(list(values), dtype=torch.float64, device=self._device())
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op))
         return t.tolist()
 
     def sum_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
@@ -139,10 +132,8 @@ class Dist:
 
 
 def init_distributed(device_choice: str) -> tuple[Dist, str]:
-    """Join the torchrun group when WORLD_SIZE > 1; returns (Dist, the device this rank uses).
-
-    CUDA ranks use cuda:LOCAL_RANK and NCCL; CPU ranks use gloo. One process: (Dist(), choice).
-    """
+    """Join the torchrun group when WORLD_SIZE > 1; returns (Dist, the device this rank uses): CUDA ranks
+    cuda:LOCAL_RANK and NCCL, CPU ranks gloo; one process (Dist(), choice)."""
     if not launched_by_torchrun():
         return Dist(), device_choice
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))

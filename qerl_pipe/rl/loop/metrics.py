@@ -28,11 +28,8 @@ LENGTH_KEY = "response_length_mean"
 
 
 class MetricsLog:
-    """Appends one JSON line per step to `run_dir/metrics.jsonl` (flushed at once).
-
-    Opened at `first_step` (a resumed run), it drops the lines of steps >= first_step: those
-    steps run again from the checkpoint and log themselves anew.
-    """
+    """Appends one JSON line per step to `run_dir/metrics.jsonl` (flushed at once); opened at `first_step`
+    (a resumed run), it drops the lines of later steps, which run again from the checkpoint."""
 
     def __init__(self, run_dir: Path, first_step: int = 0):
         self.path = run_dir / METRICS_FILE

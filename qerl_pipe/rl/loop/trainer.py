@@ -280,10 +280,11 @@ class Trainer:
         norm = global_loss_norm(LossNorm.of(batch.loss_mask) if batch is not None else LossNorm(0, 0), self.dist)
         old = self._fixed_logprobs(micro, base=False) if cfg.mu > 1 else [None] * len(micro)
         ref = self._fixed_logprobs(micro, base=True) if cfg.loss.kl_coef > 0 else [None] * len(micro)
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "entropy": 0.0}
-        mismatch = dict.fromkeys(MISMATCH_MEANS, 0.0)
-        ratio_max = 0.0
-        counted = response_tokens = 0
+        # Sums over the micro-batches, then over the ranks; entropy and mismatch of update 0 alone (the
+        # rollout vs the trainer before this batch's updates).
+        sums = dict.fromkeys(("loss", "clip_fraction", "kl", "tokens", "entropy", "response_tokens",
+                              *MISMATCH_MEANS), 0.0)
+        grad_norm = ratio_max = 0.0
         for update in range(cfg.mu):
             self.optimizer.zero_grad(set_to_none=True)
             for k, mb in enumerate(micro):
@@ -292,38 +293,31 @@ class Trainer:
                                       ref_logp=ref[k], rollout_logp=mb.rollout_logp, norm=norm, mismatch=update == 0)
                 loss.backward()
                 tokens = int(mb.loss_mask.sum())
-                totals["loss"] += float(loss.detach()) / cfg.mu
-                totals["clip_fraction"] += m["clip_fraction"] * tokens
-                totals["kl"] += m["kl"] * tokens
-                counted += tokens
+                sums["loss"] += float(loss.detach()) / cfg.mu
+                sums["tokens"] += tokens
+                for key in ("clip_fraction", "kl", *(MISMATCH_MEANS if update == 0 else ())):
+                    sums[key] += m[key] * tokens
                 if update == 0:
-                    totals["entropy"] += float((entropy * mb.response_mask).sum())
-                    response_tokens += int(mb.response_mask.sum())
-                    for key in MISMATCH_MEANS:  # rollout vs the trainer before this batch's updates
-                        mismatch[key] += m[key] * tokens
+                    sums["entropy"] += float((entropy * mb.response_mask).sum())
+                    sums["response_tokens"] += int(mb.response_mask.sum())
                     ratio_max = max(ratio_max, m["tis_ratio_max"])
             self.dist.sum_gradients(self.params)  # before clipping: every rank clips the same gradient
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
-            totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) / cfg.mu
+            grad_norm += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) / cfg.mu
             self.optimizer.step()
             self._push()
         passes = cfg.mu + (cfg.mu > 1) + (cfg.loss.kl_coef > 0)  # forward passes over the batch
-        train_tokens = int(batch.attention_mask.sum()) * passes if batch is not None else 0
+        sums["train_tokens"] = int(batch.attention_mask.sum()) * passes if batch is not None else 0
         # Each rank's loss is its share of the global loss: sums over ranks give the batch's figures.
-        (totals["loss"], totals["clip_fraction"], totals["kl"], counted, totals["entropy"], response_tokens,
-         train_tokens, *mismatch_sums) = self.dist.sum([totals["loss"], totals["clip_fraction"], totals["kl"], counted,
-                                                        totals["entropy"], response_tokens, train_tokens,
-                                                        *mismatch.values()])
-        first_pass = counted / cfg.mu  # the tokens of update 0, over which the mismatch was summed
-        for key, total in zip(MISMATCH_MEANS, mismatch_sums):
-            totals[key] = total / max(first_pass, 1)
-        totals["tis_ratio_max"] = float(self.dist.max([ratio_max])[0])
+        s = dict(zip(sums, self.dist.sum(list(sums.values()))))
+        ratio_max = float(self.dist.max([ratio_max])[0])
         # Summed over ranks above (the gradient norm is of the summed gradients): the same on every rank.
-        self._refuse_non_finite("the loss or its gradient", _non_finite([[totals["loss"], totals["grad_norm"]]]))
-        for key in ("clip_fraction", "kl"):
-            totals[key] /= max(counted, 1)
-        totals["entropy"] /= max(response_tokens, 1)
-        return {**totals, "train_tokens": int(train_tokens)}
+        self._refuse_non_finite("the loss or its gradient", _non_finite([[s["loss"], grad_norm]]))
+        tokens, first_pass = max(s["tokens"], 1), max(s["tokens"] / cfg.mu, 1)  # first_pass: update 0's tokens
+        return {"loss": s["loss"], "clip_fraction": s["clip_fraction"] / tokens, "kl": s["kl"] / tokens,
+                "grad_norm": grad_norm, "entropy": s["entropy"] / max(s["response_tokens"], 1),
+                **{key: s[key] / first_pass for key in MISMATCH_MEANS}, "tis_ratio_max": ratio_max,
+                "train_tokens": int(s["train_tokens"])}
 
     def _refuse_non_finite(self, what: str, bad: int) -> None:
         """Stop on `bad` NaN/inf values (a count every rank agrees on): rewards of garbage are all

@@ -47,10 +47,8 @@ _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last complete \\boxed{...} (or \\fbox{...}); None if there is none.
-
-    A \\boxed{ left open (a truncated completion) is skipped in favour of an earlier complete one.
-    """
+    """The content of the last complete \\boxed{...} (or \\fbox{...}; one left open, a truncated
+    completion, is skipped for an earlier complete one); None if there is none."""
     for m in reversed(list(_BOXED.finditer(text))):
         depth, start = 1, m.end()
         for i in range(start, len(text)):

@@ -1,7 +1,6 @@
 """Prompts for an engine: the token ids that end a response, and the problems whose rendered
 prompts leave room for the response in the engine's sequence length. Train and eval both
-generate from an engine artifact, so both start here.
-"""
+generate from an engine artifact, so both start here."""
 
 from __future__ import annotations
 

@@ -42,12 +42,8 @@ ADDITION_HELD_OUT = 32
 _ADDITION_SHUFFLE_SEED = 123
 
 _BOXED = "Let's think step by step and output the final answer within \\boxed{}."
-DEFAULT_INSTRUCTIONS: dict[str, str] = {
-    "gsm8k": _BOXED,
-    "math": _BOXED,
-    "jsonl": _BOXED,
-    "arithmetic": "Put the answer in \\boxed{}.",
-}
+DEFAULT_INSTRUCTIONS: dict[str, str] = {"gsm8k": _BOXED, "math": _BOXED, "jsonl": _BOXED,
+                                        "arithmetic": "Put the answer in \\boxed{}."}
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
