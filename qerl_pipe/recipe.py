@@ -27,15 +27,11 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    source: str = Field(
-        "smollm2-135m-instruct",
-        description="A local Hugging Face directory, a hub id, a .gguf file, "
-        "'pkg:DIST/PATH.gguf' (a GGUF file inside an installed package), or a built-in alias.",
-    )
+    source: str = Field("smollm2-135m-instruct", description="A local Hugging Face directory, a hub id, a .gguf file, "
+                        "'pkg:DIST/PATH.gguf' (a GGUF file inside an installed package), or a built-in alias.")
     revision: str | None = Field(None, description="Hub revision (only for hub ids).")
     trust_remote_code: bool = Field(
-        False, description="Allow the model's own Python code to run (only if you trust it)."
-    )
+        False, description="Allow the model's own Python code to run (only if you trust it).")
 
 
 class CalibrateSection(_Section):
@@ -47,18 +43,16 @@ class CalibrateSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto = CUDA when there "
                                                    "is a GPU.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Compute dtype; auto is bfloat16 on CUDA, float32 on CPU for models under 2B parameters."
-    )
+        "auto", description="Compute dtype; auto is bfloat16 on CUDA, float32 on CPU for models under 2B parameters.")
 
 
 class QualitySection(_Section):
-    """quantize's quality report. Its figures are in the quantize artifact's manifest, so a setting
-    that changes them is part of that artifact's id (`quality.quality_key`)."""
+    """quantize's quality report: in the quantize manifest, so what changes it is in the id (`quality.quality_key`)."""
 
     perplexity: Literal["auto", "always", "never"] = Field(
-        "auto", description="Compare bf16 vs dequantized-NVFP4 perplexity; auto does it for models under 1B parameters. "
-        "The report is in the quantize artifact's manifest: a quality setting that changes it is part of its id."
-    )
+        "auto", description="Compare bf16 vs dequantized-NVFP4 perplexity; auto does it for models under 1B "
+        "parameters. The report is in the quantize artifact's manifest: a quality setting that changes it is part of "
+        "its id.")
     data: str = Field("gsm8k:test", description="Held-out text for the perplexity: 'gsm8k:test', 'gsm8k:train', "
                       "'math500:test' or a .jsonl/.txt file.")
     field: str | None = Field(None, description="JSONL field holding the text (default: the dataset's question "
@@ -72,18 +66,15 @@ class QualitySection(_Section):
 class QuantizeSection(_Section):
     format: Literal["nvfp4"] = Field("nvfp4", description="The 4-bit format (NVFP4 is the one there is).")
     method: Literal["rtn", "mse", "act-mse"] = Field(
-        "rtn", description="Block scales: rtn = max calibration, byte-exact with NVIDIA Model Optimizer; "
-        "mse = per block, the E4M3 scale near it with the least squared error; act-mse = the same with each "
-        "input channel's error weighted by its mean squared activation (needs a calibration artifact). "
-        "The file layout is the same for all three.",
-    )
-    exclude: list[str] = Field(
-        default_factory=lambda: ["lm_head"],
-        description="Module names (fnmatch patterns) kept in the model dtype; lm_head is always kept.",
-    )
+        "rtn", description="Block scales: rtn = max calibration, byte-exact with NVIDIA Model Optimizer; mse = per "
+        "block, the E4M3 scale near it with the least squared error; act-mse = the same with each input channel's "
+        "error weighted by its mean squared activation (needs a calibration artifact). The file layout is the same for "
+        "all three.")
+    exclude: list[str] = Field(default_factory=lambda: ["lm_head"], description="Module names (fnmatch patterns) kept "
+                               "in the model dtype; lm_head is always kept.")
     dtype: Literal["auto", "bfloat16", "float16"] = Field(
-        "auto", description="Dtype of the tensors that stay unquantized; auto keeps a 16-bit model's own dtype, else bfloat16."
-    )
+        "auto", description="Dtype of the tensors that stay unquantized; auto keeps a 16-bit model's own dtype, else "
+        "bfloat16.")
     quality: QualitySection = Field(default_factory=QualitySection)
 
 
@@ -91,44 +82,36 @@ class EngineSection(_Section):
     """`build-engine`: the model as the kernels run it, with planned limits and a measured kernel dispatch."""
 
     base_format: Literal["nvfp4", "nf4", "bf16"] = Field(
-        "nvfp4", description="Frozen base: nvfp4 reads the quantize artifact; nf4 (QLoRA baseline) and "
-        "bf16 read the original model source.",
-    )
+        "nvfp4", description="Frozen base: nvfp4 reads the quantize artifact; nf4 (QLoRA baseline) and bf16 read the "
+        "original model source.")
     max_seq_len: int = Field(1024, ge=2, description="Prompt + generated tokens per sequence (KV-cache length).")
     max_batch: int = Field(64, ge=1, description="Most sequences decoded at once (fewer if the KV budget is smaller).")
     kv_budget_gib: float | None = Field(
         None, gt=0, description="KV-cache memory budget in GiB; null = auto: the KV cache the step planner "
         "(qerl_pipe/memory/plan.py) gives train's step under train.memory_budget_gb (on CUDA without a budget, the "
-        "memory free at start), on a CPU without a budget 2 GiB.",
-    )
+        "memory free at start), on a CPU without a budget 2 GiB.")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="Capture the decode step as CUDA graphs; auto = on for CUDA."
-    )
+        "auto", description="Capture the decode step as CUDA graphs; auto = on for CUDA.")
     tune_kernels: Literal["auto", "on", "off"] = Field(
-        "auto", description="Measure the NVFP4 kernel dispatch for this model's layer shapes on this GPU (Hopper "
-        "with nvcc; docs/kernels.md); auto = on for CUDA with an nvfp4 base.",
-    )
+        "auto", description="Measure the NVFP4 kernel dispatch for this model's layer shapes on this GPU (Hopper with "
+        "nvcc; docs/kernels.md); auto = on for CUDA with an nvfp4 base.")
     deterministic: bool = Field(
-        True, description="NVFP4 on CUDA: only kernels that give the same bits on every run (a resumed run "
-        "repeats an unbroken one); false also lets humming-kernels' stream-K schedule serve the rows where it is "
-        "fastest (measured on an H100: the 7B RL step 8 x 8 1.11x bf16 LoRA against 1.076x; docs/kernels.md).",
-    )
+        True, description="NVFP4 on CUDA: only kernels that give the same bits on every run (a resumed run repeats an "
+        "unbroken one); false also lets humming-kernels' stream-K schedule serve the rows where it is fastest "
+        "(measured on an H100: the 7B RL step 8 x 8 1.11x bf16 LoRA against 1.076x; docs/kernels.md).")
     activations: Literal["bf16", "fp8"] = Field(
         "bf16", description="Rollout activations of the linears: fp8 runs them with per-token E4M3 activations on an "
         "FP8 copy of the base (a byte per weight, planned as a kernel copy; GPUs with FP8 tensor cores: Ada, Hopper "
         "and newer), where it is faster than the base's own kernels (docs/kernels.md); the training forward stays "
-        "bf16, and train.tis_cap defaults to 2 to correct the mismatch. nvfp4 and bf16 bases.",
-    )
+        "bf16, and train.tis_cap defaults to 2 to correct the mismatch. nvfp4 and bf16 bases.")
     kv_cache: Literal["bf16", "fp8", "int8"] = Field(
-        "bf16", description="The rollout's KV cache: bf16, fp8 (E4M3; Ada, Hopper and newer) or int8 (any GPU), "
-        "the last two with an fp32 scale per token and head: about half the bytes, twice the KV slots at one "
-        "budget; int8 rounds finer (docs/engine.md). train.tis_cap defaults to 2 with either.",
-    )
+        "bf16", description="The rollout's KV cache: bf16, fp8 (E4M3; Ada, Hopper and newer) or int8 (any GPU), the "
+        "last two with an fp32 scale per token and head: about half the bytes, twice the KV slots at one budget; int8 "
+        "rounds finer (docs/engine.md). train.tis_cap defaults to 2 with either.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the engine runs (and is tuned).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Activation, KV-cache and dense-weight dtype; auto is bfloat16 on CUDA, float32 on "
-        "CPU for models under 2B parameters.",
-    )
+        "auto", description="Activation, KV-cache and dense-weight dtype; auto is bfloat16 on CUDA, float32 on CPU for "
+        "models under 2B parameters.")
 
     @field_validator("cuda_graphs", "tune_kernels", mode="before")
     @classmethod
@@ -143,9 +126,8 @@ class LoraSection(_Section):
     rank: int = Field(32, ge=1, description="LoRA rank r.")
     alpha: float = Field(64.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
     targets: list[Literal[LORA_TARGETS]] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: list(LORA_TARGETS),
-        description="Projections that get an adapter (HF q_proj, k_proj, ...).", min_length=1,
-    )
+        default_factory=lambda: list(LORA_TARGETS), min_length=1,
+        description="Projections that get an adapter (HF q_proj, k_proj, ...).")
     train_norms: bool = Field(False, description="Also train the RMSNorm weights (exported as PEFT modules_to_save).")
     experts: bool = Field(False, description="MoE models (Qwen3-MoE): also give every routed expert's projections "
                           "among `targets` their own LoRA A/B; the router stays frozen (no load-balancing loss).")
@@ -155,14 +137,12 @@ class AqnSection(_Section):
     """Adaptive Quantization Noise: N(0, sigma^2) on the norms feeding q/k/v and gate/up, per rollout step."""
 
     schedule: Literal["exponential", "linear", "cosine", "log", "none"] = Field(
-        "exponential", description="Sigma over the K stages (stage 0 noise-free); none = no AQN."
-    )
+        "exponential", description="Sigma over the K stages (stage 0 noise-free); none = no AQN.")
     sigma_start: float = Field(1e-2, gt=0, description="Sigma of stage 1.")
     sigma_end: float = Field(5e-4, gt=0, description="Sigma of the last stage (<= sigma_start).")
     num_stages: int = Field(10, ge=3, description="K: the training steps split into K equal stages.")
     apply_in_training: bool = Field(
-        False, description="Keep the rollout's noise in the training forward (default: train on the clean weights)."
-    )
+        False, description="Keep the rollout's noise in the training forward (default: train on the clean weights).")
 
     @model_validator(mode="after")
     def _decays(self) -> "AqnSection":
@@ -177,17 +157,14 @@ class OverlongSection(_Section):
 
     mask: bool = Field(False, description="Responses cut at max_new_tokens get no loss (overlong filtering).")
     soft_penalty: bool = Field(False, description="Add DAPO's soft overlong penalty to the reward.")
-    buffer: int | None = Field(
-        None, ge=1, description="Penalty ramp: 0 up to max_new_tokens - buffer tokens, -1 at max_new_tokens; "
-        "null = max_new_tokens // 4.",
-    )
+    buffer: int | None = Field(None, ge=1, description="Penalty ramp: 0 up to max_new_tokens - buffer tokens, -1 at "
+                               "max_new_tokens; null = max_new_tokens // 4.")
 
 
 class DynamicSamplingSection(_Section):
     """DAPO's dynamic sampling: groups whose rewards are all equal carry no signal; draw more prompts."""
 
-    enabled: bool = Field(False, description="Draw more prompts while groups with equal rewards leave the batch "
-                          "short.")
+    enabled: bool = Field(False, description="Draw more prompts while groups with equal rewards leave the batch short.")
     max_draws: int = Field(3, ge=1, description="Most generation rounds per step (the first included).")
 
 
@@ -217,14 +194,12 @@ class TrainSection(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1 = off.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
     loss: Literal["grpo", "dapo", "dr_grpo"] = Field(
-        "dapo", description="Token aggregation: grpo = per-sequence mean, dapo = token mean over the batch, "
-        "dr_grpo = sum / (sequences x max_new_tokens).",
-    )
+        "dapo", description="Token aggregation: grpo = per-sequence mean, dapo = token mean over the batch, dr_grpo = "
+        "sum / (sequences x max_new_tokens).")
     eps_low: float = Field(0.2, ge=0, lt=1, description="Lower clip: ratio >= 1 - eps_low.")
     eps_high: float = Field(0.28, ge=0, description="Upper clip: ratio <= 1 + eps_high (DAPO's clip-higher).")
     scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Advantage = (r - group mean) / std of the group, of the batch, or not divided."
-    )
+        "group", description="Advantage = (r - group mean) / std of the group, of the batch, or not divided.")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the base (adapter disabled); 0 = off.")
     mu: int = Field(1, ge=1, description="Optimizer updates per batch of rollouts (> 1 keeps old logprobs).")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward (gradient accumulation).")
@@ -232,34 +207,29 @@ class TrainSection(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay to 0.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     optimizer: Literal["adamw", "adamw8bit"] = Field(
-        "adamw", description="adamw: torch's, float32 moments; adamw8bit: bitsandbytes' AdamW8bit (8-bit moments, "
-        "as the QeRL paper trains; a CUDA GPU and the qlora extra: pip install -e '.[qlora]').",
-    )
+        "adamw", description="adamw: torch's, float32 moments; adamw8bit: bitsandbytes' AdamW8bit (8-bit moments, as "
+        "the QeRL paper trains; a CUDA GPU and the qlora extra: pip install -e '.[qlora]').")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null = off.")
     gradient_checkpointing: bool = Field(
-        True, description="Recompute each layer's activations in backward (less memory, ~1/3 more compute)."
-    )
+        True, description="Recompute each layer's activations in backward (less memory, ~1/3 more compute).")
     memory_budget_gb: float | None = Field(
         None, gt=0, description="GPU memory one training process may use, in GB (10^9 bytes). The planner "
         "(qerl_pipe/memory/plan.py) picks the most KV slots (rollout waves), the largest micro-batch (up to "
-        "micro_batch_size) and LM-head chunk whose estimated step peak fits, and on CUDA the process is capped to "
-        "it (on a CPU it is planned to, not enforced). null = the GPU's free memory at start, not capped; on a "
-        "CPU, none. A budget no plan meets is an error before any work, naming the smallest that fits. A budget "
-        "is part of the run's id (it sets the micro-batch and the rollout waves); the free memory is not.",
-    )
+        "micro_batch_size) and LM-head chunk whose estimated step peak fits, and on CUDA the process is capped to it "
+        "(on a CPU it is planned to, not enforced). null = the GPU's free memory at start, not capped; on a CPU, none. "
+        "A budget no plan meets is an error before any work, naming the smallest that fits. A budget is part of the "
+        "run's id (it sets the micro-batch and the rollout waves); the free memory is not.")
     adapter: Literal["lora", "full"] = Field(
-        "lora", description="What trains: lora = adapters over the frozen base (section lora); full = every "
-        "weight (embeddings, norms, LM head included) by AdamW with float32 master weights, on a bf16 base only.",
-    )
+        "lora", description="What trains: lora = adapters over the frozen base (section lora); full = every weight "
+        "(embeddings, norms, LM head included) by AdamW with float32 master weights, on a bf16 base only.")
     lora: LoraSection = Field(default_factory=LoraSection)
     aqn: AqnSection = Field(default_factory=AqnSection)
     overlong: OverlongSection = Field(default_factory=OverlongSection)
     dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
     tis_cap: float | None = Field(
-        None, ge=1, description="Truncated importance sampling of the rollout/trainer mismatch (token-level, "
-        "weight min(trainer / rollout probability, cap)); null = off. Unset, it is 2 when the engine's rollouts "
-        "run FP8 activations or a coded KV cache (engine.activations=fp8, kv_cache=fp8 or int8), as verl does.",
-    )
+        None, ge=1, description="Truncated importance sampling of the rollout/trainer mismatch (token-level, weight "
+        "min(trainer / rollout probability, cap)); null = off. Unset, it is 2 when the engine's rollouts run FP8 "
+        "activations or a coded KV cache (engine.activations=fp8, kv_cache=fp8 or int8), as verl does.")
     rewards: RewardsSection = Field(default_factory=RewardsSection)
     checkpoint_every: int = Field(10, ge=0, description="Checkpoint every N steps (and at the end); 0 = end only.")
     seed: int = Field(0, description="Seeds the data order, LoRA init, AQN draws and sampling.")
@@ -282,23 +252,18 @@ class ExportSection(_Section):
     """`export`: a run's adapter as a PEFT adapter, or merged into the base (bf16 or NVFP4)."""
 
     format: Literal["peft", "merged-bf16", "merged-nvfp4"] = Field(
-        "peft", description="peft: adapter_model.safetensors + adapter_config.json; merged-bf16: an HF model "
-        "directory with the LoRA merged into the 16-bit base; merged-nvfp4: that merged model quantized to "
-        "modelopt's NVFP4 layout (vLLM, TensorRT-LLM).",
-    )
+        "peft", description="peft: adapter_model.safetensors + adapter_config.json; merged-bf16: an HF model directory "
+        "with the LoRA merged into the 16-bit base; merged-nvfp4: that merged model quantized to modelopt's NVFP4 "
+        "layout (vLLM, TensorRT-LLM).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Dtype of the merged weights (merged-bf16) and of the tensors that stay unquantized "
-        "(merged-nvfp4); auto keeps a float16 model's dtype, else bfloat16. The merge itself is in float32.",
-    )
-    exclude: list[str] = Field(
-        default_factory=lambda: ["lm_head"],
-        description="merged-nvfp4: module names (fnmatch patterns) kept in `dtype`; lm_head is always kept.",
-    )
+        "(merged-nvfp4); auto keeps a float16 model's dtype, else bfloat16. The merge itself is in float32.")
+    exclude: list[str] = Field(default_factory=lambda: ["lm_head"], description="merged-nvfp4: module names (fnmatch "
+                               "patterns) kept in `dtype`; lm_head is always kept.")
     calibration: Literal["auto", "none"] = Field(
-        "auto", description="merged-nvfp4: auto reuses the activation statistics of the calibration the run's "
-        "quantize stage used (quant_algo NVFP4, with input_scale), when it had one; none, or no calibration, "
-        "writes weight-only W4A16_NVFP4.",
-    )
+        "auto", description="merged-nvfp4: auto reuses the activation statistics of the calibration the run's quantize "
+        "stage used (quant_algo NVFP4, with input_scale), when it had one; none, or no calibration, writes weight-only "
+        "W4A16_NVFP4.")
 
 
 class EvalSection(_Section):
@@ -349,18 +314,14 @@ class Recipe(_Section):
     @field_validator("stages")
     @classmethod
     def _known_stages_in_order(cls, stages: list[str]) -> list[str]:
+        if not stages:
+            raise ValueError("stages is empty: list at least one of " + ", ".join(STAGE_ORDER))
         unknown = [s for s in stages if s not in STAGE_ORDER]
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; known stages, in order: {list(STAGE_ORDER)}")
         if stages != sorted(stages, key=STAGE_ORDER.index) or len(set(stages)) != len(stages):
             raise ValueError(f"stages must be listed once each in pipeline order {list(STAGE_ORDER)}")
         return stages
-
-    @model_validator(mode="after")
-    def _has_a_stage(self) -> "Recipe":
-        if not self.stages:
-            raise ValueError("stages is empty: list at least one of " + ", ".join(STAGE_ORDER))
-        return self
 
 
 def did_you_mean(word: str, known: list[str], prefix: str = "") -> str:

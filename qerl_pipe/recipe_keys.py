@@ -60,24 +60,14 @@ def _bounds(field: FieldInfo) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _default(field: FieldInfo) -> Any:
-    return field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
-
-
-def _section(annotation: Any) -> type[BaseModel] | None:
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-
-
 def _walk(model: type[BaseModel], prefix: str) -> list[KeyDoc]:
     out: list[KeyDoc] = []
     for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
-        sub = _section(field.annotation)
-        if sub is not None:
-            out += _walk(sub, f"{key}.")
-            continue
-        out.append(KeyDoc(key, _type(field.annotation) + _bounds(field), _value(_default(field)),
-                          field.description or ""))
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):  # a section
+            out += _walk(field.annotation, f"{prefix}{name}.")
+        else:
+            out.append(KeyDoc(f"{prefix}{name}", _type(field.annotation) + _bounds(field),
+                              _value(field.get_default(call_default_factory=True)), field.description or ""))
     return out
 
 
