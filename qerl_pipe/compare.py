@@ -84,22 +84,17 @@ def summarize(arm: Arm, reference: str | None = None) -> dict[str, Any]:
     report = arm.eval_report or {}
     peaks = [r["peak_gpu_memory_gib"] for r in records if r.get("peak_gpu_memory_gib") is not None]
     return {
-        "arm": arm.name,
-        "steps": len(records),
-        "adapter": train.get("adapter", "lora") if train else None,
-        "aqn": train.get("aqn", {}).get("schedule") if train else None,
-        "lr": train.get("lr"),
+        "arm": arm.name, "steps": len(records), "adapter": train.get("adapter", "lora") if train else None,
+        "aqn": train.get("aqn", {}).get("schedule") if train else None, "lr": train.get("lr"),
         "reward_first_tenth": mean_of(records[:tenth], "reward_mean"),
         "reward_last_tenth": mean_of(records[-tenth:], "reward_mean"),
         "greedy_before": arm.greedy.get("before", {}).get("accuracy"),
         "greedy_after": arm.greedy.get("after", {}).get("accuracy"),
-        "pass@1": report.get("pass@1"),
-        "eval_data": report.get("data"),
+        "pass@1": report.get("pass@1"), "eval_data": report.get("data"),
         "entropy_first_tenth": mean_of(records[:tenth], "entropy"),
         "entropy_last_tenth": mean_of(records[-tenth:], "entropy"),
         "gpu_hours": sum(r.get("step_seconds", 0.0) for r in records) * processes / 3600 if peaks else None,
-        "peak_gpu_memory_gib": max(peaks) if peaks else None,
-        "reference": reference,
+        "peak_gpu_memory_gib": max(peaks) if peaks else None, "reference": reference,
     }
 
 

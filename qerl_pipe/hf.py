@@ -51,9 +51,8 @@ def load_hf_causal_lm(model_dir: Path, dtype: torch.dtype, device: torch.device,
 
     quiet_transformers()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
-        )
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     use_safetensors=True)
     except Exception as exc:  # transformers raises many types for unreadable models
         raise ModelSourceError(f"cannot load the model in {model_dir}: {exc}") from None
     return model.to(device).eval()

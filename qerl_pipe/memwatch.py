@@ -1,8 +1,7 @@
 """Host memory: peak resident memory over a region of code, and keeping freed tensors from pinning it.
 
 `ru_maxrss` is the peak over the whole process lifetime, so it cannot tell what one stage used
-after an earlier one loaded a whole model; sampling the current RSS during the region can.
-"""
+after an earlier one loaded a whole model; sampling the current RSS during the region can."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class PeakRSS:
 
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s = interval_s
-        self.start_bytes = 0
-        self.peak_bytes = 0
+        self.start_bytes = self.peak_bytes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

@@ -49,6 +49,5 @@ def dumps(value: Any, **kwargs: Any) -> str:
 def write_json(path: Path, value: Any, indent: int | None = 2, **kwargs: Any) -> None:
     """`value` as strict JSON in `path`, with a final newline (the text is made before the file is opened,
     so a refused value leaves no file behind)."""
-    text = dumps(value, indent=indent, **kwargs) + "\n"
-    Path(path).write_text(text)
+    Path(path).write_text(dumps(value, indent=indent, **kwargs) + "\n")
 

@@ -1,8 +1,7 @@
 """Plain text for calibration and perplexity: the packaged GSM8K / MATH-500 files or a user file.
 
 Texts are tokenized and packed into fixed-length sequences (documents joined with EOS), so every
-token counts and no padding can leak into activation statistics.
-"""
+token counts and no padding can leak into activation statistics."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ def load_texts(spec: str, field: str | None = None) -> list[str]:
     else:
         path = Path(spec)
         if not path.is_file():
-            raise RecipeError(
-                f"text data '{spec}' is neither a packaged dataset ({', '.join(PACKAGED)}) nor an existing file"
-            )
+            raise RecipeError(f"text data '{spec}' is neither a packaged dataset ({', '.join(PACKAGED)}) nor an "
+                              "existing file")
     if path.suffix == ".txt":
         texts = [t.strip() for t in read_user_text(path, "text data", RecipeError).split("\n\n") if t.strip()]
     elif path.suffix == ".jsonl":
@@ -71,10 +69,8 @@ def pack_sequences(texts: list[str], tokenizer, num_samples: int, seq_len: int) 
     need = num_samples * seq_len
     ids = _token_stream(texts, tokenizer, need)
     if len(ids) < need:
-        raise RecipeError(
-            f"the text data gives {len(ids)} tokens, fewer than num_samples x seq_len = {need}; "
-            "lower num_samples or seq_len, or give more text"
-        )
+        raise RecipeError(f"the text data gives {len(ids)} tokens, fewer than num_samples x seq_len = {need}; "
+                          "lower num_samples or seq_len, or give more text")
     return torch.tensor(ids[:need], dtype=torch.long).view(num_samples, seq_len)
 
 

@@ -20,8 +20,7 @@ def read_user_text(path: Path, what: str, error: type[QerlError] = QerlError) ->
     try:
         return path.read_text(encoding="utf-8-sig")  # a leading byte-order mark (some editors write one) is not text
     except UnicodeDecodeError as exc:
-        raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
-                        "re-save it as UTF-8") from None
+        raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); re-save it as UTF-8") from None
     except OSError as exc:
         raise error(f"cannot read {what}: {describe_os_error(exc)}") from None
 
@@ -33,7 +32,7 @@ def read_user_json(path: Path, what: str, error: type[QerlError] = QerlError) ->
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{what} {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
-                        "fix the file or restore the original") from None
+                    "fix the file or restore the original") from None
 
 
 def read_jsonl_objects(path: Path, what: str, error: type[QerlError] = QerlError) -> Iterator[tuple[int, dict]]:

@@ -1,8 +1,7 @@
 """The calibration artifact's files: what `calibrate` writes and `quantize` reads.
 
 `calibration.json` holds per-linear statistics (input amax, weight amax/rms);
-`channel_mean_square.safetensors` each linear's per-input-channel mean square of its inputs.
-"""
+`channel_mean_square.safetensors` each linear's per-input-channel mean square of its inputs."""
 
 from __future__ import annotations
 

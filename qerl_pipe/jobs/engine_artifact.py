@@ -1,7 +1,6 @@
 """An engine artifact as train and eval open it: `load_engine` (the model with its base in the
 kernels' layout, its limits, its dispatch table) and `check_engine_for`. The build-engine stage
-writes what these read; they live here so that the stages that read an engine import no stage.
-"""
+writes what these read; they live here so that the stages that read an engine import no stage."""
 
 from __future__ import annotations
 

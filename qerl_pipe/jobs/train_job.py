@@ -148,16 +148,14 @@ def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, A
     # times add up to the whole run's RL time; this session's clock alone would show the last part.
     report = {
         "steps": len(records), "device": device, "step_seconds_total": round(sum(r["step_seconds"] for r in records), 1),
-        "seconds_this_session": round(seconds, 1),
-        "train_data": section.data, "eval_data": section.eval_data if before else None,
-        "eval_before": before, "eval_after": after,
+        "seconds_this_session": round(seconds, 1), "train_data": section.data,
+        "eval_data": section.eval_data if before else None, "eval_before": before, "eval_after": after,
         "reward_first_tenth": mean("reward_mean", records[:tenth]),
         "reward_last_tenth": mean("reward_mean", records[-tenth:]),
         "accuracy_first_tenth": mean("accuracy", records[:tenth]),
         "accuracy_last_tenth": mean("accuracy", records[-tenth:]),
         "rollout_tokens_per_s": mean("rollout_tokens_per_s", records),
-        "step_seconds_mean": mean("step_seconds", records),
-        "memory_plan_changes": plan_changes(plan),
+        "step_seconds_mean": mean("step_seconds", records), "memory_plan_changes": plan_changes(plan),
         "mismatch": _mismatch(records),
     }
     write_json(run_dir / "report.json", report)

@@ -106,15 +106,13 @@ class MemoryPlan:
         return self.shape.size(self.kv_slots, self.micro_batch, self.logprob_chunk)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "kv_slots": self.kv_slots, "waves": self.waves, "micro_batch": self.micro_batch,
+        return {"kv_slots": self.kv_slots, "waves": self.waves, "micro_batch": self.micro_batch,
             "logprob_chunk": self.logprob_chunk, "budget_bytes": self.budget_bytes,
             "budget_gb": None if self.budget_bytes is None else round(self.budget_bytes / GB, 3),
             "budget_source": self.budget_source, "estimate_bytes": self.estimate,
             "estimate_gb": round(self.estimate_bytes / GB, 3), "estimate_gib": round(self.estimate_bytes / 2**30, 3),
             "base_format": self.base_format, "dtype": self.dtype, "step": asdict(self.shape),
-            "kernel_copies": self.kernel_copies, "kernel_copies_asked_bytes": self.kernel_copies_asked,
-        }
+            "kernel_copies": self.kernel_copies, "kernel_copies_asked_bytes": self.kernel_copies_asked}
 
     def changes(self) -> list[PlanChange]:
         """The settings this plan lowers below what the step would use without a budget (the recipe's
@@ -169,10 +167,9 @@ def candidates(shape: StepShape) -> list[tuple[int, int, int]]:
 def plan_step(config: DecoderConfig, base_format: str, shape: StepShape, budget_bytes: int | None, *,
               dtype: torch.dtype = torch.bfloat16, budget_source: str = BUDGET_KEY,
               what: str = "the RL step", kernel_copies: int = 0) -> MemoryPlan:
-    """The largest settings (first of `candidates`) whose estimated peak fits `budget_bytes` (None:
-    the recipe's, whatever they need), else MemoryBudgetError naming the smallest budget that fits
-    (and `budget_source`, the knob). `kernel_copies` (bytes) are a speed option and go first: the
-    recipe's settings with them, then without, then smaller settings without."""
+    """The largest settings (first of `candidates`) whose estimated peak fits `budget_bytes` (None: the
+    recipe's), else MemoryBudgetError naming the smallest budget that fits and `budget_source`, the knob.
+    `kernel_copies` (bytes, a speed option) go first: the recipe's settings with them, then without."""
     fmt = format_entry(base_format)  # raises on an unknown one
     dtype_name = str(dtype).removeprefix("torch.")
     estimate: dict[str, int] = {}
@@ -214,10 +211,9 @@ def step_budget(gb: float | None, device: torch.device) -> tuple[int | None, str
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             if budget_bytes(gb) > total:
-                raise QerlError(
-                    f"{BUDGET_KEY}={gb:g} GB is more than this GPU has ({total / GB:.1f} GB): a plan for it would run "
-                    f"out of memory mid-run; set {BUDGET_KEY} to {total / GB:.1f} or less, or leave it unset to plan "
-                    "for the memory free now")
+                raise QerlError(f"{BUDGET_KEY}={gb:g} GB is more than this GPU has ({total / GB:.1f} GB): a plan for "
+                                f"it would run out of memory mid-run; set {BUDGET_KEY} to {total / GB:.1f} or less, or "
+                                "leave it unset to plan for the memory free now")
         return budget_bytes(gb), BUDGET_KEY, device.type == "cuda"
     if device.type == "cuda":
         # The driver's free figure leaves out what this process's caching allocator holds but no
@@ -238,8 +234,7 @@ def enforce_budget(budget: int, device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     device = _indexed(device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = min(1.0, budget / total)
+    fraction = min(1.0, budget / torch.cuda.get_device_properties(device).total_memory)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 

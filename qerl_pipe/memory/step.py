@@ -147,12 +147,16 @@ def scratch_bytes(c: DecoderConfig, base_format: str, dtype: torch.dtype = torch
     return max([k * sum(outs) for k, outs, _ in _model_linears(c)] + stacked) * element_bytes(dtype)
 
 
+def _nvfp4_bytes(linears: Iterable[tuple[int, tuple[int, ...], int]]) -> int:
+    """The NVFP4 bytes of `linears` (in_features, output sizes, count): a humming copy's."""
+    return sum((int(k * sum(outs) * NVFP4.bytes_per_weight) + NVFP4.bytes_per_linear) * n for k, outs, n in linears)
+
+
 def kernel_copy_bytes(c: DecoderConfig, shapes: Iterable[tuple[int, int]]) -> int:
     """An NVFP4 base's second copy in humming-kernels' layout, for the linears of shape (N, K) in
     `shapes` (those the dispatch table sends rows of to humming): the NVFP4 bytes again."""
     wanted = set(shapes)
-    return sum((int(k * sum(outs) * NVFP4.bytes_per_weight) + NVFP4.bytes_per_linear) * n
-               for k, outs, n in _model_linears(c) if (sum(outs), k) in wanted)
+    return _nvfp4_bytes(row for row in _model_linears(c) if (sum(row[1]), row[0]) in wanted)
 
 
 def fp8_copy_bytes(c: DecoderConfig) -> int:
@@ -164,10 +168,7 @@ def fp8_copy_bytes(c: DecoderConfig) -> int:
 def expert_copy_bytes(c: DecoderConfig) -> int:
     """An NVFP4 MoE's experts stacked again in humming-kernels' layout for their grouped GEMMs
     (`model.kernel_copies`): the experts' NVFP4 bytes again; 0 for a dense model."""
-    if not c.num_sparse_layers:
-        return 0
-    return sum((int(k * sum(outs) * NVFP4.bytes_per_weight) + NVFP4.bytes_per_linear) * n
-               for k, outs, n in _expert_linears(c))
+    return _nvfp4_bytes(_expert_linears(c)) if c.num_sparse_layers else 0
 
 
 def dense_base_bytes(c: DecoderConfig, dtype: torch.dtype) -> int:
@@ -178,10 +179,9 @@ def dense_base_bytes(c: DecoderConfig, dtype: torch.dtype) -> int:
 
 def estimate_step_bytes(c: DecoderConfig, base_format: str, s: StepSize, adapter: str = "lora",
                         dtype: torch.dtype = torch.bfloat16, kernel_copies: int = 0) -> dict[str, int]:
-    """Each part of the step's peak and their `total`, in bytes. `adapter`: "lora", or "full"
-    (every weight trains; a bf16 base only). `kernel_copies`: the bytes of humming copies of the
-    base (`kernel_copy_bytes`), 0 without them. With `s.dense_base` (a CPU run) a 4-bit base's
-    dequantized copy replaces the decode buffer."""
+    """Each part of the step's peak and their `total`, in bytes. `adapter`: "lora" or "full" (a bf16 base
+    only); `kernel_copies`: the bytes of the base's kernel copies; `s.dense_base` (a CPU run): a 4-bit
+    base's dequantized copy replaces the decode buffer."""
     if adapter == "full" and not format_entry(base_format).dense:
         raise ValueError(f"full fine-tuning needs a bf16 base, not {base_format}")
     trained = {"full_and_optimizer": full_bytes(c, dtype)} if adapter == "full" else {

@@ -1,7 +1,6 @@
 """From rewards to per-sequence advantages: group baselines (GRPO), scaling, DAPO's length shaping.
 
-Sequences are ordered group by group: the G samples of prompt 0, then those of prompt 1, ...
-"""
+Sequences are ordered group by group: the G samples of prompt 0, then those of prompt 1, ..."""
 
 from __future__ import annotations
 

@@ -154,11 +154,9 @@ def stated_value(answer: str, *, any_other_sides: bool = False) -> Fraction | No
 
 
 def is_correct(extracted: str | None, gold: str, kind: str) -> bool:
-    """Whether the extracted answer equals the gold one; never raises (what math-verify cannot
-    handle, or a timeout, counts as wrong). `kind` is there for kind-specific rules; all kinds are
-    graded alike today. A gold that states a number (`stated_value`) needs an answer that states the
-    same number, compared exactly as rationals (72 == 72.0, "1,234" == 1234, 0.5 == \\frac{1}{2});
-    any other gold goes to math-verify with the whole answer."""
+    """Whether the extracted answer equals the gold one (every `kind` alike today); never raises (what
+    math-verify cannot handle, or a timeout, is wrong). A gold that states a number (`stated_value`) needs
+    the same number, exactly as rationals; any other gold goes to math-verify with the whole answer."""
     if extracted is None or not extracted.strip() or len(extracted) > MAX_ANSWER_CHARS:
         return False
     gold_value = stated_value(gold)
