@@ -141,8 +141,7 @@ def plot(arms: list[Arm], out: Path, title: str) -> bool:
                 steps, values = [r["step"] for r in kept], [r[key] for r in kept]
                 (line,) = ax.plot(steps, _smoothed(values), label=arm.name, linewidth=1.6)
                 ax.plot(steps, values, color=line.get_color(), alpha=0.2, linewidth=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
+        ax.set(xlabel="step", ylabel=label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{title} ({SMOOTH}-step mean; raw faint)", fontsize=10)

@@ -332,13 +332,11 @@ class ArtifactStore:
 
     def _swap_into_place(self, tmp: Path, final: Path) -> None:
         """Rename `tmp` to `final`; an old artifact there (only with --force) is moved aside first."""
+        trash = self.root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
         if final.exists():
-            trash = self.root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
             os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _holds_copy(output: Path, art_id: str) -> bool:

@@ -158,14 +158,15 @@ def plan_global_scale(plan: WritePlan, module: str) -> torch.Tensor:
 def write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: list[str], dtype: torch.dtype) -> None:
     config = read_model_config(source)
     config["quantization_config"] = config_quantization_config(quant_algo, exclude_modules, qerl_pipe.__version__)
-    if "torch_dtype" in config or "dtype" not in config:
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    else:
-        config["dtype"] = str(dtype).removeprefix("torch.")
+    config[_dtype_key(config)] = str(dtype).removeprefix("torch.")
     write_json(out / "config.json", config)
-    hf_quant = hf_quant_config(quant_algo, exclude_modules, qerl_pipe.__version__)
-    write_json(out / "hf_quant_config.json", hf_quant)
+    write_json(out / "hf_quant_config.json", hf_quant_config(quant_algo, exclude_modules, qerl_pipe.__version__))
     copy_model_files(source, out)
+
+
+def _dtype_key(config: dict) -> str:
+    """The key config.json names its dtype by: `dtype` where only that is there, else `torch_dtype`."""
+    return "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
 
 
 def copy_model_files(source: Path, out: Path) -> None:
@@ -242,8 +243,7 @@ def write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
     """config.json of a dense (16-bit) model made from `source`, and its tokenizer files."""
     config = read_model_config(source)
     config.pop("quantization_config", None)  # the weights are dense now
-    key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
-    config[key] = str(dtype).removeprefix("torch.")
+    config[_dtype_key(config)] = str(dtype).removeprefix("torch.")
     write_json(out / "config.json", config)
     copy_model_files(source, out)
 

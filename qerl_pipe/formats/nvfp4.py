@@ -117,10 +117,8 @@ def _check_shape(weight: Tensor, name: str) -> None:
                                 f"input dimension is a multiple of {BLOCK_SIZE}")
 
 
-def quantize_nvfp4(
-    weight: Tensor, global_scale: Tensor | None = None, *, name: str = "tensor", method: str = "rtn",
-    channel_weight: Tensor | None = None,
-) -> NVFP4Weight:
+def quantize_nvfp4(weight: Tensor, global_scale: Tensor | None = None, *, name: str = "tensor", method: str = "rtn",
+                   channel_weight: Tensor | None = None) -> NVFP4Weight:
     """Quantize a `[N, K]` weight (bf16/fp16/fp32, any device) to NVFP4. `method`: "rtn" (modelopt's
     max calibration + round to nearest, byte-exact), "mse" (each block's E4M3 scale searched) or
     "act-mse" (weighted by `channel_weight`, calibration's mean squared activations). `global_scale`:

@@ -57,10 +57,9 @@ def read_engine_json(path: Path) -> dict[str, Any]:
 
 def load_engine(artifact_dir: Path | str, device: torch.device | str | None = None,
                 lora: LoraSpec | None = None) -> tuple[Decoder, EngineLimits]:
-    """The engine's model on `device` (default: the device type it was built for) and its limits.
-    Installs its dispatch table and schedule column (or the table shipped for this GPU) process-wide;
-    an engine.json of before issue 51 may hold a `kernel_table` of Triton configs, which nothing
-    reads now. Does not re-hash the files (`ArtifactStore.resolve` does, for a user's reference)."""
+    """The engine's model on `device` (default: the device type it was built for) and its limits; installs
+    its dispatch table and schedule column (or the table shipped for this GPU) process-wide (an old
+    engine.json's `kernel_table` is not read). Does not re-hash the files (`ArtifactStore.resolve` does)."""
     path = Path(artifact_dir)
     artifact = load_artifact(path, verify=False)
     if artifact.kind != KIND:

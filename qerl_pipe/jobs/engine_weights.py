@@ -115,9 +115,8 @@ def load_engine_model(engine_dir: Path, device: torch.device | str, lora: LoraSp
         raise ArtifactError(f"{engine_dir}: its {meta['base_format']} weights are in layout {stored!r}, this version "
                             f"reads layout {layout} (the bytes changed); rebuild the engine with --force")
     config = DecoderConfig.from_hf(_read_json(engine_dir / CONFIG_NAME, "config.json"))
-    dtype = getattr(torch, meta["dtype"])
     device = torch.device(device)
-    model = Decoder(config, meta["base_format"], dtype, device)
+    model = Decoder(config, meta["base_format"], getattr(torch, meta["dtype"]), device)
     _install(model, engine_dir, index["weight_map"], device)
     if lora is not None:
         apply_lora(model, lora)

@@ -1,8 +1,6 @@
-"""Plan one RL step to a memory budget: the settings whose estimated peak (`memory.step`) fits.
-Candidates run in one chain from the recipe's settings down to (1 slot, micro-batch 1, chunk 128):
-LM-head chunk, then micro-batch, then KV slots; the plan is the first under the budget, so a smaller
-budget never gives a larger setting; none raises `MemoryBudgetError`. Plain numbers (`StepShape`,
-bytes; GB = 10^9). See docs/engine.md, section "The step's memory plan" and docs/training.md."""
+"""Plan one RL step to a memory budget: the first of one chain of candidate settings whose estimated peak
+(`memory.step`) fits, else `MemoryBudgetError`. Plain numbers (`StepShape`, bytes; GB = 10^9).
+See docs/engine.md, section "The step's memory plan", and docs/training.md (the rule and its chain)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""What one RL step of a model asks of the GPU, estimated from the config before anything is allocated.
-Weights, LoRA state (or full fine-tuning's 16 bytes per weight) and the KV cache are exact counts;
-activations deliberately over-count the checkpointed backward's peak; measured, the estimate was
-1-9% above every peak reserved (7B to 72B). MoE: every expert resident. See docs/engine.md,
-section "The step's memory plan" and docs/training.md."""
+"""What one RL step of a model asks of the GPU, estimated from the config before anything is allocated
+(exact counts, activations over-counted; its measured accuracy is in docs/engine.md, section "The
+step's memory plan", and docs/training.md)."""
 
 from __future__ import annotations
 

@@ -71,10 +71,8 @@ class KVCache:
                 t[:, dst, :, :length] = t[:, src, :, :length]
 
     def first_slots(self, batch_size: int, length: int | None = None) -> "KVCache":
-        """A cache over slots 0..batch_size-1 and positions 0..length-1 sharing this one's storage:
-        the engine decodes on the smallest prefix holding its active slots and reads only the
-        positions reached (the same result, less read). Positions passed to decode_step must then
-        be below `length`."""
+        """A cache over slots 0..batch_size-1 and positions 0..length-1 sharing this one's storage (the
+        engine decodes on the smallest prefix it needs); positions passed to decode_step must be below `length`."""
         length = self.max_len if length is None else length
         if not 1 <= batch_size <= self.batch_size or not 1 <= length <= self.max_len:
             raise ValueError(f"first_slots({batch_size}, {length}) outside 1..{self.batch_size} slots, "

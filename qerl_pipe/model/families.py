@@ -39,10 +39,9 @@ def layer_windows(hf: Mapping[str, Any], name: str, num_layers: int) -> tuple[in
     types = list(hf.get("layer_types") or [])
     if model_type in QWEN:
         if hf.get("use_sliding_window") or any(t != "full_attention" for t in types):
-            raise ModelSourceError(
-                f"{name}: Qwen's sliding-window attention (use_sliding_window, sliding_window={window}) is not "
-                "supported; use a checkpoint with full attention (every released Qwen2.5 / Qwen3 one)"
-            )
+            raise ModelSourceError(f"{name}: Qwen's sliding-window attention (use_sliding_window, sliding_window="
+                                   f"{window}) is not supported; use a checkpoint with full attention (every released "
+                                   "Qwen2.5 / Qwen3 one)")
         return ()
     if model_type in GEMMA:
         if hf.get("use_bidirectional_attention"):

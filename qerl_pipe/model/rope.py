@@ -48,10 +48,9 @@ def long_inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor | None
 
 
 @fused_on_cuda
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
-    long_inv_freq: torch.Tensor | None = None, switch: int = 0, scaling: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 long_inv_freq: torch.Tensor | None = None, switch: int = 0,
+                 scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [*positions.shape, rotary_dim] in `dtype`, from the positions on every call (static
     shapes for the decode step). LongRoPE (`long_inv_freq`): long factors from position `switch` on,
     per position (a cached key is rotated once), where transformers picks one set per forward;

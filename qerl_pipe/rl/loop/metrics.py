@@ -116,9 +116,7 @@ def plot_figures(records: list[dict[str, Any]], token_cap: int | None = None) ->
             ax.axhline(token_cap, color="tab:red", linestyle="--", linewidth=1,
                        label=f"max_new_tokens = {token_cap} (cut here)")
             ax.legend(loc="lower right", fontsize="small")
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         figures.append((f"{key}.png", fig))

@@ -357,10 +357,9 @@ def _non_finite(rows: Sequence[Sequence[float]]) -> int:
 
 
 def fit(trainer: Trainer, run_dir: Path, checkpoint_every: int) -> list[dict[str, Any]]:
-    """Run the remaining steps of `trainer` in `run_dir`, resuming from rank 0's latest checkpoint;
-    checkpoints every `checkpoint_every` steps (0: at the end) and after the last. Returns every
-    step's metrics (ranks > 0: this session's). SIGINT / SIGTERM stop after the step in progress,
-    checkpointed: a scheduler's stop costs no finished step."""
+    """Run the remaining steps of `trainer` in `run_dir`, resuming from rank 0's latest checkpoint, with a
+    checkpoint every `checkpoint_every` steps (0: at the end), after the last and on SIGINT / SIGTERM
+    (after the step in progress). Returns every step's metrics (ranks > 0: this session's)."""
     total, dist = trainer.cfg.steps, trainer.dist
     checkpoint = dist.broadcast(latest_checkpoint(run_dir) if dist.is_main else None)
     if checkpoint is not None:
