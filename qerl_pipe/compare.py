@@ -1,7 +1,5 @@
-"""`qerl-pipe compare ARM...`: training arms side by side, one table and one figure. An arm is a train
-run (artifact or `.runs/` directory) or an eval artifact of a run's adapter (its pass@1 too); per
-arm the reward, greedy accuracy, pass@1, entropy, steps, GPU hours, peak memory and a reference
-figure, and a figure of reward, accuracy, entropy and length against steps (docs/eval.md)."""
+"""`qerl-pipe compare ARM...`: training arms (train runs, or eval artifacts of a run's adapter) side by
+side, one table and one figure. See docs/eval.md, section "Comparing arms"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Building an engine directory: what build-engine stores so that train and eval start in seconds.
-`plan_engine` decides the dtype, KV limits (from the caller's budget), CUDA graphs and tuning before
-any weight is read, so a bad setting fails before any work; `write_engine` loads the base in the
-kernels' layout, measures the NVFP4 dispatch on Hopper and writes the weights and `engine.json`
-(read by `jobs.engine_artifact.load_engine`). See docs/engine.md, section "The engine artifact"."""
+"""Building an engine directory: `plan_engine` decides everything before any weight is read (a bad
+setting fails before any work), `write_engine` writes the weights and `engine.json` that
+`jobs.engine_artifact.load_engine` reads. See docs/engine.md, section "The engine artifact"."""
 
 from __future__ import annotations
 

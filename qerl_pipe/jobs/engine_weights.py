@@ -1,8 +1,5 @@
-"""Engine weights: the model stored exactly as the kernels consume it, and loaded without work.
-Every persistent tensor but LoRA and a tied head, under our `Decoder`'s module names, in safetensors
-shards of ~`SHARD_BYTES` plus the HF config.json; loading installs each tensor on the target device
-(bases start on meta): no repacking, no quantization, one copy of each weight. See docs/engine.md,
-section "The engine artifact"."""
+"""Engine weights: the model stored exactly as the kernels consume it, and loaded without work (no
+repacking, no quantization, one copy of each weight). See docs/engine.md, section "The engine artifact"."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Our Decoder's weights as a Hugging Face model's (`save_hf_weights`): fused projections split
-back, HF's `model.` prefix, a tied LM head left out, safetensors shards through
-`formats.checkpoint.ShardWriter`; `AutoModelForCausalLM.from_pretrained` reads the result.
+"""Our Decoder's weights as a Hugging Face model's (`save_hf_weights`), which `from_pretrained` reads.
 See docs/model.md, section "The model (`qerl_pipe/model/`)" (the table of files)."""
 
 from __future__ import annotations
