@@ -7,14 +7,5 @@ from qerl_pipe.engine.engine import Engine, PromptError, Rollouts
 from qerl_pipe.engine.limits import EngineLimits, EngineLimitsError, kv_bytes_per_token, plan_limits
 from qerl_pipe.engine.sampling import SamplingParams, SamplingParamsError
 
-__all__ = [
-    "Engine",
-    "EngineLimits",
-    "EngineLimitsError",
-    "PromptError",
-    "Rollouts",
-    "SamplingParams",
-    "SamplingParamsError",
-    "kv_bytes_per_token",
-    "plan_limits",
-]
+__all__ = ["Engine", "EngineLimits", "EngineLimitsError", "PromptError", "Rollouts", "SamplingParams",
+           "SamplingParamsError", "kv_bytes_per_token", "plan_limits"]

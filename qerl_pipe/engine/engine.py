@@ -1,8 +1,6 @@
-"""The rollout engine: continuous batching over a preallocated KV cache, one prefill per prompt
-shared by its samples, decode steps on the smallest CUDA-graph size holding the active slots,
-finished slots refilled at once, steps launched one ahead of the host. The scheduler decides the
-slots, the runner (`model_runner`) changes the device state, this loop asks both and keeps the
-sequences. docs/engine.md#scheduling has the whole policy."""
+"""The rollout engine: continuous batching over a preallocated KV cache, steps launched one ahead of the
+host. The scheduler decides the slots, the runner (`model_runner`) changes the device state, this loop
+asks both and keeps the sequences. docs/engine.md#scheduling has the whole policy."""
 
 from __future__ import annotations
 
@@ -82,10 +80,6 @@ class _Step:
     launched: LaunchedStep
 
 
-def _env_graphs_enabled() -> bool:
-    return os.environ.get("QERL_ENGINE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 class Engine:
     """Generates rollouts from a Decoder: `Engine(model, limits).generate(prompts, n, sampling)`.
     Allocates the KV cache once; runs the model as it is (unmerged LoRA, AQN noise in its norms:
@@ -93,27 +87,19 @@ class Engine:
     copies of the dense bases where `kernel_copies` allows (`self.activations` says what runs).
     CUDA graphs, `prefill_tokens` and the rest: docs/engine.md."""
 
-    def __init__(
-        self,
-        model: Decoder,
-        limits: EngineLimits,
-        *,
-        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
-        cuda_graphs: bool | None = None,
-        kernel_copies: bool = True,
-        activations: str = "bf16",
-    ):
+    def __init__(self, model: Decoder, limits: EngineLimits, *, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+                 cuda_graphs: bool | None = None, kernel_copies: bool = True, activations: str = "bf16"):
         if prefill_tokens < 1:
             raise PromptError(f"prefill_tokens must be >= 1; got {prefill_tokens}")
         device = model.embed_tokens.weight.device
         check_activations(activations, model.base_format, device, model.dtype)
         check_kv_cache(limits.kv_cache, device)
         self.model, self.limits, self.prefill_tokens = model, limits, prefill_tokens
-        want_graphs = cuda_graphs if cuda_graphs is not None else _env_graphs_enabled()
-        # Before any graph is captured: the kernel copies of the base the memory plan has room
-        # for: FP8 copies for FP8 activations (their rows are those humming would serve), else
-        # humming's where the dispatch table sends rows of this model's shapes to it; and a MoE's
-        # grouped experts.
+        want_graphs = cuda_graphs if cuda_graphs is not None else os.environ.get(
+            "QERL_ENGINE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+        # Before any graph is captured: the kernel copies of the base the memory plan has room for: FP8
+        # copies for FP8 activations (their rows are those humming would serve), else humming's where the
+        # dispatch table sends rows of this model's shapes to it; and a MoE's grouped experts.
         fp8 = None
         if kernel_copies and activations == "fp8":
             detach_humming(model)
@@ -168,12 +154,8 @@ class Engine:
             self._check_graphs()  # the same model state generate() will see
             return self.runner.capture_all()
 
-    # ------------------------------------------------------------------ API
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int = 1, sampling: SamplingParams = SamplingParams(),
-        first_sequence_id: int = 0,
-    ) -> Rollouts:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, sampling: SamplingParams = SamplingParams(),
+                 first_sequence_id: int = 0) -> Rollouts:
         """n samples of each prompt (token ids), in order prompt 0 samples 0..n-1, prompt 1, ...
         Sample s of prompt p draws as sequence `first_sequence_id + p * n + s`: a data-parallel
         rank generating prompts k.. passes k * n and draws what one process would."""
@@ -189,20 +171,14 @@ class Engine:
             self._check_graphs()
             return _Generation(self, prompt_lists, n, sampling, first_sequence_id).run()
 
-    # ------------------------------------------------------------------ helpers
-
-    def _check_inputs(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
-    ) -> list[list[int]]:
+    def _check_inputs(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> list[list[int]]:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PromptError(f"n (samples per prompt) must be an integer >= 1; got {n!r}")
         vocab, max_len, new = self.model.config.vocab_size, self.limits.max_seq_len, sampling.max_new_tokens
         bad_stops = [s for s in sampling.stop_token_ids if s >= vocab]
         if bad_stops:
-            raise PromptError(
-                f"stop_token_ids {bad_stops} lie outside the vocabulary 0..{vocab - 1}; pass this "
-                "model's tokenizer's EOS id"
-            )
+            raise PromptError(f"stop_token_ids {bad_stops} lie outside the vocabulary 0..{vocab - 1}; pass this "
+                              "model's tokenizer's EOS id")
         out: list[list[int]] = []
         for i, prompt in enumerate(prompts):
             try:
@@ -213,16 +189,12 @@ class Engine:
                 raise PromptError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
             low, high = min(ids), max(ids)
             if low < 0 or high >= vocab:
-                raise PromptError(
-                    f"prompt {i} has token id {low if low < 0 else high} outside the vocabulary "
-                    f"0..{vocab - 1}; tokenize with this model's tokenizer"
-                )
+                raise PromptError(f"prompt {i} has token id {low if low < 0 else high} outside the vocabulary "
+                                  f"0..{vocab - 1}; tokenize with this model's tokenizer")
             if len(ids) + new > max_len:
-                raise PromptError(
-                    f"prompt {i} has {len(ids)} tokens, plus max_new_tokens={new} that is {len(ids) + new} "
-                    f"> the engine's max_seq_len={max_len}; shorten the prompt, lower max_new_tokens, or "
-                    "build the engine with a larger max_seq_len"
-                )
+                raise PromptError(f"prompt {i} has {len(ids)} tokens, plus max_new_tokens={new} that is "
+                                  f"{len(ids) + new} > the engine's max_seq_len={max_len}; shorten the prompt, lower "
+                                  "max_new_tokens, or build the engine with a larger max_seq_len")
             out.append(ids)
         return out
 
@@ -242,11 +214,8 @@ class _Generation:
     def __init__(self, engine: Engine, prompts: list[list[int]], n: int, params: SamplingParams,
                  first_sequence_id: int = 0):
         self.engine, self.runner, self.params, self.n = engine, engine.runner, params, n
-        self.seqs = [
-            _Sequence(p, s, prompt, sequence_key(params.seed, first_sequence_id + p * n + s))
-            for p, prompt in enumerate(prompts)
-            for s in range(n)
-        ]
+        self.seqs = [_Sequence(p, s, prompt, sequence_key(params.seed, first_sequence_id + p * n + s))
+                     for p, prompt in enumerate(prompts) for s in range(n)]
         self.sched = Scheduler([s.prompt_index for s in self.seqs], engine.limits.max_batch)
         self.stops = frozenset(params.stop_token_ids)
         self.out = Rollouts([s.prompt_index for s in self.seqs], [s.sample_index for s in self.seqs], [], [], [])
@@ -280,8 +249,6 @@ class _Generation:
         out.finish_reasons = [s.finish for s in self.seqs]
         out.generated_tokens = sum(len(s.tokens) for s in self.seqs)
         return out
-
-    # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
         """Admit the sequences the scheduler places (lowest free slots), prefill each distinct prompt once."""
@@ -317,8 +284,6 @@ class _Generation:
         self.out.prefills += len(prompts)
         self.out.prefill_tokens += sum(len(p) for p in prompts)
         return logits
-
-    # ------------------------------------------------------------------ decoding
 
     def _needs_step(self) -> bool:
         """Whether an active sequence may still draw a token beyond those in flight."""

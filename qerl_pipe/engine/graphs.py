@@ -1,8 +1,7 @@
-"""The decode step on the first b cache slots and L positions: eager, or replayed from a CUDA graph
-captured lazily per (b, L). A graph reads only static addresses (token/position buffers, KV cache,
-parameters and buffers, the fused LoRA copy): updates in place reach the next replay, rebinding
-needs `reset()` (`model_fingerprint` detects it). See docs/engine.md, sections "Scheduling"
-("CUDA graphs") and "LoRA, AQN noise and CUDA graphs"."""
+"""The decode step on the first b cache slots and L positions: eager, or replayed from a CUDA graph captured
+lazily per (b, L). A graph reads only static addresses: updates in place reach the next replay, rebinding
+needs `reset()` (`model_fingerprint` detects it). docs/engine.md, "Scheduling" ("CUDA graphs") and "LoRA,
+AQN noise and CUDA graphs"."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ class _Graph:
 
 
 def length_buckets(max_len: int, smallest: int = 256) -> tuple[int, ...]:
-    """Attention lengths the decode step runs at: powers of two from `smallest`, then max_len. A
-    step attends over the smallest bucket holding every active sequence: KV reads follow the
-    lengths (within 2x), with few enough shapes to capture each as a graph."""
+    """Attention lengths the decode step runs at: powers of two from `smallest`, then max_len (KV reads
+    within 2x of the lengths, with few enough shapes to capture each as a graph)."""
     out, length = [], smallest
     while length < max_len:
         out.append(length)
@@ -42,16 +40,8 @@ class DecodeRunner:
     """Runs the engine's `decode_step` on slots 0..b-1 and positions 0..L-1 of `cache`, with inputs
     taken from the first b entries of the engine's static `tokens` / `positions` [max_batch]."""
 
-    def __init__(
-        self,
-        model: Decoder,
-        lora: FusedLora,
-        cache: KVCache,
-        tokens: Tensor,
-        positions: Tensor,
-        graph_sizes: tuple[int, ...],
-        use_graphs: bool,
-    ):
+    def __init__(self, model: Decoder, lora: FusedLora, cache: KVCache, tokens: Tensor, positions: Tensor,
+                 graph_sizes: tuple[int, ...], use_graphs: bool):
         self.model, self.lora, self.cache, self.tokens, self.positions = model, lora, cache, tokens, positions
         self.use_graphs = use_graphs
         # Batch-size buckets. Without graphs they are dropped (eager runs exactly the rows
@@ -83,12 +73,10 @@ class DecodeRunner:
 
     @property
     def captured(self) -> int:
-        """How many (batch size, attention length) graphs exist now."""
         return len(self._graphs)
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
-        """Batch sizes with at least one captured graph."""
         return tuple(sorted({b for b, _ in self._graphs}))
 
     def reset(self) -> None:
@@ -142,20 +130,16 @@ class DecodeRunner:
             with torch.cuda.graph(graph, pool=self._pool):
                 self._logits[:b].copy_(decode_step(self.model, self.lora, tokens, positions, view))
         except Exception as e:
-            raise RuntimeError(
-                f"capturing the decode step as a CUDA graph (batch {b}, length {length}) failed: {e}. Run "
-                "without graphs: Engine(..., cuda_graphs=False) or QERL_ENGINE_CUDA_GRAPHS=0"
-            ) from e
+            raise RuntimeError(f"capturing the decode step as a CUDA graph (batch {b}, length {length}) failed: {e}. "
+                               "Run without graphs: Engine(..., cuda_graphs=False) or QERL_ENGINE_CUDA_GRAPHS=0") from e
         self.captures += 1
         log.debug("captured the decode step for batch %d, length %d", b, length)
         return _Graph(graph, view)
 
 
 def model_fingerprint(model: nn.Module) -> tuple:
-    """What a captured graph baked in besides tensor contents: every parameter and buffer address,
-    the LoRA switches and scalings, a linear's humming copy, a MoE layer's grouped experts (which
-    stand for the experts they copy). Changed: recapture. About a microsecond per tensor, once per
-    `generate` (docs/engine.md, "LoRA, AQN noise and CUDA graphs")."""
+    """What a captured graph baked in besides tensor contents: every parameter and buffer address, the LoRA
+    switches and scalings, a linear's humming copy, a MoE layer's grouped experts. Changed: recapture."""
     modules = list(inference_modules(model))
     tensors = tuple(t.data_ptr() for m in modules for t in (*m._parameters.values(), *m._buffers.values())
                     if t is not None)

@@ -31,20 +31,17 @@ class EngineLimits:
     max_seq_len: int  # prompt + generated tokens per slot
     kv_cache_bytes: int  # keys + values for max_batch x max_seq_len
     graph_batch_sizes: tuple[int, ...] = field(default=())  # empty: no CUDA graphs (CPU)
-    kv_cache: str = "bf16"  # the cache's format: the model dtype, or "fp8" / "int8" (codes + a scale per token and head)
+    kv_cache: str = "bf16"  # the model dtype, or "fp8" / "int8" (codes + a scale per token and head)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_seq_len < 2:
-            raise EngineLimitsError(
-                f"engine limits need max_batch >= 1 and max_seq_len >= 2; got {self.max_batch}, "
-                f"{self.max_seq_len}"
-            )
+            raise EngineLimitsError(f"engine limits need max_batch >= 1 and max_seq_len >= 2; got {self.max_batch}, "
+                                    f"{self.max_seq_len}")
         if self.kv_cache not in KV_FORMATS:
             raise EngineLimitsError(f"engine.kv_cache={self.kv_cache!r}: choose one of {', '.join(KV_FORMATS)}")
         if any(b < 1 or b > self.max_batch for b in self.graph_batch_sizes):
-            raise EngineLimitsError(
-                f"CUDA-graph batch sizes {self.graph_batch_sizes} must lie in 1..max_batch={self.max_batch}"
-            )
+            raise EngineLimitsError(f"CUDA-graph batch sizes {self.graph_batch_sizes} must lie in "
+                                    f"1..max_batch={self.max_batch}")
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -61,36 +58,24 @@ class EngineLimits:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "EngineLimits":
-        return cls(
-            max_batch=int(data["max_batch"]),
-            max_seq_len=int(data["max_seq_len"]),
-            kv_cache_bytes=int(data["kv_cache_bytes"]),
-            graph_batch_sizes=tuple(int(b) for b in data.get("graph_batch_sizes", ())),
-            kv_cache=str(data.get("kv_cache", "bf16")),
-        )
+        return cls(max_batch=int(data["max_batch"]), max_seq_len=int(data["max_seq_len"]),
+                   kv_cache_bytes=int(data["kv_cache_bytes"]),
+                   graph_batch_sizes=tuple(int(b) for b in data.get("graph_batch_sizes", ())),
+                   kv_cache=str(data.get("kv_cache", "bf16")))
 
 
 def kv_bytes_per_token(config: DecoderConfig, dtype: torch.dtype = torch.bfloat16, kv_cache: str = "bf16") -> int:
     """Bytes of keys plus values one token occupies across all layers: in the model dtype, or
     (kv_cache "fp8" or "int8") one byte per element and an fp32 scale per head."""
-    per_head = config.head_dim + 4 if kv_cache in KV_CODES else config.head_dim * torch.empty((), dtype=dtype).element_size()
+    element = torch.empty((), dtype=dtype).element_size()
+    per_head = config.head_dim + 4 if kv_cache in KV_CODES else config.head_dim * element
     return 2 * config.num_layers * config.num_kv_heads * per_head
 
 
-def plan_limits(
-    config: DecoderConfig,
-    *,
-    max_seq_len: int,
-    max_batch: int,
-    kv_budget_bytes: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    cuda_graphs: bool = False,
-    kv_cache: str = "bf16",
-) -> EngineLimits:
-    """The largest batch up to `max_batch` whose KV cache fits `kv_budget_bytes` (None: no cap).
-
-    Fails, naming the numbers, when not even one sequence of `max_seq_len` fits.
-    """
+def plan_limits(config: DecoderConfig, *, max_seq_len: int, max_batch: int, kv_budget_bytes: int | None = None,
+                dtype: torch.dtype = torch.bfloat16, cuda_graphs: bool = False, kv_cache: str = "bf16") -> EngineLimits:
+    """The largest batch up to `max_batch` whose KV cache fits `kv_budget_bytes` (None: no cap); fails,
+    naming the numbers, when not even one sequence of `max_seq_len` fits."""
     if max_seq_len < 2:
         raise EngineLimitsError(f"max_seq_len must be at least 2 (a prompt token and one more); got {max_seq_len}")
     if max_batch < 1:
@@ -100,9 +85,8 @@ def plan_limits(
     if kv_budget_bytes is not None:
         batch = min(max_batch, kv_budget_bytes // per_sequence)
         if batch < 1:
-            raise EngineLimitsError(
-                f"one sequence of {max_seq_len} tokens needs {per_sequence / 2**20:.1f} MiB of KV cache but the "
-                f"budget is {kv_budget_bytes / 2**20:.1f} MiB; lower max_seq_len or raise the KV budget"
-            )
+            raise EngineLimitsError(f"one sequence of {max_seq_len} tokens needs {per_sequence / 2**20:.1f} MiB of KV "
+                                    f"cache but the budget is {kv_budget_bytes / 2**20:.1f} MiB; lower max_seq_len or "
+                                    "raise the KV budget")
     graphs = tuple(b for b in DEFAULT_GRAPH_SIZES if b < batch) + (batch,) if cuda_graphs else ()
     return EngineLimits(batch, max_seq_len, per_sequence * batch, graphs, kv_cache)

@@ -1,8 +1,7 @@
-"""Sampling: parameters, counter-based Gumbel noise, and one batched sampling step.
-Gumbel-max, argmax(logits / T + g), is an exact sample of softmax(logits / T); the uniforms are a hash
-of (seed, sequence id, step, vocab index), so a sequence's randomness never depends on its batch,
-its slot or the engine's slot count. See docs/engine.md, sections "Sampling and logprobs" and
-"Reproducibility"."""
+"""Sampling: parameters, counter-based Gumbel noise, and one batched sampling step. Gumbel-max,
+argmax(logits / T + g), is an exact sample of softmax(logits / T); the uniforms are a hash of (seed, sequence
+id, step, vocab index), so a sequence's randomness never depends on its batch, its slot or the slot count.
+See docs/engine.md, sections "Sampling and logprobs" and "Reproducibility"."""
 
 from __future__ import annotations
 
@@ -98,11 +97,8 @@ def _hash32_(x: Tensor) -> Tensor:
 
 
 def sequence_key(seed: int, sequence_id: int) -> int:
-    """The 32-bit key of one sequence's random stream (host side, once per sequence).
-
-    Every bit of the seed and of the id goes through the mixer, so nearby seeds or ids give
-    unrelated streams.
-    """
+    """The 32-bit key of one sequence's random stream (host side): every bit of the seed and of the id
+    goes through the mixer, so nearby seeds or ids give unrelated streams."""
     seed &= (1 << 64) - 1  # negative seeds are fine: two's complement
     key = hash32(hash32(seed & _M32) ^ (seed >> 32))
     for word in (sequence_id & _M32, (sequence_id >> 32) & _M32):
@@ -121,11 +117,8 @@ def gumbel_noise(keys: Tensor, steps: Tensor, vocab: Tensor) -> Tensor:
 
 
 def truncate_logits(z: Tensor, top_k: int, top_p: float) -> Tensor:
-    """A copy of scaled logits z [B, V] with tokens outside top-k, then top-p, set to -inf.
-
-    Top-p keeps the smallest set of most likely tokens whose probability (after top-k) reaches
-    top_p, and always the most likely one, as Hugging Face does.
-    """
+    """A copy of scaled logits z [B, V] with tokens outside top-k, then top-p, set to -inf. Top-p keeps the
+    smallest set of most likely tokens reaching top_p, and always the most likely one, as Hugging Face does."""
     vocab = z.shape[-1]
     if top_p >= 1.0:  # top-k alone: a partial selection, no full sort
         kth = z.topk(min(top_k, vocab), dim=-1).values[:, -1:]
@@ -141,14 +134,9 @@ def truncate_logits(z: Tensor, top_k: int, top_p: float) -> Tensor:
     return torch.empty_like(z).scatter_(-1, order, sorted_z)
 
 
-def sample(
-    logits: Tensor, keys: Tensor, steps: Tensor, vocab: Tensor, params: SamplingParams
-) -> tuple[Tensor, Tensor]:
-    """Next tokens [B] (int64) and their logprobs [B] (float32) from logits [B, V].
-
-    The logprob is log_softmax(logits.float() / T) at the chosen token (T = 1 when greedy): what a
-    trainer recomputes with the same temperature. Top-k/top-p only narrow the candidates.
-    """
+def sample(logits: Tensor, keys: Tensor, steps: Tensor, vocab: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+    """Next tokens [B] (int64) and their logprobs [B] (float32) from logits [B, V]: log_softmax(logits.float() / T)
+    at the chosen token (T = 1 when greedy), what a trainer recomputes. Top-k/top-p only narrow the candidates."""
     z = logits.float()
     if not params.greedy and params.temperature != 1.0:
         z = z / params.temperature
