@@ -102,9 +102,8 @@ def _source_target(source: str | None, call: StageCall) -> ModelTarget:
 
 
 def resolve_model_target(ref: str | Path | Artifact | None, call: StageCall) -> ModelTarget:
-    """--model: an engine artifact; a quantize checkpoint or a model source (the recipe's engine
-    section builds, or reuses, the engine); None = the recipe's own model. Builds nothing unless
-    the call builds (a GGUF source's import)."""
+    """--model: an engine; a quantize checkpoint or a model source (the recipe's engine section makes its engine);
+    None = the recipe's model. Builds nothing (not a GGUF source's import) unless the call builds."""
     store = call.store
     if ref is None:
         return _source_target(None, call)

@@ -1,7 +1,6 @@
 """What an artifact was made from, read back from the manifests: a train run's engine, the NVFP4
 checkpoint under it, and whether the original model is still there unchanged. Export merges into
-that base; it lives here because following parents is the store's knowledge, not a stage's.
-"""
+that base; it lives here because following parents is the store's knowledge, not a stage's."""
 
 from __future__ import annotations
 
@@ -74,11 +73,8 @@ def walk_chain(run: Artifact, store: ArtifactStore) -> Chain:
 
 
 def _original_model(model_key: dict[str, Any], store: ArtifactStore) -> tuple[Path | None, list[str], str]:
-    """The original model directory if it is still there with the same content; else why not.
-
-    Never downloads or imports: a merge must start from the weights the run's base was made from,
-    and only the recorded fingerprint (files, sizes, mtimes) or the import artifact proves that.
-    """
+    """The original model directory if it is still there with the same content, else why not. Never downloads or
+    imports: only the recorded fingerprint or the import artifact proves these are the weights the base came from."""
     content = model_key.get("content", {})
     source = model_key.get("source", {}).get("source", "?")
     if "artifact" in content:  # a GGUF source, imported once into the store
@@ -115,9 +111,8 @@ def find_merge_base(chain: Chain, store: ArtifactStore) -> MergeBase:
 
 
 def _frozen_base(engine: Artifact) -> tuple[str, str] | None:
-    """(base format, what its weights came from) of an engine: the quantize artifact of an NVFP4
-    engine, the content fingerprint of the model an NF4/bf16 engine read (not the name it was
-    given, so an alias and its directory agree); None when the manifest does not say."""
+    """(base format, what its weights came from): an NVFP4 engine's quantize artifact, else the read model's content
+    fingerprint (not its name: an alias and its directory agree); None when the manifest does not say."""
     config = engine.manifest.get("config", {})
     base, fmt = config.get("base"), config.get("engine", {}).get("base_format")
     if not isinstance(base, dict) or fmt is None:
@@ -131,9 +126,8 @@ def _frozen_base(engine: Artifact) -> tuple[str, str] | None:
 
 
 def base_mismatch(run: Artifact, engine: Artifact, store: ArtifactStore) -> str | None:
-    """None when the train run's engine and `engine` hold the same frozen base (the same engine, or
-    engines built from the same base with other limits); else a note saying how they differ or
-    that it cannot be told."""
+    """None when the run's engine and `engine` hold the same frozen base (perhaps with other limits); else a note
+    saying how they differ, or that it cannot be told."""
     trained_on = run.manifest.get("parents", [])
     if engine.id in trained_on:
         return None

