@@ -45,11 +45,8 @@ def _output_norm(x: Tensor, norm: RMSNorm) -> Tensor:
 
 @torch.inference_mode()
 def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
-    """Logits [B, vocab] for tokens [B] at positions [B], one per slot of `cache` (B = its batch).
-
-    Idle slots compute garbage that nobody reads (fixed shapes are what a CUDA graph needs); their
-    positions must still be below cache.max_len, where their k/v are written.
-    """
+    """Logits [B, vocab] for tokens [B] at positions [B], one per slot of `cache` (B = its batch). Idle slots
+    compute garbage nobody reads (fixed shapes for a CUDA graph); their positions must stay below cache.max_len."""
     b = cache.batch_size
     if tokens.shape != (b,) or positions.shape != (b,):
         raise ValueError(f"decode_step needs tokens and positions of shape ({b},), one per cache slot; "

@@ -6,6 +6,8 @@ differentiated. docs/engine.md#lora-aqn-noise-and-cuda-graphs and docs/model.md.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import Tensor, nn
 
@@ -44,11 +46,8 @@ class FusedLora:
                 pair = self._copies[m] = (torch.zeros(a_shape, dtype=self.dtype, device=device),
                                           torch.zeros(b_shape, dtype=self.dtype, device=device))
             a, b = pair
-            start = 0
-            offsets = {}
-            for name, size in zip(m.names, m.out_sizes):
-                offsets[name] = (start, start + size)
-                start += size
+            bounds = list(accumulate(m.out_sizes, initial=0))
+            offsets = {name: (bounds[i], bounds[i + 1]) for i, name in enumerate(m.names)}
             for j, name in enumerate(names):
                 lo, hi = offsets[name]
                 a[j * r:(j + 1) * r].copy_(m.lora_A[name])

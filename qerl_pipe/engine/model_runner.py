@@ -72,8 +72,7 @@ class ModelRunner:
         self._positions.zero_()
 
     def capture_all(self) -> int:
-        """Capture every (batch size, attention length) graph now; returns how many exist. All
-        slots are idle: the warm-up steps only write unused position 0 of each row."""
+        """Capture every graph now; returns how many exist. All slots idle: warm-ups write only position 0."""
         self.clear()
         for b in self.graphs.sizes:
             for length in self.graphs.lengths:
@@ -81,9 +80,8 @@ class ModelRunner:
         return self.graphs.captured
 
     def prefill(self, prompts: list[list[int]], first_slots: list[int], siblings: list[tuple[int, int]]) -> Tensor:
-        """Each prompt (right-padded into one batch) into its first slot, then each (source,
-        destination) of `siblings` copied over: the other samples of a prompt. Logits [P, V] at
-        each prompt's last token."""
+        """Each prompt (right-padded into one batch) into its first slot, then each (source, destination) of
+        `siblings` copied over (a prompt's other samples). Logits [P, V] at each prompt's last token."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for r, p in enumerate(prompts):
@@ -140,8 +138,7 @@ class ModelRunner:
         return LaunchedStep(host, done)
 
     def move(self, moves: list[tuple[int, int]], length: int) -> None:
-        """Each (source, destination) slot's KV rows (positions 0..length-1) and state; the
-        sources become idle."""
+        """Each (source, destination) slot's KV rows (positions 0..length-1) and state; the sources go idle."""
         src = indices([s for s, _ in moves], self.device)
         dst = indices([d for _, d in moves], self.device)
         self.cache.copy_slots(src, dst, length)
