@@ -111,25 +111,11 @@ def _meta(shape: Any, dtype: torch.dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-# ---------------------------------------------------------------------------- bf16
-
-
 BF16 = BaseFormat(
-    name="bf16",
-    buffers=("weight",),
-    empty_buffers=lambda n, k, dtype: {"weight": _meta((n, k), dtype)},
-    container=Tensor,
-    make_container=lambda buffers, n, k, humming=None, dense=None: buffers["weight"],
-    quantize=lambda w, name, dtype: w.to(dtype),
-    to_container=lambda base: base,
-    to_checkpoint=lambda w: w,
-    dequantize=lambda w, dtype: w.to(dtype),
-    bytes_per_weight=None,
-    bytes_per_linear=0,
-)
-
-
-# ---------------------------------------------------------------------------- nvfp4
+    name="bf16", buffers=("weight",), empty_buffers=lambda n, k, dtype: {"weight": _meta((n, k), dtype)},
+    container=Tensor, make_container=lambda buffers, n, k, humming=None, dense=None: buffers["weight"],
+    quantize=lambda w, name, dtype: w.to(dtype), to_container=lambda base: base, to_checkpoint=lambda w: w,
+    dequantize=lambda w, dtype: w.to(dtype), bytes_per_weight=None, bytes_per_linear=0)
 
 
 def _nvfp4_empty(n: int, k: int, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -147,25 +133,14 @@ def _nvfp4_quantize(w: Tensor, name: str, dtype: torch.dtype) -> NVFP4Weight:
 
 
 NVFP4 = BaseFormat(
-    name="nvfp4",
-    buffers=TENSOR_FIELDS,
-    empty_buffers=_nvfp4_empty,
-    container=TiledNVFP4,
+    name="nvfp4", buffers=TENSOR_FIELDS, empty_buffers=_nvfp4_empty, container=TiledNVFP4,
     make_container=lambda b, n, k, humming=None, dense=None: TiledNVFP4(
         b["qweight"], b["scales"], b["global_scale"], n, k, humming=humming, dense=dense),
-    quantize=_nvfp4_quantize,
-    to_container=lambda base: tile_nvfp4(base) if isinstance(base, NVFP4Weight) else base,
-    to_checkpoint=untile_nvfp4,
-    dequantize=dequantize_nvfp4,
+    quantize=_nvfp4_quantize, to_container=lambda base: tile_nvfp4(base) if isinstance(base, NVFP4Weight) else base,
+    to_checkpoint=untile_nvfp4, dequantize=dequantize_nvfp4,
     bytes_per_weight=0.5 + 1 / BLOCK_SIZE,  # 4-bit codes and an fp8 scale per 16
-    bytes_per_linear=4,
-    kernels=Kernels(nvfp4_linear, nvfp4_linear_dx, fused_epilogue=True),
-    from_quantize_artifact=True,
-    hopper_dispatch=True,
-)
-
-
-# ---------------------------------------------------------------------------- nf4
+    bytes_per_linear=4, kernels=Kernels(nvfp4_linear, nvfp4_linear_dx, fused_epilogue=True),
+    from_quantize_artifact=True, hopper_dispatch=True)
 
 
 def _nf4_empty(n: int, k: int, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -180,23 +155,14 @@ def _nf4_quantize(w: Tensor, name: str, dtype: torch.dtype) -> NF4Weight:
 
 
 NF4 = BaseFormat(
-    name="nf4",
-    buffers=("qweight", "absmax", "code"),
-    empty_buffers=_nf4_empty,
-    container=PackedNF4,
-    make_container=lambda b, n, k, humming=None, dense=None: PackedNF4(b["qweight"], b["absmax"], b["code"],
-                                                                      dense=dense),
-    quantize=_nf4_quantize,
-    to_container=lambda base: prepare_nf4(base) if isinstance(base, NF4Weight) else base,
-    to_checkpoint=unprepare_nf4,
-    dequantize=dequantize_nf4,
+    name="nf4", buffers=("qweight", "absmax", "code"), empty_buffers=_nf4_empty, container=PackedNF4,
+    make_container=lambda b, n, k, humming=None, dense=None: PackedNF4(
+        b["qweight"], b["absmax"], b["code"], dense=dense),
+    quantize=_nf4_quantize, to_container=lambda base: prepare_nf4(base) if isinstance(base, NF4Weight) else base,
+    to_checkpoint=unprepare_nf4, dequantize=dequantize_nf4,
     bytes_per_weight=0.5 + 4 / NF4_BLOCK,  # 4-bit codes and an fp32 absmax per 64
-    bytes_per_linear=16 * 4,
-    kernels=Kernels(nf4_linear, nf4_linear_dx),
-    loads_nvfp4_checkpoint=False,
-    # 2: bitsandbytes' bytes, nibble order and rounding (1: our own nibble order in int32 words).
-    layout_version=2,
-)
+    bytes_per_linear=16 * 4, kernels=Kernels(nf4_linear, nf4_linear_dx), loads_nvfp4_checkpoint=False,
+    layout_version=2)  # 2: bitsandbytes' bytes, nibble order and rounding (1: our own nibble order in int32 words)
 
 
 FORMATS: dict[str, BaseFormat] = {f.name: f for f in (BF16, NVFP4, NF4)}

@@ -26,11 +26,7 @@ MASK = 0x81C081C0
 # How each of the 4 registers of a word is cut out of the word q: a list of (rotate-right
 # amount, mask) terms OR-ed together. The CUDA decode is generated from this table.
 DECODE: tuple[tuple[tuple[int, int], ...], ...] = (
-    ((0, MASK),),
-    ((4, MASK),),
-    ((10, MASK),),
-    ((30, 0x80C080C0), (22, 0x01000100)),
-)
+    ((0, MASK),), ((4, MASK),), ((10, MASK),), ((30, 0x80C080C0), (22, 0x01000100)))
 # bf16 scale bits = ((byte << 4) & 0x0FF0) | 0x7000; a scale s is stored as s * 2**SCALE_BIAS.
 SCALE_BIAS = 119
 SCALE_OR = 0x70007000
@@ -61,11 +57,8 @@ _TARGET_OF_CODE_BIT = (6, 7, 8, 15)
 
 @lru_cache(maxsize=1)
 def source_bits() -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """`[register][half][code bit]` -> the bit of the word that the decode routes there.
-
-    Found by decoding each single-bit word; also checks that the routing is a bijection onto
-    the code bits of the 8 halves and puts nothing anywhere else.
-    """
+    """`[register][half][code bit]` -> the bit of the word that the decode routes there, found by decoding
+    each single-bit word (checked: a bijection onto the code bits of the 8 halves, nothing anywhere else)."""
     dest: dict[tuple[int, int], int] = {}
     for b in range(32):
         regs = decode_word(1 << b)
@@ -73,11 +66,8 @@ def source_bits() -> tuple[tuple[tuple[int, ...], ...], ...]:
         if len(hits) != 1:
             raise AssertionError(f"word bit {b} decodes to {hits}; the decode must route each bit once")
         dest[hits[0]] = b
-    table = tuple(
-        tuple(tuple(dest[(r, 16 * h + tgt)] for tgt in _TARGET_OF_CODE_BIT) for h in range(2))
-        for r in range(4)
-    )
-    return table
+    return tuple(tuple(tuple(dest[(r, 16 * h + tgt)] for tgt in _TARGET_OF_CODE_BIT) for h in range(2))
+                 for r in range(4))
 
 
 # The tensors of a TiledNVFP4, by field name (what a model stores as buffers).
@@ -166,13 +156,7 @@ def tile_nvfp4(w: NVFP4Weight) -> TiledNVFP4:
         rows = (b1 - b0) * ROWS
         qweight[b0:b1] = _words(_pad(codes, rows, kc * COLS), b1 - b0, kc)
         scales[b0:b1] = _scale_chunks(_pad(enc, rows, kc * COLS // BLOCK_SIZE), b1 - b0, kc).to(torch.uint8)
-    return TiledNVFP4(
-        qweight=qweight,
-        scales=scales,
-        global_scale=w.global_scale.to(torch.float32).reshape(1).contiguous(),
-        out_features=n,
-        in_features=k,
-    )
+    return TiledNVFP4(qweight, scales, w.global_scale.to(torch.float32).reshape(1).contiguous(), n, k)
 
 
 # A code tensor [N, K] viewed as [nb, p, i, hr, g, kc, t, j, pair, h]:
@@ -212,9 +196,8 @@ def untile_nvfp4(t: TiledNVFP4) -> NVFP4Weight:
     codes = _codes_of_words(t.qweight.to(torch.int64) & 0xFFFFFFFF, nb, kc)[:n, :k]
     enc = t.scales.to(torch.int64).view(nb, kc, 8, 2, 2, 2, 2).permute(0, 4, 6, 5, 2, 1, 3)
     enc = enc.reshape(nb * ROWS, kc * 2)[:n, : k // BLOCK_SIZE]
-    return NVFP4Weight(
-        pack_fp4(codes.to(torch.uint8)).contiguous(), _decode_scale_bytes(enc), t.global_scale.reshape(())
-    )
+    codes = pack_fp4(codes.to(torch.uint8)).contiguous()
+    return NVFP4Weight(codes, _decode_scale_bytes(enc), t.global_scale.reshape(()))
 
 
 def _codes_of_words(word: Tensor, nb: int, kc: int) -> Tensor:
