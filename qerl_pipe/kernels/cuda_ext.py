@@ -86,11 +86,6 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("QERL_KERNEL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qerl-pipe"
-    return Path(root) / "kernels"
-
-
 def write_build_tree(directory: Path) -> Path:
     """The sources plus the generated layout header in `directory` (what nvcc compiles)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -105,18 +100,13 @@ def _module() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     digest = source_hash()
-    build = cache_dir() / digest
+    cache = os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
+    build = Path(os.environ.get("QERL_KERNEL_CACHE") or Path(cache) / "qerl-pipe") / "kernels" / digest
     src = write_build_tree(build / "src")
     start = time.perf_counter()
-    module = load(
-        name=f"qerl_w4a16_{digest}",
-        sources=[str(src / "binding.cpp"), str(src / "w4a16.cu")],
-        extra_include_paths=[str(src)],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=list(CUDA_FLAGS),
-        build_directory=str(build),
-        verbose=False,
-    )
+    module = load(name=f"qerl_w4a16_{digest}", sources=[str(src / "binding.cpp"), str(src / "w4a16.cu")],
+                  extra_include_paths=[str(src)], extra_cflags=["-O3", "-std=c++17"],
+                  extra_cuda_cflags=list(CUDA_FLAGS), build_directory=str(build), verbose=False)
     log.info("CUDA W4A16 kernels ready in %.1f s (%s)", time.perf_counter() - start, build)
     return module
 
@@ -166,8 +156,7 @@ def counters(device: torch.device) -> Tensor:
 @lru_cache(maxsize=None)
 def blocks_per_sm(config: GemmConfig) -> int:
     """CTAs of a compiled GEMM variant that one SM holds at once (its registers decide)."""
-    c = config
-    return int(_module().blocks_per_sm(c.mt, c.nb, c.warps, c.wk, c.depth, c.stages))
+    return int(_module().blocks_per_sm(config.mt, config.nb, config.warps, config.wk, config.depth, config.stages))
 
 
 # A model of a launch, for choosing K splits (fitted by eye to the H200 sweeps in
@@ -219,14 +208,9 @@ TABLE_FILE = SOURCE_DIR / "configs-h200.json"
 TABLE_MS = (1, 8, 16, 32, 64, 128, 256)
 
 
-def _table_m(m: int) -> int:
-    """The table row that serves M tokens: the smallest measured M at or above it (the largest
-    for more; a config runs any M, in passes)."""
-    return next((t for t in TABLE_MS if t >= m), TABLE_MS[-1])
-
-
 def table_key(m: int, n: int, k: int) -> str:
-    return f"m{_table_m(m)}:n{n}:k{k}"
+    """The row serving M tokens: the smallest measured M at or above it (the largest for more: any M runs)."""
+    return f"m{next((t for t in TABLE_MS if t >= m), TABLE_MS[-1])}:n{n}:k{k}"
 
 
 def table_path() -> Path:
@@ -253,9 +237,8 @@ def _table() -> tuple[int, dict]:
 
 
 def default_config(m: int, n: int, k: int, sms: int, per_sm: int | None = None) -> GemmConfig:
-    """The launch config for an `[m, k] x [n, k]^T` product: the measured best for this shape
-    when the GPU matches the table's, else the usual variant for m's tokens per pass with the K
-    splits of `choose_splits`."""
+    """The launch config for an `[m, k] x [n, k]^T` product: the measured best for this shape when the GPU
+    matches the table's, else the usual variant for m's tokens per pass with the K splits of `choose_splits`."""
     table_sms, configs = _table()
     hit = configs.get(table_key(m, n, k)) if sms == table_sms else None
     if hit is not None:
@@ -279,9 +262,8 @@ def sm_count(device: torch.device) -> int:
 
 
 def gemm_wins(m: int, n: int, k: int, sms: int) -> bool:
-    """Whether `[m, k] x [n, k]^T` should run as the decode GEMM rather than dequantize + cuBLAS:
-    always up to MAX_PASS_TOKENS rows; up to 256 rows where the measured table (same SM count) has
-    a row for the shape, i.e. the GEMM was faster there; never above."""
+    """Whether `[m, k] x [n, k]^T` runs as the decode GEMM rather than dequantize + cuBLAS: always up to
+    MAX_PASS_TOKENS rows; up to 256 where the measured table (same SM count) has the shape's row; never above."""
     if m <= MAX_PASS_TOKENS:
         return True
     if m > TABLE_MS[-1]:
@@ -376,11 +358,10 @@ def grouped_configs() -> list[GemmConfig]:
 
 
 def grouped_config(max_rows: int) -> GemmConfig:
-    """The grouped GEMM's launch config for up to `max_rows` rows per weight: the usual
-    register-ring variant for that many tokens per pass, so up to MAX_PASS_TOKENS rows take one
-    pass (its CTAs take 32 or 64 rows, which divide any stacked weight's 64-row blocks), one K
-    split, no PDL (the kernel reads the offsets first). A smaller pass (`grouped_gemm(config=...)`)
-    runs more of them in the grid's z dimension, each CTA past its weight's rows exiting at once."""
+    """The grouped GEMM's launch config for up to `max_rows` rows per weight: the usual register-ring variant
+    for that many tokens per pass, so up to MAX_PASS_TOKENS rows take one pass (its CTAs take 32 or 64 rows,
+    which divide any stacked weight's 64-row blocks), one K split, no PDL (the kernel reads the offsets first).
+    A smaller pass (`config=`) runs more of them in the grid's z dimension, CTAs past their rows exit at once."""
     tokens = min(max(max_rows, 1), MAX_PASS_TOKENS)
     nb = 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
     mt, warps, wk, depth = _VARIANT[nb]

@@ -1,7 +1,6 @@
-"""The decode step's fused operations: residual add + RMSNorm (with the next LoRA shrink), o_proj's
-LoRA shrink, and decode attention: Triton kernels on CUDA (`triton_decode`), plain-torch references
-elsewhere (the tests' oracle). A row's results depend on that row alone. Each op's contract is in
-docs/kernels.md, section "The decode step's kernels"."""
+"""The decode step's fused operations: residual add + RMSNorm (with the next LoRA shrink), o_proj's LoRA
+shrink, and decode attention: Triton kernels on CUDA (`triton_decode`), plain-torch references elsewhere (the
+tests' oracle). A row's results depend on that row alone. Contracts: docs/kernels.md, "The decode step's kernels"."""
 
 from __future__ import annotations
 
@@ -31,12 +30,11 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                               v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
-                               softcap: float = 0.0, k_scale: Tensor | None = None,
-                               v_scale: Tensor | None = None) -> Tensor:
-    """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32. A coded
-    cache (`k_scale`, `v_scale` given) stores the new k and v as `row_codes` of each head and
-    attends over the dequantized cache, the new token included; over INT8 keys, with q as two INT8 row codes."""
+                               v_cache: Tensor, positions: Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                               k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+    """The same in plain torch (CPU, and the test oracle): scores and softmax in fp32. A coded cache (`k_scale`,
+    `v_scale` given) stores the new k and v as `row_codes` of each head and attends over the dequantized cache,
+    the new token included; over INT8 keys, with q as two INT8 row codes."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -78,10 +76,8 @@ FUSED_SHRINK_MAX_ROWS = 16
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tensor, eps: float,
                  shrink: Tensor | None = None, offset: float = 0.0,
                  quantize: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Fp8Rows | None]:
-    """The Triton kernel on CUDA, else the torch reference (which leaves u to the caller, as the
-    kernel does above FUSED_SHRINK_MAX_ROWS). `quantize`: also the normed rows' E4M3 codes and
-    scales (`kernels.fp8`), from the same rounded values; else None. Contract:
-    docs/kernels.md, "The decode step's kernels"."""
+    """The Triton kernel on CUDA, else the torch reference (which leaves u to the caller, as the kernel does above
+    FUSED_SHRINK_MAX_ROWS). `quantize`: the normed rows' E4M3 codes and scales too (from the rounded values)."""
     if x.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_add_rms_norm
 
@@ -92,9 +88,8 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, noise: Tens
 
 
 def lora_shrink(x: Tensor, shrink: Tensor | None) -> Tensor | None:
-    """u = x @ shrink^T in one Triton kernel on CUDA at decode batches; None elsewhere, or without
-    a shrink (the caller then multiplies, as `FusedLora.project` does). Contract:
-    docs/kernels.md, "The decode step's kernels"."""
+    """u = x @ shrink^T in one Triton kernel on CUDA at decode batches; None elsewhere, or without a shrink
+    (the caller then multiplies, as `FusedLora.project` does)."""
     if shrink is None or not x.is_cuda or x.shape[0] > FUSED_SHRINK_MAX_ROWS:
         return None
     from qerl_pipe.kernels.triton_decode import launch_lora_shrink
@@ -105,8 +100,7 @@ def lora_shrink(x: Tensor, shrink: Tensor | None) -> Tensor | None:
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                      v_cache: Tensor, positions: Tensor, scale: float, window: int = 0,
                      softcap: float = 0.0, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
-    """The Triton kernels on CUDA where they apply, else the torch reference. Contract:
-    docs/kernels.md, "The decode step's kernels"."""
+    """The Triton kernels on CUDA where they apply, else the torch reference."""
     if q.is_cuda:
         from qerl_pipe.kernels.triton_decode import launch_decode_attention, supports
 

@@ -67,17 +67,12 @@ def shipped_tables() -> list[DispatchTable]:
     return [DispatchTable.from_json(json.loads(p.read_text())) for p in sorted(SHIPPED_DIR.glob("dispatch-*.json"))]
 
 
-def _device_identity(device: torch.device) -> tuple[str, int]:
-    props = torch.cuda.get_device_properties(device)
-    return props.name, props.multi_processor_count
-
-
 def table_for(device: torch.device) -> DispatchTable | None:
     """The shipped table measured on `device`'s GPU (same name and SMs), else None."""
     if device.type != "cuda":
         return None
-    identity = _device_identity(device)
-    return next((t for t in shipped_tables() if (t.gpu, t.sms) == identity), None)
+    props = torch.cuda.get_device_properties(device)
+    return next((t for t in shipped_tables() if (t.gpu, t.sms) == (props.name, props.multi_processor_count)), None)
 
 
 @dataclass

@@ -93,15 +93,6 @@ def _calls(ops: Operands) -> dict[str, tuple[Callable, int]]:
     return calls
 
 
-def _repeatable(f: Callable, x: Tensor) -> bool:
-    first = f(x, 0)
-    return all(torch.equal(first, f(x, 0)) for _ in range(REPEATS - 1))
-
-
-def _batch_invariant(f: Callable, x: Tensor) -> bool:
-    return bool(torch.equal(f(x, 0)[:1], f(x[:1].contiguous(), 0)))
-
-
 def inputs(ops: Operands, m: int) -> tuple[Tensor, Tensor]:
     """x [m, K] (bf16, fixed by the shape and m) and its fp32 reference product."""
     gen = torch.Generator(device=ops.dense.device).manual_seed(ops.n * 7 + ops.k * 3 + m)
@@ -126,8 +117,9 @@ def measure_shape(ops: Operands, ms: Iterable[int]) -> list[dict]:
                     continue
             row[f"{name}_us"] = time_graph([lambda i=i, f=f: f(x, i) for i in range(copies)], REPS) * 1e6
             if name.startswith("humming"):
-                row[f"{name}_repeatable"] = _repeatable(f, x)
-                row[f"{name}_batch_invariant"] = _batch_invariant(f, x)
+                first = f(x, 0)
+                row[f"{name}_repeatable"] = all(torch.equal(first, f(x, 0)) for _ in range(REPEATS - 1))
+                row[f"{name}_batch_invariant"] = bool(torch.equal(f(x, 0)[:1], f(x[:1].contiguous(), 0)))
         for column, allowed in (("deterministic", DETERMINISTIC_BACKENDS), ("fast", BACKENDS)):
             timed = {b: row[f"{b}_us"] for b in allowed if f"{b}_us" in row}
             if column == "deterministic":  # a humming schedule that failed its checks is not deterministic

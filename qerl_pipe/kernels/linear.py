@@ -69,10 +69,7 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
                 u = u.contiguous()
             out = cuda_ext.gemm(x2, w, bias, lora=None if lora is None else (u, lora[1]))
             return out.reshape(*x.shape[:-1], w.out_features)
-        if chosen.startswith("humming"):
-            out = w.humming.matmul(x2, chosen)
-        else:
-            out = x2 @ cuda_ext.dequantize(w).T
+        out = w.humming.matmul(x2, chosen) if chosen.startswith("humming") else x2 @ cuda_ext.dequantize(w).T
         out = out.reshape(*x.shape[:-1], w.out_features)
     else:  # the CPU, or a GPU without our CUDA kernels: dequantize + cuBLAS
         dense = _dense_copy(w, x.dtype)

@@ -33,11 +33,8 @@ def prepare_nf4(w: NF4Weight) -> PackedNF4:
     """An NF4 weight as the linears hold it (a view of its bytes as int32 words: no repack)."""
     if w.packed.shape[-1] % 4:
         raise ValueError(f"K = {w.in_features} is not a multiple of 8; NF4 linears hold whole words")
-    return PackedNF4(
-        qweight=w.packed.contiguous().view(torch.int32),
-        absmax=w.absmax.to(torch.float32).contiguous(),
-        code=torch.tensor(NF4_CODE, dtype=torch.float32, device=w.packed.device),
-    )
+    return PackedNF4(qweight=w.packed.contiguous().view(torch.int32), absmax=w.absmax.to(torch.float32).contiguous(),
+                     code=torch.tensor(NF4_CODE, dtype=torch.float32, device=w.packed.device))
 
 
 def unprepare_nf4(p: PackedNF4) -> NF4Weight:

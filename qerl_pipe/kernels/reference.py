@@ -1,8 +1,5 @@
-"""Plain-torch references: dequantize to the activation dtype, then one matmul.
-
-This is what the kernels must agree with (tests compare to it) and what runs on a CPU. It is also
-exactly the QeRL training path the kernels replace: a full bf16 copy of W on every call.
-"""
+"""Plain-torch references: dequantize to the activation dtype, then one matmul. What the kernels must agree
+with (the tests), what runs on a CPU, and the QeRL training path the kernels replace (a bf16 W every call)."""
 
 from __future__ import annotations
 

@@ -30,8 +30,7 @@ def time_graph(calls: list[Callable[[], object]], reps: int = REPS) -> float:
             c()
     graph.replay()
     torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(reps)]
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for a, b in pairs:
         a.record()
         graph.replay()
