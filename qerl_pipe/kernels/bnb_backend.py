@@ -1,8 +1,7 @@
-"""bitsandbytes' NF4 kernels, what our NF4 bases run on a GPU: the QLoRA baseline as its users run it.
-
-Its kernels read our buffers with no copy (`PackedNF4.qweight` is a view of bitsandbytes' bytes)
-and run what `bnb.nn.Linear4bit` runs; without bitsandbytes (or with `QERL_BNB=0`) the plain-torch
-reference serves NF4 (said once). See docs/kernels.md, section "NF4, the QLoRA baseline"."""
+"""bitsandbytes' NF4 kernels, what our NF4 bases run on a GPU: the QLoRA baseline as its users run it. Its
+kernels read our buffers with no copy (`PackedNF4.qweight` is a view of bitsandbytes' bytes) and run what
+`bnb.nn.Linear4bit` runs; without bitsandbytes (or with `QERL_BNB=0`) the plain-torch reference serves NF4
+(said once). See docs/kernels.md, section "NF4, the QLoRA baseline"."""
 
 from __future__ import annotations
 

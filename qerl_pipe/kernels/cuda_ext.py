@@ -1,8 +1,7 @@
-"""Build, load and call the CUDA W4A16 kernels (`kernels/cuda/`), as torch custom ops.
-
-Built on first use for `sm_90a`, cached by a hash of its inputs; `available(device)` says
-whether they run there (if not, NVFP4 runs dequantize + cuBLAS). Split-K launches must not run at
-once on two streams of one device. See docs/kernels.md, section "The CUDA W4A16 kernels"."""
+"""Build, load and call the CUDA W4A16 kernels (`kernels/cuda/`), as torch custom ops. Built on first use for
+`sm_90a`, cached by a hash of its inputs; `available(device)` says whether they run there (if not, NVFP4 runs
+dequantize + cuBLAS). Split-K launches must not run at once on two streams of one device. See docs/kernels.md,
+section "The CUDA W4A16 kernels"."""
 
 import hashlib
 import json

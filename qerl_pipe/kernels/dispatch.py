@@ -1,8 +1,6 @@
-"""Which kernel runs an NVFP4 linear of shape [N, K] at M rows: a table measured on each GPU.
-
-A row per (M, N, K) of an NVFP4 linear names a backend in two columns, `deterministic` (the
-default: the same inputs give the same bits) and `fast`; without a row, a fixed rule. See
-docs/kernels.md, section "The dispatch"."""
+"""Which kernel runs an NVFP4 linear of shape [N, K] at M rows: a table measured on each GPU. A row per
+(M, N, K) names a backend in two columns, `deterministic` (the default: the same inputs give the same bits) and
+`fast`; without a row, a fixed rule. See docs/kernels.md, section "The dispatch"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Measuring the dispatch table on this GPU: every backend, every layer shape, every row M.
-
-Every backend is checked against fp32 before it is timed; a humming schedule enters the
-deterministic column only where it repeated bit for bit (`humming` also only if batch invariant).
-See docs/kernels.md, section "The dispatch" (its "How a row is measured")."""
+"""Measuring the dispatch table on this GPU: every backend, every layer shape, every row M. Every backend is
+checked against fp32 before it is timed; a humming schedule enters the deterministic column only where it
+repeated bit for bit (`humming` also only if batch invariant). docs/kernels.md, "How a row is measured"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""humming-kernels (the vLLM project's JIT W4A16 GEMMs) as a backend for NVFP4 weights.
-
-Runs on a copy of the weight in humming's layout (made only for the shapes the dispatch table sends
-to humming, where memory allows), in the schedule the backend's name picks: `humming`,
-`humming-ordered` or `humming-fast`. See docs/kernels.md, section "The dispatch"."""
+"""humming-kernels (the vLLM project's JIT W4A16 GEMMs) as a backend for NVFP4 weights, on a copy of the weight
+in humming's layout (made only for the shapes the dispatch table sends to humming, where memory allows), in the
+schedule the backend's name picks: `humming`, `humming-ordered` or `humming-fast`. docs/kernels.md, "The dispatch"."""
 
 from __future__ import annotations
 

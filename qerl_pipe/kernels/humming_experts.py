@@ -1,7 +1,6 @@
-"""humming-kernels' grouped GEMM over a MoE layer's experts (NVFP4): one launch per projection.
-
-The row offsets stay on the device (no host sync); inference only, no per-expert LoRA; the schedule
-follows the dispatch column. See docs/kernels.md, section "MoE experts and routing"."""
+"""humming-kernels' grouped GEMM over a MoE layer's experts (NVFP4): one launch per projection. The row offsets
+stay on the device (no host sync); inference only, no per-expert LoRA; the schedule follows the dispatch
+column. See docs/kernels.md, section "MoE experts and routing"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""humming's stream-K schedule made run-to-run deterministic: the `humming-ordered` backend.
-
-No TMA store, and a grid small enough that no tile gets more than 3 K slices (summed in slice
-order): the same bits every run, not batch invariant; SM 9.x only. See docs/kernels.md, section
-"The dispatch" (its "The 3-slice bound of `humming-ordered`")."""
+"""humming's stream-K schedule made run-to-run deterministic: the `humming-ordered` backend. No TMA store, and
+a grid small enough that no tile gets more than 3 K slices (summed in slice order): the same bits every run, not
+batch invariant; SM 9.x only. docs/kernels.md, "The dispatch" ("The 3-slice bound of `humming-ordered`")."""
 
 from __future__ import annotations
 
@@ -75,7 +73,7 @@ def ordered_configs(fast: list[list], n: int, k: int, sm_count: int) -> list[lis
     `ORDERED_MAX_M` rows, no stream-K past it or where no grid keeps 3 slices."""
     out: list[list] = []
     for lo, hi, config in fast:
-        pieces = [(lo, hi)] if hi <= ORDERED_MAX_M or lo >= ORDERED_MAX_M else [(lo, ORDERED_MAX_M), (ORDERED_MAX_M, hi)]
+        pieces = [(lo, ORDERED_MAX_M), (ORDERED_MAX_M, hi)] if lo < ORDERED_MAX_M < hi else [(lo, hi)]
         for a, b in pieces:
             cfg = dict(config)
             if cfg.get("use_stream_k", True):

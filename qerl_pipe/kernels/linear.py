@@ -1,8 +1,7 @@
 """Public 4-bit linear ops: our CUDA kernels or bitsandbytes on a GPU, the plain-torch references elsewhere.
-
-NVFP4 runs what the dispatch table picks on Hopper, else dequantize + cuBLAS; NF4 runs bitsandbytes
-(as QLoRA does), else the reference; on the CPU a weight's dense copy gives the reference's numbers
-bit for bit. See docs/kernels.md, section "Kernels: NVFP4 / NF4 weight-only matmul on Hopper"."""
+NVFP4 runs what the dispatch table picks on Hopper, else dequantize + cuBLAS; NF4 runs bitsandbytes (as QLoRA
+does), else the reference; on the CPU a weight's dense copy gives the reference's numbers bit for bit. See
+docs/kernels.md, section "Kernels: NVFP4 / NF4 weight-only matmul on Hopper"."""
 
 from __future__ import annotations
 

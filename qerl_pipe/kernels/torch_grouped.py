@@ -1,8 +1,6 @@
-"""torch's grouped GEMM over a MoE layer's stacked experts: one launch per projection, no host sync.
-
-The experts' buffers are views of one stack (no second copy); an NVFP4 stack is dequantized in one
-launch (global scales applied after the GEMM), again for dX; the same bits every run. See
-docs/kernels.md, section "MoE experts and routing"."""
+"""torch's grouped GEMM over a MoE layer's stacked experts: one launch per projection, no host sync. The
+experts' buffers are views of one stack (no second copy); an NVFP4 stack is dequantized in one launch (global
+scales applied after the GEMM), again for dX; the same bits every run. docs/kernels.md, "MoE experts and routing"."""
 
 from __future__ import annotations
 
@@ -65,20 +63,17 @@ class StackedExperts:
         return self.global_scale.reshape(-1)[expert.clamp_(max=self.num_experts - 1)].to(dtype)[:, None]
 
     def runs_grouped_w4a16(self, rows: Tensor, max_rows: int | None) -> bool:
-        """Whether `matmul` runs our grouped W4A16 GEMM on the 4-bit stack: an NVFP4 stack, bf16
-        rows without autograd on a GPU our kernels run on, at most `cuda_ext.MAX_PASS_TOKENS` rows
-        per expert (one pass of the kernel: decode steps)."""
+        """Whether `matmul` runs our grouped W4A16 GEMM on the 4-bit stack: an NVFP4 stack, bf16 rows without
+        autograd on a GPU our kernels run on, at most `cuda_ext.MAX_PASS_TOKENS` rows per expert (decode steps)."""
         return (self.qweight is not None and max_rows is not None and max_rows <= cuda_ext.MAX_PASS_TOKENS
                 and not (torch.is_grad_enabled() and rows.requires_grad) and rows.dtype == torch.bfloat16
                 and cuda_ext.available(rows.device))
 
     def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True, active: Tensor | None = None,
                max_rows: int | None = None) -> Tensor:
-        """`rows [R, K]`, sorted by expert, expert e's rows at offsets[e]:offsets[e + 1] (`offsets`
-        [E + 1] int64 on the device) -> `[R, N]`, differentiable in `rows` (the experts are frozen).
-        Deterministic either way (no split-K). An NVFP4 stack in inference with at most
-        `cuda_ext.MAX_PASS_TOKENS` rows per expert (`max_rows`: decode steps) runs our grouped
-        W4A16 GEMM on the 4-bit stack instead: no per-call dequantize of every expert."""
+        """`rows [R, K]`, sorted by expert, expert e's rows at offsets[e]:offsets[e + 1] (`offsets` [E + 1] int64
+        on the device) -> `[R, N]`, differentiable in `rows` (the experts are frozen); deterministic (no split-K).
+        Where `runs_grouped_w4a16`, our grouped W4A16 GEMM: no per-call dequantize of every expert."""
         if self.runs_grouped_w4a16(rows, max_rows):
             return cuda_ext.grouped_gemm(rows, self.qweight, self.scales, self.global_scale, offsets,
                                          self.out_features, self.in_features, max_rows, active)

@@ -25,7 +25,8 @@ FULL_WINDOW = 1 << 30  # the window of a layer with full attention: wider than a
 def supports(q: Tensor, k_cache: Tensor) -> bool:
     """Head sizes the attention kernels take: a power of two from 16 (a tl.dot side) to 256."""
     d = q.shape[-1]
-    return 16 <= d <= 256 and d & (d - 1) == 0 and k_cache.stride(-1) == 1 and k_cache.dtype in (q.dtype, FP8, torch.int8)
+    return (16 <= d <= 256 and d & (d - 1) == 0 and k_cache.stride(-1) == 1
+            and k_cache.dtype in (q.dtype, FP8, torch.int8))
 
 
 @triton.jit

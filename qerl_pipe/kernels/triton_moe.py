@@ -124,6 +124,5 @@ def launch_combine(out: Tensor, weights: Tensor, inverse: Tensor) -> Tensor:
                          f"got out {tuple(out.shape)} strides {out.stride()}")
     y = torch.empty(tokens, hidden, dtype=out.dtype, device=out.device)
     _combine[(tokens, triton.cdiv(hidden, _COMBINE_COLUMNS))](out, weights, inverse, y, hidden, out.stride(0),
-                                                              y.stride(0), K=top_k, BLOCK=_COMBINE_COLUMNS,
-                                                              num_warps=4)
+                                                              y.stride(0), K=top_k, BLOCK=_COMBINE_COLUMNS, num_warps=4)
     return y

@@ -1,8 +1,7 @@
-"""Programmatic dependent launch (PDL) for the decode step's Triton kernels.
-
-`launch_dependents` lets the next kernel start; `wait_previous` must come before reading what an
-earlier kernel wrote. Off (the helpers compile to nothing) under the interpreter, on a Triton
-without `launch_pdl` and before sm_90. See docs/kernels.md, section "The decode step's kernels"."""
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels. `launch_dependents` lets the next
+kernel start; `wait_previous` must come before reading what an earlier kernel wrote. Off (the helpers compile to
+nothing) under the interpreter, on a Triton without `launch_pdl` and before sm_90. See docs/kernels.md, section
+"The decode step's kernels"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The engine's sampling step in two Triton kernels (CUDA; `engine.sampling.sample` is the reference).
-
-Noise and temperature are computed as the reference computes them on CUDA: the same tokens, the
-logprob off only by its sum order. See docs/kernels.md, section "The decode step's kernels", and
-docs/engine.md, section "Sampling and logprobs"."""
+"""The engine's sampling step in two Triton kernels (CUDA; `engine.sampling.sample` is the reference). Noise and
+temperature are computed as the reference computes them on CUDA: the same tokens, the logprob off only by its
+sum order. See docs/kernels.md, "The decode step's kernels", and docs/engine.md, "Sampling and logprobs"."""
 
 from __future__ import annotations
 
@@ -131,9 +129,8 @@ def launch_sample_step(logits: Tensor, keys: Tensor, steps: Tensor, positions: T
     part = torch.empty(rows * chunks * 3, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
     inv = _reciprocal_f32(temperature) if scale else 1.0
-    _sample_partial[(rows, chunks)](logits, keys, steps, part, idx, vocab, logits.stride(0), inv,
-                                    GREEDY=greedy, SCALE=scale, CHUNK=CHUNK, BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE,
-                                    num_warps=4)
+    _sample_partial[(rows, chunks)](logits, keys, steps, part, idx, vocab, logits.stride(0), inv, GREEDY=greedy,
+                                    SCALE=scale, CHUNK=CHUNK, BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE, num_warps=4)
     _sample_merge[(rows,)](logits, part, idx, next_tokens, positions, live, steps, record, chunks, rows,
                            logits.stride(0), inv, SCALE=scale, CP=triton.next_power_of_2(chunks), LIBDEVICE=_LIBDEVICE,
                            num_warps=1)
