@@ -1,7 +1,6 @@
-"""The engine's device state and the work done on it (nano-vllm's `ModelRunner`): the KV cache, the
-per-slot buffers, the host record buffers, the fused adapter copy and the decode graphs. The
-generation loop (`engine.Engine`) asks it to `prefill`, `admit`, `step`, `move` and `release`
-slots and never writes its state (docs/engine.md)."""
+"""The engine's device state and the work on it (nano-vllm's `ModelRunner`): the KV cache, the per-slot buffers,
+the host record buffers, the fused adapter copy and the decode graphs. The generation loop (`engine.Engine`) asks
+it to `prefill`, `admit`, `step`, `move` and `release` slots and never writes its state (docs/engine.md)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,8 @@ Group = list[tuple[int, int]]
 
 
 class Scheduler:
-    """The queue and slot table of one generate call: `prompts[i]`, the prompt index of sequence
-    i, prompt-major (all samples of a prompt together, as `Engine.generate` numbers them);
-    `slots`, the KV cache's slot count."""
+    """The queue and slot table of one generate call: `prompts[i]`, the prompt index of sequence i, prompt-major
+    (all samples of a prompt together, as `Engine.generate` numbers them); `slots`, the KV cache's slot count."""
 
     def __init__(self, prompts: Sequence[int], slots: int, refill_fraction: float = REFILL_FRACTION):
         if slots < 1:

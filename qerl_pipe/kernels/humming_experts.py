@@ -41,9 +41,8 @@ class HummingExperts:
 
     def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True, active: Tensor | None = None,
                max_rows: int | None = None) -> Tensor:
-        """`rows [R, K]` bf16, sorted by expert, with expert e's rows at offsets[e]:offsets[e + 1]
-        (`offsets` [E + 1] int64 on the device, offsets[E] = R) -> `[R, N]` (humming sizes its own
-        grid: `active` and `max_rows` are not needed)."""
+        """`rows [R, K]` bf16, sorted by expert, expert e's rows at offsets[e]:offsets[e + 1] (`offsets` [E + 1]
+        int64 on the device, offsets[E] = R) -> `[R, N]` (humming sizes its own grid: no `active`, `max_rows`)."""
         return self.layer(rows, expert_layout=offsets, compute_config=_INVARIANT if deterministic else _DEFAULT)
 
     def compile(self, deterministic: bool) -> None:

@@ -15,9 +15,8 @@ log = logging.getLogger(__name__)
 
 def availability(why_unavailable: Callable[[torch.device], str | None], what: str,
                  fallback: str) -> Callable[[torch.device | str], bool]:
-    """An `available(device)` for a backend: `why_unavailable(device)` (None when it runs) is asked
-    once per device (a device without an index means the current one), and a refusal is logged as
-    "`what` off on DEVICE (why); `fallback`"."""
+    """An `available(device)` for a backend: `why_unavailable(device)` (None when it runs) is asked once per
+    device (no index: the current one), and a refusal is logged as "`what` off on DEVICE (why); `fallback`"."""
 
     @lru_cache(maxsize=None)
     def _available(device: torch.device) -> bool:
