@@ -36,6 +36,7 @@ ArtifactsOpt = Annotated[Optional[Path], typer.Option("--artifacts", envvar="QER
 ForceOpt = Annotated[bool, typer.Option("--force", help="Redo the stage even if an up-to-date artifact exists.")]
 VerifyOpt = Annotated[bool, typer.Option("--verify", help="Re-hash every file of each artifact used (by default only files whose size or mtime changed since it was made).")]
 BuildMissingOpt = Annotated[bool, typer.Option("--build-missing", help="Make the inputs the recipe describes that are not in the store (calibrate, quantize, ... as `run` would); without it a missing input is an error naming the command that makes it.")]
+RefArg = Annotated[str, typer.Argument(help="Artifact path, directory name or id prefix.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model source (sets model.source): HF directory, hub id, .gguf file or alias.")]
 
 
@@ -101,13 +102,10 @@ def _user_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _recipe(recipe: Path | None, overrides: list[str] | None, model: str | None = None):
+def _recipe(recipe: Path | None, overrides: list[str] | None):
     from qerl_pipe.recipe import load_recipe
 
-    overrides = list(overrides or [])
-    if model is not None:
-        overrides.append(f"model.source={dumps(model)}")
-    return load_recipe(recipe, overrides)
+    return load_recipe(recipe, list(overrides or []))
 
 
 def _store(artifacts: Path | None, verify: bool = False):
@@ -152,6 +150,7 @@ EXTRAS: dict[Stage, tuple[Extra, ...]] = {
     ),
 }
 SHARED_FIRST = (Extra("recipe", RecipeOpt), Extra("set_", SetOpt))
+MODEL_SOURCE = Extra("model", ModelOpt, sets="model.source")
 SHARED_LAST = (Extra("artifacts", ArtifactsOpt), Extra("force", ForceOpt, False), Extra("verify", VerifyOpt, False))
 NPROC = "nproc"
 
@@ -159,13 +158,12 @@ NPROC = "nproc"
 def _options(stage: Stage) -> tuple[Extra, ...]:
     """The command's options, in --help order: recipe and overrides, the model source (unless an
     input takes --model), the declared inputs, the stage's own, the store and the mode."""
-    takes_model = any(inp.option == "--model" for inp in stage.inputs)
     inputs = tuple(Extra(inp.keyword, Annotated[Optional[str], typer.Option(
         inp.option, *(("-m",) if inp.option == "--model" else ()), help=inp.help)]) for inp in stage.inputs)
-    looks_up = any(not inp.optional for inp in stage.inputs)  # an input it may find, or build when asked
-    return (*SHARED_FIRST, *(() if takes_model else (Extra("model", ModelOpt),)), *inputs,
-            *EXTRAS.get(stage, ()), *SHARED_LAST, *((Extra("build_missing", BuildMissingOpt, False),)
-                                                         if looks_up else ()))
+    model = () if any(inp.option == "--model" for inp in stage.inputs) else (MODEL_SOURCE,)
+    # an input it may find, or build when asked
+    build = (Extra("build_missing", BuildMissingOpt, False),) if any(not i.optional for i in stage.inputs) else ()
+    return (*SHARED_FIRST, *model, *inputs, *EXTRAS.get(stage, ()), *SHARED_LAST, *build)
 
 
 def _flag(extra: Extra) -> str:
@@ -198,11 +196,10 @@ def _run_command(stage: Stage, options: tuple[Extra, ...], values: dict[str, Any
     if values.get("greedy") and values.get("k") is None:  # eval's --greedy
         values["k"] = 1  # greedy gives one response per problem, whatever k the recipe samples
     overrides = list(values["set_"] or [])
-    # An option left out (None, or a flag's False) sets nothing; `--limit 0` is a value (0 == False
-    # in Python, so `not in (None, False)` dropped it) and meets the key's own check.
+    # An option left out (None, a flag's False) sets nothing; `is not False`: `--limit 0` (0 == False) is a value.
     overrides += [f"{e.sets}={dumps(values[e.name])}" for e in options
                   if e.sets is not None and values[e.name] is not None and values[e.name] is not False]
-    recipe = _recipe(values["recipe"], overrides, values.get("model"))
+    recipe = _recipe(values["recipe"], overrides)
     given = {inp.keyword: values[inp.keyword] for inp in stage.inputs}
     entry_options = {e.name: values[e.name] for e in EXTRAS.get(stage, ()) if e.sets is None and e.name != NPROC}
     with group_lifetime():
@@ -302,8 +299,7 @@ def list_artifacts(artifacts: ArtifactsOpt = None) -> None:
 
 @app.command()
 @_user_errors
-def show(ref: Annotated[str, typer.Argument(help="Artifact path, directory name or id prefix.")],
-         artifacts: ArtifactsOpt = None) -> None:
+def show(ref: RefArg, artifacts: ArtifactsOpt = None) -> None:
     """Print an artifact's manifest."""
     artifact = _store(artifacts).resolve(ref, verify=False)
     print(dumps(artifact.manifest, indent=2))
@@ -311,8 +307,7 @@ def show(ref: Annotated[str, typer.Argument(help="Artifact path, directory name 
 
 @app.command()
 @_user_errors
-def verify(ref: Annotated[str, typer.Argument(help="Artifact path, directory name or id prefix.")],
-           artifacts: ArtifactsOpt = None) -> None:
+def verify(ref: RefArg, artifacts: ArtifactsOpt = None) -> None:
     """Re-hash every file of an artifact against its manifest."""
     from qerl_pipe.artifacts import find_problems
     from qerl_pipe.artifacts.manifest import repair_advice, stage_of
@@ -329,9 +324,8 @@ def verify(ref: Annotated[str, typer.Argument(help="Artifact path, directory nam
 
 
 class _Lab(TyperGroup):
-    """`qerl-pipe bench`: the benchmarks (the package `qerl_lab`, beside this one, qerl_lab/cli.py), under
-    this CLI's error policy. Imported when a bench command or its list is first asked for, never at
-    start-up: the product imports nothing of the lab, and `qerl-pipe --help` needs only this help."""
+    """`qerl-pipe bench`: the benchmarks of qerl_lab/cli.py under this CLI's error policy, imported when a bench
+    command or their list is first asked for, never at start-up (the product imports nothing of the lab)."""
 
     def _load(self) -> None:
         if self.commands:

@@ -24,12 +24,9 @@ class RecipeView(Protocol):
     engine: Any
     train: Any
 
-# A stage's entry point, `fn(call: runner.StageCall, **options) -> Artifact`, and its check,
-# `fn(recipe, store)`, which refuses from the recipe and the model's config.json alone (a GGUF
-# file's metadata; the store only to find an import already made) what would fail hours into a
-# `run`: data files, reward names, sequences longer than the model's positions, a train step no
-# plan fits into train.memory_budget_gb. `run` and `--build-missing` call it for every stage they
-# will build, before the first one (`runner.preflight`).
+# A stage's entry point, `fn(call: runner.StageCall, **options) -> Artifact`, and its check, `fn(recipe, store)`:
+# from the recipe and the model's config.json alone, what would fail hours into a `run` (data files, reward names,
+# sequences past the model's positions, a train step over its budget), run by `runner.preflight`.
 EntryPoint = Callable[..., "Artifact"]
 Check = Callable[[RecipeView, "ArtifactStore"], Any]
 
@@ -94,9 +91,8 @@ def full_run_eval(recipe: RecipeView) -> bool:
 
 
 def _from_quantize_artifact(recipe: RecipeView) -> bool:
-    """Whether the recipe's engine base is built from the quantize artifact (nvfp4; nf4 and bf16
-    read the original model). Imported here, with a recipe at hand: the registry imports torch,
-    which reading the DAG does not."""
+    """Whether the engine base is built from the quantize artifact (nvfp4; nf4 and bf16 read the original model).
+    Imported here, with a recipe at hand: the registry imports torch, which reading the DAG does not."""
     from qerl_pipe.kernels.base_formats import base_format
 
     return base_format(recipe.engine.base_format).from_quantize_artifact
@@ -117,7 +113,7 @@ BUILD_ENGINE = Stage("build-engine", 1, "engine", "engine",
                      # an nf4 or bf16 engine reads the original model, not a quantize checkpoint
                      (Input(QUANTIZE, "--quantized", "Quantize artifact (path or id) to build an nvfp4 engine from; "
                             "without it, the recipe's (found in the store; made with --build-missing).",
-                            used=lambda r: _from_quantize_artifact(r)),))
+                            used=_from_quantize_artifact),))
 # Version 2: an arithmetic expression no longer grades as a numeric answer.
 TRAIN = Stage("train", 2, "run", "run",
               "GRPO/DAPO of a LoRA adapter over the engine's frozen base, with AQN; resumes an interrupted run.",
@@ -192,18 +188,16 @@ class MissingArtifact(QerlError):
         self.stage = stage_name
 
     def first(self, maker: str) -> str:
-        """For a message that names `maker`: ' (which needs `qerl-pipe STAGE` first)' when the first
-        missing artifact is another stage's."""
+        """' (which needs `qerl-pipe STAGE` first)' when the first missing artifact is not `maker`'s."""
         return f" (which needs `qerl-pipe {self.stage}` first)" if self.stage != maker else ""
 
 
 def find_or_build(stage_: Stage, store: "ArtifactStore", *, config: dict[str, Any], parents: list[str],
                   build: Callable[["PendingArtifact"], None], force: bool = False, find_only: bool = False,
                   kind: str | None = None) -> "Artifact":
-    """The artifact of `stage_` for (config, parents): reused when up to date (checked by the store's
-    verification policy), else made by `build(pending)`, which writes into `pending.dir` and fills
-    `pending.summary`; the store seals it. `force` makes it again; `find_only` makes nothing and
-    raises MissingArtifact instead."""
+    """The artifact of `stage_` for (config, parents): reused when up to date (the store's verification policy), else
+    made by `build(pending)` into `pending.dir` and `pending.summary`, sealed by the store. `force` makes it
+    again; `find_only` makes nothing and raises MissingArtifact instead."""
     if find_only:
         existing = store.find_existing(stage_.name, store.artifact_id_for(stage_.name, stage_.version, config, parents))
         if existing is None:

@@ -25,8 +25,7 @@ def relaunch(nproc: int, args: list[str]) -> int:
     """Run `qerl-pipe ARGS` on `nproc` processes; returns torchrun's exit status."""
     if launched_by_torchrun():
         raise QerlError("--nproc was given inside a torchrun worker; pass --nproc or use torchrun, not both")
-    env = disable_nvls(dict(os.environ))
-    proc = subprocess.Popen(torchrun_command(nproc, args), env=env)
+    proc = subprocess.Popen(torchrun_command(nproc, args), env=disable_nvls(dict(os.environ)))
     try:
         return proc.wait()
     except Stopped as exc:

@@ -27,10 +27,6 @@ class Raw(str):
     """A shell fragment put into a command as it is: already quoted, or a template that renders quoted."""
 
 
-def _word(value: str) -> str:
-    return value if isinstance(value, Raw) else shlex.quote(value)
-
-
 def upstream(stage: str) -> list[str]:
     """The stages whose artifacts `stage` reads, in pipeline order."""
     if stage not in STAGE_INPUTS:
@@ -39,11 +35,8 @@ def upstream(stage: str) -> list[str]:
 
 
 def input_words(stage: str, artifact_of: Callable[[str], str]) -> list[str]:
-    """`stage`'s artifact inputs as options, e.g. ['--calibration', artifact_of('calibrate')].
-
-    `artifact_of(parent)` gives what to pass for a parent's artifact: a path, or a shell/template
-    fragment (a `Raw`) that yields one when the command runs.
-    """
+    """`stage`'s artifact inputs as options, e.g. ['--calibration', artifact_of('calibrate')]; `artifact_of(parent)`
+    is a path, or a shell/template fragment (a `Raw`) that yields one when the command runs."""
     upstream(stage)  # rejects an unknown stage
     return [word for option, parent in STAGE_INPUTS[stage] for word in (option, artifact_of(parent))]
 
@@ -52,16 +45,9 @@ def option_words(stage: str, *, recipe: str | None = None, artifacts: str | None
                  model: str | None = None, sets: Sequence[str] = ()) -> list[str]:
     """The options every stage command shares. `model` is dropped for eval, whose --model is the
     engine: there the engine and the adapter name the model."""
-    words: list[str] = []
-    if recipe is not None:
-        words += ["--recipe", recipe]
-    if artifacts is not None:
-        words += ["--artifacts", artifacts]
-    if model is not None and stage in TAKES_MODEL_SOURCE:
-        words += ["--model", model]
-    for item in sets:
-        words += ["--set", item]
-    return words
+    pairs = [("--recipe", recipe), ("--artifacts", artifacts),
+             ("--model", model if stage in TAKES_MODEL_SOURCE else None), *(("--set", item) for item in sets)]
+    return [word for option, value in pairs if value is not None for word in (option, value)]
 
 
 def stage_words(stage: str, artifact_of: Callable[[str], str], *, cli: Sequence[str] = ("qerl-pipe",),
@@ -97,7 +83,7 @@ def airflow_command(stage: str, cli: Sequence[str] = ("qerl-pipe",)) -> str:
         words.append(Raw("{% if params.model %}--model {{ params.model | shquote }}{% endif %}"))
     words.append(Raw("{% for item in params.set %}--set {{ item | shquote }} {% endfor %}"))
     words += input_words(stage, xcom_artifact)
-    return last_line_only(" ".join(_word(w) for w in words))
+    return last_line_only(" ".join(w if isinstance(w, Raw) else shlex.quote(w) for w in words))
 
 
 # --- recipes/Makefile ----------------------------------------------------------------------------

@@ -17,8 +17,7 @@ from qerl_pipe.runner import StageCall, preflight, recipe_artifact
 
 
 def _opened(inp: Input, value: Any, store: ArtifactStore) -> Any:
-    """What was passed to `inp`: a path or id resolved (and verified) in the store, unless the stage
-    resolves it itself (a loose input) or it is an artifact already."""
+    """A path or id passed to `inp`, resolved (and verified) in the store; a loose input's as it is."""
     if value is None or inp.loose or isinstance(value, Artifact):
         return value
     return store.resolve(str(value))
@@ -26,10 +25,9 @@ def _opened(inp: Input, value: Any, store: ArtifactStore) -> Any:
 
 def run_stage(stage_: Stage, recipe: Recipe, store: ArtifactStore, *, force: bool = False,
               build_missing: bool = False, **given: Any) -> Artifact:
-    """`stage_` as its command runs it. A keyword that names one of its inputs passes that input (an
-    artifact, a path or an id; for a loose input any reference the stage resolves); an input not
-    passed is found by the stage when it needs it, built only with `build_missing`. Other keywords
-    are the stage's own options (quantize's `output`)."""
+    """`stage_` as its command runs it. A keyword naming one of its inputs passes it (an artifact, a path or an id;
+    a loose input's any reference the stage resolves); an input not passed is found when the stage needs it,
+    built only with `build_missing`. Other keywords are the stage's own options (quantize's `output`)."""
     inputs = {inp.keyword: inp for inp in stage_.inputs}
     passed = {key: _opened(inputs[key], value, store) for key, value in given.items() if key in inputs}
     options = {key: value for key, value in given.items() if key not in inputs}
@@ -44,9 +42,8 @@ def run_recipe(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> 
                         "`qerl-pipe train --nproc N` (or torchrun ... -m qerl_pipe train), then export and eval")
     if recipe.train.adapter == "full":
         _check_full_run_stages(recipe)
-    # The declared check of every stage it will build (data files, reward names, the engine
-    # against the model's positions, train's step against its memory budget) runs before the
-    # first stage; a full run's eval of its export is declared in the DAG (`dag.full_run_eval`).
+    # The check of every stage it will build runs before the first stage; a full run's eval of
+    # its export is declared in the DAG (`dag.full_run_eval`).
     preflight([stage(name) for name in recipe.stages], recipe, store)
     made: dict[str, Artifact] = {}
     for name in recipe.stages:
@@ -55,8 +52,7 @@ def run_recipe(recipe: Recipe, store: ArtifactStore, *, force: bool = False) -> 
 
 
 def _check_full_run_stages(recipe: Recipe) -> None:
-    """A full fine-tuning run has no adapter: refuse, before the first stage, the export and eval
-    settings that need one (so the error comes before training, not after)."""
+    """A full fine-tuning run has no adapter: the export and eval settings that need one are refused before training."""
     listed = set(recipe.stages)
     if EXPORT.name in listed and recipe.export.format == "peft":
         raise QerlError("export.format=peft with train.adapter=full: a full run has no adapter; set "

@@ -23,10 +23,9 @@ Given = Artifact | str | Path
 
 @dataclass(frozen=True)
 class StageCall:
-    """One call of `stage`'s entry point: the recipe, the store, the call's mode and what was passed
-    to the stage's declared inputs (by keyword). `force` redoes this stage only; `build_missing`
-    builds the inputs the recipe describes that the store lacks; `find_only` (a lookup for a stage
-    further down) makes nothing."""
+    """One call of `stage`'s entry point: what was passed to its declared inputs (by keyword) and the mode. `force`
+    redoes this stage only; `build_missing` builds the inputs the recipe describes that the store lacks;
+    `find_only` (a lookup for a stage further down) makes nothing."""
 
     stage: Stage
     recipe: Recipe
@@ -44,10 +43,9 @@ class StageCall:
             if not isinstance(value, Artifact):
                 raise TypeError(f"{inp.option} takes an artifact here (`pipeline.run_stage` resolves references)")
             if value.kind != inp.stage.kind:
-                made_by = inp.stage
-                raise ArtifactError(f"{value.path} is a '{value.kind}' artifact, not a {made_by.what} "
-                                    f"('{made_by.kind}'); pass a `qerl-pipe {made_by.name}` artifact "
-                                    f"({made_by.name}-<id>) to {inp.option}")
+                raise ArtifactError(f"{value.path} is a '{value.kind}' artifact, not a {inp.stage.what} "
+                                    f"('{inp.stage.kind}'); pass a `qerl-pipe {inp.stage.name}` artifact "
+                                    f"({inp.stage.name}-<id>) to {inp.option}")
 
     @property
     def builds(self) -> bool:
@@ -60,9 +58,8 @@ class StageCall:
         return self.given.get(keyword)
 
     def input(self, keyword: str) -> Artifact | None:
-        """The artifact of the input `keyword`: the one passed; else, for an input the recipe uses
-        that is not optional, the recipe's (found in the store, built only with `build_missing`);
-        else None. A missing one is one error naming the command that makes it."""
+        """The input `keyword`'s artifact: the one passed; else, for a used, non-optional input, the recipe's (built
+        only with `build_missing`; missing, an error naming the command that makes it); else None."""
         inp = self.stage.input(keyword)
         passed = self.given.get(keyword)
         if passed is not None:
@@ -84,9 +81,8 @@ class StageCall:
                             "makes every stage)") from None
 
     def artifact_for(self, stage: Stage, recipe: Recipe, made: dict[str, Artifact]) -> Artifact:
-        """`stage`'s artifact for another `recipe` (eval pointed at a checkpoint or a model source
-        builds that model's engine), with `made` standing in for its inputs; built only when this
-        call builds. Raises MissingArtifact for the caller to word."""
+        """`stage`'s artifact for another `recipe` (eval's engine of a checkpoint or model source), `made` standing
+        in for its inputs; built only when this call builds, else MissingArtifact for the caller to word."""
         if self.builds:
             preflight([stage], recipe, self.store, made=tuple(made))
         return recipe_artifact(stage, recipe, self.store, build=self.builds, made=dict(made))
@@ -105,9 +101,8 @@ class StageCall:
 
 def recipe_artifact(stage: Stage, recipe: Recipe, store: ArtifactStore, *, build: bool, force: bool = False,
                     made: dict[str, Artifact] | None = None) -> Artifact:
-    """`stage`'s artifact as `qerl-pipe run` makes it for `recipe`: each input the recipe uses comes
-    from `made` (what this run made already) or, recursively, from this function. `build=False`
-    finds only (MissingArtifact names the first stage not in the store); `force` redoes `stage` only."""
+    """`stage`'s artifact as `run` makes it: each input the recipe uses from `made` (made already) or, recursively,
+    from here. `build=False` finds only (MissingArtifact names the first stage missing); `force` redoes `stage`."""
     made = {} if made is None else made
     if stage.name in made:
         return made[stage.name]
@@ -124,9 +119,10 @@ def recipe_artifact(stage: Stage, recipe: Recipe, store: ArtifactStore, *, build
     return made[stage.name]
 
 
-def upstream(stages: list[Stage], recipe: Recipe, made: tuple[str, ...] = ()) -> list[Stage]:
-    """The stages `recipe_artifact` visits for `stages` (each input the recipe uses, recursively),
-    inputs first, leaving out `made` (names of artifacts already in hand) and what only they need."""
+def preflight(stages: list[Stage], recipe: Recipe, store: ArtifactStore, made: tuple[str, ...] = ()) -> None:
+    """The check (`dag.check_recipe`) of every stage `recipe_artifact` visits for `stages` (each input the recipe
+    uses, recursively, inputs first; not `made`, artifacts in hand, nor what only they need), before the first
+    one starts: a bad value is refused before any of them spends minutes (a calibration, a GGUF import)."""
     order: list[Stage] = []
 
     def visit(stage: Stage) -> None:
@@ -139,12 +135,5 @@ def upstream(stages: list[Stage], recipe: Recipe, made: tuple[str, ...] = ()) ->
 
     for stage in stages:
         visit(stage)
-    return order
-
-
-def preflight(stages: list[Stage], recipe: Recipe, store: ArtifactStore, made: tuple[str, ...] = ()) -> None:
-    """Every check of the stages that building `stages` runs (`dag.check_recipe`), before the first
-    one starts: a bad value is refused before any of them spends minutes (a calibration, a GGUF
-    import, a quantize)."""
-    for stage in upstream(stages, recipe, made):
+    for stage in order:
         check_recipe(stage, recipe, store)
