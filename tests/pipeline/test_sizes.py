@@ -17,12 +17,13 @@ LAYERS = {
     "engine runtime": ["engine/**/*.py"],
     "pipeline + face": [f"{name}.py" for name in FACE_AND_PIPELINE],
 }
-# layer: (target, ceiling). Lower a ceiling when a change shrinks its layer; never raise one.
+# layer: (target, ceiling). Lower a ceiling when a change shrinks its layer; never raise one. A layer
+# within its target has the target as its ceiling.
 BUDGETS = {
-    "product": (15_800, 16_897),
-    "kernels": (3_000, 3_126),
-    "engine runtime": (1_300, 1_392),
-    "pipeline + face": (2_300, 2_426),
+    "product": (15_800, 16_048),
+    "kernels": (3_000, 3_000),
+    "engine runtime": (1_300, 1_300),
+    "pipeline + face": (2_300, 2_300),
 }
 
 
