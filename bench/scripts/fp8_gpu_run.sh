@@ -3,7 +3,7 @@
 # W4A16, the 7B rollouts side by side (FP8 activations) and the coded KV caches. Writes into OUT_DIR
 # (default: bench/results/fp8-run); the rollout and rows benches rewrite their files after every row, so a run cut
 # short still leaves what it measured. Run from the repository root on a GPU with FP8 tensor cores:
-#   QERL_COMMIT=<commit> bash bench/scripts/fp8_gpu_run.sh [OUT_DIR] [PART]    PART: tests, rows, act, kv, kv32 or all
+#   QERL_COMMIT=<commit> bash bench/scripts/fp8_gpu_run.sh [OUT_DIR] [PART]    PART: tests, rows, act, step, kv, kv32 or all
 # QERL_COMMIT names the commit in each results file: a device's copy of the tree can carry a stale .git.
 set -uo pipefail
 : "${QERL_COMMIT:?set QERL_COMMIT to the commit being measured (git rev-parse --short HEAD, here)}"
@@ -25,10 +25,17 @@ if [[ "$part" == all || "$part" == rows ]]; then
   grep -E "^M " "$out/fp8-rows.err" || tail -3 "$out/fp8-rows.err"
 fi
 if [[ "$part" == all || "$part" == act ]]; then
-  # Issue 47's rollout rows: 1024 tokens, NVFP4 and bf16 with and without FP8 activations.
-  python3 -m qerl_pipe bench rollout --shapes qwen2.5-7b --formats bf16,bf16+fp8,nvfp4,nvfp4+fp8 \
-    --batches 1,8,64,256 --hf-batches '' --new-tokens 1024 --out "$out/rollout-fp8-7b.json" \
+  # Issue 47's rollout rows: 1024 tokens, NVFP4 and bf16 with and without FP8 activations; the
+  # target rows first (0e4d2cf's run was cut after 13 rows, before any NVFP4 + FP8 row past batch 1).
+  python3 -m qerl_pipe bench rollout --shapes qwen2.5-7b --formats nvfp4+fp8,bf16,bf16+fp8,nvfp4 \
+    --batches 64,256,8,1 --hf-batches '' --new-tokens 1024 --out "$out/rollout-fp8-7b.json" \
     2> "$out/rollout-fp8-7b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-7b.err"
+fi
+if [[ "$part" == all || "$part" == step ]]; then
+  # Issue 47's RL step: 8 x 8, 256 + 1024 tokens, FP8 rollout activations over NVFP4 against bf16 LoRA.
+  python3 -m qerl_pipe bench train-step --shape qwen2.5-7b --quant nvfp4+fp8,bf16,nvfp4 --timed-steps 2 \
+    --out "$out/train-step-fp8-7b.json" 2> "$out/train-step-fp8-7b.err" > /dev/null
+  grep -E "^qwen2.5-7b" "$out/train-step-fp8-7b.err" || tail -3 "$out/train-step-fp8-7b.err"
 fi
 if [[ "$part" == all || "$part" == kv ]]; then
   # Issue 50: the coded-cache attention tests, the kernel alone per configuration, then the
