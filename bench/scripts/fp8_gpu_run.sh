@@ -27,7 +27,7 @@ fi
 if [[ "$part" == all || "$part" == act ]]; then
   # Issue 47's rollout rows: 1024 tokens, NVFP4 and bf16 with and without FP8 activations; the
   # target rows first (0e4d2cf's run was cut after 13 rows, before any NVFP4 + FP8 row past batch 1).
-  python3 -m qerl_pipe bench rollout --shapes qwen2.5-7b --formats nvfp4+fp8,bf16,bf16+fp8,nvfp4 \
+  python3 -m qerl_pipe bench rollout --shapes qwen2.5-7b --formats nvfp4+fp8,bf16,nvfp4+fp8+fp8kv,bf16+fp8,nvfp4 \
     --batches 64,256,8,1 --hf-batches '' --new-tokens 1024 --out "$out/rollout-fp8-7b.json" \
     2> "$out/rollout-fp8-7b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-7b.err"
 fi
