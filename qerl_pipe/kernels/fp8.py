@@ -44,19 +44,19 @@ class Fp8Weight:
 @dataclass(frozen=True)
 class W4A8Weight:
     """An NVFP4 base read as it is by the W4A8 GEMM: its packed E2M1 codes [N, K/2] and E4M3 block
-    scales [N, K/16], and per row a power of two 2**j (`factor` [N] holds 2**(j + 14), the kernel's
-    fp16 decode being 2**-14 short) that lifts the row's largest |code x block scale| into (224, 448].
-    The E4M3 weight e2m1 x block scale x 2**j is then exact before its one rounding (`w4a8_codes`);
-    `scale` [1, N] = global scale x 2**-j undoes it in the epilogue, as `Fp8Weight.scale` does."""
+    scales [N, K/16], and per row the power of two `shift` [N] = 2**j that lifts the row's largest
+    |code x block scale| into (224, 448]. The E4M3 weight e2m1 x block scale x 2**j is then exact
+    before its one rounding (`w4a8_codes`); `scale` [1, N] = global scale x 2**-j undoes it in the
+    epilogue, as `Fp8Weight.scale` does."""
 
     packed: Tensor
     block_scales: Tensor
-    factor: Tensor
+    shift: Tensor
     scale: Tensor
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.block_scales.numel() + self.factor.numel() * 4 + self.scale.numel() * 4
+        return self.packed.numel() + self.block_scales.numel() + self.shift.numel() * 4 + self.scale.numel() * 4
 
 
 def runs_fp8(device: torch.device) -> bool:
@@ -105,7 +105,7 @@ def w4a8_weight(w: NVFP4Weight, rows_per_chunk: int = 4096) -> W4A8Weight:
     m, e = torch.frexp(amax.clamp(min=MIN_AMAX))
     j = torch.where(m <= 0.875, 9 - e, 8 - e).float()
     scale = (w.global_scale.float() * torch.exp2(-j)).reshape(1, n)
-    return W4A8Weight(w.packed, w.block_scales, torch.exp2(j + 14), scale)
+    return W4A8Weight(w.packed, w.block_scales, torch.exp2(j), scale)
 
 
 def w4a8_codes(w: W4A8Weight) -> Tensor:
@@ -113,7 +113,7 @@ def w4a8_codes(w: W4A8Weight) -> Tensor:
     (the products are exact in fp32); with `w.scale` it is an `Fp8Weight` (the reference's input)."""
     one = torch.ones((), dtype=torch.float32, device=w.packed.device)
     values = dequantize_nvfp4(NVFP4Weight(w.packed, w.block_scales, one))
-    return (values * (w.factor * 2.0**-14)[:, None]).to(FP8)
+    return (values * w.shift[:, None]).to(FP8)
 
 
 def fp8_linear_reference(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype) -> Tensor:
