@@ -69,10 +69,6 @@ def source_bits() -> tuple[tuple[tuple[int, ...], ...], ...]:
                  for r in range(4))
 
 
-# The tensors of a TiledNVFP4, by field name (what a model stores as buffers).
-TENSOR_FIELDS = ("qweight", "scales", "global_scale")
-
-
 @dataclass(frozen=True)
 class TiledNVFP4:
     """An NVFP4 weight in the CUDA kernels' chunk layout (docs/kernels.md, "The CUDA W4A16 kernels")."""
