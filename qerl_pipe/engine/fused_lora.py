@@ -52,8 +52,7 @@ class FusedLora:
                 lo, hi = offsets[name]
                 a[j * r:(j + 1) * r].copy_(m.lora_A[name])
                 b[lo:hi, j * r:(j + 1) * r].copy_(m.lora_B[name] * m.lora_scaling)
-        for m in [m for m in self._copies if m not in seen]:
-            del self._copies[m]
+        self._copies = {m: pair for m, pair in self._copies.items() if m in seen}
 
     def _active(self, linear: QuantLinear) -> tuple[Tensor, Tensor] | None:
         """The linear's fused (A, B), or None: no adapter, or adapters switched off."""

@@ -128,12 +128,10 @@ class ModelRunner:
             record[1].copy_(logprobs)
         self._launched += 1
         host = self._host[self._launched % 2][: 2 * b].view(2, b)
-        if not record.is_cuda:
-            host.copy_(record)
-            return LaunchedStep(host, None)
-        host.copy_(record, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        host.copy_(record, non_blocking=record.is_cuda)
+        done = torch.cuda.Event() if record.is_cuda else None
+        if done is not None:
+            done.record()
         return LaunchedStep(host, done)
 
     def move(self, moves: list[tuple[int, int]], length: int) -> None:
