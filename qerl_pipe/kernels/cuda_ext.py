@@ -324,10 +324,9 @@ LORA_RANK_MULTIPLE = 16
 
 def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: GemmConfig | None = None,
          lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """`x @ W^T (+ bias) (+ u @ B^T)` for bf16 `x [M, K]`, in passes of the config's tokens (8 * nb).
-
-    `lora` = (u [M, R], B [N, R]), bf16, R a multiple of LORA_RANK_MULTIPLE: the expand runs as
-    more MMAs in the epilogue, added in fp32 before the output's one rounding."""
+    """`x @ W^T (+ bias) (+ u @ B^T)` for bf16 `x [M, K]`, in passes of the config's tokens (8 * nb). `lora` =
+    (u [M, R], B [N, R]), bf16, R a multiple of LORA_RANK_MULTIPLE: the expand runs as more MMAs in the
+    epilogue, added in fp32 before the output's one rounding."""
     m = x.shape[0]
     if config is None:
         config = default_config(m, w.out_features, w.in_features, sm_count(x.device))
