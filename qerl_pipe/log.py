@@ -56,18 +56,17 @@ def _plain_progress(items: Iterable[T], description: str, total: int | None) -> 
 
 
 @contextmanager
-def heartbeat(description: str, every_s: float | None = None) -> Iterator[None]:
+def heartbeat(description: str) -> Iterator[None]:
     """For one long call that reports nothing (a whole batch of generation): off a terminal, a line
-    every `every_s` seconds (default PLAIN_EVERY_S) that it is still running."""
+    every PLAIN_EVERY_S seconds that it is still running."""
     if console.is_terminal:
         yield
         return
-    period = every_s if every_s is not None else PLAIN_EVERY_S
     stop = threading.Event()
     started = time.monotonic()
 
     def beat() -> None:
-        while not stop.wait(period):
+        while not stop.wait(PLAIN_EVERY_S):
             log(f"{description}: still running after {time.monotonic() - started:.0f} s")
 
     thread = threading.Thread(target=beat, daemon=True)

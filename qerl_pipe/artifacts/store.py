@@ -202,11 +202,8 @@ class ArtifactStore:
     def identities(self, parents: list[str]) -> list[str]:
         """What a child's id takes of each parent (by id): its `Artifact.identity` when it is in this
         store, else the id itself."""
-        out = []
-        for parent in parents:
-            found = self._starting_with(parent) if parent else []
-            out.append(self._open(found[0], verify=False).identity if len(found) == 1 else parent)
-        return out
+        found = [self._starting_with(parent) if parent else [] for parent in parents]
+        return [self._open(f[0], verify=False).identity if len(f) == 1 else p for p, f in zip(parents, found)]
 
     def artifact_id_for(self, stage: str, stage_version: int, config: dict[str, Any], parents: list[str]) -> str:
         """The id `create` gives the artifact of these inputs (`identities` of the parents)."""

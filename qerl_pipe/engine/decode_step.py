@@ -79,10 +79,7 @@ def decode_step(model: Decoder, lora: FusedLora, tokens: Tensor, positions: Tens
             down = _mlp(mlp, normed, u, q8, lora, cfg.hidden_act)
         if layer.sandwich:
             down = _output_norm(down, layer.post_feedforward_layernorm)
-        if i + 1 < len(layers):
-            following = layers[i + 1]
-            normed, residual, u, q8 = _norm(down, residual, following.input_layernorm, lora,
-                                            following.self_attn.qkv_proj)
-        else:
-            normed, residual, u, q8 = _norm(down, residual, model.norm, lora, None)
+        following = layers[i + 1] if i + 1 < len(layers) else None  # None: the final norm, then the head
+        normed, residual, u, q8 = _norm(down, residual, model.norm if following is None else following.input_layernorm,
+                                        lora, None if following is None else following.self_attn.qkv_proj)
     return model.head(normed)

@@ -6,8 +6,6 @@ differentiated. docs/engine.md#lora-aqn-noise-and-cuda-graphs and docs/model.md.
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 from torch import Tensor, nn
 
@@ -37,23 +35,18 @@ class FusedLora:
                 continue
             seen.add(m)
             names = [n for n in m.names if n in m.lora_A]
-            r = m.lora_rank
-            stacked = -(-r * len(names) // LORA_RANK_MULTIPLE) * LORA_RANK_MULTIPLE
+            width = m.lora_rank * len(names)
+            stacked = -(-width // LORA_RANK_MULTIPLE) * LORA_RANK_MULTIPLE
             a_shape, b_shape = (stacked, m.in_features), (m.out_features, stacked)
             pair = self._copies.get(m)
             if pair is None or pair[0].shape != a_shape or pair[1].shape != b_shape:
                 device = m.lora_A[names[0]].device
                 pair = self._copies[m] = (torch.zeros(a_shape, dtype=self.dtype, device=device),
                                           torch.zeros(b_shape, dtype=self.dtype, device=device))
-            a, b = pair
-            bounds = list(accumulate(m.out_sizes, initial=0))
-            offsets = {name: (bounds[i], bounds[i + 1]) for i, name in enumerate(m.names)}
-            for j, name in enumerate(names):
-                lo, hi = offsets[name]
-                a[j * r:(j + 1) * r].copy_(m.lora_A[name])
-                b[lo:hi, j * r:(j + 1) * r].copy_(m.lora_B[name] * m.lora_scaling)
-        for m in [m for m in self._copies if m not in seen]:
-            del self._copies[m]
+            a, b = pair  # the scaling folded into B in float32, then rounded once
+            a[:width].copy_(torch.cat([m.lora_A[n] for n in names]))
+            b[:, :width].copy_(m.block_diagonal_b(names, torch.float32) * m.lora_scaling)
+        self._copies = {m: pair for m, pair in self._copies.items() if m in seen}
 
     def _active(self, linear: QuantLinear) -> tuple[Tensor, Tensor] | None:
         """The linear's fused (A, B), or None: no adapter, or adapters switched off."""

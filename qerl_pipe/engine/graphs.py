@@ -59,10 +59,7 @@ class DecodeRunner:
     def batch_size_for(self, slots: int) -> int:
         """Rows the step runs on to cover slots 0..slots-1: the smallest graph size that holds
         them, or exactly `slots` when eager (no size that large, or no graphs)."""
-        for size in self.sizes:
-            if size >= slots:
-                return size
-        return slots
+        return next((size for size in self.sizes if size >= slots), slots)
 
     def length_for(self, positions: int) -> int:
         """Cache positions the step attends over to cover positions 0..positions-1."""

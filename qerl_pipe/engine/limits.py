@@ -44,9 +44,7 @@ class EngineLimits:
                                     f"1..max_batch={self.max_batch}")
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["graph_batch_sizes"] = list(self.graph_batch_sizes)
-        return data
+        return {**asdict(self), "graph_batch_sizes": list(self.graph_batch_sizes)}
 
     def with_batch(self, slots: int) -> "EngineLimits":
         """These limits with `slots` decode slots (at most max_batch): a smaller KV cache, the same length."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from qerl_pipe.engine.fused_lora import FusedLora
 from qerl_pipe.engine.graphs import DecodeRunner
@@ -81,16 +82,13 @@ class ModelRunner:
     def prefill(self, prompts: list[list[int]], first_slots: list[int], siblings: list[tuple[int, int]]) -> Tensor:
         """Each prompt (right-padded into one batch) into its first slot, then each (source, destination) of
         `siblings` copied over (a prompt's other samples). Logits [P, V] at each prompt's last token."""
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, : len(p)] = torch.tensor(p)
+        ids = pad_sequence([torch.tensor(p, dtype=torch.long) for p in prompts], batch_first=True)
         lengths = torch.tensor([len(p) for p in prompts])
         logits = self.model.prefill(ids.to(self.device), self.cache, torch.tensor(first_slots).to(self.device),
                                     lengths.to(self.device), project=self.lora.project)
         if siblings:
             self.cache.copy_slots(torch.tensor([s for s, _ in siblings], device=self.device),
-                                  torch.tensor([d for _, d in siblings], device=self.device), width)
+                                  torch.tensor([d for _, d in siblings], device=self.device), ids.shape[1])
         return logits
 
     def admit(self, slots: list[int], logits: Tensor, keys: list[int], positions: list[int],
@@ -128,12 +126,10 @@ class ModelRunner:
             record[1].copy_(logprobs)
         self._launched += 1
         host = self._host[self._launched % 2][: 2 * b].view(2, b)
-        if not record.is_cuda:
-            host.copy_(record)
-            return LaunchedStep(host, None)
-        host.copy_(record, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        host.copy_(record, non_blocking=record.is_cuda)
+        done = torch.cuda.Event() if record.is_cuda else None
+        if done is not None:
+            done.record()
         return LaunchedStep(host, done)
 
     def move(self, moves: list[tuple[int, int]], length: int) -> None:

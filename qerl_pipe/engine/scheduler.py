@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import takewhile
 
 # Refill when at least this fraction of the slots is free (or the next prompt's remaining samples
 # fit): each refill costs a prefill, so refilling one slot per step would prefill the same prompt
@@ -51,14 +52,8 @@ class Scheduler:
         if not self.active:
             return True
         head = self._prompt[self.queue[0]]
-        remaining = sum(1 for _ in self._same_prompt(head))
+        remaining = sum(1 for _ in takewhile(lambda i: self._prompt[i] == head, self.queue))
         return free >= min(remaining, self.refill_min)
-
-    def _same_prompt(self, prompt_index: int) -> Iterator[int]:
-        for i in self.queue:
-            if self._prompt[i] != prompt_index:
-                break
-            yield i
 
     def admit(self) -> list[Group]:
         """Move queued sequences into the lowest free slots (as many as are free) and mark them

@@ -139,13 +139,8 @@ class _Shards:
     """Open shards (memory-mapped) and the file of each tensor key."""
 
     def __init__(self, paths: list[Path], index: dict[str, Path] | None) -> None:
-        self.handles: dict[Path, Any] = {}
-        self.file_of: dict[str, Path] = {}
-        for path in paths:
-            handle = open_shard(path)
-            self.handles[path] = handle
-            for key in handle.keys():
-                self.file_of[key] = path
+        self.handles: dict[Path, Any] = {path: open_shard(path) for path in paths}
+        self.file_of: dict[str, Path] = {key: path for path, handle in self.handles.items() for key in handle.keys()}
         for key, file in (index or {}).items():
             if self.file_of.get(key) != file:
                 raise ModelSourceError(f"{INDEX_FILE} puts {key} in {file.name}, but that file does not hold it; "

@@ -42,14 +42,9 @@ EXPERT_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 PEFT_NORM_KEY = re.compile(r"^base_model\.model\.model\.[\w.]*norm\.weight$")
 
 
-def fused_module(group: str) -> str:
-    """Our Decoder's linear for a fused group: `qkv` -> `qkv_proj`."""
-    return f"{group}_proj"
-
-
-# HF projection -> (our fused linear, index of the projection in it).
+# HF projection -> (our fused linear, index of the projection in it): `k_proj` -> (`qkv_proj`, 1).
 FUSED_INDEX: dict[str, tuple[str, int]] = {
-    proj: (fused_module(group), i) for group, projs in FUSED_GROUPS.items() for i, proj in enumerate(projs)
+    proj: (f"{group}_proj", i) for group, projs in FUSED_GROUPS.items() for i, proj in enumerate(projs)
 }
 
 
@@ -79,9 +74,7 @@ def fused_group_key(param_name: str) -> str | None:
     if parts[-1] == "weight":
         parts = parts[:-1]
     group = _GROUP_OF.get(parts[-1]) if parts else None
-    if group is None:
-        return None
-    return ".".join([*parts[:-1], group])
+    return None if group is None else ".".join([*parts[:-1], group])
 
 
 def is_expert(name: str) -> bool:

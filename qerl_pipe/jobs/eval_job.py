@@ -66,14 +66,11 @@ def adapter_effect(model: torch.nn.Module, prompt: list[int]) -> float:
 
 def sample_records(problems: list[Problem], prompt_texts: list[str], graded: Graded) -> list[dict[str, Any]]:
     """One samples.jsonl line per sample, problem-major."""
-    records = []
-    for i, text in enumerate(graded.texts):
-        p = graded.problem_index[i]
-        records.append({"problem_id": problems[p].id, "sample": graded.sample_index[i], "prompt": prompt_texts[p],
-                        "response": text, "extracted": graded.extracted[i], "gold": problems[p].answer,
-                        "correct": graded.correct[i], "finish_reason": graded.finish_reasons[i],
-                        "response_tokens": graded.lengths[i]})
-    return records
+    return [{"problem_id": problems[p].id, "sample": graded.sample_index[i], "prompt": prompt_texts[p],
+             "response": text, "extracted": graded.extracted[i], "gold": problems[p].answer,
+             "correct": graded.correct[i], "finish_reason": graded.finish_reasons[i],
+             "response_tokens": graded.lengths[i]}
+            for i, (text, p) in enumerate(zip(graded.texts, graded.problem_index))]
 
 
 def summarize(section: EvalSection, graded: Graded, skipped: list[Problem]) -> dict[str, Any]:

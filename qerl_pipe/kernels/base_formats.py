@@ -17,7 +17,7 @@ from qerl_pipe.formats.nf4 import NF4_BLOCK, NF4Weight, dequantize_nf4, quantize
 from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize_nvfp4, quantize_nvfp4_in_row_chunks
 from qerl_pipe.kernels.linear import nf4_linear, nf4_linear_dx, nvfp4_linear, nvfp4_linear_dx
 from qerl_pipe.kernels.packing import PackedNF4, prepare_nf4, unprepare_nf4
-from qerl_pipe.kernels.tiled import TENSOR_FIELDS, TiledNVFP4, tile_nvfp4, tiled_shapes, untile_nvfp4
+from qerl_pipe.kernels.tiled import TiledNVFP4, tile_nvfp4, tiled_shapes, untile_nvfp4
 
 
 class UnknownBaseFormat(QerlError, ValueError):
@@ -133,7 +133,7 @@ def _nvfp4_quantize(w: Tensor, name: str, dtype: torch.dtype) -> NVFP4Weight:
 
 
 NVFP4 = BaseFormat(
-    name="nvfp4", buffers=TENSOR_FIELDS, empty_buffers=_nvfp4_empty, container=TiledNVFP4,
+    name="nvfp4", buffers=("qweight", "scales", "global_scale"), empty_buffers=_nvfp4_empty, container=TiledNVFP4,
     make_container=lambda b, n, k, humming=None, dense=None: TiledNVFP4(
         b["qweight"], b["scales"], b["global_scale"], n, k, humming=humming, dense=dense),
     quantize=_nvfp4_quantize, to_container=lambda base: tile_nvfp4(base) if isinstance(base, NVFP4Weight) else base,

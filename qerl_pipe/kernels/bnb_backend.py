@@ -65,9 +65,7 @@ def dequantize(w: PackedNF4, dtype: torch.dtype) -> Tensor:
 
 
 def matmul(x2: Tensor, w: PackedNF4) -> Tensor:
-    """`x2 [M, K] @ W^T` as `Linear4bit` computes it: `gemv_4bit` at one row, else dequantize + cuBLAS."""
-    if x2.dtype not in DTYPES:
-        raise ValueError(f"bitsandbytes' NF4 kernels take bf16 or fp16 activations, not {x2.dtype}")
+    """`x2 [M, K] @ W^T` (in `DTYPES`) as `Linear4bit` computes it: `gemv_4bit` at one row, else dequantize + cuBLAS."""
     if x2.shape[0] == 1:
         return torch.ops.bitsandbytes.gemv_4bit.default(x2, _bytes(w), [w.out_features, w.in_features],
                                                         w.absmax.reshape(-1), w.code, NF4_BLOCK)
@@ -76,6 +74,4 @@ def matmul(x2: Tensor, w: PackedNF4) -> Tensor:
 
 def matmul_dx(dy2: Tensor, w: PackedNF4) -> Tensor:
     """`dy2 [M, N] @ W` (the backward's dX) as `MatMul4Bit.backward` computes it."""
-    if dy2.dtype not in DTYPES:
-        raise ValueError(f"bitsandbytes' NF4 kernels take bf16 or fp16 gradients, not {dy2.dtype}")
     return dy2 @ dequantize(w, dy2.dtype)

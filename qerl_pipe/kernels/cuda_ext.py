@@ -197,12 +197,9 @@ def choose_splits(m: int, n: int, k: int, config: GemmConfig, sms: int, per_sm: 
 # The variant for each tokens-per-pass count (n8 blocks), for shapes the table below lacks:
 # (mt, warps, wk, depth) of the register-ring kernel, the most frequent winner per M in the H200 sweep.
 _VARIANT = {1: (2, 8, 8, 4), 2: (2, 8, 8, 4), 4: (4, 4, 4, 2), 8: (2, 4, 4, 2)}
-# Measured best configs per (M, N, K) on a 132-SM H200 (bench/results/kernels-cuda-h200.json,
-# written there by qerl_lab/kernels_cuda.py); used on GPUs with that many SMs. Rows of M <= 64 are always
-# there; rows of M = 128 and 256 only where the GEMM beat dequantize + cuBLAS, so a row there is
-# what sends those M to the GEMM (`gemm_wins`).
-# QERL_W4A16_TABLE names another file of the same form (e.g. one tuned on another GPU, or for a
-# different launch context: bench/scripts/step_tune.py writes one).
+# Measured best configs per (M, N, K) on a 132-SM H200, used on GPUs with that many SMs; rows of M = 128 and
+# 256 only where the GEMM beat dequantize + cuBLAS (a row there is what sends those M to it: `gemm_wins`).
+# QERL_W4A16_TABLE names another file of the same form. docs/kernels.md, "Which config".
 TABLE_FILE = SOURCE_DIR / "configs-h200.json"
 TABLE_MS = (1, 8, 16, 32, 64, 128, 256)
 
@@ -327,10 +324,9 @@ LORA_RANK_MULTIPLE = 16
 
 def gemm(x: Tensor, w: tiled.TiledNVFP4, bias: Tensor | None = None, config: GemmConfig | None = None,
          lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """`x @ W^T (+ bias) (+ u @ B^T)` for bf16 `x [M, K]`, in passes of the config's tokens (8 * nb).
-
-    `lora` = (u [M, R], B [N, R]), bf16, R a multiple of LORA_RANK_MULTIPLE: the expand runs as
-    more MMAs in the epilogue, added in fp32 before the output's one rounding."""
+    """`x @ W^T (+ bias) (+ u @ B^T)` for bf16 `x [M, K]`, in passes of the config's tokens (8 * nb). `lora` =
+    (u [M, R], B [N, R]), bf16, R a multiple of LORA_RANK_MULTIPLE: the expand runs as more MMAs in the
+    epilogue, added in fp32 before the output's one rounding."""
     m = x.shape[0]
     if config is None:
         config = default_config(m, w.out_features, w.in_features, sm_count(x.device))

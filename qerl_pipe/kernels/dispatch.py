@@ -126,11 +126,6 @@ def humming_schedules(table: DispatchTable | None, deterministic: bool,
     return out
 
 
-def humming_shapes(table: DispatchTable | None, deterministic: bool, max_m: int | None = None) -> set[tuple[int, int]]:
-    """Layer shapes (N, K) that some row (up to `max_m` rows) sends to humming: those that need a copy."""
-    return set(humming_schedules(table, deterministic, max_m))
-
-
 def humming_copy_shapes(device: torch.device, table: DispatchTable | None = None,
                         deterministic: bool | None = None) -> set[tuple[int, int]]:
     """The layer shapes that would get humming copies on `device` under `table` and its column
@@ -141,5 +136,5 @@ def humming_copy_shapes(device: torch.device, table: DispatchTable | None = None
         return set()
     active_table, active_column = active(device)
     table = active_table if table is None else table
-    shapes = humming_shapes(table, active_column if deterministic is None else deterministic)
+    shapes = set(humming_schedules(table, active_column if deterministic is None else deterministic))
     return shapes if shapes and humming_backend.available(device) else set()

@@ -54,11 +54,8 @@ class HummingExperts:
         self.matmul(rows, offsets, deterministic)
 
 
-# Rows per expert up to which our grouped W4A16 GEMM on the stack beats humming's copy, per
-# projection of a Qwen3-30B-A3B layer on an H100 (ours: bench/results/moe/grouped-w4a16-grid-*.json;
-# humming's: the batch-1 decode profile and grouped-probe-*.json, other runs on that GPU kind): at
-# 1 token (8 rows) 10.4 + 8.5 us against humming's 19.6 + 10.4, at 8 tokens 44 + 37 against 60.5 +
-# 37.0; at 64 tokens 340 + 226 against 117.9 + 69.9, humming's.
+# Rows per expert up to which our grouped W4A16 GEMM on the stack beats humming's copy (Qwen3-30B-A3B on an
+# H100: faster at 1 and 8 tokens, 3x slower at 64): docs/benchmarks.md, "Qwen3-30B-A3B (issue 35)".
 FEW_ROWS = 8
 
 
@@ -76,8 +73,7 @@ class HummingOrStack:
 
     def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True, active: Tensor | None = None,
                max_rows: int | None = None) -> Tensor:
-        if active is not None and max_rows is not None and max_rows <= FEW_ROWS \
-                and self.stack.runs_grouped_w4a16(rows, max_rows):
+        if active is not None and self.stack.runs_grouped_w4a16(rows, max_rows) and max_rows <= FEW_ROWS:
             return self.stack.matmul(rows, offsets, deterministic, active, max_rows)
         return self.humming.matmul(rows, offsets, deterministic)
 

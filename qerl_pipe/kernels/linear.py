@@ -1,7 +1,7 @@
-"""Public 4-bit linear ops: our CUDA kernels or bitsandbytes on a GPU, the plain-torch references elsewhere.
-NVFP4 runs what the dispatch table picks on Hopper, else dequantize + cuBLAS; NF4 runs bitsandbytes (as QLoRA
-does), else the reference; on the CPU a weight's dense copy gives the reference's numbers bit for bit. See
-docs/kernels.md, section "Kernels: NVFP4 / NF4 weight-only matmul on Hopper"."""
+"""Public 4-bit linear ops: our CUDA kernels or bitsandbytes on a GPU, else the plain-torch reference (dequantize,
+then one matmul: what the kernels must agree with). NVFP4 runs the dispatch table's pick on Hopper, else the
+reference; NF4 runs bitsandbytes (as QLoRA does), else the reference; on the CPU a weight's dense copy gives the
+reference's numbers bit for bit. See docs/kernels.md, section "Kernels: NVFP4 / NF4 weight-only matmul on Hopper"."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from qerl_pipe.formats.nf4 import NF4Weight
-from qerl_pipe.formats.nvfp4 import NVFP4Weight
-from qerl_pipe.kernels import bnb_backend, reference
+from qerl_pipe.formats.nf4 import NF4Weight, dequantize_nf4
+from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
+from qerl_pipe.kernels import bnb_backend
 from qerl_pipe.kernels.packing import PackedNF4, cached_per_tensor, prepared_nf4, unprepare_nf4
 from qerl_pipe.kernels.tiled import TiledNVFP4, untile_nvfp4
 
@@ -27,21 +27,18 @@ def _rows(t: Tensor, width: int, what: str) -> Tensor:
 NVFP4Any = Union[NVFP4Weight, TiledNVFP4]
 
 
-def _checkpoint_form(w: NVFP4Any) -> NVFP4Weight:
-    """The weight as the reference reads it. A GPU without our CUDA kernels unpacks the tiled
-    layout once per weight (cached while its buffer lives: a second copy of the 4-bit weights,
-    0.56 B/param) rather than at every call; the CPU holds dense copies instead."""
-    if not isinstance(w, TiledNVFP4):
-        return w
-    if w.qweight.is_cuda:
-        return cached_per_tensor(w.qweight, lambda: untile_nvfp4(w))
-    return untile_nvfp4(w)
-
-
-def _dense_copy(w: NVFP4Any | NF4Weight | PackedNF4, dtype: torch.dtype) -> Tensor | None:
-    """The weight's own dense copy in `dtype`, if its container carries one (CPU only)."""
+def _reference_weight(w: NVFP4Any | NF4Weight | PackedNF4, dtype: torch.dtype) -> Tensor:
+    """W `[N, K]` in `dtype` for the reference: the container's own dense copy in that dtype (CPU only), else
+    dequantized now from the checkpoint form. A GPU without our CUDA kernels unpacks the tiled layout once per
+    weight (cached while its buffer lives: a second copy of the 4-bit weights, 0.56 B/param), not per call."""
     dense = getattr(w, "dense", None)
-    return dense if dense is not None and dense.dtype == dtype else None
+    if dense is not None and dense.dtype == dtype:
+        return dense
+    if isinstance(w, (NF4Weight, PackedNF4)):
+        return dequantize_nf4(w if isinstance(w, NF4Weight) else unprepare_nf4(w), dtype)
+    if isinstance(w, TiledNVFP4):
+        w = cached_per_tensor(w.qweight, lambda t=w: untile_nvfp4(t)) if w.qweight.is_cuda else untile_nvfp4(w)
+    return dequantize_nvfp4(w, dtype)
 
 
 def _cuda_kernels(t: Tensor, w: NVFP4Any) -> bool:
@@ -71,8 +68,7 @@ def nvfp4_linear(x: Tensor, w: NVFP4Any, bias: Tensor | None = None,
         out = w.humming.matmul(x2, chosen) if chosen.startswith("humming") else x2 @ cuda_ext.dequantize(w).T
         out = out.reshape(*x.shape[:-1], w.out_features)
     else:  # the CPU, or a GPU without our CUDA kernels: dequantize + cuBLAS
-        dense = _dense_copy(w, x.dtype)
-        out = x @ dense.T if dense is not None else reference.nvfp4_linear_ref(x, _checkpoint_form(w))
+        out = x @ _reference_weight(w, x.dtype).T
     if bias is not None:
         out = out + bias
     if lora is not None:
@@ -88,8 +84,7 @@ def nvfp4_linear_dx(dy: Tensor, w: NVFP4Any) -> Tensor:
         from qerl_pipe.kernels import cuda_ext
 
         return dy @ cuda_ext.dequantize(w)
-    dense = _dense_copy(w, dy.dtype)
-    return dy @ dense if dense is not None else reference.nvfp4_linear_dx_ref(dy, _checkpoint_form(w))
+    return dy @ _reference_weight(w, dy.dtype)
 
 
 def _bnb_runs(a: Tensor) -> bool:
@@ -103,10 +98,7 @@ def nf4_linear(x: Tensor, w: NF4Weight | PackedNF4) -> Tensor:
     if _bnb_runs(x):
         p = prepared_nf4(w)
         return bnb_backend.matmul(_rows(x, p.in_features, "x"), p).reshape(*x.shape[:-1], p.out_features)
-    dense = _dense_copy(w, x.dtype)
-    if dense is not None:
-        return x @ dense.T
-    return reference.nf4_linear_ref(x, w if isinstance(w, NF4Weight) else unprepare_nf4(w))
+    return x @ _reference_weight(w, x.dtype).T
 
 
 def nf4_linear_dx(dy: Tensor, w: NF4Weight | PackedNF4) -> Tensor:
@@ -114,7 +106,4 @@ def nf4_linear_dx(dy: Tensor, w: NF4Weight | PackedNF4) -> Tensor:
     if _bnb_runs(dy):
         p = prepared_nf4(w)
         return bnb_backend.matmul_dx(_rows(dy, p.out_features, "dy"), p).reshape(*dy.shape[:-1], p.in_features)
-    dense = _dense_copy(w, dy.dtype)
-    if dense is not None:
-        return dy @ dense
-    return reference.nf4_linear_dx_ref(dy, w if isinstance(w, NF4Weight) else unprepare_nf4(w))
+    return dy @ _reference_weight(w, dy.dtype)

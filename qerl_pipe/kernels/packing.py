@@ -42,27 +42,21 @@ def unprepare_nf4(p: PackedNF4) -> NF4Weight:
     return NF4Weight(p.qweight.view(torch.uint8), p.absmax)
 
 
-_W = TypeVar("_W")
 _P = TypeVar("_P")
-# id(weight) -> its derived layout; an entry is dropped when its weight object is garbage-collected.
+# id(object) -> what was derived from it; an entry is dropped when its object is garbage-collected.
 _CACHE: dict[int, object] = {}
 
 
-def _cached(w: _W, prepare: Callable[[_W], _P]) -> _P:
-    key = id(w)
+def cached_per_tensor(t: object, make: Callable[[], _P]) -> _P:
+    """`make()`, computed once while `t` lives (for layouts derived from a weight or its buffer)."""
+    key = id(t)
     hit = _CACHE.get(key)
     if hit is None:
-        hit = prepare(w)
-        _CACHE[key] = hit
-        weakref.finalize(w, _CACHE.pop, key, None)
+        hit = _CACHE[key] = make()
+        weakref.finalize(t, _CACHE.pop, key, None)
     return hit  # type: ignore[return-value]
-
-
-def cached_per_tensor(t: Tensor, make: Callable[[], _P]) -> _P:
-    """`make()`, computed once while tensor `t` lives (for layouts derived from a weight buffer)."""
-    return _cached(t, lambda _: make())
 
 
 def prepared_nf4(w: NF4Weight | PackedNF4) -> PackedNF4:
     """`w` as `PackedNF4`, made on first use and cached for the weight's lifetime."""
-    return w if isinstance(w, PackedNF4) else _cached(w, prepare_nf4)
+    return w if isinstance(w, PackedNF4) else cached_per_tensor(w, lambda: prepare_nf4(w))

@@ -5,12 +5,15 @@ constants header is rendered from here and the packing derived from `DECODE`. Se
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, reduce
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight, pack_fp4, unpack_fp4
@@ -41,13 +44,8 @@ def _rotr(q: int, r: int) -> int:
 
 def decode_word(q: int) -> tuple[int, int, int, int]:
     """The four bf16-pair registers the kernel makes of word `q` (same operations)."""
-    out = []
-    for terms in DECODE:
-        v = 0
-        for rot, mask in terms:
-            v |= _rotr(q, rot) & mask
-        out.append(v)
-    return tuple(out)  # type: ignore[return-value]
+    return tuple(reduce(operator.or_, (_rotr(q, rot) & mask for rot, mask in terms))  # type: ignore[return-value]
+                 for terms in DECODE)
 
 
 # Code bit b (0 = mantissa, 1-2 = exponent, 3 = sign) -> its bit in a bf16 half.
@@ -67,10 +65,6 @@ def source_bits() -> tuple[tuple[tuple[int, ...], ...], ...]:
         dest[hits[0]] = b
     return tuple(tuple(tuple(dest[(r, 16 * h + tgt)] for tgt in _TARGET_OF_CODE_BIT) for h in range(2))
                  for r in range(4))
-
-
-# The tensors of a TiledNVFP4, by field name (what a model stores as buffers).
-TENSOR_FIELDS = ("qweight", "scales", "global_scale")
 
 
 @dataclass(frozen=True)
@@ -104,9 +98,7 @@ def _scale_tables() -> tuple[tuple[int, ...], tuple[float, ...]]:
         s = float(torch.tensor(mag, dtype=torch.uint8).view(torch.float8_e4m3fn).float())
         frac, exp = math.frexp(s)  # s = frac * 2**exp, frac in [0.5, 1)
         encode[mag] = ((exp - 1 + SCALE_BIAS - 97) << 3) | int((2 * frac - 1) * 8)
-    decode = [0.0] * 256
-    for u in range(1, 256):
-        decode[u] = 2.0 ** (97 + (u >> 3) - SCALE_BIAS) * (1 + (u & 7) / 8)
+    decode = [0.0] + [2.0 ** (97 + (u >> 3) - SCALE_BIAS) * (1 + (u & 7) / 8) for u in range(1, 256)]
     return tuple(encode), tuple(decode)
 
 
@@ -124,11 +116,7 @@ def _encode_scales(scale_bytes: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _pad(t: Tensor, rows: int, cols: int) -> Tensor:
-    if t.shape == (rows, cols):
-        return t
-    out = torch.zeros(rows, cols, dtype=t.dtype, device=t.device)
-    out[: t.shape[0], : t.shape[1]] = t
-    return out
+    return F.pad(t, (0, cols - t.shape[1], 0, rows - t.shape[0]))  # zeros below and right
 
 
 # Rows are repacked in slices of about this many elements: the int64 temporaries cost ~40 B per
@@ -170,13 +158,8 @@ def _words(codes: Tensor, nb: int, kc: int) -> Tensor:
     c = c.permute(0, 5, 1, 4, 6, 2, 7, 8, 3, 9)
     src = source_bits()
     word = torch.zeros(c.shape[:7], dtype=torch.int64, device=codes.device)
-    for pair in range(2):
-        for hr in range(2):
-            reg = 2 * pair + hr
-            for h in range(2):
-                code = c[..., pair, hr, h]
-                for bit in range(4):
-                    word |= ((code >> bit) & 1) << src[reg][h][bit]
+    for pair, hr, h, bit in itertools.product(range(2), range(2), range(2), range(4)):  # register 2 * pair + hr
+        word |= ((c[..., pair, hr, h] >> bit) & 1) << src[2 * pair + hr][h][bit]
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
     return word.reshape(nb, kc, WORDS)
 
@@ -202,15 +185,11 @@ def untile_nvfp4(t: TiledNVFP4) -> NVFP4Weight:
 def _codes_of_words(word: Tensor, nb: int, kc: int) -> Tensor:
     w = word.view(nb, kc, 2, 8, 4, 2, 2)  # [nb, kc, p, g, t, i, j]
     src = source_bits()
-    regs = []
-    for reg in range(4):
-        halves = []
-        for h in range(2):
-            code = torch.zeros_like(w)
-            for bit in range(4):
-                code |= ((w >> src[reg][h][bit]) & 1) << bit
-            halves.append(code)
-        regs.append(torch.stack(halves, -1))
+
+    def code(reg: int, h: int) -> Tensor:  # the 4-bit code in half h of register reg (its bits are disjoint)
+        return sum(((w >> src[reg][h][bit]) & 1) << bit for bit in range(4))
+
+    regs = [torch.stack([code(reg, h) for h in range(2)], -1) for reg in range(4)]
     c = torch.stack(regs, -2).view(*w.shape, 2, 2, 2)  # [..., pair, hr, h]
     # -> [nb, p, i, hr, g, kc, t, j, pair, h]
     c = c.permute(0, 2, 5, 8, 3, 1, 4, 6, 7, 9)

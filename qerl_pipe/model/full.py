@@ -50,18 +50,12 @@ class FullTraining:
         named = make_fully_trainable(model)
         for handle in getattr(model, "_full_training_hooks", []):
             handle.remove()
-        hooks = []
         self.names = [n for n, _ in named]
         self.weights = [p for _, p in named]
-        self.masters: list[nn.Parameter] = []
-        for w in self.weights:
-            if w.dtype == torch.float32:
-                self.masters.append(w)
-                continue
-            master = nn.Parameter(w.detach().float().clone())
-            self.masters.append(master)
-            hooks.append(w.register_post_accumulate_grad_hook(self._mover(master)))
-        model._full_training_hooks = hooks
+        self.masters: list[nn.Parameter] = [w if w.dtype == torch.float32 else nn.Parameter(w.detach().float().clone())
+                                            for w in self.weights]
+        model._full_training_hooks = [w.register_post_accumulate_grad_hook(self._mover(m))
+                                      for w, m in zip(self.weights, self.masters) if m is not w]
 
     @staticmethod
     def _mover(master: nn.Parameter):

@@ -28,7 +28,7 @@ def humming_linears(model: nn.Module) -> list[QuantLinear]:
     if not linears or linears[0].qweight.device.type != "cuda":
         return []
     table, deterministic = dispatch.active(linears[0].qweight.device)
-    shapes = dispatch.humming_shapes(table, deterministic)
+    shapes = dispatch.humming_schedules(table, deterministic)  # shape -> schedules
     return [m for m in linears if (m.out_features, m.in_features) in shapes]
 
 

@@ -158,10 +158,10 @@ class QuantLinear(nn.Module):
         (bench/results/profiles/train-step-profile-7b-h100.json)."""
         names = [n for n in self.names if n in self.lora_A]
         a = torch.cat([self.lora_A[n] for n in names]).to(x.dtype)
-        b = self._block_diagonal_b(names, x.dtype)
+        b = self.block_diagonal_b(names, x.dtype)
         return torch.addmm(y, x @ a.t(), b.t(), alpha=self.lora_scaling)
 
-    def _block_diagonal_b(self, names: list[str], dtype: torch.dtype) -> Tensor:
+    def block_diagonal_b(self, names: list[str], dtype: torch.dtype) -> Tensor:
         """[out_features, R * len(names)]: projection `names[j]`'s B in its output rows and the
         j-th block of R columns, zeros elsewhere (projections without an adapter get zero rows)."""
         r, width = self.lora_rank, self.lora_rank * len(names)

@@ -58,7 +58,7 @@ def check_lora_targets(config: DecoderConfig, targets: tuple[str, ...]) -> None:
 
 def apply_lora(model: nn.Module, spec: LoraSpec, seed: int = 0) -> None:
     """Give every targeted projection a fresh adapter (B = 0: the model's outputs do not change)."""
-    generator = torch.Generator(device=_device_of(model)).manual_seed(seed)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             if is_expert(name) and not spec.experts:
@@ -102,10 +102,6 @@ def lora_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for m in linears:
             m.lora_enabled = True
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def merge_lora(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:

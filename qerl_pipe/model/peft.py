@@ -39,9 +39,8 @@ ADAPTER_DIR = "adapter"
 
 def _norm_names(model: nn.Module) -> list[str]:
     """Last name parts of the trainable norms (PEFT's modules_to_save match by suffix)."""
-    names = {name.rpartition(".")[2] for name, m in model.named_modules()
-             if isinstance(m, RMSNorm) and m.weight.requires_grad}
-    return sorted(names)
+    return sorted({name.rpartition(".")[2] for name, m in model.named_modules()
+                   if isinstance(m, RMSNorm) and m.weight.requires_grad})
 
 
 def target_modules(model: nn.Module, targets: tuple[str, ...]) -> list[str]:

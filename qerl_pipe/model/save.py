@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
-from qerl_pipe.formats.checkpoint import SHARD_BYTES, ShardWriter
+from qerl_pipe.formats.checkpoint import ShardWriter
 from qerl_pipe.formats.names import hf_name
 from qerl_pipe.kernels.base_formats import base_format as format_entry
 from qerl_pipe.model.decoder import Decoder
@@ -35,15 +34,13 @@ def hf_tensors(model: Decoder) -> Iterator[tuple[str, Tensor]]:
             yield hf_name(name), t.detach()
 
 
-def save_hf_weights(model: Decoder, out_dir: Path, dtype: torch.dtype | None = None,
-                    shard_bytes: int = SHARD_BYTES) -> int:
-    """Write the model's weights as `model.safetensors`, or HF-named shards plus their index when
-    they exceed `shard_bytes`; in `dtype` (default: the model's). Returns the bytes written."""
+def save_hf_weights(model: Decoder, out_dir: Path) -> int:
+    """Write the model's weights, in its dtype, as `model.safetensors`, or HF-named shards plus their
+    index past `checkpoint.SHARD_BYTES`. Returns the bytes written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    dtype = dtype or model.dtype
-    writer = ShardWriter(out_dir, max_bytes=shard_bytes)
+    writer = ShardWriter(out_dir)
     for name, t in hf_tensors(model):
         # clone: safetensors refuses views into a shared storage (the split projections).
-        writer.add(name, t.to("cpu", dtype).clone())
+        writer.add(name, t.to("cpu", model.dtype).clone())
     writer.finish()
     return writer.total

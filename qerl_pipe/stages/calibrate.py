@@ -91,10 +91,8 @@ def _calibrate(pending: PendingArtifact, *, resolved: Any, section: CalibrateSec
     batches = (chunk.to(device) for chunk in ids.split(section.batch_size))
     n_batches = -(-section.num_samples // section.batch_size)
     input_amax, mean_square, tokens = collect_input_stats(model, progress(batches, "calibrate", n_batches))
-    linears = {}
-    for name, module in model.named_modules():
-        if name in input_amax:
-            linears[name] = {"input_amax": input_amax[name], **_weight_stats(module.weight)}
+    linears = {name: {"input_amax": input_amax[name], **_weight_stats(module.weight)}
+               for name, module in model.named_modules() if name in input_amax}
     _check_finite(linears, mean_square)
     stats = {"tokens": tokens, "data": section.data, "device": str(device), "dtype": str(dtype), "linears": linears}
     write_json(pending.dir / STATS_FILE, stats)

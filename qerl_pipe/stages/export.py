@@ -29,7 +29,6 @@ from qerl_pipe.recipe import ExportSection
 from qerl_pipe.runner import StageCall
 
 STAGE = EXPORT
-KINDS = {"peft": "export-peft", "merged-bf16": "export-merged-bf16", "merged-nvfp4": "export-merged-nvfp4"}
 
 
 def _check_run(run: Artifact) -> Path:
@@ -130,4 +129,4 @@ def export_stage(call: StageCall) -> Artifact:
     export = (_full_run_export(run, section, source_dir) if full
               else _adapter_export(run, section, source_dir, call.store))
     build = partial(_write, export=export, section=section, run=run, source_dir=source_dir, full=full)
-    return call.seal(config=export.config, parents=export.parents, build=build, kind=KINDS[section.format])
+    return call.seal(config=export.config, parents=export.parents, build=build, kind=f"export-{section.format}")

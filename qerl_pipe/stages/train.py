@@ -112,10 +112,7 @@ def train_stage(call: StageCall) -> Artifact:
 
 def _follow_train(run: RunInputs) -> Artifact:
     """A rank other than 0: train in the run directory rank 0 chose, then return the artifact it sealed.
-
-    Rank 0 raising (say, a locked or damaged store) ends the whole torchrun group, so the
-    broadcasts here never wait for nothing.
-    """
+    Rank 0 raising (say, a locked or damaged store) ends the whole torchrun group: no broadcast here waits forever."""
     existing, run_dir = run.dist.broadcast(None)
     if existing is not None:
         return load_artifact(Path(existing), verify=False)

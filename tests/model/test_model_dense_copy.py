@@ -35,13 +35,13 @@ def test_the_dense_copy_gives_the_reference_numbers_bit_for_bit(base_format, dty
             p.add_(0.01)
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
     reference = _forward_backward(model, ids)
-    from qerl_pipe.kernels import reference as ref_ops
+    from qerl_pipe.kernels import linear as linear_ops
 
     with dense_base_copy(model) as nbytes, monkeypatch.context() as patch:
         assert nbytes > 0
-        for name in ("nvfp4_linear_ref", "nvfp4_linear_dx_ref", "nf4_linear_ref", "nf4_linear_dx_ref"):
+        for name in ("dequantize_nvfp4", "dequantize_nf4"):
             # The copies serve every matmul of the scope: the per-call dequantizing path never runs.
-            patch.setattr(ref_ops, name, lambda *a, name=name: pytest.fail(f"{name} ran inside the scope"))
+            patch.setattr(linear_ops, name, lambda *a, name=name: pytest.fail(f"{name} ran inside the scope"))
         copied = _forward_backward(model, ids)
     assert torch.equal(reference[0], copied[0])
     assert all(torch.equal(a, b) for a, b in zip(reference[1], copied[1]))

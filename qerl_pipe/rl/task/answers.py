@@ -133,13 +133,9 @@ def _value(m: re.Match[str]) -> Fraction | None:
 
 def stated_value(answer: str, *, any_other_sides: bool = False) -> Fraction | None:
     """The number an answer states, exactly: 18 from "18", "\\$18", "18 \\text{ dollars}" or "x = 18";
-    -1/2 from "-\\frac{1}{2}"; 1500 from "1.5 \\times 10^{3}". None for anything else: an expression
-    ("(27 + 82)", "2^{10}", "\\sqrt{144}", "5!", "2k"), an equation, no number.
-
-    In a relation ("=", "\\approx"), the last side that states a number counts, when each other side
-    is a name ("x = 5") or has no letters ("27 + 82 = 109"); with `any_other_sides` (an answer, not
-    a gold) the other sides may be anything ("f(3) = 12"). A gold "5x - 7y + 11z + 4 = 0" is an
-    equation, not the number 0."""
+    -1/2 from "-\\frac{1}{2}"; None for an expression ("(27 + 82)", "2^{10}"), an equation or no number.
+    In a relation the last side that states a number counts when each other side is a name or has no
+    letters; with `any_other_sides` (an answer, not a gold) they may be anything. docs/rewards.md, "Grading"."""
     sides = [_undecorated(side) for side in _RELATION.split(answer.replace("−", "-").replace("–", "-"))]
     for i in reversed(range(len(sides))):
         m = _STATED.fullmatch(sides[i])

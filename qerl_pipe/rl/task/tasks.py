@@ -114,11 +114,9 @@ def _arithmetic(spec: str, limit: int | None, seed: int) -> list[Problem]:
     if limit is not None:
         n = min(n, limit)
     rng = random.Random(seed)
-    problems = []
-    for i in range(n):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        problems.append(Problem(f"arithmetic:{seed}:{i}", f"What is {a} + {b}?", str(a + b), "arithmetic"))
-    return problems
+    pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(n)]
+    return [Problem(f"arithmetic:{seed}:{i}", f"What is {a} + {b}?", str(a + b), "arithmetic")
+            for i, (a, b) in enumerate(pairs)]
 
 
 def addition(spec: str) -> list[Problem]:
