@@ -47,7 +47,7 @@ from qerl_pipe.engine.fp8 import Fp8Linears
 from qerl_pipe.kernels.fp8 import CODE_MAX
 from qerl_pipe.model.kernel_copies import all_experts_grouped, attach_grouped_experts, attach_humming
 from qerl_lab.attention import random_codes
-from qerl_lab.rollout import engine_options, kv_targets as kv_rows_targets, parse_label
+from qerl_lab.rollout import kv_targets as kv_rows_targets, parse_label
 from qerl_pipe.model.lora import LoraSpec
 
 KERNELS_PER_LAYER_TARGET = 12
@@ -103,7 +103,7 @@ def profile_format(shape: str, label: str, batch: int, context: int, steps: int,
     base_format, activations, kv_cache = parse_label(label)
     model = init_random_model(SHAPES[shape], base_format=base_format, device="cuda",
                               lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank))
-    fp8 = Fp8Linears(model, engine_options(activations)["fp8_weights"]) if activations != "bf16" else None
+    fp8 = Fp8Linears(model) if activations == "fp8" else None
     if fp8 is None:
         attach_humming(model)  # as the engine: humming's copies where the dispatch sends rows to them
     attach_grouped_experts(model)  # a MoE's experts as the engine runs them (no-op for a dense model)

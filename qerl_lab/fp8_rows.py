@@ -10,11 +10,7 @@ weight copies, one CUDA graph, median of replays; `kernels.tuning.time_graph`):
 - `fp8_quant_us`: the same plus one compiled quantization launch (o and down's inputs before the
   row kernel);
 - `triton_us`: our Triton FP8 GEMM (`kernels.triton_fp8.fp8_gemm`, its default config) on the same
-  copy and codes; `--sweep` also times a grid of its configs (`triton_best_us`, `triton_best`; the
-  same for W4A8: `w4a8_best_us`, `w4a8_best`);
-- `w4a8_us`: the same GEMM reading the NVFP4 weight itself (W4A8, `fp8.W4A8Weight`: half the copy's
-  bytes, each tile decoded to E4M3 in registers); `w4a8_rel_err` against the fp32 reference of its
-  E4M3 weight (`fp8.w4a8_codes`), `w4a8_ref_rel_err` against the bf16 product with the NVFP4 weight;
+  copy and codes; `--sweep` also times a grid of its configs (`triton_best_us`, `triton_best`);
 - `fp8_tensorwise_us`, `fp8_fast_accum_us`: torch's other FP8 GEMM paths (one scale per tensor;
   row-wise with fast accumulation), timed only: whether the library has a faster kernel there.
 And the fused add + RMSNorm kernel (hidden 3584) with and without its FP8 output, and the E4M3
@@ -38,9 +34,7 @@ from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels import cuda_ext
 from qerl_pipe.kernels.decode_ops import add_rms_norm
 from qerl_pipe.kernels.dispatch_measure import REPS, inputs, operands
-from qerl_pipe.kernels.fp8 import (OURS_MAX_ROWS, Fp8Rows, Fp8Weight, fp8_linear_reference, quantize_rows, quantize_weight,
-                                   row_codes, runs_fp8, w4a8_codes, w4a8_weight)
-from qerl_pipe.kernels.tiled import untile_nvfp4
+from qerl_pipe.kernels.fp8 import OURS_MAX_ROWS, Fp8Rows, Fp8Weight, quantize_rows, quantize_weight, row_codes, runs_fp8
 from qerl_pipe.kernels.triton_fp8 import fp8_gemm, gemm_config, gated_rows
 from qerl_pipe.kernels.tuning import rel_err, time_graph
 from qerl_pipe.model.decoder import silu_gate
@@ -81,8 +75,6 @@ def _layer_rows(layer: str, n: int, k: int, device: torch.device, ms: tuple[int,
     ops = operands(n, k, device, humming=False, bf16=True, label=f"{MODEL} {layer}")
     # The engine's copy: per-channel E4M3 of the NVFP4 weight dequantized to bf16.
     copies = [quantize_weight(cuda_ext.dequantize(t)) for t in ops.tiled]
-    w4a8 = [w4a8_weight(untile_nvfp4(t)) for t in ops.tiled]
-    w4a8_exact = Fp8Weight(w4a8_codes(w4a8[0]), w4a8[0].scale)
     rows = []
     for m in ms:
         x, ref = inputs(ops, m)
@@ -107,22 +99,15 @@ def _layer_rows(layer: str, n: int, k: int, device: torch.device, ms: tuple[int,
         row["triton_us"] = time_graph([lambda w=w: fp8_gemm(q, w) for w in copies], REPS) * 1e6
         row["triton_config"] = gemm_config(m, n, k)
         row["triton_rel_err"] = rel_err(fp8_gemm(q, copies[0]), ref)
-        row["w4a8_us"] = time_graph([lambda w=w: fp8_gemm(q, w) for w in w4a8], REPS) * 1e6
-        row["w4a8_rel_err"] = rel_err(fp8_gemm(q, w4a8[0]), fp8_linear_reference(q, w4a8_exact, torch.float32))
-        row["w4a8_ref_rel_err"] = rel_err(fp8_gemm(q, w4a8[0]), ref)
         if sweep:
             timed = [(time_graph([lambda w=w: fp8_gemm(q, w, config=c) for w in copies], REPS) * 1e6, c)
                      for c in _sweep(m, n, k)]
             row["triton_best_us"], row["triton_best"] = min(timed, key=lambda t: t[0])
-            timed = [(time_graph([lambda w=w: fp8_gemm(q, w, config=c) for w in w4a8], REPS) * 1e6, c)
-                     for c in _sweep(m, n, k)]
-            row["w4a8_best_us"], row["w4a8_best"] = min(timed, key=lambda t: t[0])
         row["fp8_rel_err"] = rel_err(cublaslt(q, copies[0]), ref)
         row["bf16_rel_err"] = rel_err(x @ ops.bf16[0].T, ref)
         rows.append(row)
         print(f"{layer:8} M {m:5}: bf16 {row['bf16_us']:8.1f} us, W4A16 {row.get('qerl_us', float('nan')):8.1f}, "
               f"fp8 {row['fp8_us']:8.1f} (+quant {row['fp8_quant_us']:8.1f}), triton {row['triton_us']:8.1f} "
-              f"w4a8 {row['w4a8_us']:8.1f} (err {row['w4a8_rel_err']:.1e}) "
               f"(best {row.get('triton_best_us', float('nan')):8.1f} {row.get('triton_best', '')}), "
               f"err {row['fp8_rel_err']:.2e} / {row['triton_rel_err']:.2e}", flush=True)
     return rows
@@ -167,8 +152,7 @@ def _weighted(layers: list[dict], producers: list[dict], m: int) -> dict[str, fl
     # bf16 gate, so only its excess counts), the norm's extra output.
     extra = (p["quant_o_rows_us"] + p["gate_quant_down_rows_us"] - p["gate_down_us"]
              + 2 * (p["norm_fp8_us"] - p["norm_us"]))
-    for key, column in (("triton", "triton_us"), ("triton_best", "triton_best_us"), ("w4a8", "w4a8_us"),
-                        ("w4a8_best", "w4a8_best_us")):
+    for key, column in (("triton", "triton_us"), ("triton_best", "triton_best_us")):
         if all(column in r for r in by.values()):
             ours = sum(r[column] for r in by.values()) + extra
             out[f"{key}_us"], out[f"{key}_over_bf16"] = ours, bf16 / ours
@@ -195,7 +179,6 @@ def run(out: Path | None, ms: tuple[int, ...] = MS, sweep: bool = False) -> dict
     for w in weighted:
         print(f"M {w['M']:5}: cuBLASLt FP8 layer {w['fp8_over_bf16']:.3f}x bf16 (GEMMs alone "
               f"{w['fp8_gemm_only_over_bf16']:.3f}x), Triton FP8 layer {w['triton_over_bf16']:.3f}x, "
-              f"W4A8 layer {w['w4a8_over_bf16']:.3f}x, "
               f"the engine's {w['engine_over_bf16']:.3f}x"
               + (f" (best configs {w['triton_best_over_bf16']:.3f}x)" if "triton_best_over_bf16" in w else "")
               + (f", W4A16 {w['w4a16_over_bf16']:.3f}x" if "w4a16_over_bf16" in w else ""), flush=True)

@@ -158,7 +158,7 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
         step_weight_bytes = weight_bytes - embed_bytes - expert_bytes + round(share * expert_bytes)
         limits = plan_limits(dcfg, max_seq_len=prompt_len + new_tokens, max_batch=batch,
                              cuda_graphs=device == "cuda", kv_cache=kv_cache)
-        engine = Engine(model, limits, kernel_copies=kernel_copies, **engine_options(activations))
+        engine = Engine(model, limits, kernel_copies=kernel_copies, activations=activations)
         prompts = _prompts(batch, prompt_len, config["vocab_size"], seed=1)
         # Warm-up: compile the kernels this batch uses, then capture every decode graph (batch x
         # attended length) so that no capture lands in the timed run.
@@ -196,23 +196,13 @@ def bench_engine(config: dict[str, Any], base_format: str, batches: list[int], p
 
 
 def parse_label(label: str) -> tuple[str, str, str]:
-    """(base format, activations, engine.kv_cache) of a format label: `BASE[+fp8|+w4a8][+fp8kv|+int8kv]`,
-    "+fp8" for FP8 activations (engine.fp8.NVFP4_WEIGHTS' weights), "+w4a8" for FP8 activations over
-    the NVFP4 codes themselves, "+fp8kv" / "+int8kv" for an E4M3 / INT8 KV cache. `engine_options`
-    turns the activations into the Engine's arguments."""
+    """(base format, engine.activations, engine.kv_cache) of a format label: `BASE[+fp8][+fp8kv|+int8kv]`,
+    "+fp8" for FP8 activations, "+fp8kv" / "+int8kv" for an E4M3 / INT8 KV cache."""
     base_format, *options = label.split("+")
     caches = [o.removesuffix("kv") for o in options if o in ("fp8kv", "int8kv")]
-    acts = [o for o in options if o in ("fp8", "w4a8")]
-    if set(options) - {"fp8", "w4a8", "fp8kv", "int8kv"} or len(caches) > 1 or len(acts) > 1:
-        raise QerlError(f"format {label!r}: unknown or repeated options; write BASE[+fp8|+w4a8][+fp8kv|+int8kv]")
-    return base_format, acts[0] if acts else "bf16", caches[0] if caches else "bf16"
-
-
-def engine_options(activations: str) -> dict[str, str | None]:
-    """The Engine's `activations` and `fp8_weights` for a label's activations (`parse_label`)."""
-    if activations == "w4a8":
-        return {"activations": "fp8", "fp8_weights": "w4a8"}
-    return {"activations": activations, "fp8_weights": None}
+    if set(options) - {"fp8", "fp8kv", "int8kv"} or len(caches) > 1:
+        raise QerlError(f"format {label!r}: unknown or repeated options; write BASE[+fp8][+fp8kv|+int8kv]")
+    return base_format, "fp8" if "fp8" in options else "bf16", caches[0] if caches else "bf16"
 
 
 def _fmt(r: dict) -> str:

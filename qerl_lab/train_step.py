@@ -56,7 +56,7 @@ import torch
 from qerl_lab.kernel_kinds import profile_kinds
 from qerl_pipe.model.random_init import init_random_model
 from qerl_lab.results import nulls_for_non_finite, results_file, target
-from qerl_lab.rollout import engine_options, parse_label
+from qerl_lab.rollout import parse_label
 from qerl_pipe.model.shapes import SHAPES, shape_for_source
 from qerl_pipe.engine import Engine, plan_limits
 from qerl_pipe.engine.sampling import SamplingParams
@@ -323,7 +323,7 @@ def measure_step(config: Mapping[str, Any], quant: str, s: StepSettings, size: S
     build_s, build_peak = time.perf_counter() - t0, _peaks(device)["allocated"]
     limits = plan_limits(model.config, max_seq_len=size.seq_len, max_batch=size.kv_slots,
                          cuda_graphs=_cuda(device), kv_cache=s.kv_cache)
-    engine = Engine(model, limits, kernel_copies=kernel_copies, **engine_options(s.activations))
+    engine = Engine(model, limits, kernel_copies=kernel_copies, activations=s.activations)
     prompts = _prompts(s.prompts, s.prompt_len, model.config.vocab_size)
     warmup = _warm_up(model, engine, prompts, s, size, device)
 
@@ -389,8 +389,7 @@ def bench_config(name: str, config: Mapping[str, Any], quant: str, s: StepSettin
     decoder_config = DecoderConfig.from_hf(config)
     base = parse_label(quant)[0]  # the row keeps the whole label (nvfp4+fp8)
     copies = copy_bytes_asked(decoder_config, base, torch.device(device), dispatch.active(torch.device(device))[0],
-                              s.kernels == "deterministic", s.lora_experts,
-                              **engine_options(s.activations)) if _cuda(device) else 0
+                              s.kernels == "deterministic", s.lora_experts, s.activations) if _cuda(device) else 0
     try:
         plan = plan_step(decoder_config, base, s.shape(name), budget,
                          budget_source="train.memory_budget_gb" if recipe else "--memory-budget-gb",

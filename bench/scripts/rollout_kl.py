@@ -17,7 +17,7 @@ No adapter, no AQN noise: the base model as both paths run it.
 python3 bench/scripts/rollout_kl.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out FILE.json
 [--prompts 16 --n 4 --new-tokens 128 --bases bf16,nvfp4,nvfp4+fp8,bf16+fp8,nvfp4+fp8kv --device cuda]
 [--fp8-skip down: those projections keep bf16 activations under +fp8]
-('+fp8': the engine runs FP8 activations, engine.activations=fp8 ('+w4a8': over the NVFP4 codes); '+fp8kv' / '+int8kv': an E4M3 / INT8 KV cache,
+('+fp8': the engine runs FP8 activations, engine.activations=fp8; '+fp8kv' / '+int8kv': an E4M3 / INT8 KV cache,
 engine.kv_cache=fp8 / int8; the trainer's forward stays bf16.)
 """
 import argparse
@@ -29,7 +29,7 @@ import torch
 
 from qerl_pipe.artifacts import ArtifactStore
 from qerl_lab.results import results_file, target
-from qerl_lab.rollout import engine_options, parse_label
+from qerl_lab.rollout import parse_label
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.engine import fp8 as engine_fp8
 from qerl_pipe.engine.limits import plan_limits
@@ -82,7 +82,7 @@ def measure(model_dir: Path, prompts: list[list[int]], eos: int, label: str, dev
     config = DecoderConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     limits = plan_limits(config, max_seq_len=max(map(len, prompts)) + args.new_tokens,
                          max_batch=len(prompts) * args.n, cuda_graphs=device.type == "cuda", kv_cache=kv_cache)
-    engine = Engine(model, limits, **engine_options(activations))
+    engine = Engine(model, limits, activations=activations)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, seed=11,
                               stop_token_ids=(eos,))
     out = engine.generate(prompts, args.n, sampling)

@@ -84,13 +84,11 @@ class Engine:
     """Generates rollouts from a Decoder: `Engine(model, limits).generate(prompts, n, sampling)`.
     Allocates the KV cache once; runs the model as it is (unmerged LoRA, AQN noise in its norms:
     update in place; a rebound tensor is seen and the graphs recaptured). `activations="fp8"`: FP8
-    copies of the dense bases where `kernel_copies` allows (`self.activations` says what runs);
-    `fp8_weights`: what an NVFP4 base's FP8 rows read (`engine.fp8.NVFP4_WEIGHTS` by default).
+    copies of the dense bases where `kernel_copies` allows (`self.activations` says what runs).
     CUDA graphs, `prefill_tokens` and the rest: docs/engine.md."""
 
     def __init__(self, model: Decoder, limits: EngineLimits, *, prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
-                 cuda_graphs: bool | None = None, kernel_copies: bool = True, activations: str = "bf16",
-                 fp8_weights: str | None = None):
+                 cuda_graphs: bool | None = None, kernel_copies: bool = True, activations: str = "bf16"):
         if prefill_tokens < 1:
             raise PromptError(f"prefill_tokens must be >= 1; got {prefill_tokens}")
         device = model.embed_tokens.weight.device
@@ -105,7 +103,7 @@ class Engine:
         fp8 = None
         if kernel_copies and activations == "fp8":
             detach_humming(model)
-            fp8 = Fp8Linears(model, fp8_weights)
+            fp8 = Fp8Linears(model)
         elif kernel_copies:
             attach_humming(model)
         else:

@@ -1,5 +1,4 @@
-"""FP8 rollouts (`engine.activations: fp8`): E4M3 copies of the dense linears' bases (or, W4A8, an
-NVFP4 base's own codes), made once when
+"""FP8 rollouts (`engine.activations: fp8`): E4M3 copies of the dense linears' bases, made once when
 the engine starts (`Fp8Linears`), serve the rollout projections of at least `min_rows` rows with
 per-token E4M3 activations, which the norm kernel writes beside its bf16 output (elsewhere our row
 kernel, down's with the gate fused); the adapter stays bf16 and training never sees FP8.
@@ -14,9 +13,7 @@ from torch import Tensor, nn
 from qerl_pipe.errors import QerlError
 from qerl_pipe.kernels.base_formats import BaseFormat
 from qerl_pipe.kernels.base_formats import base_format as format_entry
-from qerl_pipe.kernels.fp8 import (Fp8Rows, Fp8Weight, W4A8Weight, fp8_linear, quantize_rows, quantize_weight, runs_fp8,
-                                   w4a8_weight)
-from qerl_pipe.kernels.tiled import untile_nvfp4
+from qerl_pipe.kernels.fp8 import Fp8Rows, Fp8Weight, fp8_linear, quantize_rows, quantize_weight, runs_fp8
 from qerl_pipe.kernels.triton_fp8 import gated_rows
 from qerl_pipe.log import log
 from qerl_pipe.model.linear import QuantLinear
@@ -29,11 +26,6 @@ ACTIVATIONS = ("bf16", "fp8")
 # W4A16 GEMM 74.3 us against FP8's 114.1 at M = 16, 142.6 against 124.1 at M = 64 (every layer
 # faster in FP8 there). A bf16 base runs FP8 from one row.
 NVFP4_MIN_ROWS = 64
-# What an NVFP4 base's FP8 rows read: "copy", an E4M3 copy (a byte a weight, cuBLASLt above
-# fp8.OURS_MAX_ROWS rows), or "w4a8", the NVFP4 codes themselves (0.56 bytes a weight, our GEMM at
-# every M). A bf16 base always gets the copy.
-NVFP4_WEIGHTS = "copy"
-FP8_WEIGHTS = ("copy", "w4a8")
 
 
 def min_rows(fmt: BaseFormat) -> int:
@@ -79,30 +71,25 @@ def fp8_linears(model: nn.Module) -> list[QuantLinear]:
     return [linear for linear in out if linear.in_features % 16 == 0 and linear.out_features % 16 == 0]
 
 
-def _fp8_weight(linear: QuantLinear, weights: str) -> Fp8Weight | W4A8Weight:
+def _dense_base(linear: QuantLinear) -> Tensor:
     if linear.fmt.dense:
-        return quantize_weight(linear.weight)
-    if weights == "w4a8":
-        return w4a8_weight(untile_nvfp4(linear.kernel_weight))
-    return quantize_weight(linear.fmt.dense_copy(linear.kernel_weight, torch.bfloat16))
+        return linear.weight
+    return linear.fmt.dense_copy(linear.kernel_weight, torch.bfloat16)
 
 
 class Fp8Linears:
-    """The FP8 weights of a model's linears (`fp8_linears`) and the rows they serve; `weights`: what
-    an NVFP4 base's read (`NVFP4_WEIGHTS`)."""
+    """The FP8 copies of a model's linears (`fp8_linears`) and the rows they serve."""
 
-    def __init__(self, model: nn.Module, weights: str | None = None):
-        weights = weights or NVFP4_WEIGHTS
-        if weights not in FP8_WEIGHTS:
-            raise QerlError(f"FP8 weights {weights!r}: choose one of {', '.join(FP8_WEIGHTS)}")
-        self.copies: dict[QuantLinear, Fp8Weight | W4A8Weight] = {}
+    def __init__(self, model: nn.Module):
+        self.copies: dict[QuantLinear, Fp8Weight] = {}
         self.min_rows = min_rows(format_entry(model.base_format))
         with torch.no_grad():
             for linear in fp8_linears(model):
-                self.copies[linear] = _fp8_weight(linear, weights)
-        self.weights = "w4a8" if any(isinstance(w, W4A8Weight) for w in self.copies.values()) else "copy"
-        log(f"engine: FP8 weights ({self.weights}) of {len(self.copies)} linears ({self.nbytes / 2**30:.2f} GiB); "
-            f"projections of {self.min_rows}+ rows run FP8 activations")
+                dense = _dense_base(linear)
+                self.copies[linear] = quantize_weight(dense)
+                del dense
+        log(f"engine: FP8 copies of {len(self.copies)} linears ({self.nbytes / 2**30:.2f} GiB); projections of "
+            f"{self.min_rows}+ rows run FP8 activations")
 
     @property
     def nbytes(self) -> int:

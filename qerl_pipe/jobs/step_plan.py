@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from qerl_pipe.jobs.engine_artifact import read_engine_json
-from qerl_pipe.engine.fp8 import NVFP4_WEIGHTS
 from qerl_pipe.engine.limits import EngineLimits
 from qerl_pipe.formats.hf_config import read_model_config
 from qerl_pipe.hf import compute_dtype, count_parameters, pick_device
@@ -67,17 +66,16 @@ def _plan(train: TrainSection, config: DecoderConfig, base_format: str, dtype: t
 
 
 def copy_bytes_asked(config: DecoderConfig, base_format: str, device: torch.device, table: DispatchTable | None,
-                     deterministic: bool, lora_experts: bool, activations: str = "bf16",
-                     fp8_weights: str | None = None) -> int:
-    """The bytes of the kernel copies an engine on `device` makes: the FP8 weights of the dense linears
-    (FP8 activations; `fp8_weights` as the Engine's), else humming's copies of an NVFP4 base's linears `table` sends to humming; plus
+                     deterministic: bool, lora_experts: bool, activations: str = "bf16") -> int:
+    """The bytes of the kernel copies an engine on `device` makes: the FP8 copies of the dense linears
+    (FP8 activations), else humming's copies of an NVFP4 base's linears `table` sends to humming; plus
     humming's copies of an NVFP4 MoE's experts for their grouped GEMMs (unless the experts carry LoRA)."""
     nvfp4 = format_entry(base_format).hopper_dispatch
     grouped = (nvfp4 and bool(config.num_sparse_layers) and not lora_experts and device.type == "cuda"
                and humming_backend.available(device))
     experts = expert_copy_bytes(config) if grouped else 0
     if activations == "fp8":
-        return fp8_copy_bytes(config, nvfp4 and (fp8_weights or NVFP4_WEIGHTS) == "w4a8") + experts
+        return fp8_copy_bytes(config) + experts
     if not nvfp4:
         return 0
     return kernel_copy_bytes(config, humming_copy_shapes(device, table, deterministic)) + experts

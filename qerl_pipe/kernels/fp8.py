@@ -9,8 +9,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4
-
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
 # The KV cache's code formats (engine.kv_cache) by dtype, and each one's largest code.
@@ -39,24 +37,6 @@ class Fp8Weight:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scale.numel() * 4
-
-
-@dataclass(frozen=True)
-class W4A8Weight:
-    """An NVFP4 base read as it is by the W4A8 GEMM: its packed E2M1 codes [N, K/2] and E4M3 block
-    scales [N, K/16], and per row the power of two `shift` [N] = 2**j that lifts the row's largest
-    |code x block scale| into (224, 448]. The E4M3 weight e2m1 x block scale x 2**j is then exact
-    before its one rounding (`w4a8_codes`); `scale` [1, N] = global scale x 2**-j undoes it in the
-    epilogue, as `Fp8Weight.scale` does."""
-
-    packed: Tensor
-    block_scales: Tensor
-    shift: Tensor
-    scale: Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() + self.block_scales.numel() + self.shift.numel() * 4 + self.scale.numel() * 4
 
 
 def runs_fp8(device: torch.device) -> bool:
@@ -92,30 +72,6 @@ def quantize_weight(w: Tensor, rows_per_chunk: int = 4096) -> Fp8Weight:
     return Fp8Weight(codes, scale)
 
 
-def w4a8_weight(w: NVFP4Weight, rows_per_chunk: int = 4096) -> W4A8Weight:
-    """`W4A8Weight` of an NVFP4 weight (its tensors shared), the row exponents from row chunks (no
-    fp32 copy of the whole weight)."""
-    n = w.out_features
-    amax = torch.empty(n, dtype=torch.float32, device=w.packed.device)
-    one = torch.ones((), dtype=torch.float32, device=w.packed.device)
-    for lo in range(0, n, rows_per_chunk):
-        rows = NVFP4Weight(w.packed[lo:lo + rows_per_chunk], w.block_scales[lo:lo + rows_per_chunk], one)
-        amax[lo:lo + rows_per_chunk] = dequantize_nvfp4(rows).abs().amax(dim=1)
-    # amax = m 2**e, m in [0.5, 1); 448 = 0.875 2**9: the largest j with amax 2**j <= 448.
-    m, e = torch.frexp(amax.clamp(min=MIN_AMAX))
-    j = torch.where(m <= 0.875, 9 - e, 8 - e).float()
-    scale = (w.global_scale.float() * torch.exp2(-j)).reshape(1, n)
-    return W4A8Weight(w.packed, w.block_scales, torch.exp2(j), scale)
-
-
-def w4a8_codes(w: W4A8Weight) -> Tensor:
-    """The E4M3 weight [N, K] the W4A8 GEMM multiplies: e2m1 x block scale x 2**j, each rounded once
-    (the products are exact in fp32); with `w.scale` it is an `Fp8Weight` (the reference's input)."""
-    one = torch.ones((), dtype=torch.float32, device=w.packed.device)
-    values = dequantize_nvfp4(NVFP4Weight(w.packed, w.block_scales, one))
-    return (values * w.shift[:, None]).to(FP8)
-
-
 def fp8_linear_reference(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype) -> Tensor:
     """(x8 * sx) @ (w8 * sw)^T in fp32, rounded once to `out_dtype`."""
     a = x.codes.float() * x.scale
@@ -129,19 +85,19 @@ def fp8_linear_reference(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype) -> Te
 OURS_MAX_ROWS = 64
 
 
-def fp8_linear(x: Fp8Rows, w: Fp8Weight | W4A8Weight, out_dtype: torch.dtype = torch.bfloat16,
-               bias: Tensor | None = None, lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def fp8_linear(x: Fp8Rows, w: Fp8Weight, out_dtype: torch.dtype = torch.bfloat16, bias: Tensor | None = None,
+               lora: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """x [M, K] @ W^T (+ bias [N]) (+ u @ B^T for lora = (u [M, R], B [N, R])) -> [M, N] in `out_dtype`:
-    on FP8 tensor cores with a bf16 output our Triton GEMM (bias and adapter before its one rounding;
-    the only one that reads a W4A8 weight) or cuBLASLt (`OURS_MAX_ROWS`), else the reference."""
+    on FP8 tensor cores with a bf16 output our Triton GEMM (bias and adapter before its one rounding)
+    or cuBLASLt (`OURS_MAX_ROWS`), else the reference."""
     if runs_fp8(x.codes.device) and out_dtype == torch.bfloat16:
-        if isinstance(w, W4A8Weight) or x.codes.shape[0] <= OURS_MAX_ROWS:
+        if x.codes.shape[0] <= OURS_MAX_ROWS:
             from qerl_pipe.kernels.triton_fp8 import fp8_gemm  # imports this module: loaded late
 
             return fp8_gemm(x, w, bias, lora)
         y = torch._scaled_mm(x.codes, w.codes.t(), scale_a=x.scale, scale_b=w.scale, out_dtype=out_dtype)
     else:
-        y = fp8_linear_reference(x, w if isinstance(w, Fp8Weight) else Fp8Weight(w4a8_codes(w), w.scale), torch.float32)
+        y = fp8_linear_reference(x, w, torch.float32)
     if bias is not None:
         y += bias.to(y.dtype)
     if lora is not None:

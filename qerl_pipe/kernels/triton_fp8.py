@@ -1,7 +1,6 @@
 """Triton FP8 (E4M3) kernels of the rollout's linears: the GEMM y = (x8 * sx) @ (w8 * sw)^T (+ bias,
-+ the LoRA expand u @ B^T) over a per-channel E4M3 copy of a base or, W4A8, over an NVFP4 base's
-own codes (each tile decoded to E4M3 in registers), and the per-token E4M3 rows of down's input
-(the gate fused in) and of o's. docs/kernels.md#fp8-rollouts: where each runs."""
++ the LoRA expand u @ B^T) over a per-channel E4M3 copy of a base, and the per-token E4M3 rows of
+down's input (the gate fused in) and of o's. docs/kernels.md#fp8-rollouts: where each runs."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from qerl_pipe.kernels.fp8 import FP8, Fp8Rows, Fp8Weight, W4A8Weight
+from qerl_pipe.kernels.fp8 import FP8, Fp8Rows, Fp8Weight
 from qerl_pipe.kernels.triton_decode import INV_FP8_MAX, _code_scale
 from qerl_pipe.kernels.triton_pdl import launch_dependents, pdl_options, wait_previous
 
@@ -40,33 +39,10 @@ def _epilogue(acc, offs_n, offs_m, n_ok, m_ok, xs_ptr, ws_ptr, bias_ptr, u_ptr, 
 
 
 @triton.jit
-def _w4_tile(w_ptr, s_ptr, shift, offs_n, n_ok, t, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """K tile t of a W4A8 weight as E4M3 [BLOCK_N, BLOCK_K]: e2m1 x block scale x 2**j, exact in fp16
-    (products of at most 6 significant bits; those below fp16's normals round to E4M3's 0 anyway),
-    rounded once (`fp8.w4a8_codes`). Packed fp16 pairs: half the instructions of fp32."""
-    offs_h = t * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_ptr + offs_n[:, None] * (K // 2) + offs_h[None, :],
-                     mask=n_ok[:, None] & (offs_h < K // 2)[None, :], other=0, eviction_policy="evict_first")
-    codes = tl.join(packed & 15, packed >> 4).reshape(BLOCK_N, BLOCK_K)  # the low nibble is the even column
-    # The code's sign, exponent and mantissa bits put at an fp16's (15, 10-11, 9): e2m1 x 2**-14
-    # (0.5 an fp16 subnormal), and x 2**14 back, exactly.
-    bits = ((codes & 7).to(tl.uint16) << 9) | ((codes & 8).to(tl.uint16) << 12)
-    values = bits.to(tl.float16, bitcast=True) * 16384.0
-    offs_g = t * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-    scales = tl.load(s_ptr + offs_n[:, None] * (K // 16) + offs_g[None, :],
-                     mask=n_ok[:, None] & (offs_g < K // 16)[None, :], other=0.0).to(tl.float32)
-    # A block whose codes are all 0 may carry any scale: clamped below fp16's max (no 0 x inf), the
-    # others are <= 896 (their largest code is 0.5+).
-    scaled = tl.minimum(scales * shift[:, None], 65504.0).to(tl.float16)
-    w = values.reshape(BLOCK_N, BLOCK_K // 16, 16) * scaled[:, :, None]
-    return w.reshape(BLOCK_N, BLOCK_K).to(tl.float8e4nv)
-
-
-@triton.jit
-def _fp8_gemm(x_ptr, xs_ptr, w_ptr, ws_ptr, s_ptr, f_ptr, bias_ptr, u_ptr, b_ptr, part_ptr, ticket_ptr, out_ptr, M,
-              N, K, R, sx, su, so, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              SPLIT_K: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-              BLOCK_R: tl.constexpr, W4: tl.constexpr, USE_PDL: tl.constexpr):
+def _fp8_gemm(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, u_ptr, b_ptr, part_ptr, ticket_ptr, out_ptr, M, N, K, R, sx,
+              su, so, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+              STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+              USE_PDL: tl.constexpr):
     # Weights are the MMA's M side (BLOCK_N rows, 64+) and tokens its N side (BLOCK_M, 16-256), so a
     # decode batch wastes no MMA rows. The token tiles of one weight tile are neighbours in launch
     # order (program_id 0) and share its bytes through L2: the weight is read from HBM once.
@@ -77,17 +53,12 @@ def _fp8_gemm(x_ptr, xs_ptr, w_ptr, ws_ptr, s_ptr, f_ptr, bias_ptr, u_ptr, b_ptr
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     start, end = pid_k * per_split, tl.minimum((pid_k + 1) * per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    if W4:  # W4A8: the weight's codes and block scales, and its rows' powers of two
-        shift = tl.load(f_ptr + offs_n, mask=n_ok, other=0.0)
     wait_previous(USE_PDL)  # x is the previous kernel's output
     for t in tl.range(start, end, num_stages=STAGES):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        if W4:
-            w = _w4_tile(w_ptr, s_ptr, shift, offs_n, n_ok, t, K, BLOCK_N, BLOCK_K)
-        else:
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")  # streamed once: keep L2 for x and the neighbours' tiles
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")  # streamed once: keep L2 for x and the neighbours' tiles
         x = tl.load(x_ptr + offs_m[:, None] * sx + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
     if SPLIT_K == 1:
@@ -129,18 +100,14 @@ def gemm_config(m: int, n: int, k: int) -> dict[str, int]:
     return {"BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split, "STAGES": 4, "num_warps": 4}
 
 
-def fp8_gemm(x: Fp8Rows, w: Fp8Weight | W4A8Weight, bias: Tensor | None = None,
-             lora: tuple[Tensor, Tensor] | None = None, config: dict[str, int] | None = None) -> Tensor:
+def fp8_gemm(x: Fp8Rows, w: Fp8Weight, bias: Tensor | None = None, lora: tuple[Tensor, Tensor] | None = None,
+             config: dict[str, int] | None = None) -> Tensor:
     """x [M, K] @ W^T (+ bias [N]) (+ u @ B^T for lora = (u [M, R], B [N, R])) -> bf16 [M, N], each output
-    rounded once; W an FP8 copy or a W4A8 weight. Launches run one at a time per device (the tickets),
-    as a stream's kernels do."""
-    w4 = isinstance(w, W4A8Weight)
-    codes = w.packed if w4 else w.codes
-    (m, k), n = x.codes.shape, codes.shape[0]
-    if x.codes.stride(1) != 1 or codes.shape[1] * (2 if w4 else 1) != k or not codes.is_contiguous() or (
-            w4 and (k % 16 or not w.block_scales.is_contiguous())):
-        raise ValueError(f"fp8_gemm needs x [M, K] contiguous in K and a contiguous [N, {k}] weight (W4A8: K a "
-                         f"multiple of 16); got x {tuple(x.codes.shape)}, weight codes {tuple(codes.shape)}")
+    rounded once. Launches run one at a time per device (the tickets), as a stream's kernels do."""
+    (m, k), n = x.codes.shape, w.codes.shape[0]
+    if x.codes.stride(1) != 1 or w.codes.shape[1] != k or not w.codes.is_contiguous():
+        raise ValueError(f"fp8_gemm needs x [M, K] contiguous in K and a contiguous [N, {k}] weight; got "
+                         f"x {tuple(x.codes.shape)}, weight {tuple(w.codes.shape)}")
     cfg = dict(config or gemm_config(m, n, k))
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     assert cfg["SPLIT_K"] == 1 or grid[0] * grid[1] <= _tickets(x.codes.device).numel(), "more tiles than tickets"
@@ -148,10 +115,9 @@ def fp8_gemm(x: Fp8Rows, w: Fp8Weight | W4A8Weight, bias: Tensor | None = None,
     part = out if cfg["SPLIT_K"] == 1 else torch.empty(
         grid[0] * grid[1] * cfg["SPLIT_K"] * cfg["BLOCK_N"] * cfg["BLOCK_M"], dtype=torch.float32, device=out.device)
     (u, b), r = (lora, lora[1].shape[1]) if lora is not None else ((out, out), 0)
-    blocks, shift = (w.block_scales, w.shift) if w4 else (w.scale, w.scale)  # unread unless W4
-    _fp8_gemm[grid](x.codes, x.scale, codes, w.scale, blocks, shift, out if bias is None else bias, u, b, part,
+    _fp8_gemm[grid](x.codes, x.scale, w.codes, w.scale, out if bias is None else bias, u, b, part,
                     _tickets(out.device), out, m, n, k, r, x.codes.stride(0), u.stride(0), out.stride(0),
-                    HAS_BIAS=bias is not None, HAS_LORA=lora is not None, W4=w4,
+                    HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
                     BLOCK_R=max(16, min(64, triton.next_power_of_2(max(r, 1)))), **cfg, **pdl_options(out.device))
     return out
 

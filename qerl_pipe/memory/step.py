@@ -157,12 +157,10 @@ def kernel_copy_bytes(c: DecoderConfig, shapes: Iterable[tuple[int, int]]) -> in
     return _nvfp4_bytes(row for row in _model_linears(c) if (sum(row[1]), row[0]) in wanted)
 
 
-def fp8_copy_bytes(c: DecoderConfig, w4a8: bool = False) -> int:
-    """The FP8 weights of FP8 rollouts (`engine.fp8`): every attention and dense-MLP linear again at
-    a byte per weight and an fp32 scale per output channel, or (`w4a8`) as NVFP4 codes, block scales
-    and two fp32 per output channel (not a MoE's experts)."""
-    per_row = (lambda k: k // 2 + k // 16 + 8) if w4a8 else (lambda k: k + 4)
-    return sum(per_row(k) * sum(outs) * n for k, outs, n in _model_linears(c, experts=False))
+def fp8_copy_bytes(c: DecoderConfig) -> int:
+    """The FP8 copies of FP8 rollouts (`engine.fp8`): every attention and dense-MLP linear again at
+    a byte per weight and an fp32 scale per output channel (not a MoE's experts)."""
+    return sum((k + 4) * sum(outs) * n for k, outs, n in _model_linears(c, experts=False))
 
 
 def expert_copy_bytes(c: DecoderConfig) -> int:

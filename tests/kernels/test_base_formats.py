@@ -95,7 +95,6 @@ NOT_A_BASE_FORMAT = {
                                                        "dispatch is measured against, not a model's base",
     ("qerl_pipe/formats/bnb_nf4.py", "nf4"): "bitsandbytes' own quant_type of a Params4bit (nf4 or fp4), not a "
                                              "model's base",
-    ("qerl_lab/decode_profile.py", "bf16"): "a format label's activations (bf16 or fp8), not a model's base",
 }
 
 

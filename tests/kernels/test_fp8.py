@@ -51,32 +51,6 @@ def test_weight_copy_is_per_output_channel_and_chunked():
     assert float((got - exact).norm() / exact.norm()) < 0.06
 
 
-def test_w4a8_weight_is_the_nvfp4_weight_rounded_once_to_e4m3():
-    """Each row lifted by a power of two into (224, 448]: e2m1 x scale x 2**j is exact, so the E4M3
-    weight is the NVFP4 one rounded once; representable products come back exactly."""
-    from qerl_pipe.formats.nvfp4 import NVFP4Weight, dequantize_nvfp4, pack_fp4, quantize_nvfp4
-
-    gen = torch.Generator().manual_seed(2)
-    nv = quantize_nvfp4(torch.randn(40, 96, generator=gen) * torch.linspace(1e-3, 2, 40)[:, None])
-    w = fp8.w4a8_weight(nv, rows_per_chunk=16)
-    assert w.packed is nv.packed and w.scale.shape == (1, 40) and w.nbytes == 40 * (48 + 6 + 8)
-    codes = fp8.w4a8_codes(w).float()
-    assert 224 < float(codes.abs().amax(1).min()) and float(codes.abs().amax(1).max()) <= fp8.FP8_MAX
-    dense = dequantize_nvfp4(nv)
-    back = codes * w.scale.t()
-    normal = back.abs() >= w.scale.t() * 2**-6
-    assert bool(((back - dense).abs() <= dense.abs() * 2**-4)[normal].all())
-    # Block scales of 2 significant bits: every product fits E4M3's 4, so nothing rounds.
-    scales = torch.tensor([1.0, 1.5, 0.75, 3.0])[torch.randint(0, 4, (8, 4), generator=gen)]
-    exact = NVFP4Weight(pack_fp4(torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8)),
-                        scales.to(fp8.FP8), torch.tensor(0.01))
-    w = fp8.w4a8_weight(exact)
-    assert torch.equal(fp8.w4a8_codes(w).float() * w.scale.t(), dequantize_nvfp4(exact))
-    zero = fp8.w4a8_weight(NVFP4Weight(torch.zeros(2, 8, dtype=torch.uint8), exact.block_scales[:2, :1],
-                                       torch.tensor(1.0)))
-    assert bool(torch.isfinite(zero.scale).all()) and float(fp8.w4a8_codes(zero).float().abs().max()) == 0
-
-
 @pytest.fixture(scope="module")
 def tiny_llama_fp8(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-fp8"), "llama")
@@ -124,24 +98,6 @@ def test_nvfp4_decode_rows_below_the_crossover_keep_the_w4a16_kernel(tiny_llama_
     engine.generate([prompt], n=2, sampling=SamplingParams(temperature=0, max_new_tokens=4))
     # The prefill runs FP8; decode steps of 2 rows stay on the NVFP4 kernel.
     assert served and min(served) >= engine_fp8.NVFP4_MIN_ROWS
-
-
-def test_nvfp4_engine_on_w4a8_weights_reads_the_codes_and_decodes_as_the_copy(tiny_llama_fp8):
-    model = _model(tiny_llama_fp8, "nvfp4")
-    limits = plan_limits(model.config, max_seq_len=96, max_batch=4)
-    prompt = list(range(1, engine_fp8.NVFP4_MIN_ROWS + 2))
-    params = SamplingParams(temperature=0, max_new_tokens=4)
-    w4a8 = Engine(model, limits, activations="fp8", fp8_weights="w4a8")
-    lora = w4a8.runner.lora.fp8
-    assert lora.weights == "w4a8" and all(isinstance(w, fp8.W4A8Weight) for w in lora.copies.values())
-    linears = engine_fp8.fp8_linears(model)
-    assert w4a8.fp8_copy_bytes == sum(m.out_features * (m.in_features // 2 + m.in_features // 16 + 8) for m in linears)
-    got = w4a8.generate([prompt], n=1, sampling=params)
-    ref = Engine(model, limits, activations="fp8", fp8_weights="copy").generate([prompt], n=1, sampling=params)
-    # The prefill's first token: the same products but for each weight's one rounding.
-    assert abs(got.logprobs[0][0] - ref.logprobs[0][0]) < 0.05
-    with pytest.raises(QerlError, match="FP8 weights 'int4': choose one of copy, w4a8"):
-        Engine(model, limits, activations="fp8", fp8_weights="int4")
 
 
 def test_no_room_for_copies_falls_back_to_bf16_activations(tiny_llama_fp8):
@@ -228,11 +184,6 @@ def test_fp8_copies_are_planned_instead_of_humming_copies():
     for base in ("nvfp4", "bf16"):
         assert copy_bytes_asked(c, base, cpu, None, True, False, "fp8") == 28 * per_layer
     assert copy_bytes_asked(c, "bf16", cpu, None, True, False) == 0
-    # W4A8 reads the NVFP4 codes: half a byte a weight, a block scale per 16, two fp32 per row.
-    w4a8 = sum(n * (k // 2 + k // 16 + 8) for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)))
-    assert fp8_copy_bytes(c, w4a8=True) == 28 * w4a8
-    assert copy_bytes_asked(c, "nvfp4", cpu, None, True, False, "fp8", "w4a8") == 28 * w4a8
-    assert copy_bytes_asked(c, "bf16", cpu, None, True, False, "fp8", "w4a8") == 28 * per_layer  # bf16: the copy
 
 
 def test_mismatch_metrics_are_logged_with_and_without_the_cap():

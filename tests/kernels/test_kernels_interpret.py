@@ -238,7 +238,7 @@ def _int8_kv(seed: int, dtype: torch.dtype, d: int = 32) -> dict:
 
 def _run_fp8_gemm_case(seed: int) -> dict:
     """Our FP8 GEMM (bias and LoRA in its epilogue; one split and three over uneven K tiles) against the
-    fp32 reference, on an E4M3 copy and on an NVFP4 weight's codes (W4A8), and the row kernel's gate values and scales (fp32 rows; codes: the GPU test)."""
+    fp32 reference, and the row kernel's gate values and scales (fp32 rows; codes: the GPU test)."""
     from qerl_pipe.kernels import fp8, triton_fp8
     from qerl_pipe.model.decoder import GATES
 
@@ -253,20 +253,6 @@ def _run_fp8_gemm_case(seed: int) -> dict:
         exact = fp8.fp8_linear_reference(q, w, torch.float32) + bias.bfloat16().float() + (
             u.bfloat16().float() @ b.bfloat16().float().T)
         out[f"split{split}_rel_err"] = float((got - exact).norm() / exact.norm())
-    # W4A8 over an NVFP4 weight whose products are all E4M3 values (block scales of 2 significant bits):
-    # the interpreter's fp32 -> E4M3 rounding is not the GPU's, so this checks the decode, not rounding.
-    from qerl_pipe.formats.nvfp4 import NVFP4Weight, pack_fp4
-
-    codes = torch.randint(0, 16, (n, k - 16), generator=gen, dtype=torch.uint8)  # K = 624: a partial tile
-    scales = torch.tensor([1.0, 1.5, 0.75, 3.0])[torch.randint(0, 4, (n, (k - 16) // 16), generator=gen)]
-    w4 = fp8.w4a8_weight(NVFP4Weight(pack_fp4(codes), scales.to(fp8.FP8), torch.tensor(0.01)))
-    q4 = fp8.quantize_rows(torch.randn(m, k - 16, generator=gen))
-    exact = fp8.fp8_linear_reference(q4, fp8.Fp8Weight(fp8.w4a8_codes(w4), w4.scale), torch.float32) + (
-        u.bfloat16().float() @ b.bfloat16().float().T)
-    for split in (1, 3):
-        config = {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "SPLIT_K": split, "STAGES": 2, "num_warps": 4}
-        got = triton_fp8.fp8_gemm(q4, w4, None, (u.bfloat16(), b.bfloat16()), config).float()
-        out[f"w4a8_split{split}_rel_err"] = float((got - exact).norm() / exact.norm())
     for gate in ("silu", "gelu_pytorch_tanh"):
         gate_up = torch.randn(3, 2 * 300, generator=gen) * 3
         values, rows = triton_fp8.gated_rows(gate_up, gate)
@@ -280,7 +266,6 @@ def test_fp8_gemm_and_row_kernel_match_their_references(results: dict[str, dict]
     assert "error" not in r, f"seed {r['seed']}: {r.get('error')}"
     # The interpreter rounds the bf16 output toward zero: up to one bf16 step per element.
     assert r["split1_rel_err"] < 1e-2 and r["split3_rel_err"] < 1e-2, r
-    assert r["w4a8_split1_rel_err"] < 1e-2 and r["w4a8_split3_rel_err"] < 1e-2, r
     assert r["silu_value_err"] < 1e-5 and r["gelu_pytorch_tanh_value_err"] < 1e-5, r
     assert r["silu_scale_exact"] and r["gelu_pytorch_tanh_scale_exact"], r
 
