@@ -17,6 +17,8 @@ No adapter, no AQN noise: the base model as both paths run it.
 python3 bench/scripts/rollout_kl.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out FILE.json
 [--prompts 16 --n 4 --new-tokens 128 --bases bf16,nvfp4,nvfp4+fp8,bf16+fp8,nvfp4+fp8kv --device cuda]
 [--fp8-skip down: those projections keep bf16 activations under +fp8]
+[--act-group 128: under +fp8, one E4M3 scale per token and 128 input columns instead of per token
+ (an experiment on the reference path: what finer activation scales would do to the mismatch)]
 ('+fp8': the engine runs FP8 activations, engine.activations=fp8; '+fp8kv' / '+int8kv': an E4M3 / INT8 KV cache,
 engine.kv_cache=fp8 / int8; the trainer's forward stays bf16.)
 """
@@ -33,6 +35,7 @@ from qerl_lab.rollout import parse_label
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.engine import fp8 as engine_fp8
 from qerl_pipe.engine.limits import plan_limits
+from qerl_pipe.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import load_model
 from qerl_pipe.recipe import ModelSection
@@ -51,6 +54,8 @@ ap.add_argument("--bases", default="bf16,nvfp4")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--fp8-skip", default="", help="projections that keep bf16 activations under +fp8 (qkv, o, "
                 "gate_up, down; comma-separated): which ones the mismatch comes from")
+ap.add_argument("--act-group", type=int, default=0, help="under +fp8, an activation scale per token and this many "
+                "input columns (0: per token, as the engine runs)")
 args = ap.parse_args()
 if not args.gguf.is_file():
     ap.error(f"--gguf {args.gguf}: no such file")
@@ -74,6 +79,26 @@ def _fp8_kept(model) -> list:
 
 ALL_FP8_LINEARS = engine_fp8.fp8_linears
 engine_fp8.fp8_linears = _fp8_kept
+
+
+def _grouped_forward(self, linear, x, q, lora):
+    """Fp8Linears.forward with E4M3 activations scaled per token and --act-group columns (amax / 448),
+    against the same FP8 copy, in fp32: the reference path's numbers with finer activation scales."""
+    m, k = x.shape
+    groups = x.float().view(m, k // args.act_group, args.act_group)
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
+    xq = ((groups / scale).to(FP8).float() * scale).view(m, k)
+    w = self.copies[linear]
+    y = xq @ (w.codes.float() * w.scale.t()).t()
+    if linear.bias is not None:
+        y += linear.bias.float()
+    if lora is not None:
+        y += lora[0].float() @ lora[1].float().t()
+    return y.to(x.dtype)
+
+
+if args.act_group:
+    engine_fp8.Fp8Linears.forward = _grouped_forward
 
 
 def measure(model_dir: Path, prompts: list[list[int]], eos: int, label: str, device: torch.device) -> dict:
@@ -129,6 +154,7 @@ for row in rows:
             break
 settings = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, imported as bf16)", "prompts": f"gsm8k:test[:{args.prompts}]",
             "n": args.n, "new_tokens": args.new_tokens, "temperature": args.temperature, "stop": "eos",
-            "adapter": "none", "device": str(device), "fp8_skip": args.fp8_skip or "none"}
+            "adapter": "none", "device": str(device), "fp8_skip": args.fp8_skip or "none",
+            "act_group": args.act_group or "per token"}
 args.out.parent.mkdir(parents=True, exist_ok=True)
 args.out.write_text(json.dumps(results_file(rows, targets, settings=settings), indent=1) + "\n")
