@@ -561,11 +561,11 @@ def targets(rows: list[dict]) -> list[dict]:
         out += _ratio_target(shape + " RL step 8 x 8: {how} (step time, same run)", want,
                              _row(rows, shape, "bf16"), _row(rows, shape, "nvfp4"), "step_s")
     for shape, want in FP8_STEP_TARGETS.items():
-        fp8 = _row(rows, shape, "nvfp4+fp8")
         if shape == "qwen2.5-7b" and torch.cuda.is_available() and "H200" in torch.cuda.get_device_name():
             want = 1.10
-        out += _ratio_target(shape + " RL step 8 x 8, FP8 rollout activations: {how} (step time, same run)", want,
-                             _row(rows, shape, "bf16"), fp8, "step_s")
+        for label, what in (("nvfp4+fp8", "FP8 rollout activations"), ("nvfp4+fp8+fp8kv", "FP8 rollout (+ KV cache)")):
+            out += _ratio_target(shape + f" RL step 8 x 8, {what}: {{how}} (step time, same run)", want,
+                                 _row(rows, shape, "bf16"), _row(rows, shape, label), "step_s")
     for shape, want in TRAIN_PHASE_TARGETS.items():
         out += _ratio_target(shape + " RL step 8 x 8, training phase: {how}", want,
                              _row(rows, shape, "bf16"), _row(rows, shape, "nvfp4"), "train_s")

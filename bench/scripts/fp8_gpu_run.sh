@@ -32,8 +32,9 @@ if [[ "$part" == all || "$part" == act ]]; then
     2> "$out/rollout-fp8-7b.err" | grep -E "qerl-engine" || tail -3 "$out/rollout-fp8-7b.err"
 fi
 if [[ "$part" == all || "$part" == step ]]; then
-  # Issue 47's RL step: 8 x 8, 256 + 1024 tokens, FP8 rollout activations over NVFP4 against bf16 LoRA.
-  python3 -m qerl_pipe bench train-step --shape qwen2.5-7b --quant nvfp4+fp8,bf16,nvfp4 --timed-steps 2 \
+  # Issue 47's RL step: 8 x 8, 256 + 1024 tokens, the FP8 rollout (activations + KV cache, then activations
+  # alone) over NVFP4 against bf16 LoRA.
+  python3 -m qerl_pipe bench train-step --shape qwen2.5-7b --quant nvfp4+fp8+fp8kv,bf16,nvfp4+fp8,nvfp4 --timed-steps 2 \
     --out "$out/train-step-fp8-7b.json" 2> "$out/train-step-fp8-7b.err" > /dev/null
   grep -E "^qwen2.5-7b" "$out/train-step-fp8-7b.err" || tail -3 "$out/train-step-fp8-7b.err"
 fi
