@@ -240,16 +240,13 @@ class ShardWriter:
     def add(self, name: str, tensor: Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         if self.buffer and self.buffered + nbytes > self.max_bytes:
-            self._flush()
+            self.close_shard()
         self.buffer[name] = tensor.contiguous()
         self.buffered += nbytes
         self.total += nbytes
 
     def close_shard(self) -> None:
         """End the current shard here, even an empty one."""
-        self._flush()
-
-    def _flush(self) -> None:
         n = len(self.files)
         name = self.final_names[n] if self.final_names else f".part-{n:05d}.safetensors"
         save_safetensors(self.buffer, self.out / name, metadata={"format": "pt"})
@@ -258,7 +255,7 @@ class ShardWriter:
 
     def finish(self) -> None:
         if self.buffer or not self.files:
-            self._flush()
+            self.close_shard()
         names = shard_names(len(self.files))
         weight_map = {}
         for (path, keys), name in zip(self.files, names):

@@ -129,7 +129,7 @@ def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: d
                     writer.add(name, cast_floating(tensor, dtype))
                     continue
                 w, errors[module] = quantize_in_row_chunks(
-                    tensor, plan_global_scale(plan, module), name, method,
+                    tensor, global_scale_from_amax(plan.group_amax[plan.scale_key(module)]), name, method,
                     ms.get(module) if method == "act-mse" else None, ms.get(module))
                 for key, t in nvfp4_tensors(module, w, input_scales.get(module)).items():
                     writer.add(key, t)
@@ -149,10 +149,6 @@ def quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, nam
                                           on_chunk=lambda chunk, q: sums.add(chunk, dequantize_nvfp4(q)),
                                           method=method, channel_weight=channel_weight)
     return packed, sums.result()
-
-
-def plan_global_scale(plan: WritePlan, module: str) -> torch.Tensor:
-    return global_scale_from_amax(plan.group_amax[plan.scale_key(module)])
 
 
 def write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: list[str], dtype: torch.dtype) -> None:
