@@ -20,6 +20,7 @@ from qerl_pipe.formats import compressed_tensors as ct
 from qerl_pipe.formats.modelopt_layout import QUANT_ALGOS
 from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight
 from qerl_pipe.strict_json import write_json
+from qerl_pipe.userfiles import read_user_json
 
 QuantFormat = Literal["modelopt", "compressed-tensors"]
 
@@ -181,13 +182,8 @@ def iter_quantized_checkpoint(model_dir: Path) -> Iterator[tuple[str, NVFP4Weigh
     quantized linears as (module name, NVFP4Weight, input_scale or None), other tensors as (full
     name, tensor, None). config.json is checked first: an unsupported quantization fails clearly."""
     model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if config_path.exists():
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelSourceError(f"cannot read {config_path}: {err}") from err
-        detect_quant_format(config)
+    if (model_dir / "config.json").exists():
+        detect_quant_format(read_user_json(model_dir / "config.json", "model config", ModelSourceError))
     shards = _Shards(list_shards(model_dir), _read_index(model_dir))
 
     quantized: dict[str, tuple[str, ...]] = {}  # module -> its part suffixes
