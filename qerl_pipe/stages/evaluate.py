@@ -61,7 +61,7 @@ def eval_stage(call: StageCall) -> Artifact:
     if adapter_in is not None:  # before an engine is built or a weight read
         check_adapter_fits(adapter_in.files, target.hf_config, target.name)
     engine_art = build_target_engine(target, call)
-    check_engine_for(engine_art, "eval", section.max_new_tokens, "--model")
+    check_engine_for(engine_art, "eval", section.max_new_tokens)
     if adapter_in is not None and adapter_in.artifact is not None and adapter_in.artifact.kind == TRAIN.kind:
         note = base_mismatch(adapter_in.artifact, engine_art, store)
         if note:
