@@ -287,7 +287,11 @@ class ArtifactStore:
                                           config=config, parents=parents, root=tmp, summary=pending.summary,
                                           reports=frozenset(pending.reports), identities=identities)
                 write_json(tmp / MANIFEST_NAME, manifest)
-                self._swap_into_place(tmp, final)
+                trash = self.root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
+                if final.exists():  # an old artifact (only with --force) is moved aside first
+                    os.rename(final, trash)
+                os.rename(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -326,14 +330,6 @@ class ArtifactStore:
             raise ArtifactError(f"the artifact store {self.root} is not writable ({blocked.strerror}) and {why}; "
                                 "pass a writable directory to --artifacts (or QERL_ARTIFACTS)")
         return existing
-
-    def _swap_into_place(self, tmp: Path, final: Path) -> None:
-        """Rename `tmp` to `final`; an old artifact there (only with --force) is moved aside first."""
-        trash = self.root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
-        if final.exists():
-            os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _holds_copy(output: Path, art_id: str) -> bool:
