@@ -301,20 +301,16 @@ class ArtifactStore:
             raise ArtifactError(f"the artifact store {self.root} is a file, not a directory; "
                                 "pass a directory to --artifacts (or QERL_ARTIFACTS)")
 
-    def _prepare_root(self) -> None:
-        """Create the store directory; a path that cannot be one is an error naming --artifacts."""
+    def _enter_lock(self, held: ExitStack, name: str) -> OSError | None:
+        """Create the store directory (a path that cannot be one is an error naming --artifacts) and take the
+        artifact's lock in `held`; the OSError of a store we may not write, else None."""
         self._refuse_a_file_root()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            held.enter_context(self._lock(name))
         except (FileExistsError, NotADirectoryError):
             raise ArtifactError(f"cannot create the artifact store {self.root}: a part of the path is a file; "
                                 "pass a directory to --artifacts (or QERL_ARTIFACTS)") from None
-
-    def _enter_lock(self, held: ExitStack, name: str) -> OSError | None:
-        """Take the artifact's lock in `held`; the OSError of a store we may not write, else None."""
-        try:
-            self._prepare_root()
-            held.enter_context(self._lock(name))
         except OSError as exc:
             if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
