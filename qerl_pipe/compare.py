@@ -28,20 +28,16 @@ class Arm:
     eval_report: dict[str, Any] | None = None  # an eval artifact's report.json
 
 
-def _read_records(run_dir: Path) -> list[dict[str, Any]]:
-    metrics = run_dir / METRICS_FILE
-    if not metrics.is_file():
-        raise QerlError(f"{run_dir} has no {METRICS_FILE}; pass a train run (its artifact or its .runs/ directory) "
-                        "or an eval artifact of a run's adapter")
-    return [row for _, row in read_jsonl_objects(metrics, "metrics file")]
-
-
 def read_run(run_dir: Path, name: str) -> Arm:
     """A train run's arm: its records, run.json and greedy evaluations (`eval/before|after.json`)."""
+    if not (run_dir / METRICS_FILE).is_file():
+        raise QerlError(f"{run_dir} has no {METRICS_FILE}; pass a train run (its artifact or its .runs/ directory) "
+                        "or an eval artifact of a run's adapter")
+    records = [row for _, row in read_jsonl_objects(run_dir / METRICS_FILE, "metrics file")]
     run = read_user_json(run_dir / "run.json", "run.json") if (run_dir / "run.json").is_file() else {}
     greedy = {when: read_user_json(path, "greedy evaluation") for when in ("before", "after")
               if (path := run_dir / "eval" / f"{when}.json").is_file()}
-    return Arm(name, _read_records(run_dir), run, greedy)
+    return Arm(name, records, run, greedy)
 
 
 def read_arm(path: Path, name: str | None = None) -> Arm:

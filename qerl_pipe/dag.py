@@ -80,10 +80,6 @@ class Input:
         return self.made_by(recipe) if self.made_by is not None else self.stage
 
 
-def _in_recipe(stage: Stage) -> Callable[[RecipeView], bool]:
-    return lambda recipe: stage.name in recipe.stages
-
-
 def full_run_eval(recipe: RecipeView) -> bool:
     """A full fine-tuning run has no adapter: `run` evaluates its merged-bf16 export (the trained
     model) with an engine built from it, instead of an adapter over the recipe's engine."""
@@ -107,7 +103,8 @@ CALIBRATE = Stage("calibrate", 2, "calibration", "calibration",
 QUANTIZE = Stage("quantize", 1, "nvfp4-checkpoint", "quantize checkpoint",
                  "Quantize a model to an NVFP4 checkpoint (modelopt unified HF layout).",
                  (Input(CALIBRATE, "--calibration", "Calibration artifact (path or id): gives NVFP4 with input scales; "
-                        "without it, W4A16_NVFP4.", optional=True, used=_in_recipe(CALIBRATE)),))
+                        "without it, W4A16_NVFP4.", optional=True,
+                        used=lambda r: CALIBRATE.name in r.stages),))
 BUILD_ENGINE = Stage("build-engine", 1, "engine", "engine",
                      "Store the model as the kernels run it, with KV-cache limits and (on Hopper) a measured dispatch.",
                      # an nf4 or bf16 engine reads the original model, not a quantize checkpoint

@@ -70,15 +70,6 @@ class ModelTarget:
     name: str
 
 
-def _looks_like_source(ref: str) -> bool:
-    return ref in ALIASES or ref.startswith("pkg:") or ref.endswith(".gguf") or "/" in ref
-
-
-def _model_dir_artifact(artifact: Artifact) -> bool:
-    """An artifact that is itself a Hugging Face model directory (an imported GGUF, a merged export)."""
-    return (artifact.path / "config.json").is_file() and any(artifact.path.glob("*.safetensors"))
-
-
 def _no_engine(target: str, call: StageCall, exc: MissingArtifact) -> QerlError:
     return QerlError(f"eval needs an engine for {target}, and the recipe's is not in {call.store.root}: run "
                      f"`qerl-pipe build-engine` with the same recipe and model{exc.first(BUILD_ENGINE.name)}, pass --model ENGINE, or "
@@ -112,7 +103,7 @@ def resolve_model_target(ref: str | Path | Artifact | None, call: StageCall) -> 
         path = Path(ref)
         if path.is_dir() and (path / MANIFEST_NAME).is_file():
             artifact = load_artifact(path)
-        elif path.is_dir() or _looks_like_source(ref):
+        elif path.is_dir() or ref in ALIASES or ref.startswith("pkg:") or ref.endswith(".gguf") or "/" in ref:
             return _source_target(ref, call)
         else:
             artifact = store.resolve(ref)
@@ -125,7 +116,8 @@ def resolve_model_target(ref: str | Path | Artifact | None, call: StageCall) -> 
     if artifact.kind == TRAIN.kind:
         raise ArtifactError(f"{artifact.path} is a train run (an adapter), not a model; pass it to --adapter and "
                             "its engine to --model")
-    if _model_dir_artifact(artifact):
+    # An artifact that is itself a Hugging Face model directory (an imported GGUF, a merged export).
+    if (artifact.path / "config.json").is_file() and any(artifact.path.glob("*.safetensors")):
         return _source_target(str(artifact.path), call)
     raise ArtifactError(f"{artifact.path} is a '{artifact.kind}' artifact, not a model; --model takes an engine "
                         "(build-engine), a quantize checkpoint, or a model source")

@@ -49,12 +49,11 @@ def is_full_run(run: Artifact) -> bool:
 def _stored(store: ArtifactStore, stage: str, art_id: str, what: str, run: Artifact) -> Artifact:
     """A parent of the run by id, its manifest only (files are re-hashed when they are read)."""
     path = store.path_for(stage, art_id)
-    found = load_artifact(path, verify=False) if path.is_dir() else None
-    if found is None:
+    if not path.is_dir():
         raise ArtifactError(f"run {run.path.name} was trained over {what} {stage}-{art_id}, which is not in "
                             f"{store.root}; export from the store that holds the run's chain (--artifacts), or "
                             "rebuild it with the run's recipe")
-    return found
+    return load_artifact(path, verify=False)
 
 
 def walk_chain(run: Artifact, store: ArtifactStore) -> Chain:

@@ -35,7 +35,13 @@ def progress(items: Iterable[T], description: str, total: int | None = None) -> 
     """Iterate with a progress bar on stderr; when stderr is not a terminal, a plain line
     `description: done/total` at most every PLAIN_EVERY_S seconds."""
     if not console.is_terminal:
-        yield from _plain_progress(items, description, total)
+        started = last = time.monotonic()
+        for done, item in enumerate(items, 1):
+            yield item
+            now = time.monotonic()
+            if now - last >= PLAIN_EVERY_S:
+                last = now
+                log(f"{description}: {done}/{total if total is not None else '?'} after {now - started:.0f} s")
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as bar:
@@ -43,16 +49,6 @@ def progress(items: Iterable[T], description: str, total: int | None = None) -> 
         for item in items:
             yield item
             bar.advance(task)
-
-
-def _plain_progress(items: Iterable[T], description: str, total: int | None) -> Iterator[T]:
-    started = last = time.monotonic()
-    for done, item in enumerate(items, 1):
-        yield item
-        now = time.monotonic()
-        if now - last >= PLAIN_EVERY_S:
-            last = now
-            log(f"{description}: {done}/{total if total is not None else '?'} after {now - started:.0f} s")
 
 
 @contextmanager

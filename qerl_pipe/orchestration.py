@@ -68,11 +68,6 @@ def last_line_only(command: str) -> str:
 SHELL_FILTERS: Mapping[str, Callable[[str], str]] = {"shquote": shlex.quote}
 
 
-def xcom_artifact(task_id: str) -> Raw:
-    """The artifact path an upstream task pushed to XCom (its last output line), shell-quoted."""
-    return Raw("{{ ti.xcom_pull(task_ids=%r) | shquote }}" % task_id)
-
-
 def airflow_command(stage: str, cli: Sequence[str] = ("qerl-pipe",)) -> str:
     """The templated bash command of `stage`'s task: DAG params `recipe`, `artifacts`, `model` (empty:
     the recipe's), `set` (section.key=value list), upstream paths from XCom; `stage_words` with the
@@ -82,7 +77,8 @@ def airflow_command(stage: str, cli: Sequence[str] = ("qerl-pipe",)) -> str:
     if stage in TAKES_MODEL_SOURCE:
         words.append(Raw("{% if params.model %}--model {{ params.model | shquote }}{% endif %}"))
     words.append(Raw("{% for item in params.set %}--set {{ item | shquote }} {% endfor %}"))
-    words += input_words(stage, xcom_artifact)
+    # Each upstream path as its task pushed it to XCom (its last output line), shell-quoted.
+    words += input_words(stage, lambda task_id: Raw("{{ ti.xcom_pull(task_ids=%r) | shquote }}" % task_id))
     return last_line_only(" ".join(w if isinstance(w, Raw) else shlex.quote(w) for w in words))
 
 

@@ -9,18 +9,11 @@ from typing import Any
 
 import qerl_pipe.stages  # noqa: F401  (registers each stage's entry point with the DAG)
 from qerl_pipe.artifacts import Artifact, ArtifactStore
-from qerl_pipe.dag import EVAL, EXPORT, TRAIN, Input, Stage, entry_point, stage
+from qerl_pipe.dag import EVAL, EXPORT, TRAIN, Stage, entry_point, stage
 from qerl_pipe.errors import QerlError
 from qerl_pipe.recipe import Recipe
 from qerl_pipe.rl.loop.distributed import launched_by_torchrun
 from qerl_pipe.runner import StageCall, preflight, recipe_artifact
-
-
-def _opened(inp: Input, value: Any, store: ArtifactStore) -> Any:
-    """A path or id passed to `inp`, resolved (and verified) in the store; a loose input's as it is."""
-    if value is None or inp.loose or isinstance(value, Artifact):
-        return value
-    return store.resolve(str(value))
 
 
 def run_stage(stage_: Stage, recipe: Recipe, store: ArtifactStore, *, force: bool = False,
@@ -29,7 +22,9 @@ def run_stage(stage_: Stage, recipe: Recipe, store: ArtifactStore, *, force: boo
     a loose input's any reference the stage resolves); an input not passed is found when the stage needs it,
     built only with `build_missing`. Other keywords are the stage's own options (quantize's `output`)."""
     inputs = {inp.keyword: inp for inp in stage_.inputs}
-    passed = {key: _opened(inputs[key], value, store) for key, value in given.items() if key in inputs}
+    # A path or id passed to an input is resolved (and verified) in the store; a loose input's stays as it is.
+    passed = {key: value if value is None or inputs[key].loose or isinstance(value, Artifact)
+              else store.resolve(str(value)) for key, value in given.items() if key in inputs}
     options = {key: value for key, value in given.items() if key not in inputs}
     call = StageCall(stage_, recipe, store, passed, force=force, build_missing=build_missing)
     return entry_point(stage_)(call, **options)

@@ -47,8 +47,6 @@ class CalibrateSection(_Section):
 
 
 class QualitySection(_Section):
-    """quantize's quality report: in the quantize manifest, so what changes it is in the id (`quality.quality_key`)."""
-
     perplexity: Literal["auto", "always", "never"] = Field(
         "auto", description="Compare bf16 vs dequantized-NVFP4 perplexity; auto does it for models under 1B "
         "parameters. The report is in the quantize artifact's manifest: a quality setting that changes it is part of "
@@ -370,16 +368,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def _apply_override(data: dict[str, Any], path: list[str], value: Any, text: str) -> None:
-    node = data
-    for part in path[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise RecipeError(f"--set '{text}': '{part}' is a value, not a section")
-        node = child
-    node[path[-1]] = value
-
-
 def _refuse_duplicate_keys(node: yaml.Node | None, origin: Path, where: str = "") -> None:
     """YAML lets a later key silently replace an earlier one (`lr: 1e-4 ... lr: 0.5` trains at
     0.5): refuse any repeated key, at any depth, with its path and both lines."""
@@ -420,7 +408,12 @@ def load_recipe(path: Path | None, overrides: list[str] = ()) -> Recipe:
         data = loaded or {}
     for text in overrides:
         key_path, value = parse_override(text)
-        _apply_override(data, key_path, value, text)
+        node = data
+        for part in key_path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"--set '{text}': '{part}' is a value, not a section")
+        node[key_path[-1]] = value
     if overrides:
         origin += " with --set " + " ".join(overrides)
     try:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
-from pydantic.fields import FieldInfo
 
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.recipe import Recipe, did_you_mean
@@ -55,18 +54,15 @@ def _type(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def _bounds(field: FieldInfo) -> str:
-    parts = [f"{word} {getattr(m, attr)}" for m in field.metadata for attr, word in _BOUNDS if hasattr(m, attr)]
-    return f" ({', '.join(parts)})" if parts else ""
-
-
 def _walk(model: type[BaseModel], prefix: str) -> list[KeyDoc]:
     out: list[KeyDoc] = []
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):  # a section
             out += _walk(field.annotation, f"{prefix}{name}.")
         else:
-            out.append(KeyDoc(f"{prefix}{name}", _type(field.annotation) + _bounds(field),
+            bounds = ", ".join(f"{word} {getattr(m, attr)}" for m in field.metadata for attr, word in _BOUNDS
+                               if hasattr(m, attr))
+            out.append(KeyDoc(f"{prefix}{name}", _type(field.annotation) + (f" ({bounds})" if bounds else ""),
                               _value(field.get_default(call_default_factory=True)), field.description or ""))
     return out
 

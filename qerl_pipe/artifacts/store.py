@@ -287,7 +287,11 @@ class ArtifactStore:
                                           config=config, parents=parents, root=tmp, summary=pending.summary,
                                           reports=frozenset(pending.reports), identities=identities)
                 write_json(tmp / MANIFEST_NAME, manifest)
-                self._swap_into_place(tmp, final)
+                trash = self.root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
+                if final.exists():  # an old artifact (only with --force) is moved aside first
+                    os.rename(final, trash)
+                os.rename(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -297,20 +301,16 @@ class ArtifactStore:
             raise ArtifactError(f"the artifact store {self.root} is a file, not a directory; "
                                 "pass a directory to --artifacts (or QERL_ARTIFACTS)")
 
-    def _prepare_root(self) -> None:
-        """Create the store directory; a path that cannot be one is an error naming --artifacts."""
+    def _enter_lock(self, held: ExitStack, name: str) -> OSError | None:
+        """Create the store directory (a path that cannot be one is an error naming --artifacts) and take the
+        artifact's lock in `held`; the OSError of a store we may not write, else None."""
         self._refuse_a_file_root()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            held.enter_context(self._lock(name))
         except (FileExistsError, NotADirectoryError):
             raise ArtifactError(f"cannot create the artifact store {self.root}: a part of the path is a file; "
                                 "pass a directory to --artifacts (or QERL_ARTIFACTS)") from None
-
-    def _enter_lock(self, held: ExitStack, name: str) -> OSError | None:
-        """Take the artifact's lock in `held`; the OSError of a store we may not write, else None."""
-        try:
-            self._prepare_root()
-            held.enter_context(self._lock(name))
         except OSError as exc:
             if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
@@ -326,14 +326,6 @@ class ArtifactStore:
             raise ArtifactError(f"the artifact store {self.root} is not writable ({blocked.strerror}) and {why}; "
                                 "pass a writable directory to --artifacts (or QERL_ARTIFACTS)")
         return existing
-
-    def _swap_into_place(self, tmp: Path, final: Path) -> None:
-        """Rename `tmp` to `final`; an old artifact there (only with --force) is moved aside first."""
-        trash = self.root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
-        if final.exists():
-            os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _holds_copy(output: Path, art_id: str) -> bool:

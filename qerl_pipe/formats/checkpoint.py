@@ -20,6 +20,7 @@ from qerl_pipe.formats import compressed_tensors as ct
 from qerl_pipe.formats.modelopt_layout import QUANT_ALGOS
 from qerl_pipe.formats.nvfp4 import BLOCK_SIZE, NVFP4Weight
 from qerl_pipe.strict_json import write_json
+from qerl_pipe.userfiles import read_user_json
 
 QuantFormat = Literal["modelopt", "compressed-tensors"]
 
@@ -181,13 +182,8 @@ def iter_quantized_checkpoint(model_dir: Path) -> Iterator[tuple[str, NVFP4Weigh
     quantized linears as (module name, NVFP4Weight, input_scale or None), other tensors as (full
     name, tensor, None). config.json is checked first: an unsupported quantization fails clearly."""
     model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if config_path.exists():
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError) as err:
-            raise ModelSourceError(f"cannot read {config_path}: {err}") from err
-        detect_quant_format(config)
+    if (model_dir / "config.json").exists():
+        detect_quant_format(read_user_json(model_dir / "config.json", "model config", ModelSourceError))
     shards = _Shards(list_shards(model_dir), _read_index(model_dir))
 
     quantized: dict[str, tuple[str, ...]] = {}  # module -> its part suffixes
@@ -240,16 +236,13 @@ class ShardWriter:
     def add(self, name: str, tensor: Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         if self.buffer and self.buffered + nbytes > self.max_bytes:
-            self._flush()
+            self.close_shard()
         self.buffer[name] = tensor.contiguous()
         self.buffered += nbytes
         self.total += nbytes
 
     def close_shard(self) -> None:
         """End the current shard here, even an empty one."""
-        self._flush()
-
-    def _flush(self) -> None:
         n = len(self.files)
         name = self.final_names[n] if self.final_names else f".part-{n:05d}.safetensors"
         save_safetensors(self.buffer, self.out / name, metadata={"format": "pt"})
@@ -258,7 +251,7 @@ class ShardWriter:
 
     def finish(self) -> None:
         if self.buffer or not self.files:
-            self._flush()
+            self.close_shard()
         names = shard_names(len(self.files))
         weight_map = {}
         for (path, keys), name in zip(self.files, names):

@@ -129,7 +129,7 @@ def write_shards(shards: list[Path], out: Path, plan: WritePlan, input_scales: d
                     writer.add(name, cast_floating(tensor, dtype))
                     continue
                 w, errors[module] = quantize_in_row_chunks(
-                    tensor, plan_global_scale(plan, module), name, method,
+                    tensor, global_scale_from_amax(plan.group_amax[plan.scale_key(module)]), name, method,
                     ms.get(module) if method == "act-mse" else None, ms.get(module))
                 for key, t in nvfp4_tensors(module, w, input_scales.get(module)).items():
                     writer.add(key, t)
@@ -151,22 +151,11 @@ def quantize_in_row_chunks(weight: torch.Tensor, global_scale: torch.Tensor, nam
     return packed, sums.result()
 
 
-def plan_global_scale(plan: WritePlan, module: str) -> torch.Tensor:
-    return global_scale_from_amax(plan.group_amax[plan.scale_key(module)])
-
-
 def write_configs(source: Path, out: Path, quant_algo: str, exclude_modules: list[str], dtype: torch.dtype) -> None:
-    config = read_model_config(source)
-    config["quantization_config"] = config_quantization_config(quant_algo, exclude_modules, qerl_pipe.__version__)
-    config[_dtype_key(config)] = str(dtype).removeprefix("torch.")
-    write_json(out / "config.json", config)
+    """An NVFP4 checkpoint's config.json (with its quantization_config), hf_quant_config.json, tokenizer files."""
+    quantization = config_quantization_config(quant_algo, exclude_modules, qerl_pipe.__version__)
+    write_dense_config(source, out, dtype, quantization)
     write_json(out / "hf_quant_config.json", hf_quant_config(quant_algo, exclude_modules, qerl_pipe.__version__))
-    copy_model_files(source, out)
-
-
-def _dtype_key(config: dict) -> str:
-    """The key config.json names its dtype by: `dtype` where only that is there, else `torch_dtype`."""
-    return "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
 
 
 def copy_model_files(source: Path, out: Path) -> None:
@@ -239,11 +228,16 @@ class NVFP4StreamWriter:
         self.writer.finish()
 
 
-def write_dense_config(source: Path, out: Path, dtype: torch.dtype) -> None:
-    """config.json of a dense (16-bit) model made from `source`, and its tokenizer files."""
+def write_dense_config(source: Path, out: Path, dtype: torch.dtype, quantization: dict | None = None) -> None:
+    """config.json of a model made from `source` in `dtype`, dense (16-bit) unless `quantization` is its
+    quantization_config, and its tokenizer files."""
     config = read_model_config(source)
-    config.pop("quantization_config", None)  # the weights are dense now
-    config[_dtype_key(config)] = str(dtype).removeprefix("torch.")
+    config.pop("quantization_config", None)  # the weights are dense now, or quantized as `quantization` says
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    # config.json names its dtype `dtype` where only that key is there, else `torch_dtype`.
+    dtype_key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
+    config[dtype_key] = str(dtype).removeprefix("torch.")
     write_json(out / "config.json", config)
     copy_model_files(source, out)
 

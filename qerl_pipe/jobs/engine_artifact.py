@@ -30,12 +30,9 @@ def device_kind(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def check_engine_for(engine: Artifact, stage: str, max_new_tokens: int, option: str) -> None:
-    """Refuse a non-engine artifact, or an engine whose sequences cannot hold `max_new_tokens` after
-    a prompt; `stage` names the recipe section ('train', 'eval'), `option` the CLI flag that took it."""
-    if engine.kind != KIND:
-        raise ArtifactError(f"{engine.path} is a '{engine.kind}' artifact, not an engine; pass a build-engine "
-                            f"artifact to {option}")
+def check_engine_for(engine: Artifact, stage: str, max_new_tokens: int) -> None:
+    """Refuse an engine whose sequences cannot hold `max_new_tokens` after a prompt (its kind is checked where
+    it was passed: `runner.StageCall`, `eval_inputs`); `stage` names the recipe section ('train', 'eval')."""
     max_seq_len = engine.summary.get("max_seq_len")
     if max_seq_len is not None and max_new_tokens >= max_seq_len:
         raise QerlError(f"{stage}.max_new_tokens={max_new_tokens} leaves no room for a prompt in the engine's "

@@ -25,7 +25,6 @@ from qerl_pipe.hf import compute_dtype, count_parameters
 from qerl_pipe.kernels.base_formats import FORMATS, base_format
 from qerl_pipe.log import log
 from qerl_pipe.model.config import DecoderConfig
-from qerl_pipe.model.decoder import Decoder
 from qerl_pipe.model.linear import QuantLinear
 from qerl_pipe.model.load import load_model, model_memory_bytes
 from qerl_pipe.strict_json import write_json
@@ -89,12 +88,6 @@ def plan_engine(section: EngineSpec, hf_config: dict[str, Any], device: torch.de
     return EnginePlan(config, dtype, kv_budget_bytes, limits, graphs, tune)
 
 
-def _linear_shapes(model: Decoder) -> list[tuple[int, int]]:
-    """Distinct (N, K) of the fused linears, in model order."""
-    shapes = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantLinear)]
-    return list(dict.fromkeys(shapes))
-
-
 def _check_finite(model: torch.nn.Module) -> None:
     """Refuse NaN or inf in a bf16 (or NF4) base built from the source's weights as they are (every
     rollout would be empty), naming the tensor as the model's files do (a fused base by its fused name)."""
@@ -120,7 +113,9 @@ def write_engine(base_dir: Path, hf_config: dict[str, Any], plan: EnginePlan, se
     if plan.tune and cuda_kernels_available(device):
         log(f"build-engine: measuring the NVFP4 kernel dispatch (ours / humming / dequantize + cuBLAS) on "
             f"{device_kind(device)}")
-        dispatch_table, _ = measure_table(_linear_shapes(model), ROWS_M, device, log)
+        # The distinct (N, K) of the fused linears, in model order.
+        shapes = dict.fromkeys((m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantLinear))
+        dispatch_table, _ = measure_table(list(shapes), ROWS_M, device, log)
     elif plan.tune:  # without our CUDA kernels (said once, with why) NVFP4 runs dequantize + cuBLAS
         log(f"build-engine: no NVFP4 dispatch to measure on {device_kind(device)}")
     save_engine_model(model, out, hf_config=hf_config)

@@ -32,14 +32,10 @@ SHARD_BYTES = 2 * 2**30
 def _stored_tensors(model: Decoder) -> dict[str, Tensor]:
     """What the engine stores, by our module names: every persistent tensor but LoRA and a tied head
     (from `state_dict`, on both sides: save and load cannot disagree)."""
-    out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if ".lora_A." in name or ".lora_B." in name:
-            continue  # adapters are trained later; the engine is the frozen base
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue  # the embedding itself
-        out[name] = t
-    return out
+    tied = model.config.tie_word_embeddings  # a tied head is the embedding itself
+    # Adapters are trained later: the engine is the frozen base.
+    return {name: t for name, t in model.state_dict(keep_vars=True).items()
+            if ".lora_A." not in name and ".lora_B." not in name and not (tied and name == "lm_head.weight")}
 
 
 def _host_copy(t: Tensor) -> Tensor:

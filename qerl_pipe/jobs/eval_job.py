@@ -46,13 +46,6 @@ class EngineInfo:
     dtype: str | None
 
 
-def sampling_params(section: EvalSection, stops: tuple[int, ...]) -> SamplingParams:
-    if section.greedy:
-        return SamplingParams(temperature=0.0, max_new_tokens=section.max_new_tokens, stop_token_ids=stops)
-    return SamplingParams(temperature=section.temperature, top_p=section.top_p, top_k=section.top_k,
-                          max_new_tokens=section.max_new_tokens, stop_token_ids=stops, seed=section.seed)
-
-
 @torch.no_grad()
 def adapter_effect(model: torch.nn.Module, prompt: list[int]) -> float:
     """Max |logit difference| the applied adapter makes on one prompt: a cheap proof, kept in the
@@ -148,7 +141,11 @@ def run_eval_job(section: EvalSection, engine: EngineInfo, adapter: AdapterFiles
     tokenizer = load_tokenizer(engine.dir, trust_remote_code)
     kept, prompts, skipped = fit_prompts(tokenizer, problems, section.instruction, limits.max_seq_len,
                                          section.max_new_tokens, "evaluation", SECTION)
-    sampling = sampling_params(section, stop_token_ids(tokenizer, engine.dir))
+    stops = stop_token_ids(tokenizer, engine.dir)
+    sampling = (SamplingParams(temperature=0.0, max_new_tokens=section.max_new_tokens, stop_token_ids=stops)
+                if section.greedy else
+                SamplingParams(temperature=section.temperature, top_p=section.top_p, top_k=section.top_k,
+                               max_new_tokens=section.max_new_tokens, stop_token_ids=stops, seed=section.seed))
     k = 1 if section.greedy else section.k
     # CPU: the 4-bit reference matmul dequantizes every weight at every call; one copy for the run.
     with dense_base_copy(model) if device.type == "cpu" else nullcontext():

@@ -36,7 +36,7 @@ from qerl_pipe.model.peft import ADAPTER_DIR, save_adapter
 from qerl_pipe.model.save import save_hf_weights
 from qerl_pipe.recipe import Recipe, TrainSection
 from qerl_pipe.rl.algo.losses import MISMATCH_MEANS
-from qerl_pipe.rl.loop.accuracy import GreedyAccuracy, greedy_accuracy
+from qerl_pipe.rl.loop.accuracy import greedy_accuracy
 from qerl_pipe.rl.loop.checkpoint import latest_checkpoint
 from qerl_pipe.rl.loop.config import TrainConfig
 from qerl_pipe.rl.loop.distributed import Dist
@@ -124,19 +124,6 @@ def plan_run(section: TrainSection, engine_dir: Path, device: torch.device, dist
     return plan
 
 
-def say_plan(plan: MemoryPlan) -> None:
-    log(f"train: memory plan: {plan.describe()}")
-    log(f"train: memory plan: {plan_changes(plan)}")
-
-
-def _write_greedy_accuracy(run_dir: Path, name: str, result: GreedyAccuracy) -> dict[str, Any]:
-    out = run_dir / EVAL_DIR
-    out.mkdir(exist_ok=True)
-    (out / f"{name}.jsonl").write_text("".join(dumps(s) + "\n" for s in result.samples))
-    write_json(out / f"{name}.json", result.summary())
-    return result.summary()
-
-
 def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, Any]], before: dict | None,
                  after: dict | None, seconds: float, device: str, plan: MemoryPlan) -> dict[str, Any]:
     tenth = max(1, len(records) // 10)
@@ -159,10 +146,11 @@ def write_report(run_dir: Path, section: TrainSection, records: list[dict[str, A
         "mismatch": _mismatch(records),
     }
     write_json(run_dir / "report.json", report)
+    trains = "full fine-tuning (every weight)" if section.adapter == "full" else f"LoRA r={section.lora.rank}"
     lines = [f"# Training report ({len(records)} steps on {device}: {report['step_seconds_total']} s of RL steps in "
              f"all sessions; this session {report['seconds_this_session']} s with loading and evaluation)", "",
              f"Loss {section.loss}, B={section.prompts_per_step} prompts x G={section.group_size}, lr {section.lr}, "
-             f"{_what_trains(section)}, AQN {section.aqn.schedule} {section.aqn.sigma_start:g} -> "
+             f"{trains}, AQN {section.aqn.schedule} {section.aqn.sigma_start:g} -> "
              f"{section.aqn.sigma_end:g}, data {section.data}.", "",
              f"Memory plan: {plan.describe()}; {plan_changes(plan)}.", ""]
     if before and after:
@@ -191,10 +179,6 @@ def _mismatch(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {key: sum(r[key] for r in rows) / len(rows) for key in MISMATCH_MEANS}
     return {**out, "tis_ratio_max": max(r["tis_ratio_max"] for r in rows), "steps": len(rows)}
-
-
-def _what_trains(section: TrainSection) -> str:
-    return "full fine-tuning (every weight)" if section.adapter == "full" else f"LoRA r={section.lora.rank}"
 
 
 def _full_memory_line(model: torch.nn.Module) -> tuple[str, dict[str, Any]]:
@@ -280,7 +264,10 @@ def train_run(session: TrainSession, run: RunInputs, run_dir: Path) -> tuple[lis
     def greedy(name: str) -> dict[str, Any]:
         result = greedy_accuracy(session.engine, session.tokenizer, session.eval_problems, session.eval_prompts,
                                  section.max_new_tokens, session.stops)
-        return _write_greedy_accuracy(run_dir, name, result)
+        (run_dir / EVAL_DIR).mkdir(exist_ok=True)
+        (run_dir / EVAL_DIR / f"{name}.jsonl").write_text("".join(dumps(s) + "\n" for s in result.samples))
+        write_json(run_dir / EVAL_DIR / f"{name}.json", result.summary())
+        return result.summary()
 
     if session.eval_prompts and dist.is_main:
         before_file = run_dir / EVAL_DIR / "before.json"
@@ -343,7 +330,8 @@ def train_in_work_dir(pending: PendingArtifact, run: RunInputs, built: list[Path
     dist.broadcast((None, str(run_dir)))
     if run.force and run_dir.exists():
         shutil.rmtree(run_dir)
-    say_plan(run.plan)
+    log(f"train: memory plan: {run.plan.describe()}")
+    log(f"train: memory plan: {plan_changes(run.plan)}")
     with resumable_on_full_disk(run_dir, lambda: latest_checkpoint(run_dir) is not None):
         run_dir.mkdir(parents=True, exist_ok=True)
         record = {"id": pending.id, "engine": run.engine.id, **run.config, "memory_plan": run.plan.to_json()}

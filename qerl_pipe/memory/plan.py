@@ -132,11 +132,6 @@ class MemoryPlan:
                    "base's own kernels serve their rows)"))
 
 
-def _gb_up(n: int) -> float:
-    """Bytes as GB, rounded up to 0.1 GB: a budget of that many GB holds `n` bytes."""
-    return math.ceil(n / (GB / 10)) / 10
-
-
 def _parts(estimate: dict[str, int]) -> str:
     return ", ".join(f"{PART_NAMES.get(k, k)} {v / GB:.1f}" for k, v in estimate.items() if k != "total" and v)
 
@@ -180,7 +175,7 @@ def plan_step(config: DecoderConfig, base_format: str, shape: StepShape, budget_
             return MemoryPlan(slots, micro, chunk, budget_bytes, budget_source if budget_bytes is not None else "none",
                               estimate, shape, base_format, dtype_name, bool(copies), kernel_copies)
     assert budget_bytes is not None
-    needed = _gb_up(estimate["total"])
+    needed = math.ceil(estimate["total"] / (GB / 10)) / 10  # GB rounded up to 0.1: that budget holds it
     slots, micro, chunk = chain[-1]
     fix = ("a 4-bit base (engine.base_format=nvfp4) holds the weights in about a quarter of the bytes; "
            if fmt.dense else "")

@@ -40,18 +40,13 @@ class StepSize:
     kv_cache: str = "bf16"  # the KV cache's format (engine.kv_cache)
 
 
-def _linears(c: DecoderConfig) -> list[tuple[int, tuple[int, ...]]]:
-    """(in_features, output sizes of its fused projections) of one layer's linears."""
-    return [(k, tuple(n for _, n in projections)) for _, _, k, projections in c.layer_linears()]
-
-
 def _model_linears(c: DecoderConfig, experts: bool = True) -> list[tuple[int, tuple[int, ...], int]]:
     """(in_features, output sizes, how many the model has) of every linear kind: attention in
     every layer, the dense MLP in the dense layers, each expert's in the sparse ones (all experts
     are resident; `experts=False` leaves them out, as LoRA does unless it targets them)."""
     sparse = c.num_sparse_layers
-    out = [(k, outs, c.num_layers - (sparse if block == "mlp" else 0))
-           for (block, _, _, _), (k, outs) in zip(c.layer_linears(), _linears(c))]
+    out = [(k, tuple(n for _, n in projections), c.num_layers - (sparse if block == "mlp" else 0))
+           for block, _, k, projections in c.layer_linears()]
     if sparse and experts:
         out += _expert_linears(c)
     return [row for row in out if row[2]]

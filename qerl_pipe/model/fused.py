@@ -19,10 +19,6 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., torch.Tensor])
 
 
-def compile_enabled() -> bool:
-    return os.environ.get("QERL_COMPILE", "1") != "0"
-
-
 def fused_on_cuda(fn: F) -> F:
     """`fn` itself, or its torch.compile'd twin when called on CUDA tensors. If Dynamo gives up on
     it (e.g. its recompile limit, in a test session of many dtypes), it stays eager from then on,
@@ -31,7 +27,7 @@ def fused_on_cuda(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if not (x.is_cuda and compile_enabled()):
+        if not (x.is_cuda and os.environ.get("QERL_COMPILE", "1") != "0"):
             return fn(x, *args, **kwargs)
         if "compiled" not in state:
             # dynamic=True: one kernel for every shape. With static-then-dynamic kernels

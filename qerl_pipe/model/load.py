@@ -34,7 +34,9 @@ def load_model(model_dir: Path | str, base_format: str = "bf16", dtype: torch.dt
     compressed-tensors: as nvfp4, or dequantized for bf16; NF4 needs the bf16 model, no re-rounding)."""
     model_dir = Path(model_dir)
     fmt = format_entry(base_format)
-    hf = _read_config(model_dir)
+    if not (model_dir / CONFIG_NAME).is_file():
+        raise ModelSourceError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
+    hf = read_model_config(model_dir)
     model = Decoder(DecoderConfig.from_hf(hf), fmt.name, dtype, device)
     quant = detect_quant_format(hf)
     if quant is not None and not fmt.loads_nvfp4_checkpoint:
@@ -53,23 +55,9 @@ def load_model(model_dir: Path | str, base_format: str = "bf16", dtype: torch.dt
 
 def model_memory_bytes(model: nn.Module) -> int:
     """Bytes held by the model's parameters and buffers (a tied weight counts once)."""
-    seen: set[tuple[torch.device, int]] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type == "meta":
-            continue
-        storage = t.untyped_storage()
-        key = (t.device, storage.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
-def _read_config(model_dir: Path) -> dict[str, Any]:
-    if not (model_dir / CONFIG_NAME).is_file():
-        raise ModelSourceError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
-    return read_model_config(model_dir)
+    storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"}
+    return sum(storages.values())
 
 
 def _fuse_nvfp4(parts: list[NVFP4Weight], name: str) -> NVFP4Weight:

@@ -37,12 +37,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_DIR = "adapter"
 
 
-def _norm_names(model: nn.Module) -> list[str]:
-    """Last name parts of the trainable norms (PEFT's modules_to_save match by suffix)."""
-    return sorted({name.rpartition(".")[2] for name, m in model.named_modules()
-                   if isinstance(m, RMSNorm) and m.weight.requires_grad})
-
-
 def target_modules(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
     """PEFT's target_modules for the model's adapters, in the order of `targets`: the module that
     carries each target (`q` -> `q_proj`, or Phi3's fused `qkv_proj`, named once)."""
@@ -54,7 +48,9 @@ def target_modules(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
 
 
 def adapter_config(model: nn.Module, spec: LoraSpec, base_model: str) -> dict[str, Any]:
-    norms = _norm_names(model) if spec.train_norms else []
+    # The trainable norms by their last name part: PEFT's modules_to_save match by suffix.
+    norms = sorted({name.rpartition(".")[2] for name, m in model.named_modules()
+                    if isinstance(m, RMSNorm) and m.weight.requires_grad}) if spec.train_norms else []
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
             "lora_alpha": spec.alpha, "lora_dropout": 0.0, "target_modules": target_modules(model, spec.targets),
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,

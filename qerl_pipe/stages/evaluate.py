@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qerl_pipe.artifacts import Artifact, ArtifactStore, PendingArtifact
+from qerl_pipe.artifacts import Artifact, PendingArtifact
 from qerl_pipe.dag import EVAL, TRAIN, register
 from qerl_pipe.jobs.engine_artifact import check_engine_for
 from qerl_pipe.eval_inputs import build_target_engine, open_adapter, resolve_model_target
@@ -38,11 +38,6 @@ def load_eval_problems(recipe: Recipe) -> list[Problem]:
     return load_problems(section.data, limit=section.limit, seed=section.seed, **fields)
 
 
-def check_eval_recipe(recipe: Recipe, store: ArtifactStore) -> None:
-    """`run`'s check before its first stage (`load_eval_problems`)."""
-    load_eval_problems(recipe)
-
-
 def _sampling_key(section: EvalSection) -> dict[str, Any]:
     """The section as it decides the result: sampling knobs are dropped when greedy ignores them,
     and the device is named separately, so equal evaluations share an id."""
@@ -53,7 +48,7 @@ def _sampling_key(section: EvalSection) -> dict[str, Any]:
     return key
 
 
-@register(STAGE, check=check_eval_recipe)
+@register(STAGE, check=lambda recipe, store: load_eval_problems(recipe))  # `run`'s check before its first stage
 def eval_stage(call: StageCall) -> Artifact:
     """Evaluate the recipe's `eval` section on --model (`eval_inputs.resolve_model_target`; None:
     the recipe's engine) with --adapter applied (`eval_inputs.open_adapter`; None: the base model)."""
@@ -66,7 +61,7 @@ def eval_stage(call: StageCall) -> Artifact:
     if adapter_in is not None:  # before an engine is built or a weight read
         check_adapter_fits(adapter_in.files, target.hf_config, target.name)
     engine_art = build_target_engine(target, call)
-    check_engine_for(engine_art, "eval", section.max_new_tokens, "--model")
+    check_engine_for(engine_art, "eval", section.max_new_tokens)
     if adapter_in is not None and adapter_in.artifact is not None and adapter_in.artifact.kind == TRAIN.kind:
         note = base_mismatch(adapter_in.artifact, engine_art, store)
         if note:

@@ -90,7 +90,7 @@ def train_stage(call: StageCall) -> Artifact:
     problems, eval_problems, custom_rewards = check_train_inputs(recipe, call.passed("engine"))  # before any work
     dist.share(section.prompts_per_step)  # B must split evenly over the ranks
     engine = _engine(call, dist)
-    check_engine_for(engine, "train", section.max_new_tokens, "--engine")
+    check_engine_for(engine, "train", section.max_new_tokens)
     plan = plan_run(section, engine.path, device, dist)  # over train.memory_budget_gb: refused now
     cfg = train_config(section, plan, fp8_rollout(spec := read_engine_json(engine.path)))
     config = _run_config(section, device, custom_rewards, dist)

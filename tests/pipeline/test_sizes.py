@@ -20,7 +20,7 @@ LAYERS = {
 # layer: (target, ceiling). Lower a ceiling when a change shrinks its layer; never raise one. A layer
 # within its target has the target as its ceiling.
 BUDGETS = {
-    "product": (15_800, 15_895),
+    "product": (15_800, 15_800),
     "kernels": (3_000, 3_000),
     "engine runtime": (1_300, 1_300),
     "pipeline + face": (2_300, 2_300),

@@ -65,7 +65,13 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
              "rng": rank_rng_states[0] if rank_rng_states else rng_state(), "trainer": trainer_state}
     if rank_rng_states:
         state["rng_ranks"] = rank_rng_states
-    _save_state(state, tmp / STATE_FILE)
+    try:  # torch.save's failed write (a full disk) is a RuntimeError without the file or errno
+        torch.save(state, tmp / STATE_FILE)
+    except RuntimeError as exc:
+        free_mb = shutil.disk_usage(tmp).free / 2**20
+        raise QerlError(f"cannot write the checkpoint {tmp / STATE_FILE} ({str(exc).splitlines()[0]}; {free_mb:.0f} MB "
+                        "free on its disk): free space, then run the same command again, which resumes from the last "
+                        f"checkpoint (the run's work directory {run_dir} is kept)") from None
     write_json(tmp / INFO_FILE, trainer_state)
     if final.exists():  # the same step written again (a resumed run that redid it)
         shutil.rmtree(final)
@@ -74,17 +80,6 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         if old != final and _NAME.fullmatch(old.name):
             shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _save_state(state: dict[str, Any], path: Path) -> None:
-    """torch.save, whose failed write (a full disk) is a RuntimeError without the file or errno."""
-    try:
-        torch.save(state, path)
-    except RuntimeError as exc:
-        free_mb = shutil.disk_usage(path.parent).free / 2**20
-        raise QerlError(f"cannot write the checkpoint {path} ({str(exc).splitlines()[0]}; {free_mb:.0f} MB free on "
-                        "its disk): free space, then run the same command again, which resumes from the last "
-                        f"checkpoint (the run's work directory {path.parents[2]} is kept)") from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

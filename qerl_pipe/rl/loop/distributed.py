@@ -97,7 +97,9 @@ class Dist:
     def _reduce(self, values: Sequence[float], op: str) -> list[float]:
         if not self.enabled:
             return [float(v) for v in values]
-        t = torch.tensor(list(values), dtype=torch.float64, device=self._device())
+        nccl = torch.distributed.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        t = torch.tensor(list(values), dtype=torch.float64, device=device)
         torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op))
         return t.tolist()
 
@@ -125,10 +127,6 @@ class Dist:
         with torch.no_grad():
             for p in params:
                 torch.distributed.broadcast(p.data, src=0)
-
-    def _device(self) -> torch.device:
-        backend = torch.distributed.get_backend()
-        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def init_distributed(device_choice: str) -> tuple[Dist, str]:

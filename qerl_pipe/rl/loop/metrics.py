@@ -41,7 +41,12 @@ class MetricsLog:
         tmp.write_text("".join(dumps(r) + "\n" for r in self.records))
         tmp.replace(self.path)
         self._file = self.path.open("a")
-        self._tb = _tensorboard(run_dir / TENSORBOARD_DIR, first_step)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional
+            self._tb = None
+        else:
+            self._tb = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=first_step + 1 if first_step else None)
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -57,14 +62,6 @@ class MetricsLog:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
-
-
-def _tensorboard(path: Path, first_step: int):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
-        return None
-    return SummaryWriter(str(path), purge_step=first_step + 1 if first_step else None)
 
 
 @contextmanager

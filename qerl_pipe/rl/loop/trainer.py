@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -197,10 +197,7 @@ class Trainer:
                 kept.keep(p, rewards, lambda i: self._group(mine[i], out, i, rewards))
             if kept.full():
                 break
-        groups = []
-        for group, advantages in kept.with_advantages(cfg.scale_rewards):
-            group.advantages = advantages
-            groups.append(group)
+        groups = [replace(group, advantages=adv) for group, adv in kept.with_advantages(cfg.scale_rewards)]
         all_rewards = torch.cat([d.rewards for d in draws])
         lengths = [n for d in draws for n in d.lengths]
         finishes = [f for d in draws for f in d.finish_reasons]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qerl_pipe.errors import QerlError
-from qerl_pipe.textdata import packaged_path
+from qerl_pipe.textdata import PACKAGED, packaged_path
 from qerl_pipe.userfiles import read_jsonl_objects
 
 
@@ -27,12 +27,6 @@ class Problem:
     kind: str  # "gsm8k" | "math" | "arithmetic" | "jsonl"
 
 
-# spec -> (packaged file, question field, answer field, kind)
-PACKAGED = {
-    "gsm8k:train": ("gsm8k/train.jsonl", "question", "answer", "gsm8k"),
-    "gsm8k:test": ("gsm8k/test.jsonl", "question", "answer", "gsm8k"),
-    "math500:test": ("math500/test.jsonl", "problem", "answer", "math"),
-}
 ARITHMETIC_DEFAULT_N = 1000
 # One-digit additions: the 81 questions "What is a + b?" (a, b in 1..9), shuffled once with a fixed
 # seed; the first ADDITION_HELD_OUT are 'addition:test', the rest 'addition:train'. The split never
