@@ -20,7 +20,8 @@ python3 bench/scripts/rollout_kl.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out
 [--act-group 128: under +fp8, one E4M3 scale per token and 128 input columns instead of per token
  (an experiment on the reference path: what finer activation scales would do to the mismatch);
  --act-group -1: no rounding at all (fp32 products with the dense NVFP4 / bf16 weight) through the
- same FP8 path: what the path itself, not its rounding, adds]
+ same FP8 path: what the path itself, not its rounding, adds; -2: activations as two E4M3 row codes,
+ x ~ hi * s + lo * s2 (the residual's own per-token scale), against the FP8 copy]
 ('+fp8': the engine runs FP8 activations, engine.activations=fp8; '+fp8kv' / '+int8kv': an E4M3 / INT8 KV cache,
 engine.kv_cache=fp8 / int8; the trainer's forward stays bf16.)
 """
@@ -57,7 +58,7 @@ ap.add_argument("--device", default="cuda")
 ap.add_argument("--fp8-skip", default="", help="projections that keep bf16 activations under +fp8 (qkv, o, "
                 "gate_up, down; comma-separated): which ones the mismatch comes from")
 ap.add_argument("--act-group", type=int, default=0, help="under +fp8, an activation scale per token and this many "
-                "input columns (0: per token, as the engine runs; -1: no rounding at all)")
+                "input columns (0: per token, as the engine runs; -1: no rounding at all; -2: hi + lo codes)")
 args = ap.parse_args()
 if not args.gguf.is_file():
     ap.error(f"--gguf {args.gguf}: no such file")
@@ -87,14 +88,20 @@ def _grouped_forward(self, linear, x, q, lora):
     """Fp8Linears.forward with E4M3 activations scaled per token and --act-group columns (amax / 448),
     against the same FP8 copy, in fp32: the reference path's numbers with finer activation scales."""
     m, k = x.shape
-    if args.act_group < 0:
+    if args.act_group == -1:
         dense = linear.weight if linear.fmt.dense else linear.fmt.dense_copy(linear.kernel_weight, torch.float32)
         y = x.float() @ dense.float().t()
         y = y + linear.bias.float() if linear.bias is not None else y
         return (y if lora is None else y + lora[0].float() @ lora[1].float().t()).to(x.dtype)
-    groups = x.float().view(m, k // args.act_group, args.act_group)
-    scale = groups.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
-    xq = ((groups / scale).to(FP8).float() * scale).view(m, k)
+    def rounded(v):  # E4M3 codes of v per row of its last dimension, back in fp32
+        scale = v.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
+        return (v / scale).to(FP8).float() * scale
+
+    if args.act_group == -2:
+        hi = rounded(x.float())
+        xq = hi + rounded(x.float() - hi)
+    else:
+        xq = rounded(x.float().view(m, k // args.act_group, args.act_group)).view(m, k)
     w = self.copies[linear]
     y = xq @ (w.codes.float() * w.scale.t()).t()
     if linear.bias is not None:
@@ -162,6 +169,7 @@ for row in rows:
 settings = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, imported as bf16)", "prompts": f"gsm8k:test[:{args.prompts}]",
             "n": args.n, "new_tokens": args.new_tokens, "temperature": args.temperature, "stop": "eos",
             "adapter": "none", "device": str(device), "fp8_skip": args.fp8_skip or "none",
-            "act_group": {0: "per token", -1: "none (no rounding)"}.get(args.act_group, args.act_group)}
+            "act_group": {0: "per token", -1: "none (no rounding)", -2: "per token, hi + lo codes"}.get(
+                args.act_group, args.act_group)}
 args.out.parent.mkdir(parents=True, exist_ok=True)
 args.out.write_text(json.dumps(results_file(rows, targets, settings=settings), indent=1) + "\n")
