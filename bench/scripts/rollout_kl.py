@@ -93,6 +93,7 @@ def _grouped_forward(self, linear, x, q, lora):
         y = x.float() @ dense.float().t()
         y = y + linear.bias.float() if linear.bias is not None else y
         return (y if lora is None else y + lora[0].float() @ lora[1].float().t()).to(x.dtype)
+
     def rounded(v):  # E4M3 codes of v per row of its last dimension, back in fp32
         scale = v.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
         return (v / scale).to(FP8).float() * scale
