@@ -73,7 +73,8 @@ class HummingOrStack:
 
     def matmul(self, rows: Tensor, offsets: Tensor, deterministic: bool = True, active: Tensor | None = None,
                max_rows: int | None = None) -> Tensor:
-        if active is not None and self.stack.runs_grouped_w4a16(rows, max_rows) and max_rows <= FEW_ROWS:
+        if active is not None and max_rows is not None and max_rows <= FEW_ROWS \
+                and self.stack.runs_grouped_w4a16(rows, max_rows):  # the cheap tests first: a decode step's path
             return self.stack.matmul(rows, offsets, deterministic, active, max_rows)
         return self.humming.matmul(rows, offsets, deterministic)
 
