@@ -38,7 +38,7 @@ from qerl_lab.rollout import parse_label
 from qerl_pipe.engine import Engine, SamplingParams
 from qerl_pipe.engine import fp8 as engine_fp8
 from qerl_pipe.engine.limits import plan_limits
-from qerl_pipe.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX
+from qerl_pipe.kernels.fp8 import row_codes
 from qerl_pipe.model.config import DecoderConfig
 from qerl_pipe.model.load import load_model
 from qerl_pipe.recipe import ModelSection
@@ -84,27 +84,28 @@ ALL_FP8_LINEARS = engine_fp8.fp8_linears
 engine_fp8.fp8_linears = _fp8_kept
 
 
-def _grouped_forward(self, linear, x, q, lora):
-    """Fp8Linears.forward with E4M3 activations scaled per token and --act-group columns (amax / 448),
-    against the same FP8 copy, in fp32: the reference path's numbers with finer activation scales."""
+def _dequantized_rows(v):
+    """`row_codes` of v per row of its last dimension, back in fp32: what the FP8 GEMM multiplies."""
+    codes, scale = row_codes(v)
+    return codes.float() * scale
+
+
+def _probe_forward(self, linear, x, q, lora):
+    """Fp8Linears.forward on the reference path (fp32 products) with the activations --act-group asks
+    for: per token and N columns against the FP8 copy, hi + lo codes against it (-2), or no rounding
+    at all against the dense base (-1)."""
     m, k = x.shape
     if args.act_group == -1:
-        dense = linear.weight if linear.fmt.dense else linear.fmt.dense_copy(linear.kernel_weight, torch.float32)
-        y = x.float() @ dense.float().t()
-        y = y + linear.bias.float() if linear.bias is not None else y
-        return (y if lora is None else y + lora[0].float() @ lora[1].float().t()).to(x.dtype)
-
-    def rounded(v):  # E4M3 codes of v per row of its last dimension, back in fp32
-        scale = v.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
-        return (v / scale).to(FP8).float() * scale
-
-    if args.act_group == -2:
-        hi = rounded(x.float())
-        xq = hi + rounded(x.float() - hi)
+        xq = x.float()
+        w = linear.weight.float() if linear.fmt.dense else linear.fmt.dense_copy(linear.kernel_weight, torch.float32)
     else:
-        xq = rounded(x.float().view(m, k // args.act_group, args.act_group)).view(m, k)
-    w = self.copies[linear]
-    y = xq @ (w.codes.float() * w.scale.t()).t()
+        if args.act_group == -2:
+            hi = _dequantized_rows(x.float())
+            xq = hi + _dequantized_rows(x.float() - hi)
+        else:
+            xq = _dequantized_rows(x.float().view(m, k // args.act_group, args.act_group)).view(m, k)
+        w = self.copies[linear].codes.float() * self.copies[linear].scale.t()
+    y = xq @ w.t()
     if linear.bias is not None:
         y += linear.bias.float()
     if lora is not None:
@@ -113,7 +114,7 @@ def _grouped_forward(self, linear, x, q, lora):
 
 
 if args.act_group:
-    engine_fp8.Fp8Linears.forward = _grouped_forward
+    engine_fp8.Fp8Linears.forward = _probe_forward
 
 
 def measure(model_dir: Path, prompts: list[list[int]], eos: int, label: str, device: torch.device) -> dict:
